@@ -1,0 +1,110 @@
+"""The snapshot catalog: what is committed in a run folder, kept in memory.
+
+Built once from storage (one listing plus one manifest read per snapshot) and
+then updated in place on every commit and deletion, so listing, planning and
+retention never rescan storage. ``refresh()`` rebuilds it from storage, the
+single source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Iterable
+
+from .commit import STAGING
+from .errors import CheckpointError
+from .manifest import Manifest, parse_snapshot_id
+from .reader import read_manifest
+from .storage import Storage
+
+log = logging.getLogger("rl_ckpt")
+
+
+@dataclasses.dataclass
+class SnapshotInfo:
+    """A committed snapshot as listed by the catalog."""
+
+    snapshot_id: str
+    global_step: int
+    kind: str
+    created_at: str
+    metrics: dict
+    size_bytes: int
+    tags: dict = dataclasses.field(default_factory=dict)
+    base_snapshot_id: str | None = None
+    branch: int = 0
+    manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_manifest(cls, m: Manifest) -> "SnapshotInfo":
+        parsed = parse_snapshot_id(m.snapshot_id)
+        return cls(m.snapshot_id, m.global_step, m.kind, m.created_at, dict(m.metrics), m.size_bytes,
+                   dict(m.tags), m.base_snapshot_id, parsed[1] if parsed else 0, m)
+
+    def sort_key(self) -> tuple:
+        return (self.global_step, self.kind == "light", self.branch, self.created_at)
+
+
+@dataclasses.dataclass
+class Unreadable:
+    """A snapshot folder whose manifest exists but cannot be trusted."""
+
+    snapshot_id: str
+    reason: str
+
+
+class Catalog:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._lock = threading.RLock()
+        self._infos: dict[str, SnapshotInfo] | None = None
+        self._unreadable: dict[str, Unreadable] = {}
+
+    def refresh(self) -> None:
+        infos, bad = {}, {}
+        for entry in self.storage.list(""):
+            if not entry.is_dir or entry.name == STAGING or parse_snapshot_id(entry.name) is None:
+                continue
+            if not self.storage.exists(f"{entry.name}/meta.json"):
+                continue  # never committed: debris of a crashed save, for gc
+            try:
+                infos[entry.name] = SnapshotInfo.from_manifest(read_manifest(self.storage, entry.name))
+            except CheckpointError as exc:
+                bad[entry.name] = Unreadable(entry.name, str(exc))
+                log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
+        with self._lock:
+            self._infos, self._unreadable = infos, bad
+
+    def _ensure(self) -> dict[str, SnapshotInfo]:
+        if self._infos is None:
+            self.refresh()
+        return self._infos  # type: ignore[return-value]
+
+    def snapshots(self, kind: str | None = None) -> list[SnapshotInfo]:
+        """Committed, readable snapshots, oldest first."""
+        with self._lock:
+            infos = list(self._ensure().values())
+        if kind:
+            infos = [i for i in infos if i.kind == kind]
+        return sorted(infos, key=SnapshotInfo.sort_key)
+
+    def unreadable(self) -> list[Unreadable]:
+        self._ensure()
+        return sorted(self._unreadable.values(), key=lambda u: u.snapshot_id)
+
+    def get(self, snapshot_id: str) -> SnapshotInfo | None:
+        with self._lock:
+            return self._ensure().get(snapshot_id)
+
+    def add(self, info: SnapshotInfo) -> None:
+        with self._lock:
+            self._ensure()[info.snapshot_id] = info
+
+    def discard(self, snapshot_ids: Iterable[str]) -> None:
+        with self._lock:
+            infos = self._ensure()
+            for sid in snapshot_ids:
+                infos.pop(sid, None)
+                self._unreadable.pop(sid, None)

@@ -1,0 +1,113 @@
+"""How a snapshot becomes visible: two commit strategies behind one interface.
+
+``StagedRenameCommit`` (local disks, NFS; ``atomic_write: true``)
+    Files go to ``.staging/<id>.<host-pid-...>/``; each is fsynced. The
+    manifest is written there last and fsynced, the staging folder fsynced,
+    then one ``rename`` (no-replace) publishes ``<id>/`` and the run folder is
+    fsynced. A kill -9 at any line leaves either nothing visible (debris under
+    ``.staging/`` for ``gc``) or the complete snapshot. Two writers of one
+    step: the second rename fails, so exactly one commits.
+
+``ManifestLastCommit`` (object stores; local with ``atomic_write: false``)
+    No rename: data files go to ``<id>/<attempt>/`` (a folder of this attempt
+    only, so concurrent writers never overwrite each other's data), then the
+    manifest ``<id>/meta.json`` is written with a create-only write
+    (``If-None-Match: *`` on S3, ``link`` locally). Until it exists the folder
+    is debris; the loser of a race gets ``CommitConflictError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+from .errors import CommitConflictError
+from .manifest import MANIFEST_NAME
+from .storage import Storage, join
+from .storage.base import unique_suffix
+
+STAGING = ".staging"
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One try at writing one snapshot."""
+
+    snapshot_id: str
+    attempt_id: str
+    data_prefix: str  # where files are written, relative to the storage root
+    file_prefix: str  # prepended to file names in the manifest (relative to the snapshot folder)
+
+    def data_path(self, name: str) -> str:
+        return join(self.data_prefix, name)
+
+    def manifest_path(self, name: str) -> str:
+        return self.file_prefix + name
+
+
+class CommitStrategy(abc.ABC):
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    @abc.abstractmethod
+    def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
+        """Prepare a place for the files; ``CommitConflictError`` if the snapshot is committed."""
+
+    @abc.abstractmethod
+    def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        """Publish the snapshot with its manifest; ``CommitConflictError`` if someone else did."""
+
+    @abc.abstractmethod
+    def abort(self, attempt: Attempt) -> None:
+        """Remove what this attempt wrote (best effort; ``gc`` removes what is left)."""
+
+    def _check_free(self, snapshot_id: str) -> None:
+        if self.storage.exists(join(snapshot_id, MANIFEST_NAME)):
+            raise CommitConflictError(
+                f"snapshot {snapshot_id} is already committed; a committed snapshot is never overwritten. "
+                "Save under a new step, or delete the old snapshot first (rl-ckpt gc / retention).",
+                snapshot_id=snapshot_id,
+            )
+
+
+class StagedRenameCommit(CommitStrategy):
+    def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
+        self._check_free(snapshot_id)
+        attempt_id = attempt_id or unique_suffix()
+        prefix = join(STAGING, f"{snapshot_id}.{attempt_id}")
+        self.storage.makedirs(prefix)
+        return Attempt(snapshot_id, attempt_id, prefix, "")
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        self.storage.write(join(attempt.data_prefix, MANIFEST_NAME), [manifest], durable=True)
+        self.storage.sync_dir(attempt.data_prefix)
+        self.storage.rename_dir(attempt.data_prefix, attempt.snapshot_id)
+        # The rename is durable only once both folders' entries are on disk.
+        self.storage.sync_dir("")
+        self.storage.sync_dir(STAGING)
+
+    def abort(self, attempt: Attempt) -> None:
+        self.storage.remove_tree(attempt.data_prefix)
+
+
+class ManifestLastCommit(CommitStrategy):
+    def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
+        self._check_free(snapshot_id)
+        attempt_id = attempt_id or unique_suffix()
+        prefix = join(snapshot_id, attempt_id)
+        self.storage.makedirs(prefix)
+        return Attempt(snapshot_id, attempt_id, prefix, attempt_id + "/")
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        self.storage.write(join(attempt.snapshot_id, MANIFEST_NAME), [manifest], create_only=True, durable=True)
+        self.storage.sync_dir(attempt.snapshot_id)
+
+    def abort(self, attempt: Attempt) -> None:
+        self.storage.remove_tree(attempt.data_prefix)
+
+
+def strategy_for(storage: Storage, atomic_write: bool = True) -> CommitStrategy:
+    """Staged rename where the backend can rename folders atomically, else manifest-last."""
+    if atomic_write and storage.supports_rename:
+        return StagedRenameCommit(storage)
+    return ManifestLastCommit(storage)

@@ -1,0 +1,1 @@
+"""Demo workloads for rl_ckpt (a small deterministic PPO on CartPole)."""

@@ -1,0 +1,379 @@
+"""``CheckpointEngine``: register the training state, save it, verify it, restore it.
+
+A save has two phases (DESIGN §4): *stage* takes each component's state into
+memory the trainer no longer touches (for a synchronous save the trainer
+waits anyway, so nothing is copied), then *persist* writes every file,
+verifies it, and commits the manifest through the commit strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Mapping
+
+import torch
+
+from .catalog import Catalog, SnapshotInfo
+from .commit import strategy_for
+from .components import check_component_name, classify
+from .config import CheckpointConfig, changed_keys, config_digest
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    NoValidSnapshotError,
+    RestoreError,
+    StateMismatchError,
+)
+from .manifest import Manifest, now_iso, snapshot_id
+from .reader import VerifyReport, load_component, read_manifest, verify_snapshot
+from .state_codec import EncodedState, encode_state
+from .storage import Storage, open_storage
+from .writer import write_component
+
+log = logging.getLogger("rl_ckpt")
+
+# Config keys that change what training does or what a snapshot holds: a
+# difference between the snapshot and the running job is worth a warning.
+DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
+
+
+@dataclasses.dataclass
+class Registered:
+    name: str
+    obj: Any
+    kind: str
+
+
+@dataclasses.dataclass
+class RestoreResult:
+    """What ``restore`` did. ``snapshot_id`` is None when nothing was found and training starts fresh."""
+
+    snapshot_id: str | None
+    global_step: int
+    light_snapshot_id: str | None = None
+    components: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # snapshot id -> why it was not used
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def fresh(self) -> bool:
+        return self.snapshot_id is None
+
+
+def recorded_config(cfg: CheckpointConfig, train_config: Mapping[str, Any] | None) -> dict:
+    rec = {k: cfg.public_dict()[k] for k in DIGEST_KEYS}
+    for key, value in (train_config or {}).items():
+        rec[f"train.{key}"] = value
+    return rec
+
+
+class CheckpointEngine:
+    """Saves and restores the whole training state of one run.
+
+    Args:
+        config: a :class:`CheckpointConfig`, a dict of config keys, or a YAML path.
+        train_config: your hyperparameters (lr, batch size, ...); recorded in every
+            manifest and compared on restore (changed keys are warned about).
+        storage: use this storage instead of opening ``config.run_url``.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig | Mapping[str, Any] | str | None = None,
+        *,
+        train_config: Mapping[str, Any] | None = None,
+        storage: Storage | None = None,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = CheckpointConfig(**overrides)
+        elif isinstance(config, str):
+            config = CheckpointConfig.from_yaml(config)
+        elif isinstance(config, Mapping):
+            config = CheckpointConfig.from_dict(config)
+        if overrides and isinstance(config, CheckpointConfig) and config is not None:
+            config = config.replace(**overrides)
+        self.config: CheckpointConfig = config
+        self.train_config = dict(train_config or {})
+        self.storage = storage or open_storage(config.run_url, config.storage_options)
+        self.commit = strategy_for(self.storage, config.atomic_write)
+        self.catalog = Catalog(self.storage)
+        self._components: dict[str, Registered] = {}
+        self.last_save_time = time.monotonic()
+        self._closed = False
+
+    # -- registration --------------------------------------------------------
+    def register(self, name: str, obj: Any, *, kind: str | None = None) -> Any:
+        """Register a component (module, optimizer, scheduler, RNGState, buffer, any Checkpointable)."""
+        check_component_name(name)
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(
+                f"component {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                "implement the Checkpointable protocol",
+                key=name,
+            )
+        if name in self._components and self._components[name].obj is not obj:
+            raise ConfigError(f"component {name!r} is already registered with another object", key=name)
+        self._components[name] = Registered(name, obj, kind or classify(name, obj))
+        return obj
+
+    @property
+    def components(self) -> dict[str, Any]:
+        return {n: r.obj for n, r in self._components.items()}
+
+    def _saved_components(self, kind: str) -> list[Registered]:
+        cfg = self.config
+        out = []
+        for reg in self._components.values():
+            if reg.kind == "optimizer" and not cfg.save_optimizer:
+                continue
+            if reg.kind == "rng" and not cfg.save_rng_state:
+                continue
+            if reg.kind == "buffer" and not cfg.save_replay_buffer:
+                continue
+            if kind == "light" and reg.name not in cfg.light_components:
+                continue
+            out.append(reg)
+        return out
+
+    # -- saving --------------------------------------------------------------
+    def stage(self, kind: str = "full") -> dict[str, EncodedState]:
+        """Phase 1: every saved component's state, split into tensors/tables/JSON."""
+        staged = {}
+        for reg in self._saved_components(kind):
+            staged[reg.name] = encode_state(reg.name, reg.obj.state_dict())
+        if not staged:
+            raise CheckpointError(
+                f"nothing to save in a {kind} snapshot: register components first"
+                + (" (or list them in light_components)" if kind == "light" else ""),
+                kind=kind,
+            )
+        return staged
+
+    def save(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
+             tags: Mapping[str, Any] | None = None, kind: str = "full") -> SnapshotInfo:
+        """Save synchronously; returns only after the snapshot is committed (and verified)."""
+        self._check_open()
+        _check_step(global_step)
+        base = self._base_for(kind)
+        staged = self.stage(kind)
+        return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base)
+
+    def _base_for(self, kind: str) -> str | None:
+        if kind == "full":
+            return None
+        if kind != "light":
+            raise ConfigError(f"kind must be 'full' or 'light', got {kind!r}", key="kind")
+        fulls = self.catalog.snapshots("full")
+        if not fulls:
+            raise CheckpointError("a light snapshot needs a full snapshot to build on; save a full snapshot first")
+        return fulls[-1].snapshot_id
+
+    def persist(self, staged: Mapping[str, EncodedState], global_step: int, *, metrics=None, tags=None,
+                kind: str = "full", base: str | None = None) -> SnapshotInfo:
+        """Phase 2: write, verify and commit ``staged``. Safe to run on a background thread."""
+        cfg = self.config
+        sid = snapshot_id(global_step, kind)
+        attempt = self.commit.begin(sid)
+        try:
+            files, sections = [], {}
+            for name, enc in staged.items():
+                entries, section = write_component(self.storage, attempt, name, enc, algo=cfg.checksum_algo,
+                                                   verify=cfg.verify_after_write)
+                section["kind"] = self._components[name].kind if name in self._components else "other"
+                files += entries
+                sections[name] = section
+            recorded = recorded_config(cfg, self.train_config)
+            manifest = Manifest(
+                snapshot_id=sid, global_step=global_step, kind=kind, created_at=now_iso(), base_snapshot_id=base,
+                config_digest=config_digest(recorded), config=recorded, state_schema_version=cfg.schema_version,
+                metrics=clean_metrics(metrics), tags=dict(tags or {}), files=files, components=sections,
+                writer={"attempt": attempt.attempt_id},
+            )
+            self.commit.commit(attempt, manifest.to_bytes())
+        except BaseException:
+            try:
+                self.commit.abort(attempt)
+            except CheckpointError as cleanup_error:  # the original error matters more; gc cleans up
+                log.warning("could not clean up failed save of %s: %s", sid, cleanup_error)
+            raise
+        info = SnapshotInfo.from_manifest(manifest)
+        self.catalog.add(info)
+        self.last_save_time = time.monotonic()
+        log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
+        return info
+
+    # -- listing and verification -------------------------------------------
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Committed snapshots, oldest first."""
+        return self.catalog.snapshots()
+
+    def verify(self, snapshot_id: str | None = None) -> VerifyReport:
+        """Re-hash every file of one snapshot (or all of them) against its manifest."""
+        report = VerifyReport()
+        if snapshot_id is not None:
+            return verify_snapshot(self.storage, snapshot_id, report)
+        for info in self.catalog.snapshots():
+            verify_snapshot(self.storage, info.snapshot_id, report)
+        for bad in self.catalog.unreadable():
+            report.checked.append(bad.snapshot_id)
+            from .reader import FileProblem
+
+            report.problems.append(FileProblem(bad.snapshot_id, "meta.json", bad.reason))
+        return report
+
+    # -- restoring -----------------------------------------------------------
+    def restore(self, plan: Any = None, *, snapshot_id: str | None = None, strict: bool = True) -> RestoreResult:
+        """Load the newest valid snapshot (or ``snapshot_id``) into the registered objects.
+
+        A corrupt or unreadable snapshot is skipped with a logged reason and the
+        next older one is tried. With no snapshot at all, returns a result with
+        ``fresh == True``. If snapshots exist but none is valid, raises
+        :class:`NoValidSnapshotError` listing why each was skipped.
+        """
+        self._check_open()
+        self.catalog.refresh()
+        fulls = self.catalog.snapshots("full")
+        if snapshot_id is not None:
+            fulls = [i for i in fulls if i.snapshot_id == snapshot_id]
+            if not fulls:
+                raise NoValidSnapshotError(f"no committed full snapshot {snapshot_id!r} in {self.storage.url}",
+                                           reasons={snapshot_id: "not found"})
+        skipped = {u.snapshot_id: u.reason for u in self.catalog.unreadable()}
+        if not fulls and not skipped:
+            log.info("no snapshot in %s: starting fresh", self.storage.url)
+            return RestoreResult(None, 0, warnings=[f"no snapshot in {self.storage.url}: starting fresh"])
+        for info in reversed(fulls):
+            try:
+                return self._restore_one(info.snapshot_id, skipped, strict)
+            except (StateMismatchError, RestoreError):
+                raise
+            except CheckpointError as exc:
+                skipped[info.snapshot_id] = str(exc)
+                log.warning("skipping snapshot %s: %s", info.snapshot_id, exc)
+        lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
+        raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
+
+    def _restore_one(self, sid: str, skipped: dict, strict: bool) -> RestoreResult:
+        manifest = read_manifest(self.storage, sid)
+        self._check_schema(manifest)
+        warnings = self._config_warnings(manifest)
+        wanted = [r for r in self._components.values()]
+        states: dict[str, Any] = {}
+        missing = []
+        for reg in wanted:
+            if reg.name not in manifest.components:
+                missing.append(reg.name)
+                continue
+            states[reg.name] = load_component(self.storage, manifest, reg.name)
+        if missing:
+            msg = f"{sid}: registered component(s) {missing} are not in the snapshot"
+            if strict and not all(self._excluded(self._components[m]) for m in missing):
+                raise StateMismatchError(msg + "; register them under the names used when saving, or restore(strict=False)",
+                                         component=missing[0], mismatches=missing, snapshot_id=sid)
+            warnings.append(msg + "; they keep their current state")
+        for name, state in states.items():
+            check_fits(name, self._components[name].obj, state, sid)
+        for name, state in states.items():
+            try:
+                self._components[name].obj.load_state_dict(state)
+            except Exception as exc:  # a user object's own error: name the component and snapshot
+                raise RestoreError(f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
+                                   snapshot_id=sid, component=name) from exc
+        for w in warnings:
+            log.warning(w)
+        log.info("restored %s (step %d)", sid, manifest.global_step)
+        return RestoreResult(sid, manifest.global_step, None, list(states), dict(skipped), warnings, dict(manifest.metrics))
+
+    def _excluded(self, reg: Registered) -> bool:
+        return reg not in self._saved_components("full")
+
+    def _check_schema(self, manifest: Manifest) -> None:
+        from .errors import SchemaVersionError
+
+        if manifest.state_schema_version != self.config.schema_version:
+            raise SchemaVersionError(
+                f"{manifest.snapshot_id}: saved with schema_version {manifest.state_schema_version}, this job declares "
+                f"{self.config.schema_version}. The state layout changed; refusing to load it. Restore with the "
+                "matching schema_version, or start a new run.",
+                snapshot_id=manifest.snapshot_id, found=manifest.state_schema_version, supported=self.config.schema_version,
+            )
+
+    def _config_warnings(self, manifest: Manifest) -> list[str]:
+        now = recorded_config(self.config, self.train_config)
+        if manifest.config_digest == config_digest(now):
+            return []
+        keys = changed_keys(manifest.config, now)
+        return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {', '.join(keys) or '(unknown keys)'}"]
+
+    # -- lifecycle -----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointEngine is closed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.storage.close()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"global_step must be a non-negative int, got {step!r}", key="global_step")
+
+
+def clean_metrics(metrics: Mapping[str, Any] | None) -> dict:
+    """Metrics as JSON: numbers (numpy/0-d tensors too) become floats; non-finite ones become strings."""
+    out = {}
+    for key, value in (metrics or {}).items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if hasattr(value, "item") and not isinstance(value, (int, float)):
+            value = value.item()
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            out[str(key)] = value
+        elif isinstance(value, (int, float)):
+            out[str(key)] = value if math.isfinite(value) else repr(float(value))
+        else:
+            raise ConfigError(f"metric {key!r}: {type(value).__name__} is not a number", key=str(key))
+    return out
+
+
+def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:
+    """For modules: every tensor's name, shape and dtype must match, or StateMismatchError lists them."""
+    if not isinstance(obj, torch.nn.Module):
+        return
+    current = obj.state_dict()
+    problems = []
+    for key, tensor in current.items():
+        if key not in state:
+            problems.append(f"{key}: missing from snapshot")
+            continue
+        saved = state[key]
+        if not isinstance(saved, torch.Tensor):
+            problems.append(f"{key}: snapshot holds {type(saved).__name__}, not a tensor")
+        elif tuple(saved.shape) != tuple(tensor.shape):
+            problems.append(f"{key}: snapshot shape {list(saved.shape)} != model shape {list(tensor.shape)}")
+        elif saved.dtype != tensor.dtype:
+            problems.append(f"{key}: snapshot dtype {saved.dtype} != model dtype {tensor.dtype}")
+    problems += [f"{key}: in snapshot, not in model" for key in state if key not in current]
+    if problems:
+        shown = "\n  ".join(problems[:50]) + (f"\n  ... {len(problems) - 50} more" if len(problems) > 50 else "")
+        raise StateMismatchError(
+            f"{sid}: component {name!r} does not fit the registered model ({len(problems)} tensor(s) differ):\n  {shown}\n"
+            "Is this snapshot from a different model? Restore into the model it was saved from, or start a new run.",
+            component=name, mismatches=problems, snapshot_id=sid,
+        )
+
+
+__all__ = ["CheckpointEngine", "RestoreResult", "SnapshotInfo"]

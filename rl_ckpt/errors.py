@@ -1,0 +1,77 @@
+"""One error tree for the whole project, rooted at :class:`CheckpointError`.
+
+Every error carries the facts a person needs (which key, file, step, snapshot)
+as attributes and says what to do in its message. Errors survive pickling
+across Ray actors: ``__reduce__`` rebuilds them from the message and fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CheckpointError(Exception):
+    """Root of every error rl_ckpt raises."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = dict(fields)
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __reduce__(self):  # keep fields when crossing a Ray actor boundary
+        return (_rebuild, (type(self), self.message, self.fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type, message: str, fields: dict) -> CheckpointError:
+    err = cls.__new__(cls)
+    CheckpointError.__init__(err, message, **fields)
+    return err
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A config key is unknown or has a bad value (``key``, ``allowed``)."""
+
+
+class SerializationError(CheckpointError, TypeError):
+    """A state value fits neither tensors, tables nor JSON (``component``, ``key``)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """An I/O operation on the checkpoint storage failed (``path``)."""
+
+
+class CommitConflictError(StorageError):
+    """Another writer already committed this snapshot (``snapshot_id``)."""
+
+
+class UnsafePathError(CheckpointError):
+    """A manifest names a path outside its snapshot, absolute, or a link (``path``)."""
+
+
+class CorruptSnapshotError(CheckpointError):
+    """A snapshot's files do not match its manifest (``snapshot_id``, ``problems``)."""
+
+
+class SchemaVersionError(CheckpointError):
+    """A snapshot was written with a schema this version cannot read (``snapshot_id``)."""
+
+
+class StateMismatchError(CheckpointError):
+    """Saved state does not fit the registered objects (``component``, ``mismatches``)."""
+
+
+class NoValidSnapshotError(CheckpointError):
+    """No snapshot could be restored (``reasons``: snapshot id -> why it was skipped)."""
+
+
+class RestoreError(CheckpointError):
+    """Loading a verified snapshot into the registered objects failed (``snapshot_id``)."""
+
+
+class SaveInProgressError(CheckpointError):
+    """A save was requested while another one is still running."""

@@ -1,0 +1,176 @@
+"""Read snapshots back: manifest, verification, and decoding — checksums first.
+
+Nothing is deserialized before its bytes matched the manifest's checksum: a
+file is read once into memory, hashed, compared, and only then parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from . import safetensors_io
+from .checksum import new_hasher
+from .errors import CheckpointError, CorruptSnapshotError, StorageError, UnsafePathError
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .state_codec import decode_state
+from .storage import Storage, join
+from .writer import hash_file
+
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class FileProblem:
+    snapshot_id: str
+    path: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.snapshot_id}/{self.path}: {self.problem}"
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """Result of checking snapshots against their manifests. ``ok`` is True when nothing is wrong."""
+
+    checked: list[str] = dataclasses.field(default_factory=list)
+    problems: list[FileProblem] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def bad_snapshots(self) -> list[str]:
+        return sorted({p.snapshot_id for p in self.problems})
+
+    def problems_of(self, snapshot_id: str) -> list[FileProblem]:
+        return [p for p in self.problems if p.snapshot_id == snapshot_id]
+
+    def __str__(self) -> str:
+        lines = [f"verified {len(self.checked)} snapshot(s): " + ("all OK" if self.ok else f"{len(self.bad_snapshots)} bad")]
+        lines += [f"  BAD {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def read_manifest(storage: Storage, snapshot_id: str) -> Manifest:
+    """Read and check ``<id>/meta.json``; CorruptSnapshotError / SchemaVersionError / UnsafePathError."""
+    path = join(snapshot_id, MANIFEST_NAME)
+    try:
+        data = storage.read(path)
+    except StorageError as exc:
+        raise CorruptSnapshotError(f"{snapshot_id}: cannot read manifest ({exc})", snapshot_id=snapshot_id,
+                                   problems=[str(exc)]) from exc
+    manifest = Manifest.from_bytes(data, snapshot_id)
+    if manifest.snapshot_id != snapshot_id:
+        raise CorruptSnapshotError(
+            f"{snapshot_id}: manifest names snapshot {manifest.snapshot_id!r}; it was copied or renamed, refusing it",
+            snapshot_id=snapshot_id, problems=["snapshot_id mismatch"],
+        )
+    return manifest
+
+
+def check_file(storage: Storage, snapshot_id: str, entry: FileEntry) -> str | None:
+    """Re-hash one file; the problem as text, or None when it matches."""
+    path = join(snapshot_id, entry.path)
+    try:
+        if not storage.exists(path):
+            return "missing"
+        size, digest = hash_file(storage, path, entry.algo)
+    except UnsafePathError as exc:
+        return f"unsafe: {exc}"
+    except CheckpointError as exc:
+        return f"unreadable: {exc}"
+    if size != entry.size:
+        return f"size {size} != {entry.size} in manifest (truncated or overwritten)"
+    if digest != entry.checksum:
+        return f"{entry.algo} checksum mismatch (content changed)"
+    return None
+
+
+def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | None = None, *, progress=None) -> VerifyReport:
+    """Check the manifest and every file of one snapshot; problems go into ``report``."""
+    report = report or VerifyReport()
+    report.checked.append(snapshot_id)
+    try:
+        manifest = read_manifest(storage, snapshot_id)
+    except CheckpointError as exc:
+        report.problems.append(FileProblem(snapshot_id, MANIFEST_NAME, str(exc)))
+        return report
+    for entry in manifest.files:
+        problem = check_file(storage, snapshot_id, entry)
+        if progress is not None:
+            progress(entry.size)
+        if problem:
+            report.problems.append(FileProblem(snapshot_id, entry.path, problem))
+    return report
+
+
+def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry) -> bytearray:
+    """The file's bytes, only if they match the manifest (else CorruptSnapshotError)."""
+    path = join(snapshot_id, entry.path)
+    try:
+        if storage.size(path) != entry.size:
+            raise CorruptSnapshotError(
+                f"{snapshot_id}/{entry.path}: size {storage.size(path)} != {entry.size} in manifest",
+                snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"],
+            )
+        data = storage.read(path)
+    except StorageError as exc:
+        raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path,
+                                   problems=["unreadable"]) from exc
+    hasher = new_hasher(entry.algo)
+    hasher.update(data)
+    if len(data) != entry.size or hasher.hexdigest() != entry.checksum:
+        raise CorruptSnapshotError(
+            f"{snapshot_id}/{entry.path}: {entry.algo} checksum mismatch; the file changed after commit",
+            snapshot_id=snapshot_id, path=entry.path, problems=["checksum mismatch"],
+        )
+    return data
+
+
+def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy: bool = False) -> Any:
+    """Verify and decode one component's state dict from a snapshot."""
+    sid = manifest.snapshot_id
+    section = manifest.components.get(name)
+    if section is None:
+        raise CorruptSnapshotError(f"{sid}: component {name!r} is not in this snapshot", snapshot_id=sid,
+                                   problems=[f"no component {name}"])
+    entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
+    by_path = {f.path: f for f in manifest.files_of(name)}
+    arrays: dict = {}
+    if "tensors" in entries:
+        where = f"{sid}/{entries['tensors'].path}"
+        raw = read_verified(storage, sid, entries["tensors"])
+        for key, (code, shape, view) in safetensors_io.decode(raw, where=where).items():
+            arrays[key] = safetensors_io.to_torch(code, shape, view)
+    tables = {}
+    for table_name, rel in (section.get("tables") or {}).items():
+        entry = by_path.get(rel)
+        if entry is None:
+            raise CorruptSnapshotError(f"{sid}: table {table_name!r} file {rel!r} not listed", snapshot_id=sid,
+                                       problems=["table file missing from manifest"])
+        tables[table_name] = _read_arrow(read_verified(storage, sid, entry), f"{sid}/{rel}")
+    if "json" not in entries:
+        raise CorruptSnapshotError(f"{sid}: component {name!r} has no JSON structure file", snapshot_id=sid,
+                                   problems=["json missing"])
+    raw_json = read_verified(storage, sid, entries["json"])
+    try:
+        tree = json.loads(bytes(raw_json))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CorruptSnapshotError(f"{sid}/{entries['json'].path}: not valid JSON ({exc})", snapshot_id=sid,
+                                   problems=["bad json"]) from None
+    return decode_state(tree, arrays, tables, where=f"{sid}/{entries['json'].path}")
+
+
+def _read_arrow(data: bytearray, where: str):
+    import pyarrow as pa
+
+    try:
+        table = pa.ipc.open_file(pa.py_buffer(bytes(data))).read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise CorruptSnapshotError(f"{where}: not a valid Arrow IPC file ({exc})", problems=["bad arrow"]) from None
+    return table

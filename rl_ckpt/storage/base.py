@@ -1,0 +1,134 @@
+"""The storage boundary: a handful of methods every backend implements.
+
+Paths are ``/``-separated and relative to the storage root (a run folder).
+Every method checks its path with :func:`check_relpath` first, so nothing
+outside the root is ever opened, listed or deleted.
+
+Call order of a save (what a kill -9 between two calls leaves is debris that
+no reader trusts, see ``rl_ckpt.commit``)::
+
+    makedirs(staging) -> write(file, chunks) ... -> [read back to verify]
+    -> commit strategy publishes (rename_dir, or write(meta.json, create_only))
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import re
+import socket
+import threading
+import uuid
+from typing import BinaryIO, Iterable
+
+from ..errors import UnsafePathError
+
+_BAD_PART = re.compile(r"[\x00\\]")
+
+
+def check_relpath(path: str) -> str:
+    """Return ``path`` normalised, or raise :class:`UnsafePathError`.
+
+    Allowed: plain relative names joined by ``/``. Refused: absolute paths,
+    ``..``/``.`` parts, empty parts, backslashes and NUL bytes.
+    """
+    if not isinstance(path, str) or path == "":
+        raise UnsafePathError(f"refused path {path!r}: not a non-empty string", path=path)
+    if path.startswith("/") or re.match(r"^[A-Za-z]:", path) or "://" in path:
+        raise UnsafePathError(f"refused path {path!r}: absolute paths are not allowed in a checkpoint", path=path)
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or _BAD_PART.search(part):
+            raise UnsafePathError(
+                f"refused path {path!r}: only plain relative names are allowed ('{part}' is not)", path=path
+            )
+    return "/".join(parts)
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "host"
+
+
+def unique_suffix() -> str:
+    """A name part no other host, process or thread will produce (temp and attempt names)."""
+    return f"{_HOST}-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:8]}"
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One listing entry: ``name`` is the last path part."""
+
+    name: str
+    is_dir: bool
+    size: int = 0
+    mtime: float | None = None
+
+
+class Storage(abc.ABC):
+    """Minimal storage interface. Implementations: ``LocalStorage``, ``FsspecStorage``."""
+
+    url: str
+    #: True when directories can be renamed atomically (local disks, NFS).
+    supports_rename: bool = False
+
+    @abc.abstractmethod
+    def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
+        """Write a whole file from ``chunks`` (bytes-like) and return its size.
+
+        ``durable``: the data is on stable storage when this returns (fsync).
+        ``create_only``: fail with ``CommitConflictError`` if ``path`` exists,
+        atomically (no window where two writers both succeed).
+        The file is not atomic by itself: write it inside a staging area, or
+        use :meth:`write_atomic`.
+        """
+
+    @abc.abstractmethod
+    def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
+        """Publish a small standalone file all-or-nothing (temp + fsync + rename, or one PUT)."""
+
+    @abc.abstractmethod
+    def read(self, path: str) -> bytearray:
+        """Read a whole regular file (links refused)."""
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> BinaryIO:
+        """Open a regular file for streaming reads (links refused)."""
+
+    @abc.abstractmethod
+    def list(self, path: str = "") -> list[Entry]:
+        """Entries directly under ``path`` (empty list if it does not exist)."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None:
+        """Remove one file (missing is fine)."""
+
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Remove a folder and everything under it (missing is fine)."""
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename a folder; ``CommitConflictError`` if ``dst`` exists."""
+        raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
+
+    def sync_dir(self, path: str) -> None:
+        """Make a folder's entries durable (fsync the directory). No-op on object stores."""
+
+    def free_bytes(self) -> int | None:
+        """Free space at the root, or None when the backend cannot tell."""
+        return None
+
+    def close(self) -> None:
+        """Release resources (connections, thread pools)."""

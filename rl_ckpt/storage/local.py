@@ -1,0 +1,283 @@
+"""Local disks and NFS mounts, through the OS directly (fsspec's local backend never fsyncs).
+
+Durability rules (what a kill -9 or a power cut leaves):
+- ``write`` fsyncs the file before returning; an fsync error fails the write
+  and is never retried (the page cache may already have dropped the data).
+- ``write_atomic`` writes a temp file with a name unique per host, process and
+  call in the same folder, fsyncs it, publishes it with ``rename`` (or with
+  ``link`` for create-only, the NFS-safe exclusive create), then fsyncs the
+  folder so the new name itself survives a crash.
+- ``rename_dir`` refuses to replace an existing folder (``RENAME_NOREPLACE``
+  where the kernel and filesystem have it, else check + ``rename``, which
+  fails on a non-empty target).
+Links are never followed: every path part is checked with ``lstat`` and files
+are opened with ``O_NOFOLLOW``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat
+from typing import BinaryIO, Iterable
+
+from ..errors import CommitConflictError, StorageError, UnsafePathError
+from .base import Entry, Storage, check_relpath, unique_suffix
+
+_MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _renameat2 = _libc.renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
+    _renameat2 = None
+
+
+def _storage_error(exc: OSError, what: str, path: str) -> StorageError:
+    hint = ""
+    if exc.errno == errno.ENOSPC:
+        hint = " (disk full: free space on the checkpoint volume; nothing was committed by this save)"
+    elif exc.errno == errno.EDQUOT:
+        hint = " (quota exceeded on the checkpoint volume)"
+    msg = f"{what} {path}: {exc.strerror or exc}{hint}"
+    return StorageError(msg, path=path, errno=exc.errno)
+
+
+class LocalStorage(Storage):
+    supports_rename = True
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.realpath(os.path.expanduser(root))
+        self.url = self.root
+
+    # -- paths -------------------------------------------------------------
+    def _abs(self, path: str, *, check_links: bool = True) -> str:
+        if path == "":
+            return self.root
+        rel = check_relpath(path)
+        full = os.path.join(self.root, *rel.split("/"))
+        if check_links:
+            cur = self.root
+            for part in rel.split("/"):
+                cur = os.path.join(cur, part)
+                try:
+                    st = os.lstat(cur)
+                except FileNotFoundError:
+                    break
+                if stat.S_ISLNK(st.st_mode):
+                    raise UnsafePathError(
+                        f"refused {path!r}: {os.path.relpath(cur, self.root)!r} is a symbolic link; "
+                        "checkpoint folders never contain links",
+                        path=path,
+                    )
+        return full
+
+    # -- writes ------------------------------------------------------------
+    def _write_fd(self, fd: int, chunks: Iterable, durable: bool, shown: str) -> int:
+        total = 0
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view.nbytes:
+                    n = os.write(fd, view[:_MAX_WRITE])
+                    view = view[n:]
+                    total += n
+            if durable:
+                os.fsync(fd)
+        except OSError as exc:
+            raise _storage_error(exc, "cannot write", shown) from exc
+        finally:
+            os.close(fd)
+        return total
+
+    def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
+        full = self._abs(path)
+        if create_only:
+            return self._publish_via_temp(path, full, chunks, create_only=True, durable=durable)
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError(f"refused {path!r}: it is a symbolic link", path=path) from exc
+            raise _storage_error(exc, "cannot create", path) from exc
+        return self._write_fd(fd, chunks, durable, path)
+
+    def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
+        self._publish_via_temp(path, self._abs(path), [data], create_only=create_only, durable=True)
+
+    def _publish_via_temp(self, path: str, full: str, chunks: Iterable, *, create_only: bool, durable: bool) -> int:
+        folder, name = os.path.split(full)
+        tmp = os.path.join(folder, f".tmp-{unique_suffix()}-{name}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise _storage_error(exc, "cannot create temp file for", path) from exc
+        try:
+            size = self._write_fd(fd, chunks, durable, path)
+            if create_only:
+                # link() is atomic and exclusive on local filesystems and NFS alike
+                # (O_EXCL is not on old NFS clients); it fails if the name exists.
+                try:
+                    os.link(tmp, full)
+                except FileExistsError as exc:
+                    raise CommitConflictError(
+                        f"{path} already exists: another writer committed it first", path=path, snapshot_id=path
+                    ) from exc
+                except OSError as exc:
+                    # NFS may report an error for a link that a retransmitted request made:
+                    # a link count of 2 on the temp means the link does exist.
+                    if os.stat(tmp).st_nlink != 2:
+                        raise _storage_error(exc, "cannot publish", path) from exc
+            else:
+                os.replace(tmp, full)
+            if durable:
+                self.sync_dir(os.path.dirname(path) if "/" in path else "")
+            return size
+        except OSError as exc:
+            raise _storage_error(exc, "cannot publish", path) from exc
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    # -- reads -------------------------------------------------------------
+    def _open_regular(self, path: str) -> tuple[int, int]:
+        full = self._abs(path)
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError(f"refused {path!r}: it is a symbolic link", path=path) from exc
+            raise _storage_error(exc, "cannot open", path) from exc
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePathError(f"refused {path!r}: not a regular file", path=path)
+        return fd, st.st_size
+
+    def read(self, path: str) -> bytearray:
+        fd, size = self._open_regular(path)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        try:
+            with os.fdopen(fd, "rb", buffering=0, closefd=True) as f:
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except OSError as exc:
+            raise _storage_error(exc, "cannot read", path) from exc
+        if got != size:
+            raise StorageError(f"short read of {path}: {got} of {size} bytes (file changed while reading?)", path=path)
+        return buf
+
+    def open_read(self, path: str) -> BinaryIO:
+        fd, _size = self._open_regular(path)
+        return os.fdopen(fd, "rb", buffering=0)
+
+    # -- namespace ---------------------------------------------------------
+    def list(self, path: str = "") -> list[Entry]:
+        full = self._abs(path)
+        try:
+            with os.scandir(full) as it:
+                out = []
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    out.append(Entry(e.name, e.is_dir(follow_symlinks=False), st.st_size, st.st_mtime))
+                return out
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+        except OSError as exc:
+            raise _storage_error(exc, "cannot list", path or ".") from exc
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(self._abs(path, check_links=False))
+
+    def size(self, path: str) -> int:
+        try:
+            return os.lstat(self._abs(path)).st_size
+        except OSError as exc:
+            raise _storage_error(exc, "cannot stat", path) from exc
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(self._abs(path, check_links=False))
+
+    def remove(self, path: str) -> None:
+        try:
+            os.unlink(self._abs(path))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _storage_error(exc, "cannot remove", path) from exc
+
+    def remove_tree(self, path: str) -> None:
+        full = self._abs(path)
+        try:
+            if os.path.islink(full) or not os.path.isdir(full):
+                os.unlink(full)  # a link is removed, never followed
+            else:
+                shutil.rmtree(full)  # fd-based on Linux: does not follow links
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _storage_error(exc, "cannot remove", path) from exc
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(self._abs(path), exist_ok=True)
+        except OSError as exc:
+            raise _storage_error(exc, "cannot create folder", path) from exc
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        s, d = self._abs(src), self._abs(dst)
+        if _renameat2 is not None:
+            rc = _renameat2(_AT_FDCWD, s.encode(), _AT_FDCWD, d.encode(), _RENAME_NOREPLACE)
+            if rc == 0:
+                return
+            err = ctypes.get_errno()
+            if err == errno.EEXIST:
+                raise CommitConflictError(f"{dst} already exists: another writer committed it first", path=dst, snapshot_id=dst)
+            if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                raise _storage_error(OSError(err, os.strerror(err)), "cannot rename to", dst)
+        # Filesystems without RENAME_NOREPLACE (some NFS servers): rename() still
+        # fails on a non-empty target, and a committed snapshot is never empty.
+        if os.path.lexists(d):
+            raise CommitConflictError(f"{dst} already exists: another writer committed it first", path=dst, snapshot_id=dst)
+        try:
+            os.rename(s, d)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CommitConflictError(f"{dst} already exists: another writer committed it first", path=dst, snapshot_id=dst) from exc
+            raise _storage_error(exc, "cannot rename to", dst) from exc
+
+    def sync_dir(self, path: str) -> None:
+        full = self._abs(path)
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _storage_error(exc, "cannot open folder", path or ".") from exc
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise _storage_error(exc, "cannot fsync folder", path or ".") from exc
+        finally:
+            os.close(fd)
+
+    def free_bytes(self) -> int | None:
+        probe = self.root
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        st = os.statvfs(probe)
+        return st.f_bavail * st.f_frsize
