@@ -40,11 +40,16 @@ class SnapshotInfo:
     @classmethod
     def from_manifest(cls, m: Manifest) -> "SnapshotInfo":
         parsed = parse_snapshot_id(m.snapshot_id)
-        return cls(m.snapshot_id, m.global_step, m.kind, m.created_at, dict(m.metrics), m.size_bytes,
+        return cls(m.snapshot_id, m.global_step, m.kind, m.created_at, decode_metrics(m.metrics), m.size_bytes,
                    dict(m.tags), m.base_snapshot_id, parsed[1] if parsed else 0, m)
 
     def sort_key(self) -> tuple:
         return (self.global_step, self.kind == "light", self.branch, self.created_at)
+
+
+def decode_metrics(metrics: dict) -> dict:
+    """Manifest metrics back to numbers: non-finite floats are stored as 'nan', 'inf', '-inf'."""
+    return {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in metrics.items()}
 
 
 @dataclasses.dataclass

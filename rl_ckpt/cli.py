@@ -1,0 +1,270 @@
+"""``rl-ckpt``: look at, check and tidy checkpoint runs from the shell.
+
+Exit codes: 0 all is well, 1 a problem was found (corrupt snapshot, failed
+check), 2 bad usage (unknown snapshot or component, bad arguments).
+URL is a run folder: ``<base_dir>/<run_name>`` (a path, file://, s3://, memory://).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from .errors import CheckpointError, ConfigError
+from .manifest import parse_snapshot_id
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(CheckpointError):
+    """Bad command-line usage (exit 2)."""
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _storage(args):
+    from .storage import open_storage
+
+    options = {}
+    if args.config:
+        from .config import CheckpointConfig
+
+        options.update(CheckpointConfig.from_yaml(args.config).storage_options)
+    for item in args.storage_option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--storage-option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    storage = open_storage(args.url, options)
+    _check_is_run(storage, args.url)
+    return storage
+
+
+def _check_is_run(storage, url: str) -> None:
+    entries = storage.list("")
+    if not entries or any(parse_snapshot_id(e.name) or e.name == ".staging" for e in entries):
+        return
+    runs = []
+    for e in entries:
+        if e.is_dir and any(parse_snapshot_id(x.name) for x in storage.list(e.name)):
+            runs.append(e.name)
+    if runs:
+        raise UsageError(f"{url} holds runs, not snapshots: {', '.join(sorted(runs))}. Pass {url.rstrip('/')}/<run>.")
+
+
+def _catalog(storage):
+    from .catalog import Catalog
+
+    cat = Catalog(storage)
+    cat.refresh()
+    return cat
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                disable=None, leave=False)
+
+
+def _fmt_metrics(metrics: dict) -> str:
+    parts = []
+    for k, v in sorted(metrics.items()):
+        parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(parts)
+
+
+def cmd_ls(args) -> int:
+    from .reader import read_manifest
+    from .storage import join
+
+    storage = _storage(args)
+    cat = _catalog(storage)
+    rows = []
+    bad = 0
+    for info in cat.snapshots():
+        valid = "yes"
+        try:
+            manifest = read_manifest(storage, info.snapshot_id)
+            for f in manifest.files:
+                path = join(info.snapshot_id, f.path)
+                if not storage.exists(path):
+                    valid = f"NO: {f.path} missing"
+                    break
+                if storage.size(path) != f.size:
+                    valid = f"NO: {f.path} size differs"
+                    break
+        except CheckpointError as exc:
+            valid = f"NO: {exc}"
+        bad += valid != "yes"
+        rows.append((info.snapshot_id, str(info.global_step), info.kind, _human(info.size_bytes), _fmt_metrics(info.metrics), valid))
+    for u in cat.unreadable():
+        bad += 1
+        rows.append((u.snapshot_id, "?", "?", "?", "", f"NO: {u.reason}"))
+    if args.json:
+        print(json.dumps([dict(zip(("id", "step", "kind", "size", "metrics", "valid"), r)) for r in rows], indent=1))
+    elif rows:
+        header = ("ID", "STEP", "KIND", "SIZE", "METRICS", "VALID")
+        widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
+        for r in [header, *rows]:
+            print("  ".join(str(c).ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    else:
+        print(f"no snapshots in {args.url}")
+    return EXIT_PROBLEM if bad else EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from .reader import FileProblem, VerifyReport, read_manifest, verify_snapshot
+
+    storage = _storage(args)
+    cat = _catalog(storage)
+    if args.snapshot_id:
+        if not storage.exists(f"{args.snapshot_id}/meta.json"):
+            raise UsageError(f"no committed snapshot {args.snapshot_id!r} in {args.url}")
+        ids = [args.snapshot_id]
+    else:
+        ids = [i.snapshot_id for i in cat.snapshots()]
+    total = 0
+    for sid in ids:
+        try:
+            total += read_manifest(storage, sid).size_bytes
+        except CheckpointError:
+            pass
+    report = VerifyReport()
+    with _progress(total, "verify") as bar:
+        for sid in ids:
+            verify_snapshot(storage, sid, report, progress=bar.update)
+    if not args.snapshot_id:
+        for u in cat.unreadable():
+            report.checked.append(u.snapshot_id)
+            report.problems.append(FileProblem(u.snapshot_id, "meta.json", u.reason))
+    print(report)
+    return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def cmd_inspect(args) -> int:
+    from .reader import read_manifest
+
+    storage = _storage(args)
+    if not storage.exists(f"{args.snapshot_id}/meta.json"):
+        raise UsageError(f"no committed snapshot {args.snapshot_id!r} in {args.url}")
+    m = read_manifest(storage, args.snapshot_id)
+    if args.json:
+        print(json.dumps(m.to_json(), indent=1, sort_keys=True))
+        return EXIT_OK
+    print(f"snapshot      {m.snapshot_id}")
+    print(f"step          {m.global_step}")
+    print(f"kind          {m.kind}" + (f" (base {m.base_snapshot_id})" if m.base_snapshot_id else ""))
+    print(f"created_at    {m.created_at}")
+    print(f"schema        on-disk v{m.schema_version}, state v{m.state_schema_version}")
+    print(f"config_digest {m.config_digest}")
+    print(f"size          {_human(m.size_bytes)} in {len(m.files)} files")
+    print(f"metrics       {_fmt_metrics(m.metrics) or '-'}")
+    if m.tags:
+        print(f"tags          {json.dumps(m.tags, sort_keys=True)}")
+    for name, section in sorted(m.components.items()):
+        tensors = section.get("tensors", {})
+        nbytes = sum(f.size for f in m.files_of(name))
+        print(f"\ncomponent {name} ({section.get('kind', '?')}): {len(tensors)} tensors, {_human(nbytes)}")
+        for key, t in list(tensors.items())[: args.max_tensors]:
+            print(f"  {key:<48} {t['dtype']:<5} {t['shape']}")
+        if len(tensors) > args.max_tensors:
+            print(f"  ... {len(tensors) - args.max_tensors} more (--max-tensors)")
+        for f in m.files_of(name):
+            print(f"  file {f.path} {_human(f.size)} {f.algo}:{f.checksum[:16]}")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from .gc import find_debris, remove_debris
+
+    storage = _storage(args)
+    debris = find_debris(storage, grace_seconds=args.grace)
+    for d in debris:
+        print(f"{'would remove' if args.dry_run else 'removing'} {d.path}{'/' if d.is_dir else ''}  ({d.reason})")
+    if not args.dry_run:
+        remove_debris(storage, debris)
+    print(f"{len(debris)} debris entr{'y' if len(debris) == 1 else 'ies'} {'found' if args.dry_run else 'removed'}")
+    return EXIT_OK
+
+
+def cmd_export(args) -> int:
+    from .export import export_component
+    from .reader import read_manifest
+
+    storage = _storage(args)
+    if not storage.exists(f"{args.snapshot_id}/meta.json"):
+        raise UsageError(f"no committed snapshot {args.snapshot_id!r} in {args.url}")
+    manifest = read_manifest(storage, args.snapshot_id)
+    if args.component not in manifest.components:
+        raise UsageError(f"{args.snapshot_id} has no component {args.component!r}; it has: {', '.join(sorted(manifest.components))}")
+    meta = export_component(storage, manifest, args.component, args.output)
+    print(f"wrote {args.output}: {len(meta)} tensors from {args.snapshot_id}/{args.component}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rl-ckpt", description=__doc__.split("\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def cmd(name: str, func, help: str, *, needs_id: bool | None = False) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help, description=help)
+        s.add_argument("url", help="run folder: <base_dir>/<run_name>")
+        if needs_id is True:
+            s.add_argument("snapshot_id")
+        elif needs_id is None:
+            s.add_argument("snapshot_id", nargs="?")
+        s.add_argument("--config", help="YAML config to take storage_options from")
+        s.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
+        s.set_defaults(func=func)
+        return s
+
+    s = cmd("ls", cmd_ls, "list snapshots: id, step, kind, size, metrics, valid (exit 1 if any is bad)")
+    s.add_argument("--json", action="store_true")
+    cmd("verify", cmd_verify, "re-hash snapshots against their manifests (exit 1 if anything is bad)", needs_id=None)
+    s = cmd("inspect", cmd_inspect, "show one snapshot's manifest: components, tensors, files, metrics", needs_id=True)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--max-tensors", type=int, default=20)
+    s = cmd("gc", cmd_gc, "remove debris of crashed saves (never a committed snapshot)")
+    s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="leave debris younger than this alone: a save may still be writing it (default 3600)")
+    s = cmd("export", cmd_export, "write one component's tensors as a plain safetensors file", needs_id=True)
+    s.add_argument("component")
+    s.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for bad usage
+        return int(exc.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except (UsageError, ConfigError) as exc:
+        print(f"rl-ckpt {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        print(f"rl-ckpt {args.command}: {exc}", file=sys.stderr)
+        return EXIT_PROBLEM
+
+
+if __name__ == "__main__":
+    sys.exit(main())
