@@ -60,6 +60,20 @@ class Unreadable:
     reason: str
 
 
+LOST_MANIFEST = ("meta.json missing: data files are present but no manifest vouches for them "
+                 "(deleted after commit?); not used, not deleted by gc")
+
+
+def lost_manifest(storage: Storage, snapshot_id: str) -> bool:
+    """A folder with data files at its top level but no manifest.
+
+    Manifest-last saves keep their data in an attempt subfolder until the
+    manifest lands, and staged saves appear only with their manifest, so top
+    level files without a manifest mean a committed snapshot lost it.
+    """
+    return any(not e.is_dir and not e.name.startswith(".tmp-") for e in storage.list(snapshot_id))
+
+
 class Catalog:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
@@ -73,7 +87,10 @@ class Catalog:
             if not entry.is_dir or entry.name == STAGING or parse_snapshot_id(entry.name) is None:
                 continue
             if not self.storage.exists(f"{entry.name}/meta.json"):
-                continue  # never committed: debris of a crashed save, for gc
+                if lost_manifest(self.storage, entry.name):
+                    bad[entry.name] = Unreadable(entry.name, LOST_MANIFEST)
+                    log.warning("snapshot %s: %s", entry.name, LOST_MANIFEST)
+                continue  # otherwise never committed: debris of a crashed save, for gc
             try:
                 infos[entry.name] = SnapshotInfo.from_manifest(read_manifest(self.storage, entry.name))
             except CheckpointError as exc:

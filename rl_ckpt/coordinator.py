@@ -26,25 +26,24 @@ RECORD_VERSION = 1
 _NONFINITE = {"nan", "inf", "-inf"}
 
 
-class FailureKind(str, enum.Enum):
+class _StrEnum(str, enum.Enum):
+    def __str__(self) -> str:  # the plain value in messages, on every Python >= 3.10
+        return self.value
+
+
+class FailureKind(_StrEnum):
     exception = "exception"
     nan_loss = "nan_loss"  # NaN or inf loss
     process_killed = "process_killed"
     oom = "oom"
     heartbeat_lost = "heartbeat_lost"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Action(str, enum.Enum):
+class Action(_StrEnum):
     start_fresh = "start_fresh"
     restore_latest = "restore_latest"
     restore_best = "restore_best"
     give_up = "give_up"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def _metric(value: Any) -> float | None:
@@ -148,10 +147,10 @@ class CoordinatorConfig:
     best_mode: str = "max"
 
     def __post_init__(self) -> None:
-        for key in ("max_failures", "max_same_snapshot_failures", "max_acceptable_loss_steps"):
+        for key, low in (("max_failures", 0), ("max_same_snapshot_failures", 1), ("max_acceptable_loss_steps", 0)):
             v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "max_same_snapshot_failures" else 0)):
-                raise ConfigError(f"{key} must be a non-negative int (max_same_snapshot_failures >= 1), got {v!r}", key=key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ConfigError(f"{key} must be an int >= {low}, got {v!r}", key=key)
         if self.divergence_threshold is not None and not (self.divergence_threshold >= 0):
             raise ConfigError(f"divergence_threshold must be >= 0 or None, got {self.divergence_threshold!r}",
                               key="divergence_threshold")
@@ -208,8 +207,8 @@ class RecoveryCoordinator:
             decision.charged_to = charged
             self._history.append(decision)
             (log.warning if decision.action == Action.give_up else log.info)(
-                "recovery decision %d: %s %s — %s", decision.attempt, decision.action.value,
-                decision.snapshot_id or "", decision.reason)
+                "recovery decision %d: %s%s — %s", decision.attempt, decision.action.value,
+                f" {decision.snapshot_id}" if decision.snapshot_id else "", decision.reason)
             if self._record is not None:  # inside the lock so records keep decision order
                 self._record(decision)
             return decision
@@ -244,8 +243,8 @@ class RecoveryCoordinator:
         notes: dict[str, str] = {}
 
         def done(action: Action, reason: str, snap: SnapshotInfo | None = None) -> Decision:
-            considered = [(s.snapshot_id, f"chosen: {action.value}" if s is snap else notes.get(s.snapshot_id, "candidate"))
-                          for s in reversed(snaps)]
+            considered = [(s.snapshot_id, f"chosen: {action.value}" if s is snap
+                           else notes.get(s.snapshot_id, "candidate")) for s in reversed(snaps)]
             gstep = snap.global_step if snap else (0 if action == Action.start_fresh else None)
             return Decision(action, snap.snapshot_id if snap else None, gstep, reason, failure, considered, attempt)
 
@@ -261,28 +260,32 @@ class RecoveryCoordinator:
             # the state that produced the NaN was likely already bad some steps earlier.
             bound = failure.first_nonfinite_step if failure.first_nonfinite_step is not None else step
             for s in snaps:
-                bad = [f"{k}={v}" for k, v in s.metrics.items() if (m := _metric(v)) is not None and not math.isfinite(m)]
+                bad = [f"{k}={v}" for k, v in s.metrics.items()
+                       if (m := _metric(v)) is not None and not math.isfinite(m)]
                 if bound is not None and s.global_step >= bound:
-                    notes[s.snapshot_id] = f"skipped: step {s.global_step} is not before the first non-finite loss at step {bound}"
+                    notes[s.snapshot_id] = (f"skipped: step {s.global_step} is not before the first "
+                                            f"non-finite loss at step {bound}")
                 elif bad:  # a snapshot that recorded a non-finite metric is itself suspect
                     notes[s.snapshot_id] = f"skipped: recorded non-finite metrics ({', '.join(bad)})"
             cands = [s for s in snaps if s.snapshot_id not in notes]
             if not cands:
-                return done(Action.start_fresh, f"none of the {len(snaps)} snapshots is from before the first non-finite "
-                                                f"loss at step {bound} with finite metrics; starting fresh from step 0")
-            context = f", the newest with finite metrics from before the first non-finite loss at step {bound}"
+                return done(Action.start_fresh, f"none of the {len(snaps)} snapshots is from before the first "
+                                                f"non-finite loss at step {bound} with finite metrics; "
+                                                f"starting fresh from step 0")
+            context = f", from before the first non-finite loss at step {bound} and with finite metrics,"
         limit, worn = cfg.max_same_snapshot_failures, []
         for s in cands:
             n = self._snapshot_failures.get(s.snapshot_id, 0)
             if n >= limit:  # restoring it keeps being followed by failure: stop using it
-                notes[s.snapshot_id] = f"skipped: failed {n} times after being restored (max_same_snapshot_failures={limit})"
+                notes[s.snapshot_id] = (f"skipped: failed {n} times after being restored "
+                                        f"(max_same_snapshot_failures={limit})")
                 worn.append(f"{s.snapshot_id} (step {s.global_step}, {n}x)")
         remaining = [s for s in cands if s.snapshot_id not in notes]
         if not remaining:
             return done(Action.give_up, f"every remaining snapshot failed >= {limit} times after being restored "
                                         f"({', '.join(worn)}); giving up after the {failure.kind.value} {at}")
         if worn:
-            context += f" (skipping {', '.join(worn)}: failed >= {limit} times after restore)"
+            context = f" (skipping {', '.join(worn)}: failed >= {limit} times after restore)" + context
         newest, best = remaining[-1], self._best(remaining)
         metric, nv = cfg.best_metric, _metric(newest.metrics.get(cfg.best_metric))
         bv = _metric(best.metrics.get(metric)) if best else None
@@ -294,17 +297,22 @@ class RecoveryCoordinator:
             allowed = cfg.divergence_threshold * abs(bv)
             if gap > allowed:
                 return done(Action.restore_best, f"{nd}{context} has {metric}={nv:g}, {gap:g} worse than the {bd} "
-                                                 f"(> divergence_threshold={cfg.divergence_threshold:g} x |{bv:g}| = "
-                                                 f"{allowed:g}); restoring best after the {failure.kind.value} {at}", best)
+                                                 f"(> divergence_threshold={cfg.divergence_threshold:g} x |{bv:g}| "
+                                                 f"= {allowed:g}); restoring best after the {failure.kind.value} {at}",
+                            best)
         if cfg.max_acceptable_loss_steps is not None and step is not None:
             lost = step - newest.global_step
             if lost > cfg.max_acceptable_loss_steps:
                 head = (f"{nd}{context} is {lost} steps behind the {failure.kind.value} at step {step} "
                         f"(> max_acceptable_loss_steps={cfg.max_acceptable_loss_steps})")
                 if best is None:
-                    return done(Action.restore_latest, f"{head}, but no candidate records {metric}; restoring latest", newest)
+                    return done(Action.restore_latest, f"{head}, but no candidate records {metric}; restoring latest",
+                                newest)
                 if best is newest:
                     return done(Action.restore_latest, f"{head}, but it is also the {bd}; restoring latest", newest)
                 return done(Action.restore_best, f"{head}; restoring {bd}", best)
-        lost_txt = f", losing {step - newest.global_step} steps" if step is not None else ""
-        return done(Action.restore_latest, f"restoring {nd}{context} after the {failure.kind.value} {at}{lost_txt}", newest)
+        lost = None if step is None else step - newest.global_step
+        lost_txt = "" if lost is None else (f", losing {lost} steps" if lost >= 0 else  # < 0: an older timeline
+                                            f", {-lost} steps ahead of the failure")
+        return done(Action.restore_latest, f"restoring {nd}{context} after the {failure.kind.value} {at}{lost_txt}",
+                    newest)

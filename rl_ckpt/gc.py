@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from .catalog import lost_manifest
 from .commit import STAGING
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, parse_snapshot_id
@@ -70,6 +71,8 @@ def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, 
         if not entry.is_dir or parse_snapshot_id(name) is None:
             continue
         if not storage.exists(join(name, MANIFEST_NAME)):
+            if lost_manifest(storage, name):
+                continue  # a committed snapshot that lost its manifest: reported by verify, kept for a person
             if old(name, entry.mtime, True):
                 found.append(Debris(name, "snapshot folder without a manifest (save never committed)", True))
             continue

@@ -143,7 +143,8 @@ class KeepEveryNSteps(_Explained):
     def reasons(self, snapshots: Sequence[SnapshotInfo]) -> dict[str, list[str]]:
         if self.n <= 0:
             return {}
-        return {s.snapshot_id: [f"archive every {self.n} steps"] for s in _full(snapshots) if s.global_step % self.n == 0}
+        why = f"archive every {self.n} steps"
+        return {s.snapshot_id: [why] for s in _full(snapshots) if s.global_step % self.n == 0}
 
 
 @dataclasses.dataclass(frozen=True)

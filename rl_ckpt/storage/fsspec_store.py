@@ -2,24 +2,90 @@
 
 Object stores have no atomic rename (``supports_rename = False``): the commit
 strategy writes data objects first and the manifest last with a create-only
-PUT (s3fs ``mode="create"`` sends ``If-None-Match: *``), so two writers of one
-snapshot can never both commit. A single PUT is atomic, so ``write_atomic`` is
-a plain PUT.
+PUT, so two writers of one snapshot can never both commit. A single PUT is
+atomic, so ``write_atomic`` is a plain PUT.
+
+S3 (s3fs) specifics, each checked against moto's S3 server in
+``tests/test_storage_contract.py``:
+
+- Create-only: s3fs ``pipe_file(..., mode="create")`` sends ``If-None-Match: *``;
+  S3 answers ``412 PreconditionFailed`` (``Condition: If-None-Match``) when the
+  key exists, which s3fs raises as ``FileExistsError`` (the botocore
+  ``ClientError`` is its ``__cause__``). That, and only that, becomes
+  ``CommitConflictError``. ``409 ConditionalRequestConflict`` (another
+  conditional write of the key is in flight) is retried: the retry either wins
+  or gets the 412.
+- A retried PUT whose first try did land (response lost, botocore/s3fs retried)
+  would see its *own* object and get a 412. Each create-only PUT therefore
+  carries a random token in its user metadata; on a 412 (or on any error) the
+  object is HEADed and, if it carries our token, the write succeeded.
+- Listings: s3fs caches directory listings per instance (and instances are
+  shared per options), so ``exists``/``list``/``size`` could answer from a
+  listing taken before another process wrote or deleted. The listings cache is
+  off by default here (``use_listings_cache=False``) and every metadata call
+  also drops the cached entries for its path first.
+- Retries: botocore runs in ``standard`` retry mode with 5 attempts (5xx,
+  throttling, connection errors; exponential backoff with jitter) unless the
+  caller set ``config_kwargs["retries"]``; s3fs adds its own ``retries=5`` loop
+  for timeouts and dropped connections.
+- ``remove_tree`` lists the keys under ``<path>/`` and deletes them with
+  ``DeleteObjects`` (1000 per call, per-key errors raised). It never goes
+  through fsspec's ``rm``, which expands glob characters (``[``, ``*``, ``?``)
+  that are legal in a checkpoint name.
+- ``makedirs`` is a no-op (S3 has no folders; s3fs would even create the bucket).
+- ``write`` streams through ``open("wb")`` (multipart in ``block_size`` parts
+  above one block); if the chunk iterator fails the multipart upload is
+  aborted, so no truncated object is published.
 """
 
 from __future__ import annotations
 
+import io
+import threading
+import time
+import uuid
 from typing import BinaryIO, Iterable
 
 from ..errors import CommitConflictError, StorageError
 from .base import Entry, Storage, check_relpath
 
+_S3_PROTOCOLS = ("s3", "s3a")
+_TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
+_CONFLICT_RETRIES = 8
+_DELETE_BATCH = 1000
+_memory_lock = threading.Lock()  # memory:// is process-local: a process lock makes create-only exact
 
-def _is_conflict(exc: BaseException) -> bool:
+
+def _client_error(exc: BaseException) -> tuple[str, int | None]:
+    """(code, HTTP status) of the botocore ClientError behind ``exc``, if any."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 6:
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return str(response["Error"].get("Code", "")), status
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return "", None
+
+
+def _is_exists(exc: BaseException) -> bool:
+    """A create-only write found the path taken (only meaningful for create-only writes)."""
     if isinstance(exc, FileExistsError):
         return True
-    text = f"{type(exc).__name__} {exc}"
-    return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
+    code, status = _client_error(exc)
+    return code == "PreconditionFailed" or status == 412
+
+
+def _is_busy(exc: BaseException) -> bool:
+    """S3 ``409 ConditionalRequestConflict``: another conditional write of the key is in flight."""
+    code, _status = _client_error(exc)
+    return code == "ConditionalRequestConflict"
+
+
+def _as_bytes(data) -> bytes:
+    return data if isinstance(data, bytes) else bytes(memoryview(data).cast("B"))
 
 
 class FsspecStorage(Storage):
@@ -27,109 +93,287 @@ class FsspecStorage(Storage):
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         import fsspec
+        from fsspec.core import split_protocol
 
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        options = dict(storage_options or {})
+        protocol = split_protocol(self.url)[0]
+        self._s3 = protocol in _S3_PROTOCOLS
+        if self._s3:
+            options.setdefault("use_listings_cache", False)
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("retries", {"mode": "standard", "max_attempts": 5})
+            options["config_kwargs"] = config
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.root = self.root.rstrip("/")
+        from fsspec.implementations.memory import MemoryFileSystem
 
-    def _abs(self, path: str) -> str:
-        if path == "":
+        self._memory = isinstance(self.fs, MemoryFileSystem)
+
+    # -- paths -------------------------------------------------------------
+    def _abs(self, path: str, *, allow_root: bool = False) -> str:
+        if path == "" and allow_root:
             return self.root
         return f"{self.root}/{check_relpath(path)}"
 
+    def _fresh(self, full: str) -> None:
+        """Drop cached listings for ``full`` and its parents (another writer may have changed them)."""
+        try:
+            self.fs.invalidate_cache(full)
+        except Exception:  # pragma: no cover - a cache drop never fails a call
+            pass
+
     def _error(self, exc: BaseException, what: str, path: str) -> StorageError:
-        if _is_conflict(exc):
-            return CommitConflictError(f"{path} already exists: another writer committed it first", path=path, snapshot_id=path)
         return StorageError(f"{what} {self.url}/{path}: {type(exc).__name__}: {exc}", path=path)
 
+    def _conflict(self, path: str) -> CommitConflictError:
+        return CommitConflictError(f"{path} already exists: another writer committed it first", path=path, snapshot_id=path)
+
+    # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
         full = self._abs(path)
+        if create_only:
+            # Create-only writes are manifests (small): one conditional PUT
+            # (s3fs switches to a conditional multipart upload above 100 MB).
+            data = b"".join(memoryview(c).cast("B") for c in chunks)
+            self._create_only(full, path, data)
+            return len(data)
         try:
-            if create_only:
-                data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
-                self.fs.pipe_file(full, data, mode="create")
-                return len(data)
-            total = 0
-            with self.fs.open(full, "wb") as f:  # s3fs streams large files as multipart parts
-                for chunk in chunks:
-                    view = memoryview(chunk).cast("B")
-                    f.write(view)
-                    total += view.nbytes
-            return total
-        except (OSError, ValueError, RuntimeError) as exc:
+            f = self.fs.open(full, "wb")
+        except Exception as exc:
             raise self._error(exc, "cannot write", path) from exc
-        except Exception as exc:  # botocore/aiohttp errors do not derive from OSError
+        total = 0
+        try:
+            for chunk in chunks:  # errors of the chunk producer propagate unchanged
+                view = memoryview(chunk).cast("B")
+                try:
+                    f.write(view)  # uploads a part each time a block fills
+                except Exception as exc:
+                    raise self._error(exc, "cannot write", path) from exc
+                total += view.nbytes
+        except BaseException:
+            self._abandon(f, full)
+            raise
+        try:
+            f.close()  # the last part / one-shot PUT happens here
+        except Exception as exc:
             raise self._error(exc, "cannot write", path) from exc
+        return total
+
+    def _abandon(self, f, full: str) -> None:
+        """Throw away a half-written file without publishing it (best effort)."""
+        from fsspec.spec import AbstractBufferedFile
+
+        try:
+            if isinstance(f, AbstractBufferedFile):
+                f.discard()  # s3fs: abort the multipart upload
+                f.closed = True  # skip close()'s final flush, which would publish the partial object
+            else:
+                f.close()
+                self.fs.rm_file(full)  # e.g. memory://, where the file is visible from open()
+        except Exception:
+            pass
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         full = self._abs(path)
+        if create_only:
+            self._create_only(full, path, _as_bytes(data))
+            return
         try:
-            self.fs.pipe_file(full, bytes(data), mode="create" if create_only else "overwrite")
+            self.fs.pipe_file(full, _as_bytes(data), mode="overwrite")
         except Exception as exc:
             raise self._error(exc, "cannot write", path) from exc
 
-    def read(self, path: str) -> bytearray:
+    def _create_only(self, full: str, path: str, data: bytes) -> None:
+        if self._memory:
+            with _memory_lock:
+                try:
+                    self.fs.pipe_file(full, data, mode="create")
+                except Exception as exc:
+                    if _is_exists(exc):
+                        raise self._conflict(path) from exc
+                    raise self._error(exc, "cannot write", path) from exc
+            return
+        if not self._s3:
+            # Other fsspec backends: their own mode="create" (atomic where the backend supports it).
+            try:
+                self.fs.pipe_file(full, data, mode="create")
+            except Exception as exc:
+                if _is_exists(exc):
+                    raise self._conflict(path) from exc
+                raise self._error(exc, "cannot write", path) from exc
+            return
+        token = uuid.uuid4().hex
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                self.fs.pipe_file(full, data, mode="create", Metadata={_TOKEN_META: token})
+                return
+            except Exception as exc:
+                if _is_busy(exc) and attempt + 1 < _CONFLICT_RETRIES:
+                    time.sleep(min(0.05 * 2**attempt, 2.0))
+                    continue
+                if self._written_by(full, token):
+                    return  # an earlier try of this call landed; a retry then saw our own object
+                if _is_exists(exc):
+                    raise self._conflict(path) from exc
+                raise StorageError(
+                    f"cannot write {self.url}/{path}: {type(exc).__name__}: {exc} "
+                    "(create-only write; it did not land: the object is absent or not ours)",
+                    path=path,
+                ) from exc
+
+    def _written_by(self, full: str, token: str) -> bool:
+        bucket, key, _ = self.fs.split_path(full)
         try:
-            return bytearray(self.fs.cat_file(self._abs(path)))
+            head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+        except Exception:
+            return False
+        return (head.get("Metadata") or {}).get(_TOKEN_META) == token
+
+    # -- reads -------------------------------------------------------------
+    def read(self, path: str) -> bytearray:
+        full = self._abs(path)
+        try:
+            return bytearray(self.fs.cat_file(full))
         except Exception as exc:
             raise self._error(exc, "cannot read", path) from exc
 
     def open_read(self, path: str) -> BinaryIO:
+        full = self._abs(path)
+        self._fresh(full)
         try:
-            return self.fs.open(self._abs(path), "rb")
+            if self._memory:
+                # memory:// hands out the stored object itself (one shared position): copy it
+                return io.BytesIO(self.fs.cat_file(full))
+            return self.fs.open(full, "rb")
         except Exception as exc:
             raise self._error(exc, "cannot open", path) from exc
 
+    # -- namespace ---------------------------------------------------------
     def list(self, path: str = "") -> list[Entry]:
-        full = self._abs(path)
+        full = self._abs(path, allow_root=True)
+        self._fresh(full)
         try:
             items = self.fs.ls(full, detail=True, refresh=True) if "refresh" in _ls_params(self.fs) else self.fs.ls(full, detail=True)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            return []
         except Exception as exc:
             raise self._error(exc, "cannot list", path or ".") from exc
         out = []
+        prefix = full.rstrip("/") + "/"
         for item in items:
-            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
-            if not name or item["name"].rstrip("/") == full.rstrip("/"):
+            name_full = item["name"].rstrip("/")
+            if name_full == full.rstrip("/") or not (name_full + "/").startswith(prefix):
+                continue  # the path itself (a file, or an S3 folder marker)
+            name = name_full.rsplit("/", 1)[-1]
+            if not name:
                 continue
             mtime = item.get("LastModified") or item.get("mtime") or item.get("created")
             out.append(Entry(name, item.get("type") == "directory", int(item.get("size") or 0), _ts(mtime)))
         return out
 
     def exists(self, path: str) -> bool:
+        full = self._abs(path, allow_root=True)
+        self._fresh(full)
         try:
-            return bool(self.fs.exists(self._abs(path)))
+            return bool(self.fs.exists(full))
         except Exception as exc:
             raise self._error(exc, "cannot check", path) from exc
 
     def size(self, path: str) -> int:
+        full = self._abs(path)
+        self._fresh(full)
         try:
-            return int(self.fs.size(self._abs(path)))
+            return int(self.fs.size(full))
         except Exception as exc:
             raise self._error(exc, "cannot stat", path) from exc
 
     def remove(self, path: str) -> None:
+        full = self._abs(path)
         try:
-            self.fs.rm_file(self._abs(path))
+            self.fs.rm_file(full)
         except FileNotFoundError:
             pass
         except Exception as exc:
             raise self._error(exc, "cannot remove", path) from exc
+        finally:
+            self._fresh(full)
 
     def remove_tree(self, path: str) -> None:
+        full = self._abs(path)  # never the root: "" is refused
+        self._fresh(full)
         try:
-            self.fs.rm(self._abs(path), recursive=True)
+            if self._s3:
+                self._remove_tree_s3(full)
+            else:
+                self._remove_tree_generic(full)
         except FileNotFoundError:
             pass
+        except StorageError:
+            raise
         except Exception as exc:
             raise self._error(exc, "cannot remove", path) from exc
+        finally:
+            self._fresh(full)
+
+    def _remove_tree_s3(self, full: str) -> None:
+        bucket, key, _ = self.fs.split_path(full)
+        keys: list[str] = []
+        token = None
+        while True:  # every key equal to ``key`` or under ``key/`` (not ``key2``)
+            kw = {"Bucket": bucket, "Prefix": key + "/"}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self.fs.call_s3("list_objects_v2", **kw)
+            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                break
+            token = page["NextContinuationToken"]
+        keys.append(key)  # a file at the path itself (deleting a missing key is fine on S3)
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i : i + _DELETE_BATCH]
+            out = self.fs.call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"cannot remove {len(errors)} object(s) under {self.url}/{full[len(self.root) + 1:]}: "
+                    f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}",
+                    path=full[len(self.root) + 1 :],
+                )
+
+    def _remove_tree_generic(self, full: str) -> None:
+        found = self.fs.find(full, withdirs=True, detail=True)
+        files = [n for n, info in found.items() if info.get("type") != "directory"]
+        dirs = [n for n, info in found.items() if info.get("type") == "directory"]
+        for name in files:
+            try:
+                self.fs.rm_file(name)
+            except FileNotFoundError:
+                pass
+        if self.fs.isdir(full) and full not in dirs:
+            dirs.append(full)
+        for name in sorted(dirs, key=len, reverse=True):  # deepest first
+            try:
+                self.fs.rmdir(name)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
 
     def makedirs(self, path: str) -> None:
+        full = self._abs(path, allow_root=True)
+        if self._s3:
+            return  # S3 has no folders (and s3fs.makedirs would create a missing bucket)
         try:
-            self.fs.makedirs(self._abs(path), exist_ok=True)
+            self.fs.makedirs(full, exist_ok=True)
         except Exception as exc:
             raise self._error(exc, "cannot create folder", path) from exc
+
+    def sync_dir(self, path: str) -> None:
+        self._abs(path, allow_root=True)  # checked like every other path; nothing to sync
 
 
 def _ls_params(fs) -> tuple:
@@ -142,11 +386,10 @@ def _ls_params(fs) -> tuple:
 
 
 def _ts(value) -> float | None:
-    if value is None:
+    if value is None or value == "":
         return None
     if isinstance(value, (int, float)):
         return float(value)
     if hasattr(value, "timestamp"):
         return value.timestamp()
     return None
-
