@@ -88,7 +88,7 @@ def _fmt_metrics(metrics: dict) -> str:
 
 
 def cmd_ls(args) -> int:
-    from .reader import read_manifest
+    from .reader import read_manifest, verify_snapshot
     from .storage import join
 
     storage = _storage(args)
@@ -99,7 +99,10 @@ def cmd_ls(args) -> int:
         valid = "yes"
         try:
             manifest = read_manifest(storage, info.snapshot_id)
-            for f in manifest.files:
+            if args.deep:
+                problems = verify_snapshot(storage, info.snapshot_id).problems
+                valid = f"NO: {problems[0].path}: {problems[0].problem}" if problems else "yes"
+            for f in ([] if args.deep else manifest.files):
                 path = join(info.snapshot_id, f.path)
                 if not storage.exists(path):
                     valid = f"NO: {f.path} missing"
@@ -121,6 +124,8 @@ def cmd_ls(args) -> int:
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
         for r in [header, *rows]:
             print("  ".join(str(c).ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+        if not args.deep:
+            print("(VALID: manifest readable, every file present with its size; --deep or `rl-ckpt verify` re-hashes)")
     else:
         print(f"no snapshots in {args.url}")
     return EXIT_PROBLEM if bad else EXIT_OK
@@ -235,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = cmd("ls", cmd_ls, "list snapshots: id, step, kind, size, metrics, valid (exit 1 if any is bad)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--deep", action="store_true", help="re-hash every file instead of checking sizes")
     cmd("verify", cmd_verify, "re-hash snapshots against their manifests (exit 1 if anything is bad)", needs_id=None)
     s = cmd("inspect", cmd_inspect, "show one snapshot's manifest: components, tensors, files, metrics", needs_id=True)
     s.add_argument("--json", action="store_true")

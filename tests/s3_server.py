@@ -16,6 +16,7 @@ requests stay concurrent.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 LOOPBACK = "127.0.0.1"
@@ -69,6 +70,8 @@ def start_s3_server(timeout: float = 30.0) -> S3Server:
     """Start moto's S3 server on 127.0.0.1 with a free port and return where it listens."""
     from moto.server import ThreadedMotoServer
 
+    # werkzeug logs every request at INFO through its own stderr handler; keep warnings only.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
     # ThreadedMotoServer.start() waits without a timeout for its thread to bind;
     # if binding failed it would hang forever, so start it from a helper thread.

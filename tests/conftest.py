@@ -1,0 +1,67 @@
+"""Shared fixtures: an in-process S3 endpoint (moto on 127.0.0.1) and fresh buckets.
+
+``s3_endpoint`` (session): starts moto's S3 server once, yields s3fs
+``storage_options`` for it. Nothing needs to run beforehand.
+
+``s3_url`` (function): a new bucket with a unique name; yields
+``(url, storage_options)``, e.g. ``("s3://rlckpt-1a2b.../runs/r1", {...})``,
+ready for ``open_storage(url, storage_options)``. The bucket is emptied and
+deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+
+import pytest
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3_server import LOOPBACK, start_s3_server
+
+    with pytest.MonkeyPatch.context() as mp:
+        # Credentials are passed explicitly (key/secret), so no AWS env vars are
+        # needed. These only make sure nothing but 127.0.0.1 is ever contacted:
+        # no EC2 metadata probe, no HTTP proxy for the loopback endpoint, and no
+        # named profile from the environment that botocore would try to load.
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        for var in ("NO_PROXY", "no_proxy"):
+            current = os.environ.get(var, "")
+            if LOOPBACK not in current.split(","):
+                mp.setenv(var, ",".join(p for p in (current, LOOPBACK) if p))
+        for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+            mp.delenv(var, raising=False)
+        server = start_s3_server()
+        try:
+            yield server.storage_options()
+        finally:
+            server.stop()
+
+
+def _s3fs(storage_options: dict):
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True, **storage_options)
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    bucket = f"rlckpt-{uuid.uuid4().hex[:20]}"
+    fs = _s3fs(s3_endpoint)
+    # create_bucket directly: s3fs.mkdir adds a LocationConstraint, which
+    # us-east-1 rejects.
+    fs.call_s3("create_bucket", Bucket=bucket)
+    try:
+        yield f"s3://{bucket}/runs/r1", copy.deepcopy(s3_endpoint)
+    finally:
+        try:
+            keys = [o["Key"] for o in fs.call_s3("list_objects_v2", Bucket=bucket).get("Contents", [])]
+            if keys:
+                fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+            fs.call_s3("delete_bucket", Bucket=bucket)
+        except Exception:  # cleanup is best effort; the server dies with the session
+            pass

@@ -1,0 +1,85 @@
+"""The rl-ckpt CLI as a user runs it: a real subprocess, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from helpers import PPOState
+from rl_ckpt import CheckpointEngine
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rl_ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def _run_dir(tmp_path):
+    s = PPOState()
+    e = s.register(CheckpointEngine(base_dir=str(tmp_path)))
+    for step in (1, 2):
+        s.train(1)
+        e.save(step, metrics={"avg_reward": step * 10.0})
+    return s, str(tmp_path / "run")
+
+
+def test_ls_verify_inspect_export(tmp_path):
+    s, url = _run_dir(tmp_path)
+    out = run("ls", url)
+    assert out.returncode == 0, out.stderr
+    assert "step_000000002" in out.stdout and "avg_reward=20" in out.stdout and "yes" in out.stdout
+    rows = json.loads(run("ls", url, "--json").stdout)
+    assert [r["step"] for r in rows] == ["1", "2"]
+    assert run("verify", url).returncode == 0
+    ins = run("inspect", url, "step_000000002")
+    assert ins.returncode == 0 and "component policy" in ins.stdout and "0.weight" in ins.stdout
+    target = tmp_path / "policy.safetensors"
+    exp = run("export", url, "step_000000002", "policy", "-o", str(target))
+    assert exp.returncode == 0, exp.stderr
+    loaded = load_file(str(target))
+    for k, v in s.policy.state_dict().items():
+        assert torch.equal(loaded[k], v)
+
+
+def test_exit_codes(tmp_path):
+    _, url = _run_dir(tmp_path)
+    assert run("inspect", url, "step_000000099").returncode == 2
+    assert run("export", url, "step_000000002", "nope", "-o", str(tmp_path / "x")).returncode == 2
+    assert run("ls").returncode == 2
+    assert run("ls", str(tmp_path)).returncode == 2  # a base_dir holding runs: says which
+    shard = tmp_path / "run" / "step_000000002" / "policy.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    v = run("verify", url)
+    assert v.returncode == 1 and "policy.safetensors" in v.stdout and "checksum mismatch" in v.stdout
+    assert run("ls", url).returncode == 0  # quick: sizes are right
+    deep = run("ls", url, "--deep")
+    assert deep.returncode == 1 and "checksum mismatch" in deep.stdout
+    shard.write_bytes(bytes(data[:-5]))
+    assert run("ls", url).returncode == 1
+    assert run("verify", url, "step_000000001").returncode == 0
+
+
+def test_gc_removes_debris_only(tmp_path):
+    _, url = _run_dir(tmp_path)
+    run_dir = tmp_path / "run"
+    (run_dir / ".staging" / "step_000000003.host-1-2-abc").mkdir(parents=True)
+    (run_dir / ".staging" / "step_000000003.host-1-2-abc" / "policy.safetensors").write_bytes(b"x" * 100)
+    (run_dir / "step_000000004" / "attempt-1").mkdir(parents=True)  # manifest-last save that never committed
+    (run_dir / "step_000000002" / "loser-attempt").mkdir()  # not in the manifest
+    (run_dir / ".tmp-host-1-2-abc-best.json").write_text("{}")
+    dry = run("gc", url, "--dry-run", "--grace", "0")
+    assert dry.returncode == 0 and "4 debris entries found" in dry.stdout
+    assert (run_dir / ".staging" / "step_000000003.host-1-2-abc").exists()
+    young = run("gc", url)  # default grace period: a save may still be writing these
+    assert "0 debris" in young.stdout
+    time.sleep(0.01)
+    assert run("gc", url, "--grace", "0").returncode == 0
+    assert not (run_dir / ".staging" / "step_000000003.host-1-2-abc").exists()
+    assert not (run_dir / "step_000000004").exists() and not (run_dir / "step_000000002" / "loser-attempt").exists()
+    assert run("verify", url).returncode == 0 and len(CheckpointEngine(base_dir=str(tmp_path)).snapshots()) == 2
