@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Iterable
 
-from .commit import STAGING
+from .commit import STAGING, TRASH
 from .errors import CheckpointError
 from .manifest import Manifest, parse_snapshot_id
 from .reader import read_manifest
@@ -84,7 +84,7 @@ class Catalog:
     def refresh(self) -> None:
         infos, bad = {}, {}
         for entry in self.storage.list(""):
-            if not entry.is_dir or entry.name == STAGING or parse_snapshot_id(entry.name) is None:
+            if not entry.is_dir or entry.name in (STAGING, TRASH) or parse_snapshot_id(entry.name) is None:
                 continue
             if not self.storage.exists(f"{entry.name}/meta.json"):
                 if lost_manifest(self.storage, entry.name):

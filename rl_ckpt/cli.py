@@ -194,10 +194,14 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .gc import find_debris, remove_debris
+    from .gc import find_debris, find_unreferenced_objects, remove_debris
 
     storage = _storage(args)
     debris = find_debris(storage, grace_seconds=args.grace)
+    objects, refusal = find_unreferenced_objects(storage, grace_seconds=args.grace)
+    if refusal:
+        print(f"objects: {refusal}", file=sys.stderr)
+    debris += objects
     for d in debris:
         print(f"{'would remove' if args.dry_run else 'removing'} {d.path}{'/' if d.is_dir else ''}  ({d.reason})")
     if not args.dry_run:

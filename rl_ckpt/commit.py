@@ -27,6 +27,7 @@ from .storage import Storage, join
 from .storage.base import unique_suffix
 
 STAGING = ".staging"
+TRASH = ".trash"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +112,22 @@ def strategy_for(storage: Storage, atomic_write: bool = True) -> CommitStrategy:
     if atomic_write and storage.supports_rename:
         return StagedRenameCommit(storage)
     return ManifestLastCommit(storage)
+
+
+def retire_snapshot(storage: Storage, snapshot_id: str) -> None:
+    """Delete a committed snapshot so that it is either fully listed or not listed at all.
+
+    With rename: move the folder into ``.trash/`` (one atomic step), then
+    delete it. Without: remove the manifest first (the snapshot is no longer
+    committed), then its data. A crash in between leaves debris for ``gc``,
+    never a listed snapshot with missing files.
+    """
+    if storage.supports_rename:
+        trash = join(TRASH, f"{snapshot_id}.{unique_suffix()}")
+        storage.makedirs(TRASH)
+        storage.rename_dir(snapshot_id, trash)
+        storage.sync_dir("")
+        storage.remove_tree(trash)
+    else:
+        storage.remove(join(snapshot_id, MANIFEST_NAME))
+        storage.remove_tree(snapshot_id)

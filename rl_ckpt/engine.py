@@ -9,6 +9,7 @@ verifies it, and commits the manifest through the commit strategy.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -16,8 +17,10 @@ from typing import Any, Mapping
 
 import torch
 
-from .catalog import Catalog, SnapshotInfo
-from .commit import strategy_for
+from .async_save import BackgroundWriter, SaveHandle
+from .catalog import Catalog, SnapshotInfo, decode_metrics
+from .commit import retire_snapshot, strategy_for
+from .dedup import ObjectWriter, manifest_objects, object_path
 from .components import check_component_name, classify
 from .config import CheckpointConfig, changed_keys, config_digest
 from .errors import (
@@ -29,6 +32,8 @@ from .errors import (
 )
 from .manifest import Manifest, now_iso, snapshot_id
 from .reader import VerifyReport, load_component, read_manifest, verify_snapshot
+from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
+from .staging import StagingArea
 from .state_codec import EncodedState, encode_state
 from .storage import Storage, open_storage
 from .writer import write_component
@@ -79,6 +84,8 @@ class CheckpointEngine:
         train_config: your hyperparameters (lr, batch size, ...); recorded in every
             manifest and compared on restore (changed keys are warned about).
         storage: use this storage instead of opening ``config.run_url``.
+        retention: a :class:`RetentionPolicy` (default: built from keep_latest,
+            keep_best and keep_interval_steps); ``False`` keeps everything.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class CheckpointEngine:
         *,
         train_config: Mapping[str, Any] | None = None,
         storage: Storage | None = None,
+        retention: RetentionPolicy | bool | None = None,
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -103,7 +111,13 @@ class CheckpointEngine:
         self.commit = strategy_for(self.storage, config.atomic_write)
         self.catalog = Catalog(self.storage)
         self._components: dict[str, Registered] = {}
+        if retention is None or retention is True:
+            retention = policy_from_config(config)
+        self.retention: RetentionPolicy | None = retention or None
         self.last_save_time = time.monotonic()
+        self.last_retention: RetentionDecision | None = None
+        self._staging = StagingArea()
+        self._writer: BackgroundWriter | None = None
         self._closed = False
 
     # -- registration --------------------------------------------------------
@@ -159,9 +173,55 @@ class CheckpointEngine:
         """Save synchronously; returns only after the snapshot is committed (and verified)."""
         self._check_open()
         _check_step(global_step)
+        self.wait()  # one save at a time, in order
         base = self._base_for(kind)
         staged = self.stage(kind)
         return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base)
+
+    def save_async(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
+                   tags: Mapping[str, Any] | None = None, kind: str = "full") -> SaveHandle:
+        """Stage the state now (the only blocking part), then write, verify and commit it in the background.
+
+        The snapshot holds the state as of this call, whatever training does
+        next. If a save is still in flight this first waits for it: at most one
+        save is in flight and one staged copy is in memory. Errors come back on
+        ``handle.wait()`` and are logged.
+        """
+        self._check_open()
+        _check_step(global_step)
+        self.wait()
+        base = self._base_for(kind)
+        started = time.perf_counter()
+        staged = {}
+        for reg in self._saved_components(kind):
+            enc = encode_state(reg.name, reg.obj.state_dict(), host=False)
+            staged[reg.name] = self._staging.stage(reg.name, enc)
+        if not staged:
+            self.stage(kind)  # raises the "nothing to save" error
+        blocked = time.perf_counter() - started
+        if self._writer is None:
+            self._writer = BackgroundWriter()
+        metrics = clean_metrics(metrics)
+        return self._writer.submit(
+            lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base),
+            global_step, kind, blocked,
+        )
+
+    def scheduler(self, **kwargs: Any) -> "CheckpointScheduler":
+        """A :class:`CheckpointScheduler` over this engine (``on_error``, ``on_commit``, ``start_step``)."""
+        from .scheduler import CheckpointScheduler
+
+        return CheckpointScheduler(self, **kwargs)
+
+    @property
+    def saving(self) -> bool:
+        """True while a background save is in flight."""
+        return self._writer is not None and self._writer.busy
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any (its error stays on its handle)."""
+        if self._writer is not None:
+            self._writer.wait_idle()
 
     def _base_for(self, kind: str) -> str | None:
         if kind == "full":
@@ -179,11 +239,12 @@ class CheckpointEngine:
         cfg = self.config
         sid = snapshot_id(global_step, kind)
         attempt = self.commit.begin(sid)
+        objects = self._object_writer() if cfg.dedup else None
         try:
             files, sections = [], {}
             for name, enc in staged.items():
                 entries, section = write_component(self.storage, attempt, name, enc, algo=cfg.checksum_algo,
-                                                   verify=cfg.verify_after_write)
+                                                   verify=cfg.verify_after_write, objects=objects)
                 section["kind"] = self._components[name].kind if name in self._components else "other"
                 files += entries
                 sections[name] = section
@@ -205,7 +266,83 @@ class CheckpointEngine:
         self.catalog.add(info)
         self.last_save_time = time.monotonic()
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
+        self._after_commit()
         return info
+
+    def _object_writer(self) -> ObjectWriter:
+        committed: set[str] = set()
+        for info in self.catalog.snapshots():
+            if info.manifest is not None:
+                committed.update(manifest_objects(info.manifest))
+        return ObjectWriter(self.storage, self.config.checksum_algo, committed)
+
+    def _after_commit(self) -> None:
+        """Best aliases first, deletions last: a crash in between only leaves extra snapshots."""
+        snapshots = self.catalog.snapshots()
+        cfg = self.config
+        if cfg.keep_best > 0:
+            self._write_best_aliases(snapshots)
+        if self.retention is None:
+            return
+        decision = plan_retention(snapshots, self.retention)
+        self.last_retention = decision
+        freed: dict[str, tuple[str, int]] = {}
+        for sid in decision.delete:
+            info = self.catalog.get(sid)
+            if info is not None and info.manifest is not None:
+                freed.update(manifest_objects(info.manifest))
+            retire_snapshot(self.storage, sid)
+            self.catalog.discard([sid])
+            log.info("retention: deleted %s", sid)
+        if freed:
+            self._sweep_objects(freed)
+
+    def _sweep_objects(self, candidates: dict[str, tuple[str, int]]) -> None:
+        """Delete dedup objects of deleted snapshots that no remaining manifest references.
+
+        Only this engine writes to the run while it runs, and it is between
+        saves here, so no in-flight save can be reusing them. (``gc`` sweeps
+        everything else, with a grace period.)
+        """
+        live: set[str] = set()
+        for info in self.catalog.snapshots():
+            if info.manifest is not None:
+                live.update(manifest_objects(info.manifest))
+        if self.catalog.unreadable():
+            return  # an unreadable manifest may reference these: leave them to gc
+        for digest, (algo, _size) in candidates.items():
+            if digest not in live:
+                self.storage.remove(object_path(algo, digest))
+
+    def _write_best_aliases(self, snapshots: list[SnapshotInfo]) -> None:
+        cfg = self.config
+        metrics = cfg.best_metric if isinstance(cfg.best_metric, list) else [cfg.best_metric]
+        modes = cfg.best_mode if isinstance(cfg.best_mode, list) else [cfg.best_mode] * len(metrics)
+        for metric, sid in best_per_metric(snapshots, metrics, modes).items():
+            info = self.catalog.get(sid)
+            mode = modes[metrics.index(metric)]
+            body = {"snapshot_id": sid, "global_step": info.global_step if info else None, "metric": metric,
+                    "mode": mode, "value": info.metrics.get(metric) if info else None, "updated_at": now_iso()}
+            if self._best_alias(metric) != body["snapshot_id"]:
+                self.storage.makedirs("best")
+                self.storage.write_atomic(f"best/{_safe_metric(metric)}.json", json.dumps(body).encode())
+
+    def _best_alias(self, metric: str) -> str | None:
+        path = f"best/{_safe_metric(metric)}.json"
+        try:
+            return json.loads(bytes(self.storage.read(path))).get("snapshot_id") if self.storage.exists(path) else None
+        except (CheckpointError, ValueError):
+            return None
+
+    def best(self, metric: str | None = None) -> SnapshotInfo | None:
+        """The best committed snapshot by ``metric`` (default: the first of best_metric)."""
+        cfg = self.config
+        metrics = cfg.best_metric if isinstance(cfg.best_metric, list) else [cfg.best_metric]
+        modes = cfg.best_mode if isinstance(cfg.best_mode, list) else [cfg.best_mode] * len(metrics)
+        metric = metric or metrics[0]
+        mode = modes[metrics.index(metric)] if metric in metrics else "max"
+        sid = best_per_metric(self.catalog.snapshots(), [metric], [mode]).get(metric)
+        return self.catalog.get(sid) if sid else None
 
     # -- listing and verification -------------------------------------------
     def snapshots(self) -> list[SnapshotInfo]:
@@ -227,13 +364,17 @@ class CheckpointEngine:
         return report
 
     # -- restoring -----------------------------------------------------------
-    def restore(self, plan: Any = None, *, snapshot_id: str | None = None, strict: bool = True) -> RestoreResult:
+    def restore(self, plan: Any = None, *, snapshot_id: str | None = None, strict: bool = True,
+                light: bool = True) -> RestoreResult:
         """Load the newest valid snapshot (or ``snapshot_id``) into the registered objects.
 
         A corrupt or unreadable snapshot is skipped with a logged reason and the
         next older one is tried. With no snapshot at all, returns a result with
         ``fresh == True``. If snapshots exist but none is valid, raises
         :class:`NoValidSnapshotError` listing why each was skipped.
+
+        With ``light=True`` the newest valid light snapshot built on the chosen
+        full snapshot is applied on top of it (its progress, RNG, scheduler...).
         """
         self._check_open()
         self.catalog.refresh()
@@ -249,7 +390,7 @@ class CheckpointEngine:
             return RestoreResult(None, 0, warnings=[f"no snapshot in {self.storage.url}: starting fresh"])
         for info in reversed(fulls):
             try:
-                return self._restore_one(info.snapshot_id, skipped, strict)
+                return self._restore_one(info.snapshot_id, skipped, strict, light)
             except (StateMismatchError, RestoreError):
                 raise
             except CheckpointError as exc:
@@ -258,14 +399,13 @@ class CheckpointEngine:
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
 
-    def _restore_one(self, sid: str, skipped: dict, strict: bool) -> RestoreResult:
+    def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
         manifest = read_manifest(self.storage, sid)
         self._check_schema(manifest)
         warnings = self._config_warnings(manifest)
-        wanted = [r for r in self._components.values()]
         states: dict[str, Any] = {}
         missing = []
-        for reg in wanted:
+        for reg in self._components.values():
             if reg.name not in manifest.components:
                 missing.append(reg.name)
                 continue
@@ -276,6 +416,7 @@ class CheckpointEngine:
                 raise StateMismatchError(msg + "; register them under the names used when saving, or restore(strict=False)",
                                          component=missing[0], mismatches=missing, snapshot_id=sid)
             warnings.append(msg + "; they keep their current state")
+        top = self._apply_light(manifest, states, skipped) if light else None
         for name, state in states.items():
             check_fits(name, self._components[name].obj, state, sid)
         for name, state in states.items():
@@ -286,8 +427,28 @@ class CheckpointEngine:
                                    snapshot_id=sid, component=name) from exc
         for w in warnings:
             log.warning(w)
-        log.info("restored %s (step %d)", sid, manifest.global_step)
-        return RestoreResult(sid, manifest.global_step, None, list(states), dict(skipped), warnings, dict(manifest.metrics))
+        last = top or manifest
+        log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
+        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, list(states), dict(skipped),
+                             warnings, decode_metrics(last.metrics))
+
+    def _apply_light(self, full: Manifest, states: dict, skipped: dict) -> Manifest | None:
+        """Overlay the newest valid light snapshot built on ``full``; a broken one is skipped."""
+        for info in reversed(self.catalog.snapshots("light")):
+            if info.base_snapshot_id != full.snapshot_id or info.global_step < full.global_step:
+                continue
+            try:
+                manifest = read_manifest(self.storage, info.snapshot_id)
+                self._check_schema(manifest)
+                light_states = {n: load_component(self.storage, manifest, n)
+                                for n in manifest.components if n in self._components}
+            except CheckpointError as exc:
+                skipped[info.snapshot_id] = str(exc)
+                log.warning("skipping light snapshot %s: %s", info.snapshot_id, exc)
+                continue
+            states.update(light_states)
+            return manifest
+        return None
 
     def _excluded(self, reg: Registered) -> bool:
         return reg not in self._saved_components("full")
@@ -316,7 +477,10 @@ class CheckpointEngine:
             raise CheckpointError("this CheckpointEngine is closed")
 
     def close(self) -> None:
+        """Wait for the save in flight, then release the storage."""
         if not self._closed:
+            if self._writer is not None:
+                self._writer.close()
             self._closed = True
             self.storage.close()
 
@@ -325,6 +489,10 @@ class CheckpointEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _safe_metric(metric: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in metric).lstrip(".") or "metric"
 
 
 def _check_step(step: Any) -> None:

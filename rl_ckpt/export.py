@@ -7,7 +7,7 @@ import os
 from . import safetensors_io
 from .errors import CheckpointError, StorageError
 from .manifest import Manifest
-from .reader import read_verified
+from .reader import load_arrays
 from .storage import Storage
 
 
@@ -21,12 +21,10 @@ def export_component(storage: Storage, manifest: Manifest, component: str, out_p
     if component not in manifest.components:
         have = ", ".join(sorted(manifest.components)) or "(none)"
         raise CheckpointError(f"{sid} has no component {component!r}; it has: {have}", component=component)
-    entry = next((f for f in manifest.files_of(component) if f.role == "tensors"), None)
-    if entry is None:
+    arrays = load_arrays(storage, manifest, component)
+    if not arrays:
         raise CheckpointError(f"{sid}: component {component!r} holds no tensors (only JSON/tables); nothing to export",
                               component=component)
-    raw = read_verified(storage, sid, entry)
-    arrays = {k: safetensors_io.to_torch(c, s, v) for k, (c, s, v) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items()}
     chunks, meta = safetensors_io.encode(arrays, metadata={"format": "pt", "rl_ckpt_snapshot": sid, "component": component})
     tmp = f"{out_path}.tmp-{os.getpid()}"
     try:

@@ -17,7 +17,7 @@ import dataclasses
 import time
 
 from .catalog import lost_manifest
-from .commit import STAGING
+from .commit import STAGING, TRASH
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, parse_snapshot_id
 from .reader import read_manifest
@@ -64,6 +64,10 @@ def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, 
                 if old(path, staged.mtime, staged.is_dir):
                     found.append(Debris(path, "staged save that never committed", staged.is_dir))
             continue
+        if name == TRASH and entry.is_dir:
+            found += [Debris(join(TRASH, t.name), "retired snapshot whose deletion was interrupted", t.is_dir)
+                      for t in storage.list(TRASH)]
+            continue
         if name.startswith(".tmp-") and not entry.is_dir:
             if old(name, entry.mtime, False):
                 found.append(Debris(name, "temp file of an interrupted write", False))
@@ -97,3 +101,41 @@ def remove_debris(storage: Storage, debris: list[Debris]) -> int:
         else:
             storage.remove(d.path)
     return len(debris)
+
+
+def find_unreferenced_objects(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS,
+                              now: float | None = None) -> tuple[list[Debris], str | None]:
+    """Mark-and-sweep for dedup objects: those no committed manifest references.
+
+    Returns ``(debris, refusal)``. When any snapshot's manifest cannot be read,
+    its references are unknown, so nothing is swept and ``refusal`` says why.
+    """
+    from .dedup import OBJECTS, manifest_objects
+
+    now = time.time() if now is None else now
+    if not storage.exists(OBJECTS):
+        return [], None
+    live: set[str] = set()
+    for entry in storage.list(""):
+        if not entry.is_dir or parse_snapshot_id(entry.name) is None:
+            continue
+        if not storage.exists(join(entry.name, MANIFEST_NAME)):
+            if lost_manifest(storage, entry.name):
+                return [], f"{entry.name} has lost its manifest: its objects cannot be told apart, nothing swept"
+            continue
+        try:
+            live.update(manifest_objects(read_manifest(storage, entry.name)))
+        except CheckpointError as exc:
+            return [], f"{entry.name} is unreadable ({exc}); its objects may be live, nothing swept"
+    found = []
+    for algo in storage.list(OBJECTS):
+        for prefix in storage.list(join(OBJECTS, algo.name)):
+            for obj in storage.list(join(OBJECTS, algo.name, prefix.name)):
+                path = join(OBJECTS, algo.name, prefix.name, obj.name)
+                if obj.name.startswith(".tmp-"):
+                    if obj.mtime is None or now - obj.mtime >= grace_seconds:
+                        found.append(Debris(path, "temp file of an interrupted object write", False))
+                    continue
+                if obj.name not in live and (obj.mtime is None or now - obj.mtime >= grace_seconds):
+                    found.append(Debris(path, "dedup object no committed snapshot references", False))
+    return found, None

@@ -85,7 +85,10 @@ class Manifest:
 
     @property
     def size_bytes(self) -> int:
-        return sum(f.size for f in self.files)
+        """Logical size: every file plus the dedup objects its tensors reference."""
+        objects = sum(size for sec in self.components.values() if isinstance(sec, dict)
+                      for chunks in (sec.get("objects") or {}).values() for _d, size in chunks)
+        return sum(f.size for f in self.files) + objects
 
     def files_of(self, component: str) -> list[FileEntry]:
         return [f for f in self.files if f.component == component]

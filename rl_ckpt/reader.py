@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from . import safetensors_io
@@ -105,6 +106,15 @@ def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | N
             progress(entry.size)
         if problem:
             report.problems.append(FileProblem(snapshot_id, entry.path, problem))
+    from .dedup import check_object, manifest_objects, object_path
+
+    for digest, (algo, size) in manifest_objects(manifest).items():
+        try:
+            check_object(storage, algo, digest, size)
+        except CheckpointError as exc:
+            report.problems.append(FileProblem(snapshot_id, "../" + object_path(algo, digest), str(exc)))
+        if progress is not None:
+            progress(size)
     return report
 
 
@@ -140,12 +150,7 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
                                    problems=[f"no component {name}"])
     entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
     by_path = {f.path: f for f in manifest.files_of(name)}
-    arrays: dict = {}
-    if "tensors" in entries:
-        where = f"{sid}/{entries['tensors'].path}"
-        raw = read_verified(storage, sid, entries["tensors"])
-        for key, (code, shape, view) in safetensors_io.decode(raw, where=where).items():
-            arrays[key] = safetensors_io.to_torch(code, shape, view)
+    arrays = load_arrays(storage, manifest, name)
     tables = {}
     for table_name, rel in (section.get("tables") or {}).items():
         entry = by_path.get(rel)
@@ -163,6 +168,34 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
         raise CorruptSnapshotError(f"{sid}/{entries['json'].path}: not valid JSON ({exc})", snapshot_id=sid,
                                    problems=["bad json"]) from None
     return decode_state(tree, arrays, tables, where=f"{sid}/{entries['json'].path}")
+
+
+def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
+    """A component's tensors (verified), from its safetensors file or from dedup objects."""
+    sid = manifest.snapshot_id
+    section = manifest.components.get(name) or {}
+    arrays: dict = {}
+    if section.get("objects"):
+        from .dedup import read_tensor_bytes
+
+        for key, chunks in section["objects"].items():
+            meta = section.get("tensors", {}).get(key)
+            if not isinstance(meta, dict) or meta.get("dtype") not in safetensors_io.ITEMSIZE:
+                raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r} has no valid dtype", snapshot_id=sid,
+                                           problems=["bad tensor meta"])
+            raw = read_tensor_bytes(storage, section.get("objects_algo", ""), chunks)
+            shape = meta.get("shape")
+            if not isinstance(shape, list) or len(raw) != math.prod(shape) * safetensors_io.ITEMSIZE[meta["dtype"]]:
+                raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r}: bytes do not match its shape",
+                                           snapshot_id=sid, problems=["object size mismatch"])
+            arrays[key] = safetensors_io.to_torch(meta["dtype"], shape, memoryview(raw))
+        return arrays
+    entry = next((f for f in manifest.files_of(name) if f.role == "tensors"), None)
+    if entry is not None:
+        raw = read_verified(storage, sid, entry)
+        for key, (code, shape, view) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items():
+            arrays[key] = safetensors_io.to_torch(code, shape, view)
+    return arrays
 
 
 def _read_arrow(data: bytearray, where: str):

@@ -53,8 +53,13 @@ def _pyarrow():
     return pa
 
 
-def encode_state(component: str, state: Any) -> EncodedState:
-    """Split ``state`` (what ``state_dict()`` returned) into an :class:`EncodedState`."""
+def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedState:
+    """Split ``state`` (what ``state_dict()`` returned) into an :class:`EncodedState`.
+
+    ``host=True`` makes every tensor a contiguous CPU tensor (no copy when it
+    already is one); ``host=False`` leaves tensors where they are, for a
+    staging area that copies them into its own buffers anyway.
+    """
     if not isinstance(state, Mapping):
         raise SerializationError(
             f"component {component!r}: state_dict() returned {type(state).__name__}, expected a dict",
@@ -64,7 +69,7 @@ def encode_state(component: str, state: Any) -> EncodedState:
     pa = _pyarrow()
 
     def name_for(path: tuple) -> str:
-        base = ".".join(str(p) for p in path) if len(path) == 1 else "/".join(str(p) for p in path)
+        base = "/".join(str(p) for p in path)
         name, i = base or "_", 1
         while name in out.arrays or name in out.tables:
             name, i = f"{base}#{i}", i + 1
@@ -85,13 +90,13 @@ def encode_state(component: str, state: Any) -> EncodedState:
             if value.device.type == "meta":
                 raise _bad(component, path, value, "a meta tensor has no data")
             name = name_for(path)
-            out.arrays[name] = value.detach().cpu().contiguous()
+            out.arrays[name] = value.detach().cpu().contiguous() if host else value.detach()
             return {"$tensor": name}
         if isinstance(value, np.ndarray):
             if value.dtype == object or value.dtype.kind in "USV":
                 raise _bad(component, path, value, "object/string arrays go in a pyarrow.Table")
             name = name_for(path)
-            arr = np.ascontiguousarray(value)
+            arr = value if not host else np.ascontiguousarray(value)
             if not arr.dtype.isnative and arr.dtype.itemsize > 1:
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             out.arrays[name] = arr

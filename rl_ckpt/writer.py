@@ -9,7 +9,7 @@ with an independent re-read before the snapshot may commit.
 from __future__ import annotations
 
 import json
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from . import safetensors_io
 from .checksum import new_hasher
@@ -18,6 +18,9 @@ from .errors import CorruptSnapshotError
 from .manifest import FileEntry
 from .state_codec import EncodedState
 from .storage import Storage
+
+if TYPE_CHECKING:
+    from .dedup import ObjectWriter
 
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -62,8 +65,13 @@ def verify_written(storage: Storage, path: str, entry: FileEntry) -> None:
 
 def write_component(
     storage: Storage, attempt: Attempt, name: str, enc: EncodedState, *, algo: str, verify: bool,
+    objects: "ObjectWriter | None" = None,
 ) -> tuple[list[FileEntry], dict]:
-    """Write one component; returns its file entries and its manifest section."""
+    """Write one component; returns its file entries and its manifest section.
+
+    With ``objects`` (dedup), tensors go to the content-addressed object store
+    instead of a per-snapshot safetensors file.
+    """
     files: list[FileEntry] = []
     section: dict = {"tensors": {}, "tables": {}}
 
@@ -75,7 +83,14 @@ def write_component(
             verify_written(storage, path, entry)
         files.append(entry)
 
-    if enc.arrays:
+    if enc.arrays and objects is not None:
+        section["objects_algo"] = objects.algo
+        section["objects"] = {}
+        for key in sorted(enc.arrays):
+            value = enc.arrays[key]
+            section["tensors"][key] = {"dtype": safetensors_io.array_code(value), "shape": list(value.shape)}
+            section["objects"][key] = objects.put(safetensors_io.byte_view(value), verify)
+    elif enc.arrays:
         chunks, tensor_meta = safetensors_io.encode(enc.arrays, metadata={"component": name})
         section["tensors"] = tensor_meta
         put(f"{name}.safetensors", "tensors", chunks)

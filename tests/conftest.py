@@ -45,7 +45,7 @@ def s3_endpoint():
 def _s3fs(storage_options: dict):
     import s3fs
 
-    return s3fs.S3FileSystem(skip_instance_cache=True, **storage_options)
+    return s3fs.S3FileSystem(**storage_options)  # cached instance: one botocore client for the session
 
 
 @pytest.fixture

@@ -53,3 +53,32 @@ def save_loop(cfg: dict, start_step: int, conn) -> None:
         conn.send_bytes(str(step).encode())  # a synchronous pipe write: the ACK survives our death
         step += 1
     os._exit(0)  # pragma: no cover
+
+
+def retention_crash(cfg: dict, op: str, nth: int, partial: bool) -> None:
+    """Commit steps 1..3 with keep_latest=2; SIGKILL ourselves at the nth `op` of step 3's retention."""
+    import signal
+
+    from rl_ckpt import CheckpointEngine
+    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.storage import open_storage
+
+    storage = FaultyStorage(open_storage(cfg["base_dir"] + "/" + cfg.get("run_name", "run")))
+    engine = CheckpointEngine(**cfg, storage=storage)
+    engine.register("model", StepState(nbytes=64 * 1024))
+    for step in (1, 2):
+        engine.components["model"].set_step(step)
+        engine.save(step)
+
+    def die() -> None:
+        if partial:  # delete part of what is being removed first: a deletion cut short
+            inner = storage.inner
+            target = storage.ops[-1][1]
+            for entry in inner.list(target)[:1]:
+                (inner.remove_tree if entry.is_dir else inner.remove)(f"{target}/{entry.name}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.before(op, die, nth=nth)
+    engine.components["model"].set_step(3)
+    engine.save(3)
+    os._exit(0)  # retention finished without reaching the kill point

@@ -109,23 +109,6 @@ def store(backend) -> Storage:
     return backend.storage
 
 
-# Known gaps in rl_ckpt/storage/local.py (not owned by this suite). strict: once
-# fixed, these XPASS and fail, so the marker gets removed.
-LOCAL_CREATE_ONLY_BUG = (
-    "LocalStorage._publish_via_temp: the outer `except OSError` catches the CommitConflictError "
-    "(an OSError) raised for an existing path and re-wraps it as a plain StorageError"
-)
-LOCAL_LINK_REMOVE_BUG = (
-    "LocalStorage.remove_tree: _abs() refuses a path whose last part is a link before the "
-    "'a link is removed, never followed' branch can run, so a planted link cannot be removed"
-)
-
-
-def known_local_gap(request, backend_name: str, reason: str) -> None:
-    if backend_name == "local":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
-
-
 def _names(entries) -> dict:
     return {e.name: e for e in entries}
 
@@ -182,8 +165,7 @@ def test_write_overwrites(store):
     assert store.size("f.bin") == 6
 
 
-def test_create_only_refuses_existing_and_keeps_original(request, backend, store):
-    known_local_gap(request, backend.name, LOCAL_CREATE_ONLY_BUG)
+def test_create_only_refuses_existing_and_keeps_original(store):
     put(store, "snap/meta.json", [b"original"], create_only=True)
     with pytest.raises(CommitConflictError) as info:
         put(store, "snap/meta.json", [b"intruder"], create_only=True)
@@ -198,8 +180,7 @@ def test_create_only_refuses_existing_and_keeps_original(request, backend, store
     assert bytes(store.read("plain.bin")) == b"plain"
 
 
-def test_create_only_concurrent_writers_exactly_one_wins(request, backend, store):
-    known_local_gap(request, backend.name, LOCAL_CREATE_ONLY_BUG)
+def test_create_only_concurrent_writers_exactly_one_wins(store):
     n = 8
     barrier = threading.Barrier(n)
     wins, conflicts, other = [], [], []
@@ -225,8 +206,7 @@ def test_create_only_concurrent_writers_exactly_one_wins(request, backend, store
     assert bytes(store.read("race/meta.json")) == wins[0]
 
 
-def test_write_atomic_overwrite_and_create_only(request, backend, store):
-    known_local_gap(request, backend.name, LOCAL_CREATE_ONLY_BUG)
+def test_write_atomic_overwrite_and_create_only(store):
     put_atomic(store, "latest.json", b'{"step": 1}')
     put_atomic(store, "latest.json", bytearray(b'{"step": 2}'))
     assert bytes(store.read("latest.json")) == b'{"step": 2}'
@@ -435,21 +415,14 @@ def test_unsafe_paths_refused_by_every_method(store, bad):
     assert set(_names(store.list())) == {"keep"}
 
 
-# "" is the root itself: fine to list, check or create, never a file and never removed wholesale.
-ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "read", "open_read", "size", "remove", "remove_tree"]
-LOCAL_EMPTY_PATH_GAPS = {"write", "write_create_only", "write_atomic", "write_atomic_create_only", "size", "remove", "remove_tree"}
+# "" is the root itself: it may be listed, checked and synced, never written, read,
+# created or removed (remove_tree("") would delete the whole run).
+ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "read", "open_read",
+                 "size", "remove", "remove_tree", "makedirs"]
 
 
 @pytest.mark.parametrize("method", ROOT_REFUSERS)
-def test_empty_path_refused(request, backend, store, method):
-    if backend.name == "local" and method in LOCAL_EMPTY_PATH_GAPS:
-        request.applymarker(pytest.mark.xfail(
-            strict=True,
-            reason='LocalStorage._abs("") returns the root without check_relpath (rl_ckpt/storage/local.py): '
-            'remove_tree("") deletes the whole run folder, write_atomic("") makes a temp file next to the root',
-        ))
-        if method == "remove_tree":
-            pytest.xfail("skipped: would delete the test's root folder")  # still recorded as a gap
+def test_empty_path_refused(store, method):
     put(store, "keep/me.bin", [b"keep"])
     with pytest.raises(UnsafePathError):
         _calls(store)[method]("")
@@ -460,7 +433,6 @@ def test_root_accepted_where_it_makes_sense(store):
     store.write("f", [b"1"])
     assert set(_names(store.list(""))) == {"f"}
     assert store.exists("")
-    store.makedirs("")
     store.sync_dir("")
 
 
@@ -583,12 +555,14 @@ def test_local_list_then_read_never_follows_links(linked):
     assert read_ok == [("real/ok.bin", b"ok")]
 
 
-def test_local_remove_tree_of_link_removes_only_the_link(request, linked):
-    known_local_gap(request, "local", LOCAL_LINK_REMOVE_BUG)
+def test_local_remove_tree_of_link_removes_only_the_link(linked):
     store, root, outside = linked
     before = _outside_state(outside)
     store.remove_tree("dirlink")
     assert not os.path.lexists(root / "dirlink")
+    os.symlink(outside / "secret.txt", root / "filelink2")
+    store.remove("filelink2")  # remove() too deletes the link, not its target
+    assert not os.path.lexists(root / "filelink2")
     store.remove_tree("filelink")
     assert not os.path.lexists(root / "filelink")
     store.remove_tree("real")  # contains a link to outside: rmtree must not descend into it
@@ -648,6 +622,40 @@ def test_s3_create_only_retry_of_own_landed_put_is_success(s3_url, monkeypatch):
     monkeypatch.setattr(store.fs, "pipe_file", real)
     with pytest.raises(CommitConflictError):  # a different writer still loses
         open_storage(url, options).write("s/meta.json", [b"mine"], create_only=True)
+
+
+def test_s3_conditional_write_in_flight_is_retried(s3_url, monkeypatch):
+    """409 ConditionalRequestConflict (another conditional PUT of the key in flight) is retried, not a loss."""
+    from botocore.exceptions import ClientError
+
+    url, options = s3_url
+    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    real = store.fs.pipe_file
+    calls = []
+
+    def busy_once(path, data, **kw):
+        calls.append(kw)
+        if len(calls) == 1:
+            err = ClientError({"Error": {"Code": "ConditionalRequestConflict", "Message": "in progress"},
+                               "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
+            raise OSError(16, "in progress") from err  # how s3fs translates a 409
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(store.fs, "pipe_file", busy_once)
+    store.write("c/meta.json", [b"after retry"], create_only=True)
+    assert len(calls) == 2 and all(kw["mode"] == "create" for kw in calls)
+    assert bytes(store.read("c/meta.json")) == b"after retry"
+
+
+def test_s3_client_defaults(s3_url):
+    url, options = s3_url
+    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    assert store.fs.dircache.use_listings_cache is False  # no listing cache to go stale
+    assert store.fs.s3.meta.config.retries["mode"] == "standard"
+    assert store.fs.s3.meta.config.s3["addressing_style"] == "path"  # caller's config_kwargs kept
+    mine = FsspecStorage(url, {**options, "skip_instance_cache": True,
+                               "config_kwargs": {"retries": {"max_attempts": 2, "mode": "legacy"}}})
+    assert mine.fs.s3.meta.config.retries["mode"] == "legacy"  # caller's retry config wins
 
 
 def test_s3_user_enabled_listings_cache_is_not_served_stale(s3_url):

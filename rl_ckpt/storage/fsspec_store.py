@@ -187,11 +187,11 @@ class FsspecStorage(Storage):
     def _create_only(self, full: str, path: str, data: bytes) -> None:
         if self._memory:
             with _memory_lock:
+                if self.fs.exists(full):
+                    raise self._conflict(path)
                 try:
-                    self.fs.pipe_file(full, data, mode="create")
-                except Exception as exc:
-                    if _is_exists(exc):
-                        raise self._conflict(path) from exc
+                    self.fs.pipe_file(full, data, mode="overwrite")
+                except Exception as exc:  # e.g. a parent is a file
                     raise self._error(exc, "cannot write", path) from exc
             return
         if not self._s3:
@@ -364,7 +364,7 @@ class FsspecStorage(Storage):
                 pass
 
     def makedirs(self, path: str) -> None:
-        full = self._abs(path, allow_root=True)
+        full = self._abs(path)
         if self._s3:
             return  # S3 has no folders (and s3fs.makedirs would create a missing bucket)
         try:

@@ -23,7 +23,7 @@ import shutil
 import stat
 from typing import BinaryIO, Iterable
 
-from ..errors import CommitConflictError, StorageError, UnsafePathError
+from ..errors import CheckpointError, CommitConflictError, StorageError, UnsafePathError
 from .base import Entry, Storage, check_relpath, unique_suffix
 
 _MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
@@ -56,20 +56,27 @@ class LocalStorage(Storage):
         self.url = self.root
 
     # -- paths -------------------------------------------------------------
-    def _abs(self, path: str, *, check_links: bool = True) -> str:
-        if path == "":
+    def _abs(self, path: str, *, check_links: bool = True, allow_root: bool = False, last_may_be_link: bool = False) -> str:
+        """Absolute path of ``path`` under the root; links in it are refused.
+
+        Only listing and syncing may name the root itself (``""``): a write,
+        read or delete of ``""`` is refused. ``last_may_be_link`` lets a delete
+        remove a planted link itself (never what it points to).
+        """
+        if path == "" and allow_root:
             return self.root
         rel = check_relpath(path)
-        full = os.path.join(self.root, *rel.split("/"))
+        parts = rel.split("/")
+        full = os.path.join(self.root, *parts)
         if check_links:
             cur = self.root
-            for part in rel.split("/"):
+            for i, part in enumerate(parts):
                 cur = os.path.join(cur, part)
                 try:
                     st = os.lstat(cur)
                 except FileNotFoundError:
                     break
-                if stat.S_ISLNK(st.st_mode):
+                if stat.S_ISLNK(st.st_mode) and not (last_may_be_link and i == len(parts) - 1):
                     raise UnsafePathError(
                         f"refused {path!r}: {os.path.relpath(cur, self.root)!r} is a symbolic link; "
                         "checkpoint folders never contain links",
@@ -138,6 +145,8 @@ class LocalStorage(Storage):
             if durable:
                 self.sync_dir(os.path.dirname(path) if "/" in path else "")
             return size
+        except CheckpointError:
+            raise  # already says what happened (CommitConflictError, StorageError)
         except OSError as exc:
             raise _storage_error(exc, "cannot publish", path) from exc
         finally:
@@ -185,7 +194,7 @@ class LocalStorage(Storage):
 
     # -- namespace ---------------------------------------------------------
     def list(self, path: str = "") -> list[Entry]:
-        full = self._abs(path)
+        full = self._abs(path, allow_root=True)
         try:
             with os.scandir(full) as it:
                 out = []
@@ -201,7 +210,7 @@ class LocalStorage(Storage):
             raise _storage_error(exc, "cannot list", path or ".") from exc
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(self._abs(path, check_links=False))
+        return os.path.lexists(self._abs(path, check_links=False, allow_root=True))
 
     def size(self, path: str) -> int:
         try:
@@ -214,14 +223,14 @@ class LocalStorage(Storage):
 
     def remove(self, path: str) -> None:
         try:
-            os.unlink(self._abs(path))
+            os.unlink(self._abs(path, last_may_be_link=True))
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise _storage_error(exc, "cannot remove", path) from exc
 
     def remove_tree(self, path: str) -> None:
-        full = self._abs(path)
+        full = self._abs(path, last_may_be_link=True)
         try:
             if os.path.islink(full) or not os.path.isdir(full):
                 os.unlink(full)  # a link is removed, never followed
@@ -261,7 +270,7 @@ class LocalStorage(Storage):
             raise _storage_error(exc, "cannot rename to", dst) from exc
 
     def sync_dir(self, path: str) -> None:
-        full = self._abs(path)
+        full = self._abs(path, allow_root=True)
         try:
             fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:

@@ -1,0 +1,559 @@
+#!/usr/bin/env python
+"""Benchmark of rl_ckpt's two-phase save: what a synchronous save costs, what
+``save_async`` blocks, and how much a background save slows training.
+
+    python benchmarks/async_save.py [--dir PATH] [--size-gib 1.0] [--repeat 3]
+                                    [--algo sha256] [--json] [--phases]
+
+State: a synthetic model plus ``torch.optim.Adam`` state (exp_avg/exp_avg_sq
+populated by one optimizer step) of about ``--size-gib`` in total, fp32, with
+a realistic tensor mix: a few large matrices, many medium ones, many small
+vectors (plus Adam's scalar ``step`` tensors). The optimizer is ~2/3 of the
+bytes.
+
+One warm-up round (it makes the first ``save_async`` allocate the staging
+buffers; its figures are reported separately), then ``--repeat`` rounds, each
+running every measurement once, interleaved:
+
+1. ``sync_save_s``    ``engine.save(step)`` wall time (checksums + verify-after-write on).
+2. ``async_block_s``  wall time of the ``engine.save_async(step)`` call itself (also
+                      ``handle.stage_seconds``), then ``handle.wait()``;
+                      ``async_total_s`` is call start to committed.
+3. ``clone_s``        ``[t.clone() for t in tensors]`` of the same tensors (memory-copy floor);
+   ``copy_into_s``    ``dst.copy_(src)`` into preallocated tensors.
+4. training step time of a separate MLP (forward/backward/Adam, calibrated to
+   ``--step-ms``) (a) with no save running, (b) while a ``save_async`` persists in the
+   background; ``step_slowdown = b / a`` (medians).
+5. staging reuse: ``engine._staging.allocations`` after the first save_async vs after
+   every later save.
+
+Medians over the rounds are compared with the goals:
+``async_block_s <= 0.10 * sync_save_s``, ``async_block_s <= 1.5 * clone_s``,
+``step_slowdown <= 1.15``.
+
+``--phases`` also times the parts of a save on their own (stage/encode, hashing
+in memory, write+fsync without hashing, verify re-read+hash) and the training
+step while a background thread does only one of them, to attribute a miss.
+
+The run writes into a fresh temporary folder (inside ``--dir`` if given, else a
+temp folder on the repo's disk, never /dev/shm) and deletes it at the end.
+GB/s figures are decimal (1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+try:
+    import rl_ckpt  # noqa: F401  (installed editable)
+except ImportError:  # pragma: no cover - running from a checkout without install
+    sys.path.insert(0, str(REPO_ROOT))
+from rl_ckpt import CheckpointEngine  # noqa: E402
+from rl_ckpt.config import CHECKSUM_ALGOS  # noqa: E402
+
+GIB = 1 << 30
+GOAL_BLOCK_VS_SYNC = 0.10
+GOAL_BLOCK_VS_CLONE = 1.5
+GOAL_STEP_SLOWDOWN = 1.15
+LARGE = 16 << 20  # bytes: >= 16 MiB is a "large" tensor
+SMALL = 64 << 10  # bytes: < 64 KiB is a "small" tensor
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- state
+class Block(nn.Module):
+    """One transformer-ish block: 4 medium matrices, many small vectors."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(h, h)
+        self.k = nn.Linear(h, h)
+        self.v = nn.Linear(h, h)
+        self.o = nn.Linear(h, h)
+        self.norm1 = nn.LayerNorm(h)
+        self.norm2 = nn.LayerNorm(h)
+        self.gate = nn.Linear(h, 16)  # small
+        self.scale = nn.Parameter(torch.ones(h // 8))  # small
+
+
+class SyntheticPolicy(nn.Module):
+    """Never run forward: it only holds a realistic mix of parameters to checkpoint."""
+
+    def __init__(self, h: int, layers: int, rows: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(rows, h)
+        self.unembed = nn.Linear(h, rows, bias=False)
+        self.policy_head = nn.Linear(h, rows)
+        self.value_trunk = nn.Linear(h, rows)
+        self.blocks = nn.ModuleList(Block(h) for _ in range(layers))
+        self.final_norm = nn.LayerNorm(h)
+        self.value_out = nn.Linear(h, 1)
+
+
+def build_state(size_gib: float, seed: int = 0) -> tuple[SyntheticPolicy, torch.optim.Adam, dict]:
+    """A model + Adam whose state totals ~size_gib (params 1/3, exp_avg + exp_avg_sq 2/3)."""
+    torch.manual_seed(seed)
+    n_params = max(1, int(size_gib * GIB / 3 / 4))  # fp32
+    h = max(64, 64 * round(16 * math.sqrt(size_gib)))  # 1024 at 1 GiB
+    per_block = 4 * (h * h + h) + 4 * h + (16 * h + 16) + h // 8
+    layers = max(2, round(0.45 * n_params / per_block))  # ~45% of the bytes in medium matrices
+    rest = n_params - layers * per_block - (2 * h + h + 1)
+    rows = max(64, (rest - 2 * h) // (4 * h))  # 4 large matrices hold the rest (~55%)
+    with torch.no_grad():
+        model = SyntheticPolicy(h, layers, rows)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p).mul_(1e-3)
+    opt.step()  # populates exp_avg / exp_avg_sq / step
+    opt.zero_grad(set_to_none=True)
+    return model, opt, {"hidden": h, "blocks": layers, "large_rows": rows}
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor the engine saves for these two components (same objects, no copies)."""
+    out = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    for st in opt.state_dict()["state"].values():
+        out += [t for t in st.values() if isinstance(t, torch.Tensor)]
+    return out
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def size_mix(tensors: list[torch.Tensor]) -> dict:
+    mix = {"large": [0, 0], "medium": [0, 0], "small": [0, 0]}
+    for t in tensors:
+        b = t.numel() * t.element_size()
+        key = "large" if b >= LARGE else ("small" if b < SMALL else "medium")
+        mix[key][0] += 1
+        mix[key][1] += b
+    return {k: {"count": c, "bytes": b} for k, (c, b) in mix.items()}
+
+
+# --------------------------------------------------------------------------- training
+class Trainer:
+    """A CPU-realistic training step on its own MLP (never touches the checkpointed tensors)."""
+
+    def __init__(self, width: int = 1024, hidden: int = 2048, batch: int = 256, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.width, self.hidden = width, hidden
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                                 nn.Linear(hidden, width))
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4)
+        self._g = g
+        self.set_batch(batch)
+
+    def set_batch(self, batch: int) -> None:
+        self.batch = batch
+        self.x = torch.randn(batch, self.width, generator=self._g)
+        self.y = torch.randn(batch, self.width, generator=self._g)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(self.net(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+    def median_step(self, n: int) -> float:
+        return statistics.median(self.step() for _ in range(n))
+
+    def calibrate(self, target_s: float) -> None:
+        for _ in range(3):
+            self.step()
+        t = self.median_step(5)
+        for _ in range(2):
+            batch = int(min(16384, max(16, round(self.batch * target_s / t / 16) * 16)))
+            self.set_batch(batch)
+            for _ in range(2):
+                self.step()
+            t = self.median_step(5)
+            if abs(t / target_s - 1) < 0.15:
+                break
+
+
+# --------------------------------------------------------------------------- helpers
+def fs_info(path: str) -> dict:
+    """Filesystem type and source of the mount holding ``path`` (Linux; best effort)."""
+    best, info = "", {"fstype": "?", "source": "?", "mount": "?"}
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mnt = left.split()[4]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    fstype, source = right.split()[:2]
+                    best, info = mnt, {"fstype": fstype, "source": source, "mount": mnt}
+    except OSError:
+        pass
+    return info
+
+
+def make_workdir(base: str | None) -> str:
+    """A fresh folder to write into: inside ``base``, or a temp folder on the repo's disk."""
+    if base is not None:
+        os.makedirs(base, exist_ok=True)
+        return tempfile.mkdtemp(prefix="rl_ckpt_bench-", dir=base)
+    tmp = tempfile.gettempdir()
+    try:
+        same_disk = os.stat(tmp).st_dev == os.stat(REPO_ROOT).st_dev and fs_info(tmp)["fstype"] != "tmpfs"
+    except OSError:
+        same_disk = False
+    return tempfile.mkdtemp(prefix="rl_ckpt_bench-", dir=tmp if same_disk else str(REPO_ROOT.parent))
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def gbps(n: int, s: float | None) -> float | None:
+    return n / s / 1e9 if s else None
+
+
+# --------------------------------------------------------------------------- phases (--phases)
+def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer,
+                   baseline_step: float) -> dict:
+    """Time each part of a save on its own, and the training step next to each one."""
+    from rl_ckpt import safetensors_io
+    from rl_ckpt.checksum import new_hasher
+    from rl_ckpt.state_codec import encode_state
+    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt.writer import hash_file
+
+    arrays = {f"t{i}": t for i, t in enumerate(staged_tensors)}
+    storage = LocalStorage(os.path.join(workdir, "phases"))
+    storage.makedirs("x")
+    n = nbytes(staged_tensors)
+    counter = iter(range(1_000_000))
+
+    def hash_only() -> None:
+        h = new_hasher(algo)
+        for chunk in safetensors_io.encode(arrays)[0]:
+            h.update(memoryview(chunk).cast("B"))
+        h.hexdigest()
+
+    def write_only() -> None:
+        storage.write(f"x/w{next(counter)}.safetensors", safetensors_io.encode(arrays)[0], durable=True)
+
+    def write_hashed() -> None:  # what the engine does per file: hash each chunk, then write it
+        h = new_hasher(algo)
+
+        def gen():
+            for chunk in safetensors_io.encode(arrays)[0]:
+                v = memoryview(chunk).cast("B")
+                h.update(v)
+                yield v
+        storage.write(f"x/h{next(counter)}.safetensors", gen(), durable=True)
+        h.hexdigest()
+
+    write_only()
+    verify_path = f"x/w{next(counter) - 1}.safetensors"
+
+    def verify_only() -> None:  # re-read (page cache) + hash, like verify_after_write
+        hash_file(storage, verify_path, algo)
+
+    def copy_only(dst=[t.clone() for t in staged_tensors]) -> None:  # noqa: B006 - preallocated once
+        for d, s in zip(dst, staged_tensors):
+            d.copy_(s)
+
+    def timed(fn, reps: int = 2) -> float:
+        return statistics.median(_t(fn) for _ in range(reps))
+
+    def _t(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    out: dict = {"bytes": n}
+    t0 = time.perf_counter()
+    encode_state("x", {"a": arrays})
+    out["encode_state_s"] = time.perf_counter() - t0
+    for name, fn in (("hash_s", hash_only), ("write_fsync_s", write_only), ("write_hashed_s", write_hashed),
+                     ("verify_reread_hash_s", verify_only), ("copy_into_s", copy_only)):
+        out[name] = timed(fn)
+        log(f"  phase {name}: {out[name]:.3f} s")
+    # Training next to one background activity at a time (loops it until enough steps ran).
+    contention = {}
+    for name, fn in (("hash", hash_only), ("write_fsync", write_only), ("verify", verify_only),
+                     ("copy_into", copy_only)):
+        stop = threading.Event()
+
+        def loop(fn=fn) -> None:
+            while not stop.is_set():
+                fn()
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        time.sleep(0.05)
+        steps = [trainer.step() for _ in range(12)]
+        stop.set()
+        th.join()
+        contention[name] = {"step_ms": 1e3 * statistics.median(steps),
+                            "slowdown": statistics.median(steps) / baseline_step}
+        log(f"  step next to {name}: {contention[name]['step_ms']:.1f} ms ({contention[name]['slowdown']:.2f}x)")
+        storage.remove_tree("x")
+        storage.makedirs("x")
+        write_only()
+        verify_path = f"x/w{next(counter) - 1}.safetensors"
+    out["step_next_to"] = contention
+    shutil.rmtree(os.path.join(workdir, "phases"), ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------- benchmark
+def run(args: argparse.Namespace) -> dict:
+    workdir = make_workdir(args.dir)
+    res: dict = {"config": {"size_gib": args.size_gib, "repeat": args.repeat, "algo": args.algo,
+                            "verify_after_write": True, "dir": workdir, "fs": fs_info(workdir)},
+                 "env": {"torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
+                         "torch_num_interop_threads": torch.get_num_interop_threads(),
+                         "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                         "machine": platform.machine()}}
+    if res["config"]["fs"]["fstype"] == "tmpfs":
+        log(f"warning: {workdir} is on tmpfs: write/fsync figures will not reflect a disk")
+    engine = None
+    try:
+        log(f"building ~{args.size_gib} GiB of model + Adam state ...")
+        model, opt, shape = build_state(args.size_gib)
+        tensors = state_tensors(model, opt)
+        total = nbytes(tensors)
+        model_bytes = nbytes(list(model.state_dict().values()))
+        res["state"] = {"bytes": total, "gib": total / GIB, "tensors": len(tensors), "model_bytes": model_bytes,
+                        "optimizer_bytes": total - model_bytes, "optimizer_fraction": (total - model_bytes) / total,
+                        "mix": size_mix(tensors), "shape": shape}
+        saves = 3 * (args.repeat + 1)
+        free = shutil.disk_usage(workdir).free
+        if free < saves * total * 1.1 + 2 * total:
+            raise SystemExit(f"not enough free space in {workdir}: {free / GIB:.1f} GiB free, "
+                             f"~{(saves * total * 1.1 + 2 * total) / GIB:.1f} GiB needed ({saves} snapshots)")
+
+        trainer = Trainer()
+        trainer.calibrate(args.step_ms / 1e3)
+        res["train"] = {"model": f"MLP {trainer.width}-{trainer.hidden}-{trainer.hidden}-{trainer.width} + Adam",
+                        "batch": trainer.batch, "target_ms": args.step_ms}
+
+        engine = CheckpointEngine(base_dir=workdir, run_name="bench", checksum_algo=args.algo,
+                                  verify_after_write=True, retention=False)
+        engine.register("policy", model)
+        engine.register("optimizer", opt)
+        dst = [torch.empty_like(t) for t in tensors]
+        for d in dst:
+            d.zero_()  # fault the pages in once: copy_into measures the steady state, like reused staging
+
+        step = 0
+        rounds: list[dict] = []
+        alloc_first = None
+        alloc_after: list[int] = []
+        for rnd in range(args.repeat + 1):
+            warm = rnd == 0
+            r: dict = {"round": rnd, "warmup": warm}
+            log(f"round {rnd}{' (warm-up)' if warm else ''} ...")
+
+            # 1. synchronous save
+            step += 1
+            t0 = time.perf_counter()
+            engine.save(step)
+            r["sync_save_s"] = time.perf_counter() - t0
+
+            # 2. async save: blocking part, then until committed
+            step += 1
+            t0 = time.perf_counter()
+            handle = engine.save_async(step)
+            t1 = time.perf_counter()
+            handle.wait()
+            t2 = time.perf_counter()
+            r.update(async_block_s=t1 - t0, stage_seconds=handle.stage_seconds, async_total_s=t2 - t0)
+            if alloc_first is None:
+                alloc_first = engine._staging.allocations
+            else:
+                alloc_after.append(engine._staging.allocations)
+
+            # 3. memory-copy floor
+            t0 = time.perf_counter()
+            clones = [t.clone() for t in tensors]
+            r["clone_s"] = time.perf_counter() - t0
+            del clones
+            t0 = time.perf_counter()
+            for d, s in zip(dst, tensors):
+                d.copy_(s)
+            r["copy_into_s"] = time.perf_counter() - t0
+
+            # 4a. training, no save running
+            r["step_idle_s"] = [trainer.step() for _ in range(args.train_steps)]
+
+            # 4b. training while a save_async persists
+            step += 1
+            done_at: list[float] = []
+            t0 = time.perf_counter()
+            handle = engine.save_async(step)
+            t1 = time.perf_counter()
+            handle.add_done_callback(lambda _h: done_at.append(time.perf_counter()))
+            spans = []
+            while not handle.done():
+                s = time.perf_counter()
+                trainer.step()
+                spans.append((s, time.perf_counter()))
+            handle.wait()
+            end = done_at[0] if done_at else time.perf_counter()
+            inside = [e - s for s, e in spans if e <= end] or [e - s for s, e in spans]
+            r.update(step_during_save_s=inside, steps_during_save=len(spans), busy_block_s=t1 - t0,
+                     busy_total_s=end - t0)
+            alloc_after.append(engine._staging.allocations)
+            rounds.append(r)
+            log("  sync %.3fs  async block %.3fs (stage %.3fs) total %.3fs  clone %.3fs  copy %.3fs  "
+                "step idle %.1fms  during save %.1fms (%d steps, save took %.2fs)" % (
+                    r["sync_save_s"], r["async_block_s"], r["stage_seconds"], r["async_total_s"], r["clone_s"],
+                    r["copy_into_s"], 1e3 * med(r["step_idle_s"]), 1e3 * (med(inside) or 0), len(spans),
+                    r["busy_total_s"]))
+
+        measured = [r for r in rounds if not r["warmup"]]
+        m = {k: med([r[k] for r in measured]) for k in
+             ("sync_save_s", "async_block_s", "stage_seconds", "async_total_s", "clone_s", "copy_into_s",
+              "busy_block_s", "busy_total_s")}
+        m["step_idle_s"] = med([x for r in measured for x in r["step_idle_s"]])
+        m["step_during_save_s"] = med([x for r in measured for x in r["step_during_save_s"]])
+        m["step_slowdown"] = m["step_during_save_s"] / m["step_idle_s"]
+        res["rounds"] = rounds
+        res["median"] = m
+        res["gbps"] = {k: gbps(total, m[k]) for k in
+                       ("sync_save_s", "async_block_s", "async_total_s", "clone_s", "copy_into_s")}
+        res["first_save"] = {k: rounds[0][k] for k in ("sync_save_s", "async_block_s", "stage_seconds",
+                                                       "async_total_s")}
+        res["staging"] = {"allocations_after_first_save": alloc_first, "allocations_after_later_saves": alloc_after,
+                          "reused": all(a == alloc_first for a in alloc_after),
+                          "bytes_copied": engine._staging.bytes_copied}
+        res["goals"] = {
+            "async_block_vs_sync": {"value": m["async_block_s"] / m["sync_save_s"], "limit": GOAL_BLOCK_VS_SYNC,
+                                    "text": f"async_block_s <= {GOAL_BLOCK_VS_SYNC:.2f} * sync_save_s"},
+            "async_block_vs_clone": {"value": m["async_block_s"] / m["clone_s"], "limit": GOAL_BLOCK_VS_CLONE,
+                                     "text": f"async_block_s <= {GOAL_BLOCK_VS_CLONE} * clone_s"},
+            "step_slowdown": {"value": m["step_slowdown"], "limit": GOAL_STEP_SLOWDOWN,
+                              "text": f"step_slowdown <= {GOAL_STEP_SLOWDOWN}"},
+        }
+        for g in res["goals"].values():
+            g["met"] = g["value"] <= g["limit"]
+        res["all_goals_met"] = all(g["met"] for g in res["goals"].values())
+
+        if args.phases:
+            log("phases ...")
+            staged = [buf for buf in engine._staging._buffers.values() if isinstance(buf, torch.Tensor)]
+            res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer, m["step_idle_s"])
+        return res
+    finally:
+        if engine is not None:
+            engine.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        res["config"]["cleaned_up"] = not os.path.exists(workdir)
+
+
+# --------------------------------------------------------------------------- output
+def print_report(res: dict) -> None:
+    c, e, st, m, gb = res["config"], res["env"], res["state"], res["median"], res["gbps"]
+    mix = st["mix"]
+    print("rl_ckpt two-phase save benchmark")
+    print(f"  state      {st['gib']:.3f} GiB ({st['bytes']:,} B) in {st['tensors']} fp32 tensors; "
+          f"optimizer {st['optimizer_fraction']:.1%} of bytes")
+    print("  mix        " + ", ".join(f"{mix[k]['count']} {k} ({mix[k]['bytes'] / GIB:.3f} GiB)"
+                                     for k in ("large", "medium", "small"))
+          + f"  [large >= {LARGE >> 20} MiB, small < {SMALL >> 10} KiB]")
+    print(f"  storage    {c['dir']} ({c['fs']['fstype']} on {c['fs']['source']}); checksum {c['algo']}, "
+          f"verify_after_write on, retention off")
+    print(f"  machine    torch {e['torch']}, torch.get_num_threads()={e['torch_num_threads']}, "
+          f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}")
+    print(f"  training   {res['train']['model']}, batch {res['train']['batch']} "
+          f"(calibrated to ~{res['train']['target_ms']:.0f} ms/step)")
+    print(f"  rounds     1 warm-up + {c['repeat']} measured (medians below); GB/s = 1e9 B/s")
+    print()
+    rows = [
+        ("sync_save_s", "engine.save(step)", m["sync_save_s"], gb["sync_save_s"]),
+        ("async_block_s", "save_async() call (caller blocked)", m["async_block_s"], gb["async_block_s"]),
+        ("  stage_seconds", "handle.stage_seconds", m["stage_seconds"], None),
+        ("async_total_s", "save_async() -> committed", m["async_total_s"], gb["async_total_s"]),
+        ("clone_s", "[t.clone() for t in tensors]", m["clone_s"], gb["clone_s"]),
+        ("copy_into_s", "dst.copy_(src), preallocated", m["copy_into_s"], gb["copy_into_s"]),
+        ("busy_block_s", "save_async() call, training run", m["busy_block_s"], None),
+        ("busy_total_s", "save commit time while training", m["busy_total_s"], None),
+    ]
+    print(f"  {'metric':<18} {'median':>9} {'GB/s':>7}   {'per round':<28} what")
+    for key, what, val, rate in rows:
+        k = key.strip()
+        per = " ".join(f"{r[k]:.3f}" for r in res["rounds"] if not r["warmup"])
+        print(f"  {key:<18} {val:>8.3f}s {rate if rate is None else f'{rate:6.2f}':>7}   {per:<28} {what}")
+    print(f"  {'step_idle':<18} {1e3 * m['step_idle_s']:>7.1f}ms {'':>7}   "
+          f"{'':<28} training step, no save")
+    n_during = sum(r["steps_during_save"] for r in res["rounds"] if not r["warmup"])
+    print(f"  {'step_during_save':<18} {1e3 * m['step_during_save_s']:>7.1f}ms {'':>7}   "
+          f"{'':<28} training step while save_async persists ({n_during} steps)")
+    print(f"  {'step_slowdown':<18} {m['step_slowdown']:>8.3f}x")
+    f = res["first_save"]
+    print(f"  first (warm-up) round: sync {f['sync_save_s']:.3f}s, async block {f['async_block_s']:.3f}s "
+          f"(stage {f['stage_seconds']:.3f}s, allocates the staging buffers), async total {f['async_total_s']:.3f}s")
+    print()
+    print("  goals")
+    for g in res["goals"].values():
+        print(f"    {g['text']:<40} ratio {g['value']:7.3f} (limit {g['limit']:.2f})   "
+              f"{'MET' if g['met'] else 'MISSED'}")
+    s = res["staging"]
+    print()
+    print(f"  staging allocations: {s['allocations_after_first_save']} after the first save_async, "
+          f"{s['allocations_after_later_saves']} after each later one -> "
+          f"{'REUSED' if s['reused'] else 'NOT REUSED (buffers re-allocated)'}")
+    if "phases" in res:
+        p = res["phases"]
+        n = p["bytes"]
+        print()
+        print("  phases (each alone, same bytes, median of 2)")
+        for key in ("encode_state_s", "hash_s", "write_fsync_s", "write_hashed_s", "verify_reread_hash_s",
+                    "copy_into_s"):
+            print(f"    {key:<22} {p[key]:8.3f}s  {n / p[key] / 1e9:6.2f} GB/s")
+        print("    training step next to one background activity (12 steps):")
+        for name, v in p["step_next_to"].items():
+            print(f"      {name:<14} {v['step_ms']:7.1f} ms   {v['slowdown']:.2f}x")
+    print(f"  cleaned up: {c['cleaned_up']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="write into a fresh folder inside PATH (default: temp on repo disk)")
+    ap.add_argument("--size-gib", type=float, default=1.0, help="total model + optimizer state (default 1.0)")
+    ap.add_argument("--repeat", type=int, default=3, help="measured rounds; medians reported (default 3)")
+    ap.add_argument("--algo", default="sha256", choices=CHECKSUM_ALGOS, help="checksum_algo (default sha256)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")
+    ap.add_argument("--train-steps", type=int, default=15, help="idle training steps per round (default 15)")
+    ap.add_argument("--step-ms", type=float, default=75.0, help="target training step time (default 75)")
+    args = ap.parse_args(argv)
+    if args.repeat < 1 or args.size_gib <= 0:
+        ap.error("--repeat must be >= 1 and --size-gib > 0")
+    res = run(args)
+    if args.json:
+        print(json.dumps(res, indent=None, default=str))
+    else:
+        print_report(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

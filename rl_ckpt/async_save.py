@@ -1,0 +1,82 @@
+"""The background half of a two-phase save: one writer thread, one save in flight.
+
+``SaveHandle`` is what ``engine.save_async`` returns: ``done()``, ``wait()``
+(returns the committed ``SnapshotInfo`` or re-raises the save's error) and
+``add_done_callback``. A failed background save is also logged, so an error is
+never lost even if nobody waits on the handle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from typing import Callable
+
+from .catalog import SnapshotInfo
+
+log = logging.getLogger("rl_ckpt")
+
+
+class SaveHandle:
+    def __init__(self, future: cf.Future, global_step: int, kind: str, stage_seconds: float) -> None:
+        self._future = future
+        self.global_step = global_step
+        self.kind = kind
+        self.stage_seconds = stage_seconds  # how long the caller was blocked
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SnapshotInfo:
+        """Block until committed; returns its SnapshotInfo or raises the save's error."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle(step={self.global_step}, kind={self.kind}, {state})"
+
+
+class BackgroundWriter:
+    """A single writer thread: persisting never overlaps, and fails loudly."""
+
+    def __init__(self) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl_ckpt-writer")
+        self._lock = threading.Lock()
+        self._current: SaveHandle | None = None
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._current is not None and not self._current.done()
+
+    def wait_idle(self) -> None:
+        """Wait for the save in flight (its error stays on its handle)."""
+        with self._lock:
+            current = self._current
+        if current is not None:
+            cf.wait([current._future])
+
+    def submit(self, fn: Callable[[], SnapshotInfo], global_step: int, kind: str, stage_seconds: float) -> SaveHandle:
+        future = self._pool.submit(fn)
+        handle = SaveHandle(future, global_step, kind, stage_seconds)
+
+        def report(f: cf.Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                log.error("background save of step %d (%s) failed: %s", global_step, kind, exc)
+
+        future.add_done_callback(report)
+        with self._lock:
+            self._current = handle
+        return handle
+
+    def close(self) -> None:
+        self.wait_idle()
+        self._pool.shutdown(wait=True)

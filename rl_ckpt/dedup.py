@@ -1,0 +1,112 @@
+"""Content-addressed tensor storage (``dedup: true``): unchanged data is stored once.
+
+Each tensor's bytes are cut into fixed-size chunks; a chunk is stored as
+``objects/<algo>/<hh>/<digest>`` where ``digest`` is its checksum, so an object
+verifies itself. A manifest lists, per tensor, its chunk digests. A frozen
+reference model, frozen layers, or the unchanged rows of a large tensor cost
+nothing after the first snapshot.
+
+Safety:
+- A chunk is reused only when a *committed* manifest known to this writer
+  references it and the object is present with the right size; anything else
+  is (re)written, durably, before the manifest that references it commits.
+- Nothing here deletes. Unreferenced objects are swept by ``gc``
+  (mark-and-sweep over committed manifests), only when every manifest could be
+  read and only for objects older than the grace period, so a crash or an
+  in-flight save can never lose live data.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .checksum import new_hasher
+from .errors import CorruptSnapshotError, StorageError
+from .manifest import Manifest
+from .storage import Storage
+
+CHUNK_BYTES = 8 * 1024 * 1024
+OBJECTS = "objects"
+
+
+def object_path(algo: str, digest: str) -> str:
+    return f"{OBJECTS}/{algo}/{digest[:2]}/{digest}"
+
+
+def manifest_objects(manifest: Manifest) -> dict[str, tuple[str, int]]:
+    """Every object a manifest references: digest -> (algo, size)."""
+    out = {}
+    for section in manifest.components.values():
+        algo = section.get("objects_algo")
+        for tensor in (section.get("objects") or {}).values():
+            for digest, size in tensor:
+                out[digest] = (algo, size)
+    return out
+
+
+class ObjectWriter:
+    """Writes the chunks of one save; reuses chunks that committed snapshots already hold."""
+
+    def __init__(self, storage: Storage, algo: str, committed: Iterable[str] = ()) -> None:
+        self.storage = storage
+        self.algo = algo
+        self.committed = set(committed)
+        self.seen: set[str] = set()
+        self.bytes_written = 0
+        self.bytes_reused = 0
+
+    def put(self, view: memoryview, verify: bool) -> list[list]:
+        """Store a tensor's bytes; returns its chunk list ``[[digest, size], ...]``."""
+        chunks = []
+        for start in range(0, max(view.nbytes, 1), CHUNK_BYTES):
+            chunk = view[start:start + CHUNK_BYTES]
+            hasher = new_hasher(self.algo)
+            hasher.update(chunk)
+            digest = hasher.hexdigest()
+            chunks.append([digest, chunk.nbytes])
+            if digest in self.seen:
+                self.bytes_reused += chunk.nbytes
+                continue
+            self.seen.add(digest)
+            path = object_path(self.algo, digest)
+            if digest in self.committed and self._present(path, chunk.nbytes):
+                self.bytes_reused += chunk.nbytes
+                continue
+            self.storage.makedirs(path.rsplit("/", 1)[0])
+            self.storage.write_atomic(path, chunk)
+            self.bytes_written += chunk.nbytes
+            if verify:
+                check_object(self.storage, self.algo, digest, chunk.nbytes)
+        return chunks
+
+    def _present(self, path: str, size: int) -> bool:
+        try:
+            return self.storage.exists(path) and self.storage.size(path) == size
+        except StorageError:
+            return False
+
+
+def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearray:
+    """Read an object and prove it is what its name says; CorruptSnapshotError otherwise."""
+    path = object_path(algo, digest)
+    try:
+        data = storage.read(path)
+    except StorageError as exc:
+        raise CorruptSnapshotError(f"object {path}: {exc}", path=path, problems=["object unreadable"]) from exc
+    hasher = new_hasher(algo)
+    hasher.update(data)
+    if len(data) != size or hasher.hexdigest() != digest:
+        raise CorruptSnapshotError(f"object {path}: content does not match its name (corrupt)", path=path,
+                                   problems=["object checksum mismatch"])
+    return data
+
+
+def read_tensor_bytes(storage: Storage, algo: str, chunks: list) -> bytearray:
+    """Reassemble one tensor's bytes from its verified chunks."""
+    total = sum(size for _digest, size in chunks)
+    out = bytearray(total)
+    pos = 0
+    for digest, size in chunks:
+        out[pos:pos + size] = check_object(storage, algo, digest, size)
+        pos += size
+    return out

@@ -1,0 +1,155 @@
+"""Light layers on full snapshots, and retention through the engine (including a crash mid-deletion)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+
+from helpers import PPOState, assert_same_state
+from kill_child import StepState, retention_crash
+from rl_ckpt import CheckpointEngine
+from rl_ckpt.cli import main as cli
+
+
+def _flip(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_restore_is_full_plus_newest_light_on_it(tmp_path):
+    cfg = {"base_dir": str(tmp_path), "keep_latest": 10}
+    s = PPOState(seed=4)
+    e = s.register(CheckpointEngine(**cfg))
+    s.train(2)
+    e.save(2)
+    weights_at_2 = PPOState(seed=4)
+    weights_at_2.register(CheckpointEngine(**cfg)).restore()
+    s.train(3)
+    e.save(5, kind="light")
+    s.train(2)
+    light7 = e.save(7, kind="light")
+    assert light7.base_snapshot_id == "step_000000002" and light7.kind == "light"
+    progress_at_7 = s.progress.state_dict()
+    sched_at_7 = s.lr_scheduler.state_dict()
+
+    fresh = PPOState(seed=9)
+    r = fresh.register(CheckpointEngine(**cfg)).restore()
+    assert (r.snapshot_id, r.light_snapshot_id, r.global_step) == ("step_000000002", "step_000000007.light", 7)
+    assert fresh.progress.state_dict() == progress_at_7 and fresh.lr_scheduler.state_dict() == sched_at_7
+    for a, b in zip(fresh.policy.parameters(), weights_at_2.policy.parameters()):  # weights from the full one
+        assert (a == b).all()
+
+    full_only = PPOState(seed=9)
+    r2 = full_only.register(CheckpointEngine(**cfg)).restore(light=False)
+    assert r2.light_snapshot_id is None and r2.global_step == 2
+    assert_same_state(full_only, weights_at_2)  # full-only restore is exact
+
+
+def test_corrupt_light_is_skipped_and_light_without_valid_base_is_never_used(tmp_path):
+    cfg = {"base_dir": str(tmp_path), "retention": False}  # retention keeps one light per full: keep them all here
+    s = PPOState(seed=4)
+    e = s.register(CheckpointEngine(**cfg))
+    e.save(1)
+    s.train(1)
+    e.save(2, kind="light")  # on step 1
+    s.train(1)
+    e.save(3)
+    s.train(1)
+    e.save(4, kind="light")  # on step 3
+    s.train(1)
+    e.save(5, kind="light")  # on step 3
+    run = tmp_path / "run"
+    _flip(run / "step_000000005.light" / "progress.json")
+    r = PPOState(seed=1).register(CheckpointEngine(**cfg)).restore()
+    assert (r.snapshot_id, r.light_snapshot_id) == ("step_000000003", "step_000000004.light")
+    assert "step_000000005.light" in r.skipped
+    _flip(run / "step_000000003" / "policy.safetensors")  # the base of lights 4 and 5
+    r = PPOState(seed=1).register(CheckpointEngine(**cfg)).restore()
+    assert (r.snapshot_id, r.light_snapshot_id, r.global_step) == ("step_000000001", "step_000000002.light", 2)
+
+
+def test_light_needs_a_full_base(tmp_path):
+    e = PPOState().register(CheckpointEngine(base_dir=str(tmp_path)))
+    with pytest.raises(Exception, match="full snapshot"):
+        e.save(1, kind="light")
+
+
+def test_retention_example_and_best_alias(tmp_path):
+    e = PPOState().register(CheckpointEngine(base_dir=str(tmp_path), keep_latest=2, keep_best=1))
+    for step, reward in zip(range(1, 7), [5, 9, 1, 2, 3, 4]):
+        e.save(step, metrics={"avg_reward": reward})
+    assert [i.global_step for i in e.snapshots()] == [2, 5, 6]
+    assert [i.global_step for i in CheckpointEngine(base_dir=str(tmp_path)).snapshots()] == [2, 5, 6]
+    best = json.loads((tmp_path / "run" / "best" / "avg_reward.json").read_text())
+    assert best["snapshot_id"] == "step_000000002" and best["value"] == 9
+    assert e.best().snapshot_id == "step_000000002"
+    assert not any((tmp_path / "run" / ".trash").iterdir())
+
+
+def test_retention_keeps_archive_points_and_multi_objective(tmp_path):
+    e = PPOState().register(CheckpointEngine(base_dir=str(tmp_path), keep_latest=1, keep_best=1, keep_interval_steps=4,
+                                             best_metric=["success", "violations"], best_mode=["max", "min"]))
+    rows = [(1, 0.5, 3), (2, 0.9, 5), (3, 0.9, 1), (4, 0.1, 9), (5, 0.2, 0), (6, 0.3, 0), (7, 0.2, 2), (8, 0.1, 1)]
+    for step, success, violations in rows:
+        e.save(step, metrics={"success": success, "violations": violations})
+    assert [i.global_step for i in e.snapshots()] == [3, 4, 8]  # best (0.9, 1), archive 4 and 8, latest 8
+
+
+@pytest.mark.parametrize("atomic_write,op,nth,partial", [
+    (True, "rename_dir", 2, False),    # after the commit rename of step 3, before retiring step 1
+    (True, "remove_tree", 1, False),   # retired into .trash, not yet deleted
+    (True, "remove_tree", 1, True),    # the deletion cut short halfway
+    (False, "rename_dir", 1, False),   # manifest-last layout on a local disk: retired by rename too
+    (False, "remove_tree", 1, True),
+], ids=["staged-before-retire", "staged-in-trash", "staged-half-deleted", "ml-before-retire", "ml-half-deleted"])
+def test_crash_during_retention_never_leaves_a_half_deleted_listed_snapshot(tmp_path, atomic_write, op, nth, partial):
+    """A real process is SIGKILLed at the chosen storage operation of a retention pass."""
+    cfg = {"base_dir": str(tmp_path), "keep_latest": 2, "keep_best": 0, "atomic_write": atomic_write}
+    proc = mp.get_context("forkserver").Process(target=retention_crash, args=(cfg, op, nth, partial))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode in (-9, 0)
+    e = CheckpointEngine(**cfg)
+    listed = [i.global_step for i in e.snapshots()]
+    assert listed in ([1, 2, 3], [2, 3]), listed
+    report = e.verify()
+    assert report.ok, str(report)  # whatever is listed is complete
+    model = StepState(nbytes=64 * 1024)
+    e.register("model", model)
+    assert e.restore().global_step == 3 and model.consistent_step() == 3
+    assert cli(["gc", str(tmp_path / "run"), "--grace", "0"]) == 0
+    assert [i.global_step for i in CheckpointEngine(**cfg).snapshots()] == listed
+    leftovers = {p.name for p in (tmp_path / "run").iterdir()} - {"step_000000001", "step_000000002", "step_000000003",
+                                                                 ".staging", ".trash"}
+    assert leftovers == set()
+    assert not (tmp_path / "run" / ".trash").exists() or not any((tmp_path / "run" / ".trash").iterdir())
+    assert proc.exitcode == -9, "the kill point was never reached"
+
+
+@pytest.mark.parametrize("fail_op", ["remove", "remove_tree"])
+def test_without_rename_the_manifest_goes_first(fail_op):
+    """Object stores: retiring removes the manifest before the data, so a crash never lists a partial snapshot."""
+    import uuid
+
+    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.storage import open_storage
+
+    base = f"memory://ret-{uuid.uuid4().hex}"
+    storage = FaultyStorage(open_storage(base + "/run"))
+    e = CheckpointEngine(base_dir=base, storage=storage, keep_latest=2, keep_best=0)
+    model = StepState(nbytes=4096)
+    e.register("model", model)
+    for step in (1, 2):
+        model.set_step(step)
+        e.save(step)
+    storage.fail(fail_op, nth=1, error=5)  # EIO: the process "dies" at this point of the deletion
+    model.set_step(3)
+    with pytest.raises(Exception, match="injected fault"):
+        e.save(3)
+    listed = [i.global_step for i in CheckpointEngine(base_dir=base, storage=storage.inner).snapshots()]
+    assert listed == ([1, 2, 3] if fail_op == "remove" else [2, 3])
+    assert CheckpointEngine(base_dir=base, storage=storage.inner).verify().ok
