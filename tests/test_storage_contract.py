@@ -591,35 +591,57 @@ def test_s3_write_streams_multipart_and_aborts_on_failure(s3_url):
     assert not store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
 
 
-def test_s3_create_only_sends_if_none_match(s3_url):
-    """The conflict comes from S3's 412, not from a check-then-write in our code."""
+def _spy_put_object(monkeypatch, store, before=None, after=None):
+    """Wrap the client's put_object calls: ``before(kw)`` may raise, ``after(kw)`` runs once it landed."""
+    real = store.fs.call_s3
+    calls = []
+
+    def spy(method, *args, **kw):
+        if method != "put_object":
+            return real(method, *args, **kw)
+        calls.append(kw)
+        if before:
+            before(kw)
+        out = real(method, *args, **kw)
+        if after:
+            after(kw)
+        return out
+
+    monkeypatch.setattr(store.fs, "call_s3", spy)
+    return calls
+
+
+def test_s3_create_only_is_a_conditional_put(s3_url, monkeypatch):
+    """The conflict comes from S3's 412 on ``If-None-Match: *``, not from a check-then-write in our code."""
     url, options = s3_url
-    store = open_storage(url, options)
+    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    calls = _spy_put_object(monkeypatch, store)
     store.write("m/meta.json", [b"one"], create_only=True)
-    bucket, key = url[len("s3://"):].split("/", 1)
-    with pytest.raises(FileExistsError) as info:  # what s3fs itself raises for the 412
-        store.fs.pipe_file(f"{bucket}/{key}/m/meta.json", b"two", mode="create")
-    assert info.value.__cause__.response["Error"]["Code"] == "PreconditionFailed"
-    assert info.value.__cause__.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    with pytest.raises(CommitConflictError) as info:
+        store.write("m/meta.json", [b"two"], create_only=True)
+    assert [c.get("IfNoneMatch") for c in calls] == ["*", "*"]
+    assert isinstance(info.value.__cause__, FileExistsError)  # what s3fs makes of the 412
+    response = info.value.__cause__.__cause__.response
+    assert response["Error"]["Code"] == "PreconditionFailed" and response["Error"]["Condition"] == "If-None-Match"
+    assert response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert bytes(store.read("m/meta.json")) == b"one"
 
 
 def test_s3_create_only_retry_of_own_landed_put_is_success(s3_url, monkeypatch):
     """A PUT that landed but whose response was lost is retried and meets its own object: not a conflict."""
     url, options = s3_url
     store = FsspecStorage(url, {**options, "skip_instance_cache": True})
-    real = store.fs.pipe_file
-    calls = []
+    lost = []
 
-    def flaky(path, data, **kw):
-        calls.append(kw)
-        real(path, data, **kw)  # lands ...
-        if len(calls) == 1:
-            raise OSError("connection reset after the request was sent")  # ... but we never hear back
+    def lose_first_response(kw):
+        if not lost:
+            lost.append(kw)
+            raise OSError("connection reset after the request was sent")
 
-    monkeypatch.setattr(store.fs, "pipe_file", flaky)
+    calls = _spy_put_object(monkeypatch, store, after=lose_first_response)
     store.write("s/meta.json", [b"mine"], create_only=True)  # no error: the object is ours
+    assert len(calls) == 1 and lost
     assert bytes(store.read("s/meta.json")) == b"mine"
-    monkeypatch.setattr(store.fs, "pipe_file", real)
     with pytest.raises(CommitConflictError):  # a different writer still loses
         open_storage(url, options).write("s/meta.json", [b"mine"], create_only=True)
 
@@ -630,21 +652,27 @@ def test_s3_conditional_write_in_flight_is_retried(s3_url, monkeypatch):
 
     url, options = s3_url
     store = FsspecStorage(url, {**options, "skip_instance_cache": True})
-    real = store.fs.pipe_file
-    calls = []
 
-    def busy_once(path, data, **kw):
-        calls.append(kw)
+    def busy_once(kw):
         if len(calls) == 1:
             err = ClientError({"Error": {"Code": "ConditionalRequestConflict", "Message": "in progress"},
                                "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
             raise OSError(16, "in progress") from err  # how s3fs translates a 409
-        return real(path, data, **kw)
 
-    monkeypatch.setattr(store.fs, "pipe_file", busy_once)
+    calls = _spy_put_object(monkeypatch, store, before=busy_once)
     store.write("c/meta.json", [b"after retry"], create_only=True)
-    assert len(calls) == 2 and all(kw["mode"] == "create" for kw in calls)
+    assert len(calls) == 2 and all(kw["IfNoneMatch"] == "*" for kw in calls)
     assert bytes(store.read("c/meta.json")) == b"after retry"
+
+
+def test_s3_create_only_refused_without_if_none_match_support(s3_url, monkeypatch):
+    url, options = s3_url
+    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    store._conditional_put = False  # as with a botocore whose PutObject model lacks IfNoneMatch
+    with pytest.raises(StorageError, match="If-None-Match") as info:
+        store.write("n/meta.json", [b"x"], create_only=True)
+    assert not isinstance(info.value, CommitConflictError)
+    assert not store.exists("n/meta.json")
 
 
 def test_s3_client_defaults(s3_url):

@@ -8,13 +8,15 @@ atomic, so ``write_atomic`` is a plain PUT.
 S3 (s3fs) specifics, each checked against moto's S3 server in
 ``tests/test_storage_contract.py``:
 
-- Create-only: s3fs ``pipe_file(..., mode="create")`` sends ``If-None-Match: *``;
-  S3 answers ``412 PreconditionFailed`` (``Condition: If-None-Match``) when the
-  key exists, which s3fs raises as ``FileExistsError`` (the botocore
-  ``ClientError`` is its ``__cause__``). That, and only that, becomes
-  ``CommitConflictError``. ``409 ConditionalRequestConflict`` (another
-  conditional write of the key is in flight) is retried: the retry either wins
-  or gets the 412.
+- Create-only: one ``PutObject`` with ``IfNoneMatch="*"`` (what s3fs
+  ``pipe_file(mode="create")`` sends, issued directly so an s3fs without
+  ``mode`` cannot silently drop it; a botocore whose model lacks the parameter
+  is refused). S3 answers ``412 PreconditionFailed`` (``Condition:
+  If-None-Match``) when the key exists, which s3fs raises as
+  ``FileExistsError`` (the botocore ``ClientError`` is its ``__cause__``).
+  That, and only that, becomes ``CommitConflictError``.
+  ``409 ConditionalRequestConflict`` (another conditional write of the key is
+  in flight) is retried: the retry either wins or gets the 412.
 - A retried PUT whose first try did land (response lost, botocore/s3fs retried)
   would see its *own* object and get a 412. Each create-only PUT therefore
   carries a random token in its user metadata; on a 412 (or on any error) the
@@ -109,6 +111,7 @@ class FsspecStorage(Storage):
         from fsspec.implementations.memory import MemoryFileSystem
 
         self._memory = isinstance(self.fs, MemoryFileSystem)
+        self._conditional_put: bool | None = None
 
     # -- paths -------------------------------------------------------------
     def _abs(self, path: str, *, allow_root: bool = False) -> str:
@@ -133,8 +136,7 @@ class FsspecStorage(Storage):
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
         full = self._abs(path)
         if create_only:
-            # Create-only writes are manifests (small): one conditional PUT
-            # (s3fs switches to a conditional multipart upload above 100 MB).
+            # Create-only writes are manifests (small): one conditional PUT (up to 5 GB).
             data = b"".join(memoryview(c).cast("B") for c in chunks)
             self._create_only(full, path, data)
             return len(data)
@@ -203,31 +205,61 @@ class FsspecStorage(Storage):
                     raise self._conflict(path) from exc
                 raise self._error(exc, "cannot write", path) from exc
             return
+        self._check_conditional_put()
+        bucket, key, _ = self.fs.split_path(full)
         token = uuid.uuid4().hex
         for attempt in range(_CONFLICT_RETRIES):
             try:
-                self.fs.pipe_file(full, data, mode="create", Metadata={_TOKEN_META: token})
+                # put_object directly (not pipe_file(mode="create"), which older s3fs
+                # releases do not know and would turn into a plain PUT without a word).
+                self.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*", Metadata={_TOKEN_META: token}
+                )
                 return
             except Exception as exc:
                 if _is_busy(exc) and attempt + 1 < _CONFLICT_RETRIES:
                     time.sleep(min(0.05 * 2**attempt, 2.0))
                     continue
-                if self._written_by(full, token):
-                    return  # an earlier try of this call landed; a retry then saw our own object
-                if _is_exists(exc):
+                ours = self._written_by(bucket, key, token)
+                if ours:
+                    return  # an earlier try of this call landed; a retry then met our own object
+                if _is_exists(exc) and ours is False:
                     raise self._conflict(path) from exc
+                outcome = "it did not land" if ours is False else "whether it landed is unknown (the check failed too)"
                 raise StorageError(
-                    f"cannot write {self.url}/{path}: {type(exc).__name__}: {exc} "
-                    "(create-only write; it did not land: the object is absent or not ours)",
+                    f"cannot write {self.url}/{path}: {type(exc).__name__}: {exc} (create-only write; {outcome})",
                     path=path,
                 ) from exc
+            finally:
+                self._fresh(full)
 
-    def _written_by(self, full: str, token: str) -> bool:
-        bucket, key, _ = self.fs.split_path(full)
+    def _check_conditional_put(self) -> None:
+        """Refuse create-only writes if this botocore cannot send ``If-None-Match`` on PutObject.
+
+        s3fs drops request parameters the botocore model does not know, so an
+        old botocore would turn the conditional PUT into a plain overwrite.
+        """
+        if self._conditional_put is None:
+            try:
+                members = self.fs.s3.meta.service_model.operation_model("PutObject").input_shape.members
+                self._conditional_put = "IfNoneMatch" in members
+            except Exception:  # cannot tell (unusual client): rely on the server
+                self._conditional_put = True
+        if not self._conditional_put:
+            raise StorageError(
+                f"cannot write create-only on {self.url}: this botocore has no If-None-Match for PutObject, "
+                "so two writers could both commit. Upgrade botocore (>= 1.35.20) / aiobotocore.",
+                path=self.url,
+            )
+
+    def _written_by(self, bucket: str, key: str, token: str) -> bool | None:
+        """Whether the object carries our token: True, False (absent or another writer's), None (cannot tell)."""
         try:
             head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
-        except Exception:
+        except FileNotFoundError:
             return False
+        except Exception:
+            return None
         return (head.get("Metadata") or {}).get(_TOKEN_META) == token
 
     # -- reads -------------------------------------------------------------
