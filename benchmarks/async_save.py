@@ -224,6 +224,52 @@ def make_workdir(base: str | None) -> str:
     return tempfile.mkdtemp(prefix="rl_ckpt_bench-", dir=tmp if same_disk else str(REPO_ROOT.parent))
 
 
+class CpuMeter:
+    """CPU used by everything but this process (other processes, kernel threads) while measuring.
+
+    Other jobs on the machine (a test run, a build) skew every figure here, most of
+    all the training-step slowdown: the report shows how many cores they took.
+    """
+
+    def __init__(self) -> None:
+        self._tck = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.start()
+
+    def _busy(self) -> float | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                v = [int(x) for x in f.readline().split()[1:8]]
+        except (OSError, ValueError):
+            return None
+        return (v[0] + v[1] + v[2] + v[5] + v[6]) / self._tck  # user nice system irq softirq
+
+    def start(self) -> None:
+        self._t, self._b, self._own = time.perf_counter(), self._busy(), sum(os.times()[:2])
+
+    def other_cores(self) -> float | None:
+        """Average number of cores busy outside this process since ``start``."""
+        b, wall = self._busy(), time.perf_counter() - self._t
+        if b is None or self._b is None or wall <= 0:
+            return None
+        return max(0.0, (b - self._b) - (sum(os.times()[:2]) - self._own)) / wall
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.2, window_s: float = 2.0) -> float | None:
+    """Wait (up to ``limit_s``) until other processes use < ``threshold`` cores over ``window_s``.
+
+    Returns the last measured load (cores), or None where /proc/stat is unavailable.
+    """
+    deadline = time.perf_counter() + limit_s
+    load = None
+    while True:
+        meter = CpuMeter()
+        time.sleep(window_s)
+        load = meter.other_cores()
+        if load is None or load < threshold or time.perf_counter() >= deadline:
+            return load
+        log(f"  machine busy ({load:.2f} other cores); waiting to start the round ...")
+
+
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -233,8 +279,7 @@ def gbps(n: int, s: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------- phases (--phases)
-def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer,
-                   baseline_step: float) -> dict:
+def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer) -> dict:
     """Time each part of a save on its own, and the training step next to each one."""
     from rl_ckpt import safetensors_io
     from rl_ckpt.checksum import new_hasher
@@ -287,6 +332,8 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
         return time.perf_counter() - t0
 
     out: dict = {"bytes": n}
+    baseline_step = trainer.median_step(12)  # re-measured now: the machine's load may have changed
+    out["step_idle_ms"] = 1e3 * baseline_step
     t0 = time.perf_counter()
     encode_state("x", {"a": arrays})
     out["encode_state_s"] = time.perf_counter() - t0
@@ -349,6 +396,8 @@ def run(args: argparse.Namespace) -> dict:
                              f"~{(saves * total * 1.1 + 2 * total) / GIB:.1f} GiB needed ({saves} snapshots)")
 
         trainer = Trainer()
+        if args.wait_quiet > 0:
+            wait_quiet(args.wait_quiet)
         trainer.calibrate(args.step_ms / 1e3)
         res["train"] = {"model": f"MLP {trainer.width}-{trainer.hidden}-{trainer.hidden}-{trainer.width} + Adam",
                         "batch": trainer.batch, "target_ms": args.step_ms}
@@ -368,7 +417,10 @@ def run(args: argparse.Namespace) -> dict:
         for rnd in range(args.repeat + 1):
             warm = rnd == 0
             r: dict = {"round": rnd, "warmup": warm}
+            if args.wait_quiet > 0:
+                wait_quiet(args.wait_quiet)
             log(f"round {rnd}{' (warm-up)' if warm else ''} ...")
+            meter = CpuMeter()
 
             # 1. synchronous save
             step += 1
@@ -420,12 +472,13 @@ def run(args: argparse.Namespace) -> dict:
             r.update(step_during_save_s=inside, steps_during_save=len(spans), busy_block_s=t1 - t0,
                      busy_total_s=end - t0)
             alloc_after.append(engine._staging.allocations)
+            r["other_cores"] = meter.other_cores()
             rounds.append(r)
             log("  sync %.3fs  async block %.3fs (stage %.3fs) total %.3fs  clone %.3fs  copy %.3fs  "
-                "step idle %.1fms  during save %.1fms (%d steps, save took %.2fs)" % (
+                "step idle %.1fms  during save %.1fms (%d steps, save took %.2fs)  other load %.2f cores" % (
                     r["sync_save_s"], r["async_block_s"], r["stage_seconds"], r["async_total_s"], r["clone_s"],
                     r["copy_into_s"], 1e3 * med(r["step_idle_s"]), 1e3 * (med(inside) or 0), len(spans),
-                    r["busy_total_s"]))
+                    r["busy_total_s"], r["other_cores"] or 0.0))
 
         measured = [r for r in rounds if not r["warmup"]]
         m = {k: med([r[k] for r in measured]) for k in
@@ -435,6 +488,8 @@ def run(args: argparse.Namespace) -> dict:
         m["step_during_save_s"] = med([x for r in measured for x in r["step_during_save_s"]])
         m["step_slowdown"] = m["step_during_save_s"] / m["step_idle_s"]
         res["rounds"] = rounds
+        loads = [r["other_cores"] for r in measured if r["other_cores"] is not None]
+        res["other_load_cores"] = max(loads) if loads else None
         res["median"] = m
         res["gbps"] = {k: gbps(total, m[k]) for k in
                        ("sync_save_s", "async_block_s", "async_total_s", "clone_s", "copy_into_s")}
@@ -458,7 +513,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.phases:
             log("phases ...")
             staged = [buf for buf in engine._staging._buffers.values() if isinstance(buf, torch.Tensor)]
-            res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer, m["step_idle_s"])
+            res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer)
         return res
     finally:
         if engine is not None:
@@ -484,6 +539,11 @@ def print_report(res: dict) -> None:
     print(f"  training   {res['train']['model']}, batch {res['train']['batch']} "
           f"(calibrated to ~{res['train']['target_ms']:.0f} ms/step)")
     print(f"  rounds     1 warm-up + {c['repeat']} measured (medians below); GB/s = 1e9 B/s")
+    load = res.get("other_load_cores")
+    if load is not None:
+        per = ", ".join(f"{r['other_cores']:.2f}" for r in res["rounds"] if not r["warmup"])
+        print(f"  other load {per} cores busy outside this process per round"
+              + ("   WARNING: the machine was not quiet; figures are skewed" if load > 0.25 else " (quiet)"))
     print()
     rows = [
         ("sync_save_s", "engine.save(step)", m["sync_save_s"], gb["sync_save_s"]),
@@ -499,7 +559,8 @@ def print_report(res: dict) -> None:
     for key, what, val, rate in rows:
         k = key.strip()
         per = " ".join(f"{r[k]:.3f}" for r in res["rounds"] if not r["warmup"])
-        print(f"  {key:<18} {val:>8.3f}s {rate if rate is None else f'{rate:6.2f}':>7}   {per:<28} {what}")
+        rate_s = "" if rate is None else f"{rate:6.2f}"
+        print(f"  {key:<18} {val:>8.3f}s {rate_s:>7}   {per:<28} {what}")
     print(f"  {'step_idle':<18} {1e3 * m['step_idle_s']:>7.1f}ms {'':>7}   "
           f"{'':<28} training step, no save")
     n_during = sum(r["steps_during_save"] for r in res["rounds"] if not r["warmup"])
@@ -527,7 +588,7 @@ def print_report(res: dict) -> None:
         for key in ("encode_state_s", "hash_s", "write_fsync_s", "write_hashed_s", "verify_reread_hash_s",
                     "copy_into_s"):
             print(f"    {key:<22} {p[key]:8.3f}s  {n / p[key] / 1e9:6.2f} GB/s")
-        print("    training step next to one background activity (12 steps):")
+        print(f"    training step next to one background activity (12 steps; idle {p['step_idle_ms']:.1f} ms):")
         for name, v in p["step_next_to"].items():
             print(f"      {name:<14} {v['step_ms']:7.1f} ms   {v['slowdown']:.2f}x")
     print(f"  cleaned up: {c['cleaned_up']}")
@@ -542,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algo", default="sha256", choices=CHECKSUM_ALGOS, help="checksum_algo (default sha256)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each round, wait up to S seconds for other processes to go idle (default 0)")
     ap.add_argument("--train-steps", type=int, default=15, help="idle training steps per round (default 15)")
     ap.add_argument("--step-ms", type=float, default=75.0, help="target training step time (default 75)")
     args = ap.parse_args(argv)

@@ -36,6 +36,7 @@ class SnapshotInfo:
     base_snapshot_id: str | None = None
     branch: int = 0
     manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
+    quarantined: str | None = None  # why, when a check found it bad after commit
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> "SnapshotInfo":
@@ -96,6 +97,12 @@ class Catalog:
             except CheckpointError as exc:
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
+        from .quarantine import quarantined
+
+        fenced = quarantined(self.storage)
+        for sid, why in fenced.items():
+            if sid in infos:
+                infos[sid].quarantined = why
         with self._lock:
             self._infos, self._unreadable = infos, bad
 
@@ -104,13 +111,21 @@ class Catalog:
             self.refresh()
         return self._infos  # type: ignore[return-value]
 
-    def snapshots(self, kind: str | None = None) -> list[SnapshotInfo]:
-        """Committed, readable snapshots, oldest first."""
+    def snapshots(self, kind: str | None = None, *, usable: bool = False) -> list[SnapshotInfo]:
+        """Committed, readable snapshots, oldest first; ``usable`` leaves out quarantined ones."""
         with self._lock:
             infos = list(self._ensure().values())
         if kind:
             infos = [i for i in infos if i.kind == kind]
+        if usable:
+            infos = [i for i in infos if not i.quarantined]
         return sorted(infos, key=SnapshotInfo.sort_key)
+
+    def mark_quarantined(self, snapshot_id: str, reason: str) -> None:
+        with self._lock:
+            info = self._ensure().get(snapshot_id)
+            if info is not None:
+                info.quarantined = reason
 
     def unreadable(self) -> list[Unreadable]:
         self._ensure()

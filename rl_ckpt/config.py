@@ -125,6 +125,16 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "save_replay_buffer": (True, _bool, "Save components named like *buffer*."),
     "dedup": (False, _bool, "Store tensor data content-addressed in objects/ so unchanged tensors are written once."),
     "schema_version": (1, _int(1), "Your state layout version; bump it when the model structure changes. A mismatch refuses to load."),
+    "post_load_check": (True, _bool, "Record a probe forward pass of each module at save; re-run and compare after load."),
+    "probe_shapes": ({}, _mapping, "Probe input shape per component when it cannot be inferred, e.g. {policy: [1, 8]}."),
+    "probe_rtol": (1e-5, _number(0), "Relative tolerance of the post-load probe comparison (allclose)."),
+    "probe_atol": (1e-6, _number(0), "Absolute tolerance of the post-load probe comparison (allclose)."),
+    "max_failures": (10, _int(1), "Recovery: give up after this many failures in one run."),
+    "max_same_snapshot_failures": (3, _int(1), "Recovery: stop using a snapshot that failed again this many times after restore."),
+    "max_acceptable_loss_steps": (None, _int(0, optional=True), "Recovery: if the newest snapshot is more steps behind the failure, consider the best one."),
+    "divergence_threshold": (None, _number(0, optional=True), "Recovery: restore the best snapshot when the newest one's best_metric is worse by more than this fraction."),
+    "min_free_bytes": (1 << 30, _int(0), "Health patrol: warn when the storage has less free space than this."),
+    "scrub_bytes_per_second": (64 << 20, _int(1), "Health patrol: read-rate limit when re-hashing old snapshots."),
 }
 
 

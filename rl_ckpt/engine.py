@@ -23,15 +23,20 @@ from .commit import retire_snapshot, strategy_for
 from .dedup import ObjectWriter, manifest_objects, object_path
 from .components import check_component_name, classify
 from .config import CheckpointConfig, changed_keys, config_digest
+from .coordinator import Decision, FailureInfo
 from .errors import (
     CheckpointError,
     ConfigError,
+    CorruptSnapshotError,
     NoValidSnapshotError,
     RestoreError,
     StateMismatchError,
 )
 from .manifest import Manifest, now_iso, snapshot_id
+from .probe import compare, run_probe
+from .quarantine import quarantine
 from .reader import VerifyReport, load_component, read_manifest, verify_snapshot
+from .recovery import RecoveryPlan, build_plan
 from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from .staging import StagingArea
 from .state_codec import EncodedState, encode_state
@@ -42,6 +47,7 @@ log = logging.getLogger("rl_ckpt")
 
 # Config keys that change what training does or what a snapshot holds: a
 # difference between the snapshot and the running job is worth a warning.
+DECISIONS = "decisions"
 DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
 
 
@@ -50,6 +56,7 @@ class Registered:
     name: str
     obj: Any
     kind: str
+    probe: Any = None  # a user probe function obj -> output, for the post-load check
 
 
 @dataclasses.dataclass
@@ -63,6 +70,7 @@ class RestoreResult:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # snapshot id -> why it was not used
     warnings: list[str] = dataclasses.field(default_factory=list)
     metrics: dict = dataclasses.field(default_factory=dict)
+    plan: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def fresh(self) -> bool:
@@ -121,8 +129,12 @@ class CheckpointEngine:
         self._closed = False
 
     # -- registration --------------------------------------------------------
-    def register(self, name: str, obj: Any, *, kind: str | None = None) -> Any:
-        """Register a component (module, optimizer, scheduler, RNGState, buffer, any Checkpointable)."""
+    def register(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None) -> Any:
+        """Register a component (module, optimizer, scheduler, RNGState, buffer, any Checkpointable).
+
+        ``probe``: a function ``obj -> tensor(s)`` run at save and after load
+        (post-load check); modules get an inferred probe when it is omitted.
+        """
         check_component_name(name)
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(
@@ -132,7 +144,7 @@ class CheckpointEngine:
             )
         if name in self._components and self._components[name].obj is not obj:
             raise ConfigError(f"component {name!r} is already registered with another object", key=name)
-        self._components[name] = Registered(name, obj, kind or classify(name, obj))
+        self._components[name] = Registered(name, obj, kind or classify(name, obj), probe)
         return obj
 
     @property
@@ -155,6 +167,18 @@ class CheckpointEngine:
         return out
 
     # -- saving --------------------------------------------------------------
+    def _probes(self, kind: str) -> dict:
+        """Reference outputs of the post-load probe, taken from the state being saved."""
+        if not self.config.post_load_check or kind != "full":
+            return {}
+        out = {}
+        for reg in self._saved_components(kind):
+            shape = self.config.probe_shapes.get(reg.name)
+            result = run_probe(reg.obj, fn=reg.probe, shape=shape)
+            if result is not None:
+                out[reg.name] = result
+        return out
+
     def stage(self, kind: str = "full") -> dict[str, EncodedState]:
         """Phase 1: every saved component's state, split into tensors/tables/JSON."""
         staged = {}
@@ -175,8 +199,9 @@ class CheckpointEngine:
         _check_step(global_step)
         self.wait()  # one save at a time, in order
         base = self._base_for(kind)
+        probes = self._probes(kind)
         staged = self.stage(kind)
-        return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base)
+        return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes)
 
     def save_async(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
                    tags: Mapping[str, Any] | None = None, kind: str = "full") -> SaveHandle:
@@ -192,6 +217,7 @@ class CheckpointEngine:
         self.wait()
         base = self._base_for(kind)
         started = time.perf_counter()
+        probes = self._probes(kind)
         staged = {}
         for reg in self._saved_components(kind):
             enc = encode_state(reg.name, reg.obj.state_dict(), host=False)
@@ -203,7 +229,7 @@ class CheckpointEngine:
             self._writer = BackgroundWriter()
         metrics = clean_metrics(metrics)
         return self._writer.submit(
-            lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base),
+            lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes),
             global_step, kind, blocked,
         )
 
@@ -234,7 +260,7 @@ class CheckpointEngine:
         return fulls[-1].snapshot_id
 
     def persist(self, staged: Mapping[str, EncodedState], global_step: int, *, metrics=None, tags=None,
-                kind: str = "full", base: str | None = None) -> SnapshotInfo:
+                kind: str = "full", base: str | None = None, probes: dict | None = None) -> SnapshotInfo:
         """Phase 2: write, verify and commit ``staged``. Safe to run on a background thread."""
         cfg = self.config
         sid = snapshot_id(global_step, kind)
@@ -254,9 +280,16 @@ class CheckpointEngine:
                 config_digest=config_digest(recorded), config=recorded, state_schema_version=cfg.schema_version,
                 metrics=clean_metrics(metrics), tags=dict(tags or {}), files=files, components=sections,
                 writer={"attempt": attempt.attempt_id},
+                extra={"probes": probes} if probes else {},
             )
             self.commit.commit(attempt, manifest.to_bytes())
         except BaseException:
+            if self._landed(attempt):
+                # The manifest is there and names this attempt (the error came after it landed, e.g. a
+                # lost response or a failed folder fsync): the save is not acknowledged, but its data
+                # now belongs to a committed snapshot and must not be deleted.
+                log.error("save of %s failed after its manifest landed; keeping its data", sid)
+                raise
             try:
                 self.commit.abort(attempt)
             except CheckpointError as cleanup_error:  # the original error matters more; gc cleans up
@@ -268,6 +301,12 @@ class CheckpointEngine:
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
         self._after_commit()
         return info
+
+    def _landed(self, attempt) -> bool:
+        try:
+            return read_manifest(self.storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id
+        except CheckpointError:
+            return False
 
     def _object_writer(self) -> ObjectWriter:
         committed: set[str] = set()
@@ -363,39 +402,76 @@ class CheckpointEngine:
             report.problems.append(FileProblem(bad.snapshot_id, "meta.json", bad.reason))
         return report
 
-    # -- restoring -----------------------------------------------------------
-    def restore(self, plan: Any = None, *, snapshot_id: str | None = None, strict: bool = True,
-                light: bool = True) -> RestoreResult:
-        """Load the newest valid snapshot (or ``snapshot_id``) into the registered objects.
+    # -- recovery --------------------------------------------------------------
+    def plan_recovery(self, failure: "FailureInfo | None" = None, *, deep: bool = True, snapshot_id: str | None = None,
+                      light: bool = True) -> RecoveryPlan:
+        """What a restore would do, and why; no side effects.
 
-        A corrupt or unreadable snapshot is skipped with a logged reason and the
-        next older one is tried. With no snapshot at all, returns a result with
-        ``fresh == True``. If snapshots exist but none is valid, raises
-        :class:`NoValidSnapshotError` listing why each was skipped.
-
-        With ``light=True`` the newest valid light snapshot built on the chosen
-        full snapshot is applied on top of it (its progress, RNG, scheduler...).
+        Args:
+            failure: the failure being recovered from; the RecoveryCoordinator
+                (rebuilt from the run's recorded decisions) chooses the target.
+            deep: re-hash the candidates' files (else check presence and sizes;
+                ``restore`` verifies checksums while loading either way).
+            snapshot_id: plan for this snapshot only.
+            light: apply the newest valid light snapshot built on the target.
         """
         self._check_open()
-        self.catalog.refresh()
-        fulls = self.catalog.snapshots("full")
-        if snapshot_id is not None:
-            fulls = [i for i in fulls if i.snapshot_id == snapshot_id]
-            if not fulls:
-                raise NoValidSnapshotError(f"no committed full snapshot {snapshot_id!r} in {self.storage.url}",
-                                           reasons={snapshot_id: "not found"})
-        skipped = {u.snapshot_id: u.reason for u in self.catalog.unreadable()}
-        if not fulls and not skipped:
-            log.info("no snapshot in %s: starting fresh", self.storage.url)
-            return RestoreResult(None, 0, warnings=[f"no snapshot in {self.storage.url}: starting fresh"])
-        for info in reversed(fulls):
+        return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
+
+    def decisions(self) -> list[Decision]:
+        """The coordinator decisions recorded in this run, oldest first."""
+        out = []
+        for entry in sorted(self.storage.list(DECISIONS), key=lambda e: e.name):
+            if not entry.name.endswith(".json"):
+                continue
             try:
-                return self._restore_one(info.snapshot_id, skipped, strict, light)
+                out.append(Decision.from_json(json.loads(bytes(self.storage.read(f"{DECISIONS}/{entry.name}")))))
+            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable decision record %s: %s", entry.name, exc)
+        return out
+
+    def record_decision(self, decision: Decision) -> None:
+        """Write a coordinator decision into the run folder (one file each: atomic on every backend)."""
+        self.storage.makedirs(DECISIONS)
+        name = f"{DECISIONS}/{decision.time.replace(':', '').replace('+', 'p')}-{decision.action}.json"
+        self.storage.write_atomic(name, json.dumps(decision.to_json(), allow_nan=False).encode())
+
+    def restore(self, plan: RecoveryPlan | None = None, *, snapshot_id: str | None = None, strict: bool = True,
+                light: bool = True) -> RestoreResult:
+        """Execute a recovery plan (default: newest valid snapshot) into the registered objects.
+
+        A snapshot that fails while loading (checksum, decoding, post-load
+        probe) is skipped with a logged reason and the plan's next fallback is
+        tried. With no snapshot at all, returns ``fresh == True``. If snapshots
+        exist but none is valid, raises :class:`NoValidSnapshotError`.
+        """
+        self._check_open()
+        self.wait()
+        if plan is None:
+            plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
+        if plan.decision is not None:
+            self.record_decision(plan.decision)
+        skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
+        if plan.action == "start_fresh":
+            log.info("recovery: %s", plan.reason)
+            return RestoreResult(None, 0, skipped=skipped, warnings=[plan.reason], plan=plan)
+        if plan.action == "give_up":
+            lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
+            raise NoValidSnapshotError(f"recovery of {self.storage.url} gave up: {plan.reason}" + (f"; skipped:\n{lines}" if lines else ""),
+                                       reasons=skipped)
+        for sid in [plan.target, *plan.fallbacks]:
+            try:
+                result = self._restore_one(sid, skipped, strict, light=plan.light is not None or sid != plan.target)
             except (StateMismatchError, RestoreError):
                 raise
             except CheckpointError as exc:
-                skipped[info.snapshot_id] = str(exc)
-                log.warning("skipping snapshot %s: %s", info.snapshot_id, exc)
+                skipped[sid] = str(exc)
+                log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, exc)
+                continue
+            result.plan = plan
+            if sid != plan.target:
+                result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
+            return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
 
@@ -425,12 +501,30 @@ class CheckpointEngine:
             except Exception as exc:  # a user object's own error: name the component and snapshot
                 raise RestoreError(f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
                                    snapshot_id=sid, component=name) from exc
+        self._post_load_check(manifest)
         for w in warnings:
             log.warning(w)
         last = top or manifest
         log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
         return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, list(states), dict(skipped),
                              warnings, decode_metrics(last.metrics))
+
+    def _post_load_check(self, manifest: Manifest) -> None:
+        """Re-run the probes recorded at save; a mismatch quarantines the snapshot (then recovery falls back)."""
+        if not self.config.post_load_check:
+            return
+        for name, reference in ((manifest.extra or {}).get("probes") or {}).items():
+            reg = self._components.get(name)
+            if reg is None:
+                continue
+            got = run_probe(reg.obj, fn=reg.probe, shape=self.config.probe_shapes.get(name))
+            problem = compare(reference, got, rtol=self.config.probe_rtol, atol=self.config.probe_atol)
+            if problem:
+                reason = f"post-load check failed for component {name!r}: {problem}"
+                quarantine(self.storage, manifest.snapshot_id, reason, source="post-load check")
+                self.catalog.mark_quarantined(manifest.snapshot_id, reason)
+                raise CorruptSnapshotError(f"{manifest.snapshot_id}: {reason}; snapshot quarantined",
+                                           snapshot_id=manifest.snapshot_id, problems=[reason])
 
     def _apply_light(self, full: Manifest, states: dict, skipped: dict) -> Manifest | None:
         """Overlay the newest valid light snapshot built on ``full``; a broken one is skipped."""

@@ -681,6 +681,8 @@ def test_s3_client_defaults(s3_url):
     assert store.fs.dircache.use_listings_cache is False  # no listing cache to go stale
     assert store.fs.s3.meta.config.retries["mode"] == "standard"
     assert store.fs.s3.meta.config.s3["addressing_style"] == "path"  # caller's config_kwargs kept
+    store._check_conditional_put()
+    assert store._conditional_put is True  # this botocore can send If-None-Match on PutObject
     mine = FsspecStorage(url, {**options, "skip_instance_cache": True,
                                "config_kwargs": {"retries": {"max_attempts": 2, "mode": "legacy"}}})
     assert mine.fs.s3.meta.config.retries["mode"] == "legacy"  # caller's retry config wins

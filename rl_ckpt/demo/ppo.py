@@ -65,6 +65,10 @@ class ActorCritic(nn.Module):
         self.policy = _mlp([OBS_DIM, *hidden_sizes, N_ACTIONS])
         self.value = _mlp([OBS_DIM, *hidden_sizes, 1])
 
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(action logits, value): what the post-load probe compares."""
+        return self.policy(obs), self.value(obs)
+
     def dist(self, obs: torch.Tensor) -> torch.distributions.Categorical:
         return torch.distributions.Categorical(logits=self.policy(obs))
 

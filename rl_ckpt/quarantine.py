@@ -1,0 +1,44 @@
+"""Quarantine: snapshots found bad after commit are fenced off, never silently deleted.
+
+A quarantined snapshot is excluded from recovery and retention (so it is
+neither restored nor deleted) and shown by ``ls``/``verify`` with the reason.
+The registry is one small JSON file per snapshot under ``quarantine/`` (an
+atomic write on every backend); ``release`` removes the mark after a person
+has looked.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .errors import CheckpointError
+from .manifest import now_iso, parse_snapshot_id
+from .storage import Storage
+
+QUARANTINE = "quarantine"
+
+
+def quarantine(storage: Storage, snapshot_id: str, reason: str, source: str) -> None:
+    if parse_snapshot_id(snapshot_id) is None:
+        raise CheckpointError(f"not a snapshot id: {snapshot_id!r}", snapshot_id=snapshot_id)
+    storage.makedirs(QUARANTINE)
+    body = {"snapshot_id": snapshot_id, "reason": reason, "source": source, "at": now_iso()}
+    storage.write_atomic(f"{QUARANTINE}/{snapshot_id}.json", json.dumps(body).encode())
+
+
+def quarantined(storage: Storage) -> dict[str, str]:
+    """snapshot id -> reason."""
+    out = {}
+    for entry in storage.list(QUARANTINE):
+        sid = entry.name[:-5] if entry.name.endswith(".json") else None
+        if not sid or parse_snapshot_id(sid) is None:
+            continue
+        try:
+            out[sid] = str(json.loads(bytes(storage.read(f"{QUARANTINE}/{entry.name}"))).get("reason", "quarantined"))
+        except (CheckpointError, ValueError):
+            out[sid] = "quarantined (record unreadable)"
+    return out
+
+
+def release(storage: Storage, snapshot_id: str) -> None:
+    storage.remove(f"{QUARANTINE}/{snapshot_id}.json")

@@ -1,0 +1,250 @@
+"""``RecoveryPlan``: what a restore will do and why, computed without side effects.
+
+enumerate snapshots -> verify checksums -> read manifests -> check schema and
+config -> choose a target (newest valid, or what the coordinator decided for a
+failure) -> ordered load actions -> post-load checks -> the step to continue
+from. Every choice carries its reason; ``str(plan)`` is the report a person
+reads (``rl-ckpt plan URL``). ``engine.restore(plan)`` executes it and falls
+back along ``plan.fallbacks`` when a step fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .catalog import SnapshotInfo
+from .coordinator import Action, CoordinatorConfig, Decision, FailureInfo, RecoveryCoordinator
+from .errors import CheckpointError, SchemaVersionError
+from .manifest import Manifest, now_iso
+from .reader import read_manifest, verify_snapshot
+
+if TYPE_CHECKING:
+    from .engine import CheckpointEngine
+
+# Load order: weights, optimizer, scheduler, RNG, buffer, env/other, progress last.
+LOAD_ORDER = ("module", "optimizer", "scheduler", "rng", "buffer", "other", "progress")
+
+
+@dataclasses.dataclass
+class CandidateNote:
+    snapshot_id: str
+    global_step: int
+    kind: str
+    status: str  # chosen | light | skipped | fallback | quarantined | not needed
+    reason: str
+
+
+@dataclasses.dataclass
+class LoadAction:
+    component: str
+    kind: str
+    snapshot_id: str
+    files: int
+    bytes: int
+
+
+@dataclasses.dataclass
+class RecoveryPlan:
+    run_url: str
+    action: str  # restore | start_fresh | give_up
+    reason: str
+    target: str | None = None
+    light: str | None = None
+    continue_from_step: int = 0
+    candidates: list[CandidateNote] = dataclasses.field(default_factory=list)
+    actions: list[LoadAction] = dataclasses.field(default_factory=list)
+    checks: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    fallbacks: list[str] = dataclasses.field(default_factory=list)
+    failure: FailureInfo | None = None
+    decision: Decision | None = None
+    deep: bool = True
+    created_at: str = dataclasses.field(default_factory=now_iso)
+
+    @property
+    def fresh(self) -> bool:
+        return self.action == "start_fresh"
+
+    def __str__(self) -> str:
+        lines = [f"Recovery plan for {self.run_url}  ({'checksums verified' if self.deep else 'sizes checked'}; {self.created_at})"]
+        if self.failure is not None:
+            f = self.failure
+            lines.append(f"  failure:   {f.kind} at step {f.step}: {f.message}".rstrip(": "))
+        if self.decision is not None:
+            lines.append(f"  decision:  {self.decision.action} - {self.decision.reason}")
+        if self.action == "restore":
+            lines.append(f"  target:    {self.target}" + (f" + light {self.light}" if self.light else ""))
+            lines.append(f"  why:       {self.reason}")
+            lines.append(f"  continue:  training resumes after step {self.continue_from_step}")
+        else:
+            lines.append(f"  action:    {self.action.upper()} - {self.reason}")
+        if self.candidates:
+            lines.append("  snapshots (newest first):")
+            for c in self.candidates:
+                lines.append(f"    {c.snapshot_id:<28} step {c.global_step:<9} {c.kind:<5} {c.status:<11} {c.reason}")
+        if self.actions:
+            lines.append("  load, in order:")
+            for i, a in enumerate(self.actions, 1):
+                lines.append(f"    {i}. {a.component:<16} ({a.kind}) from {a.snapshot_id}: {a.files} file(s), {a.bytes} bytes")
+        if self.checks:
+            lines.append("  after loading:")
+            lines += [f"    - {c}" for c in self.checks]
+        if self.fallbacks:
+            lines.append(f"  if a step fails: fall back to {', '.join(self.fallbacks)}")
+        for w in self.warnings:
+            lines.append(f"  WARNING: {w}")
+        return "\n".join(lines)
+
+
+def coordinator_config(cfg) -> CoordinatorConfig:
+    metric = cfg.best_metric[0] if isinstance(cfg.best_metric, list) else cfg.best_metric
+    mode = cfg.best_mode[0] if isinstance(cfg.best_mode, list) else cfg.best_mode
+    return CoordinatorConfig(max_failures=cfg.max_failures, max_same_snapshot_failures=cfg.max_same_snapshot_failures,
+                             max_acceptable_loss_steps=cfg.max_acceptable_loss_steps,
+                             divergence_threshold=cfg.divergence_threshold, best_metric=metric, best_mode=mode)
+
+
+def _check(engine: "CheckpointEngine", sid: str, deep: bool) -> Manifest:
+    """The snapshot's manifest if it is usable, else CheckpointError saying why."""
+    manifest = read_manifest(engine.storage, sid)
+    engine._check_schema(manifest)
+    if deep:
+        report = verify_snapshot(engine.storage, sid)
+        if not report.ok:
+            raise CheckpointError("; ".join(f"{p.path}: {p.problem}" for p in report.problems[:3]), snapshot_id=sid)
+    else:
+        for f in manifest.files:
+            path = f"{sid}/{f.path}"
+            if not engine.storage.exists(path) or engine.storage.size(path) != f.size:
+                raise CheckpointError(f"{f.path}: missing or wrong size", snapshot_id=sid)
+    return manifest
+
+
+def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *, deep: bool = True,
+               snapshot_id: str | None = None, light: bool = True, history: list[Decision] | None = None) -> RecoveryPlan:
+    """Compute a RecoveryPlan for ``engine``'s run. Reads storage; writes nothing."""
+    engine.catalog.refresh()
+    cat = engine.catalog
+    plan = RecoveryPlan(engine.storage.url, "start_fresh", "", failure=failure, deep=deep)
+    fulls = list(reversed(cat.snapshots("full")))
+    for info in fulls:
+        if info.quarantined:
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "quarantined", info.quarantined))
+    for bad in cat.unreadable():
+        plan.candidates.append(CandidateNote(bad.snapshot_id, -1, "?", "skipped", bad.reason))
+    usable = [i for i in fulls if not i.quarantined]
+    if snapshot_id is not None:
+        usable = [i for i in usable if i.snapshot_id == snapshot_id]
+        if not usable:
+            plan.action, plan.reason = "give_up", f"no usable full snapshot {snapshot_id!r}"
+            return plan
+    if not usable and not plan.candidates:
+        plan.reason = f"no snapshot in {engine.storage.url}: nothing to restore, starting fresh"
+        return plan
+
+    invalid: dict[str, str] = {}
+    manifests: dict[str, Manifest] = {}
+
+    def valid_fulls() -> list[SnapshotInfo]:
+        return [i for i in reversed(usable) if i.snapshot_id not in invalid]  # oldest first, as the coordinator wants
+
+    def is_valid(info: SnapshotInfo) -> bool:
+        if info.snapshot_id in invalid:
+            return False
+        if info.snapshot_id not in manifests:
+            try:
+                manifests[info.snapshot_id] = _check(engine, info.snapshot_id, deep)
+            except CheckpointError as exc:
+                invalid[info.snapshot_id] = str(exc)
+                return False
+        return True
+
+    target: SnapshotInfo | None = None
+    while True:
+        if failure is not None and snapshot_id is None:
+            coordinator = RecoveryCoordinator.from_history(coordinator_config(engine.config), valid_fulls, history or [])
+            decision = coordinator.decide(failure)
+            plan.decision = decision
+            if decision.action == Action.give_up:
+                plan.action, plan.reason = "give_up", decision.reason
+                break
+            if decision.action == Action.start_fresh:
+                plan.reason = decision.reason
+                break
+            chosen = next(i for i in usable if i.snapshot_id == decision.snapshot_id)
+            reason = decision.reason
+        else:
+            chosen = next((i for i in usable if i.snapshot_id not in invalid), None)
+            if chosen is None:
+                break
+            reason = "newest valid full snapshot" if snapshot_id is None else "requested snapshot"
+        if is_valid(chosen):
+            target = chosen
+            plan.action, plan.reason = "restore", reason
+            break
+    for info in usable:
+        if info.snapshot_id in invalid:
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "skipped", invalid[info.snapshot_id]))
+    if target is None:
+        if plan.action == "start_fresh" and not plan.reason:
+            plan.action = "give_up"
+            plan.reason = "snapshots exist but none is valid (see skipped); refusing to start fresh over them"
+        plan.candidates.sort(key=lambda c: -c.global_step)
+        return plan
+
+    manifest = manifests[target.snapshot_id]
+    plan.target, plan.continue_from_step = target.snapshot_id, target.global_step
+    plan.candidates.append(CandidateNote(target.snapshot_id, target.global_step, "full", "chosen", plan.reason))
+    light_manifest = _choose_light(engine, plan, target, deep) if light else None
+    if light_manifest is not None:
+        plan.light, plan.continue_from_step = light_manifest.snapshot_id, light_manifest.global_step
+    older = [i for i in usable if i.global_step < target.global_step and i.snapshot_id not in invalid]
+    plan.fallbacks = [i.snapshot_id for i in older]
+    for info in older:
+        plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "fallback", "used if the target fails"))
+    for info in usable:
+        if info.global_step > target.global_step and info.snapshot_id not in invalid:
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "not chosen", plan.reason))
+    plan.candidates.sort(key=lambda c: (-c.global_step, c.kind))
+    _actions(engine, plan, manifest, light_manifest)
+    plan.warnings += engine._config_warnings(manifest)
+    return plan
+
+
+def _choose_light(engine: "CheckpointEngine", plan: RecoveryPlan, target: SnapshotInfo, deep: bool) -> Manifest | None:
+    for info in reversed(engine.catalog.snapshots("light", usable=True)):
+        if info.base_snapshot_id != target.snapshot_id or info.global_step < target.global_step:
+            continue
+        try:
+            m = _check(engine, info.snapshot_id, deep)
+        except (CheckpointError, SchemaVersionError) as exc:
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "skipped", str(exc)))
+            continue
+        plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "light",
+                                             f"newest valid light snapshot on {target.snapshot_id}"))
+        return m
+    return None
+
+
+def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, light: Manifest | None) -> None:
+    regs = sorted(engine._components.values(), key=lambda r: LOAD_ORDER.index(r.kind) if r.kind in LOAD_ORDER else 5)
+    probes = (full.extra or {}).get("probes", {})
+    for reg in regs:
+        source = light if light is not None and reg.name in light.components else full
+        if reg.name not in source.components:
+            plan.warnings.append(f"component {reg.name!r} is not in {full.snapshot_id}: it keeps its current state "
+                                 "(restore(strict=True) refuses this)")
+            continue
+        files = source.files_of(reg.name)
+        section = source.components[reg.name]
+        obj_bytes = sum(size for chunks in (section.get("objects") or {}).values() for _d, size in chunks)
+        plan.actions.append(LoadAction(reg.name, reg.kind, source.snapshot_id, len(files),
+                                       sum(f.size for f in files) + obj_bytes))
+        if reg.name in probes and engine.config.post_load_check:
+            cfg = engine.config
+            plan.checks.append(f"probe {reg.name}: re-run the forward pass recorded at save, allclose(rtol={cfg.probe_rtol}, "
+                               f"atol={cfg.probe_atol})")
+    if not plan.checks:
+        plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
+
