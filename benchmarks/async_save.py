@@ -72,6 +72,8 @@ GOAL_BLOCK_VS_CLONE = 1.5
 GOAL_STEP_SLOWDOWN = 1.15
 LARGE = 16 << 20  # bytes: >= 16 MiB is a "large" tensor
 SMALL = 64 << 10  # bytes: < 64 KiB is a "small" tensor
+QUIET_LIMIT = 0.25  # cores used by other processes above which a round is flagged (and, with --wait-quiet, redone)
+MAX_DISCARDED = 6  # at most this many redone rounds per run
 
 
 def log(msg: str) -> None:
@@ -254,7 +256,7 @@ class CpuMeter:
         return max(0.0, (b - self._b) - (sum(os.times()[:2]) - self._own)) / wall
 
 
-def wait_quiet(limit_s: float, threshold: float = 0.2, window_s: float = 2.0) -> float | None:
+def wait_quiet(limit_s: float, threshold: float = 0.15, window_s: float = 2.0) -> float | None:
     """Wait (up to ``limit_s``) until other processes use < ``threshold`` cores over ``window_s``.
 
     Returns the last measured load (cores), or None where /proc/stat is unavailable.
@@ -389,7 +391,7 @@ def run(args: argparse.Namespace) -> dict:
         res["state"] = {"bytes": total, "gib": total / GIB, "tensors": len(tensors), "model_bytes": model_bytes,
                         "optimizer_bytes": total - model_bytes, "optimizer_fraction": (total - model_bytes) / total,
                         "mix": size_mix(tensors), "shape": shape}
-        saves = 3 * (args.repeat + 1)
+        saves = 3 * (args.repeat + 1 + (MAX_DISCARDED if args.wait_quiet > 0 else 0))
         free = shutil.disk_usage(workdir).free
         if free < saves * total * 1.1 + 2 * total:
             raise SystemExit(f"not enough free space in {workdir}: {free / GIB:.1f} GiB free, "
@@ -414,7 +416,9 @@ def run(args: argparse.Namespace) -> dict:
         rounds: list[dict] = []
         alloc_first = None
         alloc_after: list[int] = []
-        for rnd in range(args.repeat + 1):
+        discarded: list[dict] = []
+        rnd = 0
+        while rnd <= args.repeat:
             warm = rnd == 0
             r: dict = {"round": rnd, "warmup": warm}
             if args.wait_quiet > 0:
@@ -473,12 +477,18 @@ def run(args: argparse.Namespace) -> dict:
                      busy_total_s=end - t0)
             alloc_after.append(engine._staging.allocations)
             r["other_cores"] = meter.other_cores()
-            rounds.append(r)
             log("  sync %.3fs  async block %.3fs (stage %.3fs) total %.3fs  clone %.3fs  copy %.3fs  "
                 "step idle %.1fms  during save %.1fms (%d steps, save took %.2fs)  other load %.2f cores" % (
                     r["sync_save_s"], r["async_block_s"], r["stage_seconds"], r["async_total_s"], r["clone_s"],
                     r["copy_into_s"], 1e3 * med(r["step_idle_s"]), 1e3 * (med(inside) or 0), len(spans),
                     r["busy_total_s"], r["other_cores"] or 0.0))
+            if (args.wait_quiet > 0 and not warm and (r["other_cores"] or 0.0) > QUIET_LIMIT
+                    and len(discarded) < MAX_DISCARDED):
+                log(f"  round {rnd} discarded: other processes used {r['other_cores']:.2f} cores; redoing it")
+                discarded.append(r)
+                continue
+            rounds.append(r)
+            rnd += 1
 
         measured = [r for r in rounds if not r["warmup"]]
         m = {k: med([r[k] for r in measured]) for k in
@@ -488,6 +498,7 @@ def run(args: argparse.Namespace) -> dict:
         m["step_during_save_s"] = med([x for r in measured for x in r["step_during_save_s"]])
         m["step_slowdown"] = m["step_during_save_s"] / m["step_idle_s"]
         res["rounds"] = rounds
+        res["discarded_rounds"] = discarded
         loads = [r["other_cores"] for r in measured if r["other_cores"] is not None]
         res["other_load_cores"] = max(loads) if loads else None
         res["median"] = m
@@ -513,7 +524,11 @@ def run(args: argparse.Namespace) -> dict:
         if args.phases:
             log("phases ...")
             staged = [buf for buf in engine._staging._buffers.values() if isinstance(buf, torch.Tensor)]
+            if args.wait_quiet > 0:
+                wait_quiet(args.wait_quiet)
+            meter = CpuMeter()
             res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer)
+            res["phases"]["other_cores"] = meter.other_cores()
         return res
     finally:
         if engine is not None:
@@ -543,7 +558,9 @@ def print_report(res: dict) -> None:
     if load is not None:
         per = ", ".join(f"{r['other_cores']:.2f}" for r in res["rounds"] if not r["warmup"])
         print(f"  other load {per} cores busy outside this process per round"
-              + ("   WARNING: the machine was not quiet; figures are skewed" if load > 0.25 else " (quiet)"))
+              + ("   WARNING: the machine was not quiet; figures are skewed" if load > QUIET_LIMIT else " (quiet)"))
+    if res.get("discarded_rounds"):
+        print(f"  redone     {len(res['discarded_rounds'])} round(s) discarded because other processes were busy")
     print()
     rows = [
         ("sync_save_s", "engine.save(step)", m["sync_save_s"], gb["sync_save_s"]),
@@ -584,7 +601,10 @@ def print_report(res: dict) -> None:
         p = res["phases"]
         n = p["bytes"]
         print()
-        print("  phases (each alone, same bytes, median of 2)")
+        load = p.get("other_cores")
+        print("  phases (each alone, same bytes, median of 2)"
+              + (f"; other load {load:.2f} cores" if load is not None else "")
+              + ("   WARNING: not quiet" if load is not None and load > QUIET_LIMIT else ""))
         for key in ("encode_state_s", "hash_s", "write_fsync_s", "write_hashed_s", "verify_reread_hash_s",
                     "copy_into_s"):
             print(f"    {key:<22} {p[key]:8.3f}s  {n / p[key] / 1e9:6.2f} GB/s")

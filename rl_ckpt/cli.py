@@ -112,6 +112,8 @@ def cmd_ls(args) -> int:
                     break
         except CheckpointError as exc:
             valid = f"NO: {exc}"
+        if info.quarantined:
+            valid = f"QUARANTINED: {info.quarantined}"
         bad += valid != "yes"
         rows.append((info.snapshot_id, str(info.global_step), info.kind, _human(info.size_bytes), _fmt_metrics(info.metrics), valid))
     for u in cat.unreadable():
@@ -152,6 +154,9 @@ def cmd_verify(args) -> int:
     with _progress(total, "verify") as bar:
         for sid in ids:
             verify_snapshot(storage, sid, report, progress=bar.update)
+            info = cat.get(sid)
+            if info is not None and info.quarantined and sid not in report.bad_snapshots:
+                report.problems.append(FileProblem(sid, "quarantine", info.quarantined))
     if not args.snapshot_id:
         for u in cat.unreadable():
             report.checked.append(u.snapshot_id)
@@ -191,6 +196,31 @@ def cmd_inspect(args) -> int:
         for f in m.files_of(name):
             print(f"  file {f.path} {_human(f.size)} {f.algo}:{f.checksum[:16]}")
     return EXIT_OK
+
+
+def cmd_plan(args) -> int:
+    from .coordinator import FailureInfo
+    from .engine import CheckpointEngine
+
+    storage = _storage(args)
+    base, _, run = args.url.rstrip("/").rpartition("/")
+    engine = CheckpointEngine(base_dir=base or ".", run_name=run, storage=storage)
+    failure = None
+    if args.failure:
+        failure = FailureInfo(kind=args.failure, step=args.step, message="given on the command line")
+    plan = engine.plan_recovery(failure, deep=not args.quick)
+    print(plan)
+    return EXIT_OK if plan.action != "give_up" else EXIT_PROBLEM
+
+
+def cmd_scrub(args) -> int:
+    from .patrol import scrub
+
+    storage = _storage(args)
+    rate = args.rate_mib * 2**20 if args.rate_mib else None
+    report = scrub(storage, bytes_per_second=rate, min_free_bytes=int(args.min_free_gib * 2**30))
+    print(report)
+    return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
 def cmd_gc(args) -> int:
@@ -249,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("inspect", cmd_inspect, "show one snapshot's manifest: components, tensors, files, metrics", needs_id=True)
     s.add_argument("--json", action="store_true")
     s.add_argument("--max-tensors", type=int, default=20)
+    s = cmd("plan", cmd_plan, "print the recovery plan: which snapshot, why, what loads, what is checked")
+    s.add_argument("--quick", action="store_true", help="check sizes only instead of re-hashing the candidates")
+    s.add_argument("--failure", choices=["exception", "nan_loss", "process_killed", "oom", "heartbeat_lost"],
+                   help="plan the recovery from this kind of failure (the coordinator decides)")
+    s.add_argument("--step", type=int, help="the step the failure happened at")
+    s = cmd("scrub", cmd_scrub, "re-hash every snapshot at a bounded rate; quarantine corrupt ones (exit 1 if any)")
+    s.add_argument("--rate-mib", type=float, default=0, help="read-rate limit in MiB/s (default: unlimited)")
+    s.add_argument("--min-free-gib", type=float, default=1.0, help="warn (exit 1) below this much free space")
     s = cmd("gc", cmd_gc, "remove debris of crashed saves (never a committed snapshot)")
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",

@@ -35,7 +35,7 @@ from .errors import (
 from .manifest import Manifest, now_iso, snapshot_id
 from .probe import compare, run_probe
 from .quarantine import quarantine
-from .reader import VerifyReport, load_component, read_manifest, verify_snapshot
+from .reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
 from .recovery import RecoveryPlan, build_plan
 from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from .staging import StagingArea
@@ -126,6 +126,7 @@ class CheckpointEngine:
         self.last_retention: RetentionDecision | None = None
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
+        self._patrol = None
         self._closed = False
 
     # -- registration --------------------------------------------------------
@@ -323,7 +324,8 @@ class CheckpointEngine:
             self._write_best_aliases(snapshots)
         if self.retention is None:
             return
-        decision = plan_retention(snapshots, self.retention)
+        # Quarantined snapshots are neither kept-counted nor deleted: a person decides.
+        decision = plan_retention([i for i in snapshots if not i.quarantined], self.retention)
         self.last_retention = decision
         freed: dict[str, tuple[str, int]] = {}
         for sid in decision.delete:
@@ -393,12 +395,13 @@ class CheckpointEngine:
         report = VerifyReport()
         if snapshot_id is not None:
             return verify_snapshot(self.storage, snapshot_id, report)
+        self.catalog.refresh()
         for info in self.catalog.snapshots():
             verify_snapshot(self.storage, info.snapshot_id, report)
+            if info.quarantined and info.snapshot_id not in report.bad_snapshots:
+                report.problems.append(FileProblem(info.snapshot_id, "quarantine", info.quarantined))
         for bad in self.catalog.unreadable():
             report.checked.append(bad.snapshot_id)
-            from .reader import FileProblem
-
             report.problems.append(FileProblem(bad.snapshot_id, "meta.json", bad.reason))
         return report
 
@@ -565,6 +568,18 @@ class CheckpointEngine:
         keys = changed_keys(manifest.config, now)
         return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {', '.join(keys) or '(unknown keys)'}"]
 
+    # -- health patrol -------------------------------------------------------
+    def start_patrol(self, interval_seconds: float = 3600.0, **kwargs: Any) -> "HealthPatrol":
+        """Re-hash old snapshots in the background (rate-limited); corrupt ones are quarantined."""
+        from .patrol import HealthPatrol
+
+        if self._patrol is None:
+            self._patrol = HealthPatrol(self.storage, interval_seconds=interval_seconds,
+                                        bytes_per_second=kwargs.get("bytes_per_second", self.config.scrub_bytes_per_second),
+                                        min_free_bytes=kwargs.get("min_free_bytes", self.config.min_free_bytes),
+                                        on_report=lambda r: self.catalog.refresh()).start()
+        return self._patrol
+
     # -- lifecycle -----------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -573,6 +588,8 @@ class CheckpointEngine:
     def close(self) -> None:
         """Wait for the save in flight, then release the storage."""
         if not self._closed:
+            if self._patrol is not None:
+                self._patrol.stop()
             if self._writer is not None:
                 self._writer.close()
             self._closed = True

@@ -73,13 +73,13 @@ def read_manifest(storage: Storage, snapshot_id: str) -> Manifest:
     return manifest
 
 
-def check_file(storage: Storage, snapshot_id: str, entry: FileEntry) -> str | None:
+def check_file(storage: Storage, snapshot_id: str, entry: FileEntry, throttle=None) -> str | None:
     """Re-hash one file; the problem as text, or None when it matches."""
     path = join(snapshot_id, entry.path)
     try:
         if not storage.exists(path):
             return "missing"
-        size, digest = hash_file(storage, path, entry.algo)
+        size, digest = hash_file(storage, path, entry.algo, throttle)
     except UnsafePathError as exc:
         return f"unsafe: {exc}"
     except CheckpointError as exc:
@@ -91,7 +91,8 @@ def check_file(storage: Storage, snapshot_id: str, entry: FileEntry) -> str | No
     return None
 
 
-def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | None = None, *, progress=None) -> VerifyReport:
+def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | None = None, *, progress=None,
+                    throttle=None) -> VerifyReport:
     """Check the manifest and every file of one snapshot; problems go into ``report``."""
     report = report or VerifyReport()
     report.checked.append(snapshot_id)
@@ -101,7 +102,7 @@ def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | N
         report.problems.append(FileProblem(snapshot_id, MANIFEST_NAME, str(exc)))
         return report
     for entry in manifest.files:
-        problem = check_file(storage, snapshot_id, entry)
+        problem = check_file(storage, snapshot_id, entry, throttle)
         if progress is not None:
             progress(entry.size)
         if problem:
@@ -111,6 +112,8 @@ def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | N
     for digest, (algo, size) in manifest_objects(manifest).items():
         try:
             check_object(storage, algo, digest, size)
+            if throttle is not None:
+                throttle(size)
         except CheckpointError as exc:
             report.problems.append(FileProblem(snapshot_id, "../" + object_path(algo, digest), str(exc)))
         if progress is not None:

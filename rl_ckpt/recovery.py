@@ -205,10 +205,12 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
         plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "fallback", "used if the target fails"))
     for info in usable:
         if info.global_step > target.global_step and info.snapshot_id not in invalid:
-            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "not chosen", plan.reason))
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "not chosen",
+                                                 "newer, but the decision above chose an older snapshot"))
     plan.candidates.sort(key=lambda c: (-c.global_step, c.kind))
     _actions(engine, plan, manifest, light_manifest)
-    plan.warnings += engine._config_warnings(manifest)
+    if engine._components:  # a running job: compare its config with the snapshot's (the CLI has none to compare)
+        plan.warnings += engine._config_warnings(manifest)
     return plan
 
 
@@ -228,22 +230,23 @@ def _choose_light(engine: "CheckpointEngine", plan: RecoveryPlan, target: Snapsh
 
 
 def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, light: Manifest | None) -> None:
-    regs = sorted(engine._components.values(), key=lambda r: LOAD_ORDER.index(r.kind) if r.kind in LOAD_ORDER else 5)
+    # What is registered, or (planning from the CLI, nothing registered) what the snapshot holds.
+    names = {r.name: r.kind for r in engine._components.values()} or {n: sec.get("kind", "other")
+                                                                      for n, sec in full.components.items()}
     probes = (full.extra or {}).get("probes", {})
-    for reg in regs:
-        source = light if light is not None and reg.name in light.components else full
-        if reg.name not in source.components:
-            plan.warnings.append(f"component {reg.name!r} is not in {full.snapshot_id}: it keeps its current state "
+    for name, kind in sorted(names.items(), key=lambda nk: LOAD_ORDER.index(nk[1]) if nk[1] in LOAD_ORDER else 5):
+        source = light if light is not None and name in light.components else full
+        if name not in source.components:
+            plan.warnings.append(f"component {name!r} is not in {full.snapshot_id}: it keeps its current state "
                                  "(restore(strict=True) refuses this)")
             continue
-        files = source.files_of(reg.name)
-        section = source.components[reg.name]
+        files = source.files_of(name)
+        section = source.components[name]
         obj_bytes = sum(size for chunks in (section.get("objects") or {}).values() for _d, size in chunks)
-        plan.actions.append(LoadAction(reg.name, reg.kind, source.snapshot_id, len(files),
-                                       sum(f.size for f in files) + obj_bytes))
-        if reg.name in probes and engine.config.post_load_check:
+        plan.actions.append(LoadAction(name, kind, source.snapshot_id, len(files), sum(f.size for f in files) + obj_bytes))
+        if name in probes and engine.config.post_load_check:
             cfg = engine.config
-            plan.checks.append(f"probe {reg.name}: re-run the forward pass recorded at save, allclose(rtol={cfg.probe_rtol}, "
+            plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, allclose(rtol={cfg.probe_rtol}, "
                                f"atol={cfg.probe_atol})")
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")

@@ -39,8 +39,8 @@ def write_hashed(storage: Storage, path: str, chunks: Iterable, algo: str) -> tu
     return size, hasher.hexdigest()
 
 
-def hash_file(storage: Storage, path: str, algo: str) -> tuple[int, str]:
-    """Stream a stored file through the hasher: (size, checksum)."""
+def hash_file(storage: Storage, path: str, algo: str, throttle=None) -> tuple[int, str]:
+    """Stream a stored file through the hasher: (size, checksum). ``throttle(n)`` paces reads."""
     hasher = new_hasher(algo)
     size = 0
     buf = bytearray(READ_CHUNK)
@@ -49,6 +49,8 @@ def hash_file(storage: Storage, path: str, algo: str) -> tuple[int, str]:
         while n := f.readinto(view):
             hasher.update(view[:n])
             size += n
+            if throttle is not None:
+                throttle(n)
     return size, hasher.hexdigest()
 
 

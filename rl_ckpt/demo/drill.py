@@ -1,0 +1,149 @@
+"""Crash drill: PPO on CartPole with scheduled saves, SIGKILLed mid-run, resumed through a
+recovery plan, and compared bitwise with an uninterrupted run.
+
+Each run happens in its own process (a crash is a real SIGKILL). A training
+process reports one JSON line per step (step, loss, avg_reward, what it
+restored); the driver kills it at the chosen step, starts a new process that
+plans and restores, and compares losses and final parameters with a
+reference process that never crashed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from .. import CheckpointEngine, RNGState
+from .ppo import PPOConfig, PPOTrainer, param_digest
+
+
+def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: int = 0, resume: bool = True) -> None:
+    """One training process: restore (through a plan) if there is a snapshot, train, save on schedule."""
+    trainer = PPOTrainer(PPOConfig(seed=seed))
+    engine = CheckpointEngine(**cfg, train_config=dataclasses.asdict(trainer.cfg))
+    for name, component in trainer.components().items():
+        engine.register(name, component)
+    engine.register("rng", RNGState())
+    start = 0
+    if resume:
+        plan = engine.plan_recovery(deep=True)
+        result = engine.restore(plan)
+        start = result.global_step
+        report({"event": "restored", "snapshot": result.snapshot_id, "step": start, "plan": str(plan)})
+    scheduler = engine.scheduler(start_step=start)
+    while trainer.progress.global_step < until_step:
+        metrics = trainer.train_step()
+        step = trainer.progress.global_step
+        scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
+        report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]), "avg_reward": metrics["avg_reward"]})
+    scheduler.close()
+    engine.close()
+    report({"event": "done", "step": trainer.progress.global_step, "digest": param_digest(trainer.model),
+            "snapshots": len(engine.snapshots())})
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else repr(x)
+
+
+def _child(cfg: dict, until_step: int, conn, seed: int, resume: bool) -> None:
+    train(cfg, until_step, lambda msg: conn.send_bytes(json.dumps(msg).encode()), seed=seed, resume=resume)
+    conn.close()
+
+
+@dataclasses.dataclass
+class RunLog:
+    losses: dict[int, Any] = dataclasses.field(default_factory=dict)
+    rewards: dict[int, float] = dataclasses.field(default_factory=dict)
+    restored: dict | None = None
+    done: dict | None = None
+    killed_at: int | None = None
+    seconds: float = 0.0
+
+
+def run_process(ctx, cfg: dict, until_step: int, *, seed: int = 0, resume: bool = True,
+                kill_at_step: int | None = None, timeout: float = 600.0) -> RunLog:
+    """Run ``train`` in a child process; SIGKILL it once it reports ``kill_at_step``."""
+    log = RunLog()
+    started = time.monotonic()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(cfg, until_step, child, seed, resume), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        while True:
+            if not parent.poll(timeout):
+                raise TimeoutError(f"training process silent for {timeout} s")
+            try:
+                msg = json.loads(parent.recv_bytes())
+            except EOFError:
+                break
+            if msg["event"] == "step":
+                log.losses[msg["step"]] = msg["loss"]
+                log.rewards[msg["step"]] = msg["avg_reward"]
+                if kill_at_step is not None and msg["step"] >= kill_at_step:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    log.killed_at = msg["step"]
+                    break
+            elif msg["event"] == "restored":
+                log.restored = msg
+            elif msg["event"] == "done":
+                log.done = msg
+    finally:
+        proc.join(60)
+        parent.close()
+        if proc.is_alive():
+            proc.kill()
+    if kill_at_step is not None and log.killed_at is not None and proc.exitcode != -signal.SIGKILL:
+        raise RuntimeError(f"the training process was not killed by SIGKILL (exit code {proc.exitcode})")
+    if kill_at_step is None and proc.exitcode != 0:
+        raise RuntimeError(f"the training process failed (exit code {proc.exitcode})")
+    log.seconds = time.monotonic() - started
+    return log
+
+
+@dataclasses.dataclass
+class DrillResult:
+    reference: RunLog
+    crashed: RunLog
+    resumed: RunLog
+
+    @property
+    def restored_step(self) -> int:
+        return self.resumed.restored["step"] if self.resumed.restored else 0
+
+    @property
+    def params_equal(self) -> bool:
+        return self.reference.done["digest"] == self.resumed.done["digest"]
+
+    @property
+    def losses_equal(self) -> bool:
+        steps = [s for s in self.resumed.losses]
+        return all(self.resumed.losses[s] == self.reference.losses[s] for s in steps) and \
+            all(self.crashed.losses[s] == self.reference.losses[s] for s in self.crashed.losses)
+
+    @property
+    def ok(self) -> bool:
+        return self.params_equal and self.losses_equal
+
+
+def context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "gymnasium", "rl_ckpt", "rl_ckpt.demo.ppo"])
+    return ctx
+
+
+def crash_drill(cfg: dict, steps: int, crash_at: int, *, seed: int = 0, ctx=None) -> DrillResult:
+    """Reference run, crashed run (SIGKILL at ``crash_at``), resumed run; all to ``steps``."""
+    ctx = ctx or context()
+    ref_cfg = {**cfg, "run_name": cfg.get("run_name", "run") + "-reference"}
+    reference = run_process(ctx, ref_cfg, steps, seed=seed, resume=False)
+    crashed = run_process(ctx, cfg, steps, seed=seed, resume=True, kill_at_step=crash_at)
+    resumed = run_process(ctx, cfg, steps, seed=seed + 1000, resume=True)  # other seed: only the snapshot carries state
+    return DrillResult(reference, crashed, resumed)
