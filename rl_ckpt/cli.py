@@ -287,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("scrub", cmd_scrub, "re-hash every snapshot at a bounded rate; quarantine corrupt ones (exit 1 if any)")
     s.add_argument("--rate-mib", type=float, default=0, help="read-rate limit in MiB/s (default: unlimited)")
     s.add_argument("--min-free-gib", type=float, default=1.0, help="warn (exit 1) below this much free space")
+    sub.add_parser("demo", help="run the crash drill: PPO, SIGKILL mid-run, verified exact restart (rl-ckpt demo -h)")
     s = cmd("gc", cmd_gc, "remove debris of crashed saves (never a committed snapshot)")
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
@@ -298,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo has its own flags
+        from .demo.__main__ import main as demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

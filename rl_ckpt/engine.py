@@ -81,7 +81,8 @@ def recorded_config(cfg: CheckpointConfig, train_config: Mapping[str, Any] | Non
     rec = {k: cfg.public_dict()[k] for k in DIGEST_KEYS}
     for key, value in (train_config or {}).items():
         rec[f"train.{key}"] = value
-    return rec
+    # As the manifest will hold it (tuples become lists), so a comparison sees only real changes.
+    return json.loads(json.dumps(rec, default=str))
 
 
 class CheckpointEngine:

@@ -20,19 +20,27 @@ import time
 from typing import Any, Callable
 
 from .. import CheckpointEngine, RNGState
+from ..coordinator import FailureInfo
 from .ppo import PPOConfig, PPOTrainer, param_digest
 
 
-def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: int = 0, resume: bool = True) -> None:
-    """One training process: restore (through a plan) if there is a snapshot, train, save on schedule."""
+def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: int = 0, resume: bool = True,
+          failure: dict | None = None) -> None:
+    """One training process: restore (through a plan) if there is a snapshot, train, save on schedule.
+
+    ``failure`` (a FailureInfo as JSON) is what killed the previous process: the
+    coordinator turns it into the decision the plan follows.
+    """
     trainer = PPOTrainer(PPOConfig(seed=seed))
-    engine = CheckpointEngine(**cfg, train_config=dataclasses.asdict(trainer.cfg))
+    # The seed is left out: the resumed process is deliberately built with another one.
+    hyper = {k: v for k, v in dataclasses.asdict(trainer.cfg).items() if k != "seed"}
+    engine = CheckpointEngine(**cfg, train_config=hyper)
     for name, component in trainer.components().items():
         engine.register(name, component)
     engine.register("rng", RNGState())
     start = 0
     if resume:
-        plan = engine.plan_recovery(deep=True)
+        plan = engine.plan_recovery(FailureInfo.from_json(failure) if failure else None, deep=True)
         result = engine.restore(plan)
         start = result.global_step
         report({"event": "restored", "snapshot": result.snapshot_id, "step": start, "plan": str(plan)})
@@ -52,8 +60,9 @@ def _json_float(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)
 
 
-def _child(cfg: dict, until_step: int, conn, seed: int, resume: bool) -> None:
-    train(cfg, until_step, lambda msg: conn.send_bytes(json.dumps(msg).encode()), seed=seed, resume=resume)
+def _child(cfg: dict, until_step: int, conn, seed: int, resume: bool, failure: dict | None) -> None:
+    train(cfg, until_step, lambda msg: conn.send_bytes(json.dumps(msg).encode()), seed=seed, resume=resume,
+          failure=failure)
     conn.close()
 
 
@@ -68,12 +77,12 @@ class RunLog:
 
 
 def run_process(ctx, cfg: dict, until_step: int, *, seed: int = 0, resume: bool = True,
-                kill_at_step: int | None = None, timeout: float = 600.0) -> RunLog:
+                kill_at_step: int | None = None, failure: dict | None = None, timeout: float = 600.0) -> RunLog:
     """Run ``train`` in a child process; SIGKILL it once it reports ``kill_at_step``."""
     log = RunLog()
     started = time.monotonic()
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(cfg, until_step, child, seed, resume), daemon=True)
+    proc = ctx.Process(target=_child, args=(cfg, until_step, child, seed, resume, failure), daemon=True)
     proc.start()
     child.close()
     try:
@@ -145,5 +154,7 @@ def crash_drill(cfg: dict, steps: int, crash_at: int, *, seed: int = 0, ctx=None
     ref_cfg = {**cfg, "run_name": cfg.get("run_name", "run") + "-reference"}
     reference = run_process(ctx, ref_cfg, steps, seed=seed, resume=False)
     crashed = run_process(ctx, cfg, steps, seed=seed, resume=True, kill_at_step=crash_at)
-    resumed = run_process(ctx, cfg, steps, seed=seed + 1000, resume=True)  # other seed: only the snapshot carries state
+    failure = FailureInfo(kind="process_killed", step=crashed.killed_at, message="SIGKILL (crash drill)").to_json()
+    # Another seed: only the snapshot carries state into the resumed process.
+    resumed = run_process(ctx, cfg, steps, seed=seed + 1000, resume=True, failure=failure)
     return DrillResult(reference, crashed, resumed)
