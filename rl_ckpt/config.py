@@ -133,6 +133,8 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "max_same_snapshot_failures": (3, _int(1), "Recovery: stop using a snapshot that failed again this many times after restore."),
     "max_acceptable_loss_steps": (None, _int(0, optional=True), "Recovery: if the newest snapshot is more steps behind the failure, consider the best one."),
     "divergence_threshold": (None, _number(0, optional=True), "Recovery: restore the best snapshot when the newest one's best_metric is worse by more than this fraction."),
+    "heartbeat_interval_seconds": (10.0, _number(0.01), "Ray: participants send a heartbeat at most this often; two missed ones are a failure."),
+    "commit_timeout_seconds": (300.0, _number(0.1), "Ray: abort a sharded snapshot when a participant has not reported by then."),
     "min_free_bytes": (1 << 30, _int(0), "Health patrol: warn when the storage has less free space than this."),
     "scrub_bytes_per_second": (64 << 20, _int(1), "Health patrol: read-rate limit when re-hashing old snapshots."),
 }

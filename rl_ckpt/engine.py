@@ -32,6 +32,7 @@ from .errors import (
     RestoreError,
     StateMismatchError,
 )
+from .managed import REPLICATED_KINDS
 from .manifest import Manifest, now_iso, snapshot_id
 from .probe import compare, run_probe
 from .quarantine import quarantine
@@ -57,6 +58,7 @@ class Registered:
     obj: Any
     kind: str
     probe: Any = None  # a user probe function obj -> output, for the post-load check
+    replicated: bool = False  # sharded saves: the same on every learner rank, written once by rank 0
 
 
 @dataclasses.dataclass
@@ -95,6 +97,15 @@ class CheckpointEngine:
         storage: use this storage instead of opening ``config.run_url``.
         retention: a :class:`RetentionPolicy` (default: built from keep_latest,
             keep_best and keep_interval_steps); ``False`` keeps everything.
+        manager: a ``CheckpointManager`` actor handle: this engine is then one
+            participant of a sharded save (the manager commits, keeps the
+            catalog and applies retention).
+        rank, world_size: this participant's rank and how many of its ``role``
+            there are (default: from ``torch.distributed`` when initialised).
+        role: ``"learner"`` (replicated state is written once, by rank 0) or
+            e.g. ``"rollout"`` (everything is per participant).
+        participants: every participant a snapshot waits for (default: the
+            ``world_size`` participants of this role).
     """
 
     def __init__(
@@ -104,6 +115,11 @@ class CheckpointEngine:
         train_config: Mapping[str, Any] | None = None,
         storage: Storage | None = None,
         retention: RetentionPolicy | bool | None = None,
+        manager: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        role: str = "learner",
+        participants: list[str] | None = None,
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -123,19 +139,38 @@ class CheckpointEngine:
         if retention is None or retention is True:
             retention = policy_from_config(config)
         self.retention: RetentionPolicy | None = retention or None
+        self.manager = manager
+        self.participant: str | None = None
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.heartbeat = None
+        self.role = role
+        if manager is not None:
+            from .managed import Heartbeat, ManagedCommit, participant_name
+
+            self.participant = participant_name(role, self.rank)
+            expected = participants or [participant_name(role, r) for r in range(self.world_size)]
+            self.commit = ManagedCommit(self.storage, manager, self.participant, expected,
+                                        commit_timeout=config.commit_timeout_seconds)
+            self.retention = None  # the manager applies retention once per committed snapshot
+            self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor())
         self.last_save_time = time.monotonic()
         self.last_retention: RetentionDecision | None = None
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
         self._patrol = None
+        self._probe_outputs: dict = {}
         self._closed = False
 
     # -- registration --------------------------------------------------------
-    def register(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None) -> Any:
+    def register(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None,
+                 replicated: bool | None = None) -> Any:
         """Register a component (module, optimizer, scheduler, RNGState, buffer, any Checkpointable).
 
         ``probe``: a function ``obj -> tensor(s)`` run at save and after load
         (post-load check); modules get an inferred probe when it is omitted.
+        ``replicated`` (with a manager): identical on every learner rank, so
+        written once by rank 0 (default: modules, optimizers, schedulers and
+        progress of learners).
         """
         check_component_name(name)
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -146,8 +181,18 @@ class CheckpointEngine:
             )
         if name in self._components and self._components[name].obj is not obj:
             raise ConfigError(f"component {name!r} is already registered with another object", key=name)
-        self._components[name] = Registered(name, obj, kind or classify(name, obj), probe)
+        reg = Registered(name, obj, kind or classify(name, obj), probe)
+        if replicated is None:
+            replicated = self.manager is not None and self.role == "learner" and reg.kind in REPLICATED_KINDS
+        reg.replicated = bool(replicated)
+        self._components[name] = reg
         return obj
+
+    def _key(self, name: str) -> str:
+        """Where a component lives in a manifest: its name, or ``<scope>/<name>`` in a sharded save."""
+        if self.participant is None:
+            return name
+        return f"shared/{name}" if self._components[name].replicated else f"{self.participant}/{name}"
 
     @property
     def components(self) -> dict[str, Any]:
@@ -165,6 +210,8 @@ class CheckpointEngine:
                 continue
             if kind == "light" and reg.name not in cfg.light_components:
                 continue
+            if reg.replicated and self.rank != 0:
+                continue  # rank 0 writes replicated state once for everyone
             out.append(reg)
         return out
 
@@ -178,7 +225,7 @@ class CheckpointEngine:
             shape = self.config.probe_shapes.get(reg.name)
             result = run_probe(reg.obj, fn=reg.probe, shape=shape)
             if result is not None:
-                out[reg.name] = result
+                out[self._key(reg.name)] = result
         return out
 
     def stage(self, kind: str = "full") -> dict[str, EncodedState]:
@@ -271,20 +318,25 @@ class CheckpointEngine:
         try:
             files, sections = [], {}
             for name, enc in staged.items():
-                entries, section = write_component(self.storage, attempt, name, enc, algo=cfg.checksum_algo,
+                key = self._key(name)
+                if "/" in key:
+                    self.storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
+                entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
                                                    verify=cfg.verify_after_write, objects=objects)
                 section["kind"] = self._components[name].kind if name in self._components else "other"
                 files += entries
-                sections[name] = section
+                sections[key] = section
             recorded = recorded_config(cfg, self.train_config)
             manifest = Manifest(
                 snapshot_id=sid, global_step=global_step, kind=kind, created_at=now_iso(), base_snapshot_id=base,
                 config_digest=config_digest(recorded), config=recorded, state_schema_version=cfg.schema_version,
                 metrics=clean_metrics(metrics), tags=dict(tags or {}), files=files, components=sections,
-                writer={"attempt": attempt.attempt_id},
+                writer={"attempt": attempt.attempt_id, **({"participant": self.participant} if self.participant else {})},
                 extra={"probes": probes} if probes else {},
             )
-            self.commit.commit(attempt, manifest.to_bytes())
+            merged = self.commit.commit(attempt, manifest.to_bytes())
+            if merged is not None:  # a sharded save: the manager committed the merged manifest
+                manifest = merged
         except BaseException:
             if self._landed(attempt):
                 # The manifest is there and names this attempt (the error came after it landed, e.g. a
@@ -301,8 +353,15 @@ class CheckpointEngine:
         self.catalog.add(info)
         self.last_save_time = time.monotonic()
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
-        self._after_commit()
+        if self.manager is None:
+            self._after_commit()
         return info
+
+    def beat(self, global_step: int) -> None:
+        """Heartbeat to the manager (rate-limited); a no-op without one."""
+        if self.heartbeat is not None:
+            newest = self.catalog.snapshots()
+            self.heartbeat.beat(global_step, newest[-1].snapshot_id if newest else None)
 
     def _landed(self, attempt) -> bool:
         try:
@@ -420,6 +479,13 @@ class CheckpointEngine:
             light: apply the newest valid light snapshot built on the target.
         """
         self._check_open()
+        if self.manager is not None and snapshot_id is None:
+            from .managed import _ray_get
+
+            if failure is not None:
+                _ray_get(self.manager.record_failure.remote(failure.to_json()), timeout=60)
+            # One plan for every participant: the manager computes it (and records the decision) once.
+            return RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds))
         return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
 
     def decisions(self) -> list[Decision]:
@@ -453,7 +519,7 @@ class CheckpointEngine:
         self.wait()
         if plan is None:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
-        if plan.decision is not None:
+        if plan.decision is not None and self.manager is None:  # the manager records its own decisions
             self.record_decision(plan.decision)
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
         if plan.action == "start_fresh":
@@ -464,13 +530,26 @@ class CheckpointEngine:
             raise NoValidSnapshotError(f"recovery of {self.storage.url} gave up: {plan.reason}" + (f"; skipped:\n{lines}" if lines else ""),
                                        reasons=skipped)
         for sid in [plan.target, *plan.fallbacks]:
+            result, fatal, error = None, None, None
+            self._probe_outputs = {}
             try:
                 result = self._restore_one(sid, skipped, strict, light=plan.light is not None or sid != plan.target)
-            except (StateMismatchError, RestoreError):
-                raise
+            except (StateMismatchError, RestoreError) as exc:
+                fatal = exc
             except CheckpointError as exc:
-                skipped[sid] = str(exc)
-                log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, exc)
+                error = str(exc)
+            if self._collective():
+                # Every rank loaded its own shards; continue only if all did, and all compute the same
+                # probe outputs. Otherwise all roll back together to the next snapshot.
+                error, fatal_elsewhere = agree_across_ranks(result is not None, error or (str(fatal) if fatal else None),
+                                                            fatal is not None, self._probe_outputs, self.config)
+                if fatal is None and fatal_elsewhere:
+                    fatal = RestoreError(f"{sid}: another rank could not load its state: {fatal_elsewhere}", snapshot_id=sid)
+            if fatal is not None:
+                raise fatal
+            if error is not None:
+                skipped[sid] = error
+                log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, error)
                 continue
             result.plan = plan
             if sid != plan.target:
@@ -486,10 +565,11 @@ class CheckpointEngine:
         states: dict[str, Any] = {}
         missing = []
         for reg in self._components.values():
-            if reg.name not in manifest.components:
+            key = self._stored_key(manifest, reg.name)
+            if key is None:
                 missing.append(reg.name)
                 continue
-            states[reg.name] = load_component(self.storage, manifest, reg.name)
+            states[reg.name] = load_component(self.storage, manifest, key)
         if missing:
             msg = f"{sid}: registered component(s) {missing} are not in the snapshot"
             if strict and not all(self._excluded(self._components[m]) for m in missing):
@@ -517,11 +597,14 @@ class CheckpointEngine:
         """Re-run the probes recorded at save; a mismatch quarantines the snapshot (then recovery falls back)."""
         if not self.config.post_load_check:
             return
-        for name, reference in ((manifest.extra or {}).get("probes") or {}).items():
-            reg = self._components.get(name)
-            if reg is None:
+        probes = (manifest.extra or {}).get("probes") or {}
+        for reg in self._components.values():
+            name = reg.name
+            reference = probes.get(self._stored_key(manifest, name) or name)
+            if reference is None:
                 continue
             got = run_probe(reg.obj, fn=reg.probe, shape=self.config.probe_shapes.get(name))
+            self._probe_outputs[name] = got
             problem = compare(reference, got, rtol=self.config.probe_rtol, atol=self.config.probe_atol)
             if problem:
                 reason = f"post-load check failed for component {name!r}: {problem}"
@@ -538,8 +621,11 @@ class CheckpointEngine:
             try:
                 manifest = read_manifest(self.storage, info.snapshot_id)
                 self._check_schema(manifest)
-                light_states = {n: load_component(self.storage, manifest, n)
-                                for n in manifest.components if n in self._components}
+                light_states = {}
+                for name in self._components:
+                    key = self._stored_key(manifest, name)
+                    if key is not None:
+                        light_states[name] = load_component(self.storage, manifest, key)
             except CheckpointError as exc:
                 skipped[info.snapshot_id] = str(exc)
                 log.warning("skipping light snapshot %s: %s", info.snapshot_id, exc)
@@ -547,6 +633,17 @@ class CheckpointEngine:
             states.update(light_states)
             return manifest
         return None
+
+    def _collective(self) -> bool:
+        """Restores agree across learner ranks when they form a torch.distributed group."""
+        dist = torch.distributed
+        return (self.manager is not None and self.role == "learner" and self.world_size > 1
+                and dist.is_available() and dist.is_initialized())
+
+    def _stored_key(self, manifest: Manifest, name: str) -> str | None:
+        """The manifest key holding component ``name`` for this participant (own scope first)."""
+        keys = [name] if self.participant is None else [f"{self.participant}/{name}", f"shared/{name}"]
+        return next((k for k in keys if k in manifest.components), None)
 
     def _excluded(self, reg: Registered) -> bool:
         return reg not in self._saved_components("full")
@@ -593,6 +690,8 @@ class CheckpointEngine:
                 self._patrol.stop()
             if self._writer is not None:
                 self._writer.close()
+            if self.manager is not None and self.participant is not None:
+                self.manager.unregister.remote(self.participant)  # a clean exit is not a lost heartbeat
             self._closed = True
             self.storage.close()
 
@@ -601,6 +700,50 @@ class CheckpointEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: dict, cfg) -> tuple[str | None, str | None]:
+    """All-gather every rank's restore outcome and probe outputs (gloo works on CPU).
+
+    Returns ``(error, fatal_error)`` as seen by all ranks: an error if any rank
+    failed or the ranks' probe outputs are not allclose.
+    """
+    dist = torch.distributed
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ok, error, fatal, probe_outputs))
+    fatal_msgs = [f"rank {r}: {e}" for r, (_o, e, f, _p) in enumerate(gathered) if f]
+    if fatal_msgs:
+        return "; ".join(fatal_msgs), "; ".join(fatal_msgs)
+    failed = [f"rank {r}: {e}" for r, (o, e, _f, _p) in enumerate(gathered) if not o]
+    if failed:
+        return "; ".join(failed), None
+    reference = gathered[0][3]
+    for r, (_o, _e, _f, outputs) in enumerate(gathered[1:], start=1):
+        for name, ref in reference.items():
+            if name in outputs and compare(ref, outputs[name], rtol=cfg.probe_rtol, atol=cfg.probe_atol):
+                return f"rank {r} computes a different {name!r} than rank 0 after loading", None
+    return None, None
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    return (rank or 0), (world_size or 1)
+
+
+def _current_actor() -> Any:
+    """This process's Ray actor handle, when it is one (so the manager can stop a hung worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().current_actor
+    except (ImportError, RuntimeError):  # not inside a Ray actor: nothing to hand over
+        return None
+    return None
 
 
 def _safe_metric(metric: str) -> str:

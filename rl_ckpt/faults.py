@@ -10,7 +10,14 @@
     fs.before("remove_tree", nth=1, hook=lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 Operations: write, write_atomic, read, open_read, list, exists, size, remove,
-remove_tree, makedirs, rename_dir, sync_dir.
+remove_tree, makedirs, rename_dir, sync_dir; ``"*"`` matches any of them, so
+``fs.before("*", hook, nth=k)`` runs ``hook`` before the k-th call of any kind.
+
+``PowerLossStorage(LocalStorage(root))`` simulates a power cut on a local disk:
+it keeps a journal of every effect that is not yet durable (data written
+without fsync, names created, renamed or removed in a folder that was not
+fsynced since) and ``power_cut()`` undoes them on the real files, as the disk
+would after losing power. See its docstring for the exact model.
 """
 
 from __future__ import annotations
@@ -18,14 +25,18 @@ from __future__ import annotations
 import dataclasses
 import errno as _errno
 import os
+import random
+import shutil
+import tempfile
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 from .errors import StorageError
-from .storage import Storage
+from .storage import LocalStorage, Storage
 
 OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "remove", "remove_tree",
               "makedirs", "rename_dir", "sync_dir")
+ANY = "*"
 
 
 @dataclasses.dataclass
@@ -40,7 +51,7 @@ class Rule:
     fired: int = 0
 
     def matches(self, op: str, path: str) -> bool:
-        if op != self.op or (self.path_contains and self.path_contains not in path):
+        if (op != self.op and self.op != ANY) or (self.path_contains and self.path_contains not in path):
             return False
         self.seen += 1
         return self.nth is None or self.seen == self.nth
@@ -72,8 +83,8 @@ class FaultyStorage(Storage):
         return self._add(Rule(op, nth, path_contains, None, hook, after=True))
 
     def _add(self, rule: Rule) -> Rule:
-        if rule.op not in OPERATIONS:
-            raise ValueError(f"unknown storage operation {rule.op!r}; one of {OPERATIONS}")
+        if rule.op not in OPERATIONS and rule.op != ANY:
+            raise ValueError(f"unknown storage operation {rule.op!r}; one of {OPERATIONS} or {ANY!r}")
         self.rules.append(rule)
         return rule
 
@@ -145,3 +156,345 @@ class FaultyStorage(Storage):
 
     def close(self):
         self.inner.close()
+
+
+# -- power loss ------------------------------------------------------------------
+
+
+class PowerCut(BaseException):
+    """The machine lost power: raised by every call of a :class:`PowerLossStorage` after ``power_cut()``.
+
+    A ``BaseException``, so no ``except Exception`` / ``except CheckpointError``
+    in the code under test can swallow it and carry on writing.
+    """
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder + "/")
+
+
+def _moved(path: str, src: str, dst: str) -> str:
+    return dst + path[len(src):] if _under(path, src) else path
+
+
+@dataclasses.dataclass
+class Effect:
+    """One change to the namespace or to file data that may not survive a power cut.
+
+    ``path`` is where the affected entry is *now* (a later rename of a folder
+    moves the paths of the effects inside it).
+    """
+
+    kind: str  # "mkdir" | "create" | "overwrite" | "rename" | "remove"
+    path: str
+    src: str = ""  # rename: the old name
+    data_durable: bool = True  # create/overwrite: the data was fsynced
+    name_durable: bool = False  # the folder holding ``path`` was fsynced after the change
+    src_durable: bool = False  # rename: the folder that held ``src`` was fsynced after the change
+    backup: str | None = None  # remove: a copy of what was removed, to put back
+
+    @property
+    def durable(self) -> bool:
+        if self.kind in ("create", "overwrite"):
+            return self.name_durable and self.data_durable
+        return self.name_durable
+
+    def __str__(self) -> str:
+        if self.kind == "rename":
+            return f"rename {self.src} -> {self.path}"
+        extra = "" if self.data_durable else " (data not fsynced)"
+        return f"{self.kind} {self.path}{extra}"
+
+
+class PowerLossStorage(Storage):
+    """A local disk that can lose power: ``power_cut()`` undoes every effect that was not made durable.
+
+    The model (strict POSIX; the worst case a journaling file system may legally show):
+
+    - ``write(..., durable=False)``: the data is not on disk until fsynced, and
+      this interface never fsyncs it later, so after a cut the file is empty
+      (truncated to 0 bytes); ``durable=True`` data survives.
+    - A *name* (a created file or folder, the target of a rename, the removal
+      of an entry) survives only if its parent folder was fsynced
+      (``sync_dir``) afterwards. ``write_atomic`` and create-only ``write``
+      fsync the parent themselves (they are temp + fsync + rename/link +
+      folder fsync in ``LocalStorage``), so their names are durable.
+    - Undoing a folder's creation loses everything in it. A rename whose new
+      parent was not fsynced is rolled back to the old name, unless the old
+      parent was fsynced (then the folder is lost altogether: it is in
+      neither place). An unsynced removal is undone from a copy taken before
+      the removal.
+    - The run folder (the root) itself is taken as durable.
+
+    ``power_cut()`` undoes the pending effects newest first (every one of them,
+    or with ``rng`` each one independently kept with probability
+    ``keep_probability``, for the mixed outcomes a real disk may show), then
+    makes every further call raise :class:`PowerCut` until ``restart()``.
+    Each call is treated as atomic: a cut lands between two calls.
+    """
+
+    def __init__(self, inner: "LocalStorage | str", journal_dir: str | None = None) -> None:
+        self.inner = inner if isinstance(inner, LocalStorage) else LocalStorage(inner)
+        self.url = self.inner.url
+        self.root = self.inner.root
+        self.supports_rename = True
+        self.journal: list[Effect] = []
+        self.halted = False
+        self._own_journal_dir = journal_dir is None
+        self.journal_dir = journal_dir or tempfile.mkdtemp(prefix="rlckpt-powerloss-")
+        os.makedirs(self.journal_dir, exist_ok=True)
+        self._backups = 0
+        self._lock = threading.RLock()
+
+    # -- helpers -------------------------------------------------------------
+    def _full(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def _alive(self) -> None:
+        if self.halted:
+            raise PowerCut(f"power is off ({self.url}); call restart() to boot again")
+
+    def _backup(self, path: str) -> str | None:
+        full = self._full(path)
+        if not os.path.lexists(full):
+            return None
+        self._backups += 1
+        dest = os.path.join(self.journal_dir, f"removed-{self._backups}")
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.copytree(full, dest, symlinks=True)
+        else:
+            shutil.copy2(full, dest, follow_symlinks=False)
+        return dest
+
+    def _synced(self, folder: str) -> None:
+        """The folder ``folder`` was fsynced: every entry change in it is durable."""
+        for e in self.journal:
+            if _parent(e.path) == folder:
+                e.name_durable = True
+            if e.kind == "rename" and _parent(e.src) == folder:
+                e.src_durable = True
+        self._prune()
+
+    def _prune(self) -> None:
+        keep = []
+        for e in self.journal:
+            if e.durable:
+                if e.backup:
+                    _rmtree_or_unlink(e.backup)
+            else:
+                keep.append(e)
+        self.journal = keep
+
+    @property
+    def pending(self) -> list[str]:
+        """What a power cut now would undo, oldest first."""
+        with self._lock:
+            return [str(e) for e in self.journal]
+
+    # -- the cut ---------------------------------------------------------------
+    def power_cut(self, rng: random.Random | None = None, *, keep_probability: float = 0.5,
+                  halt: bool = True) -> list[str]:
+        """Lose power now: undo the pending effects on the real files; returns what was undone."""
+        undone = []
+        with self._lock:
+            for i in range(len(self.journal) - 1, -1, -1):
+                e = self.journal[i]
+                if rng is not None and rng.random() < keep_probability:
+                    continue  # this one happened to reach the disk
+                if self._undo(e, self.journal[:i]):
+                    undone.append(str(e))
+            for e in self.journal:
+                if e.backup:
+                    _rmtree_or_unlink(e.backup)
+            self.journal = []
+            self.halted = halt
+        return undone
+
+    def _undo(self, e: Effect, earlier: list[Effect]) -> bool:
+        full = self._full(e.path)
+        if e.kind == "mkdir":
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+                return True
+            return False
+        if e.kind in ("create", "overwrite"):
+            if not os.path.lexists(full):
+                return False
+            if e.kind == "create" and not e.name_durable:
+                _rmtree_or_unlink(full)
+            else:
+                os.truncate(full, 0)  # the name is there, the unsynced data is not
+            return True
+        if e.kind == "rename":
+            if not os.path.lexists(full):
+                return False
+            if e.src_durable:
+                _rmtree_or_unlink(full)  # gone from the old folder, never reached the new one
+                return True
+            src_full = self._full(e.src)
+            if os.path.lexists(src_full) or not os.path.isdir(os.path.dirname(src_full)):
+                _rmtree_or_unlink(full)
+                return True
+            os.rename(full, src_full)
+            for other in earlier:  # what was inside is back under the old name
+                other.path = _moved(other.path, e.path, e.src)
+                if other.kind == "rename":
+                    other.src = _moved(other.src, e.path, e.src)
+            return True
+        if e.kind == "remove":
+            if e.backup is None or os.path.lexists(full) or not os.path.isdir(os.path.dirname(full)):
+                return False
+            if os.path.isdir(e.backup) and not os.path.islink(e.backup):
+                shutil.copytree(e.backup, full, symlinks=True)
+            else:
+                shutil.copy2(e.backup, full, follow_symlinks=False)
+            return True
+        return False  # pragma: no cover
+
+    def restart(self) -> None:
+        """Power is back: calls work again (the journal starts empty; everything on disk now is durable)."""
+        with self._lock:
+            self.halted = False
+
+    # -- writes ------------------------------------------------------------------
+    def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
+        with self._lock:
+            self._alive()
+            existed = _safe(path) and os.path.lexists(self._full(path))
+            try:
+                size = self.inner.write(path, chunks, create_only=create_only, durable=durable)
+            except StorageError:
+                # an I/O error part way: whatever reached the file is not durable
+                if not create_only and _safe(path) and os.path.lexists(self._full(path)):
+                    self.journal.append(Effect("overwrite" if existed else "create", path, data_durable=False,
+                                               name_durable=existed))
+                raise
+            if create_only:
+                self.journal.append(Effect("create", path, data_durable=durable, name_durable=durable))
+                if durable:
+                    self._synced(_parent(path))  # LocalStorage fsyncs the folder after the link
+            else:
+                self.journal.append(Effect("overwrite" if existed else "create", path, data_durable=durable,
+                                           name_durable=existed))
+                self._prune()  # an overwrite with fsynced data is durable at once
+            return size
+
+    def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
+        with self._lock:
+            self._alive()
+            self.inner.write_atomic(path, data, create_only=create_only)
+            # a new inode with fsynced data replaced whatever had this name
+            self.journal = [e for e in self.journal if not (e.kind in ("create", "overwrite") and e.path == path)]
+            self._synced(_parent(path))  # temp + fsync + rename/link + folder fsync: durable
+
+    # -- reads -------------------------------------------------------------------
+    def read(self, path: str) -> bytearray:
+        self._alive()
+        return self.inner.read(path)
+
+    def open_read(self, path: str):
+        self._alive()
+        return self.inner.open_read(path)
+
+    def list(self, path: str = ""):
+        self._alive()
+        return self.inner.list(path)
+
+    def exists(self, path: str) -> bool:
+        self._alive()
+        return self.inner.exists(path)
+
+    def size(self, path: str) -> int:
+        self._alive()
+        return self.inner.size(path)
+
+    def is_link(self, path: str) -> bool:
+        self._alive()
+        return self.inner.is_link(path)
+
+    # -- namespace -------------------------------------------------------------
+    def remove(self, path: str) -> None:
+        with self._lock:
+            self._alive()
+            backup = self._backup(path) if _safe(path) else None
+            try:
+                self.inner.remove(path)
+            finally:
+                if backup and not os.path.lexists(self._full(path)):
+                    self.journal.append(Effect("remove", path, backup=backup))
+                elif backup:
+                    _rmtree_or_unlink(backup)
+
+    def remove_tree(self, path: str) -> None:
+        with self._lock:
+            self._alive()
+            backup = self._backup(path) if _safe(path) else None
+            try:
+                self.inner.remove_tree(path)
+            finally:
+                if backup and not os.path.lexists(self._full(path)):
+                    self.journal.append(Effect("remove", path, backup=backup))
+                elif backup:
+                    _rmtree_or_unlink(backup)  # not (or only partly) removed: not journaled
+
+    def makedirs(self, path: str) -> None:
+        with self._lock:
+            self._alive()
+            parts = path.split("/") if _safe(path) else []
+            missing = [p for p in ("/".join(parts[:i + 1]) for i in range(len(parts)))
+                       if not os.path.lexists(self._full(p))]
+            self.inner.makedirs(path)
+            self.journal += [Effect("mkdir", p) for p in missing]
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        with self._lock:
+            self._alive()
+            self.inner.rename_dir(src, dst)
+            for e in self.journal:
+                e.path = _moved(e.path, src, dst)
+                if e.kind == "rename":
+                    e.src = _moved(e.src, src, dst)
+            self.journal.append(Effect("rename", dst, src=src))
+
+    def sync_dir(self, path: str) -> None:
+        with self._lock:
+            self._alive()
+            self.inner.sync_dir(path)
+            self._synced(path)
+
+    def free_bytes(self) -> int | None:
+        return self.inner.free_bytes()
+
+    def close(self) -> None:
+        with self._lock:
+            for e in self.journal:
+                if e.backup:
+                    _rmtree_or_unlink(e.backup)
+            if self._own_journal_dir:
+                shutil.rmtree(self.journal_dir, ignore_errors=True)
+        self.inner.close()
+
+
+def _safe(path: str) -> bool:
+    """A path the inner storage would accept (it refuses the others before touching anything)."""
+    from .storage import check_relpath
+
+    try:
+        check_relpath(path)
+    except Exception:
+        return False
+    return True
+
+
+def _rmtree_or_unlink(full: str) -> None:
+    try:
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.unlink(full)
+    except FileNotFoundError:
+        pass

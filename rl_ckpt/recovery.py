@@ -66,6 +66,21 @@ class RecoveryPlan:
     def fresh(self) -> bool:
         return self.action == "start_fresh"
 
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["failure"] = self.failure.to_json() if self.failure else None
+        d["decision"] = self.decision.to_json() if self.decision else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RecoveryPlan":
+        d = dict(d)
+        d["candidates"] = [CandidateNote(**c) for c in d.get("candidates", [])]
+        d["actions"] = [LoadAction(**a) for a in d.get("actions", [])]
+        d["failure"] = FailureInfo.from_json(d["failure"]) if d.get("failure") else None
+        d["decision"] = Decision.from_json(d["decision"]) if d.get("decision") else None
+        return cls(**d)
+
     def __str__(self) -> str:
         lines = [f"Recovery plan for {self.run_url}  ({'checksums verified' if self.deep else 'sizes checked'}; {self.created_at})"]
         if self.failure is not None:

@@ -67,6 +67,7 @@ class CheckpointScheduler:
     def step(self, global_step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle | None:
         """Call once per training step. Returns the handle of a save it started, else None."""
         self._collect()
+        self.engine.beat(global_step)
         if self._last_full_step is None:
             self._last_full_step = self._last_light_step = global_step
             return None

@@ -65,3 +65,17 @@ def s3_url(s3_endpoint):
             fs.call_s3("delete_bucket", Bucket=bucket)
         except Exception:  # cleanup is best effort; the server dies with the session
             pass
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One local Ray cluster for the whole session (2 CPUs, token authentication left on)."""
+    ray = pytest.importorskip("ray")
+    import os
+
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_tests",
+                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,434 @@
+"""``CheckpointManager``: the detached, named Ray actor that coordinates one run's snapshots.
+
+It assigns attempts, commits a sharded snapshot once every expected
+participant has reported its shards (two-phase commit), keeps the catalog,
+applies retention, records failures and coordinator decisions, hands every
+rank the same recovery plan, watches heartbeats, runs the health patrol and
+serves ``/healthz``.
+
+It holds no state that storage does not. The catalog is rebuilt from
+committed manifests; a pending commit is rebuilt from the ``attempt.json``
+and ``<participant>.report.json`` files the attempt folder holds; failures and
+decisions are files in the run folder. After a restart (``max_restarts=-1``)
+retried calls find everything again, and every call is idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from rl_ckpt.catalog import SnapshotInfo
+from rl_ckpt.commit import STAGING, Attempt
+from rl_ckpt.config import CheckpointConfig
+from rl_ckpt.coordinator import FailureInfo
+from rl_ckpt.engine import CheckpointEngine
+from rl_ckpt.errors import CheckpointError, CommitConflictError
+from rl_ckpt.manifest import MANIFEST_NAME, Manifest, now_iso, parse_snapshot_id
+from rl_ckpt.reader import read_manifest
+from rl_ckpt.storage import join, open_storage
+
+from .healthz import HealthzServer
+
+log = logging.getLogger("rl_ckpt")
+FAILURES = "failures"
+
+
+@dataclasses.dataclass
+class Pending:
+    attempt: Attempt
+    expected: list[str]
+    deadline: float
+    reports: dict[str, Manifest] = dataclasses.field(default_factory=dict)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: CheckpointError | None = None
+    manifest: bytes | None = None
+    bytes_received: int = 0
+
+
+@dataclasses.dataclass
+class Participant:
+    meta: dict
+    handle: Any = None
+    last_beat: float = 0.0
+    step: int | None = None
+    last_snapshot: str | None = None
+    lost: bool = False
+
+
+class CheckpointManager:
+    """The actor implementation. Use :meth:`get_or_create` to get a handle."""
+
+    def __init__(self, config: dict, healthz_port: int | None = 0, healthz_host: str = "127.0.0.1",
+                 kill_hung: bool = False, patrol_interval_seconds: float | None = None) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.config = CheckpointConfig(**config)
+        self.storage = open_storage(self.config.run_url, self.config.storage_options)
+        self.engine = CheckpointEngine(self.config, storage=self.storage)  # catalog, retention, plans, decisions
+        self.strategy = self.engine.commit
+        self.kill_hung = kill_hung
+        self._lock = threading.RLock()
+        self.pending: dict[str, Pending] = {}
+        self.participants: dict[str, Participant] = {}
+        self.bytes_received: dict[str, int] = {}
+        self.committed = 0
+        self.aborted = 0
+        self._plan_cache: tuple[tuple, dict] | None = None
+        self._last_metrics: dict = {}
+        self.started_at = now_iso()
+        self.engine.catalog.refresh()
+        self._rebuild_pending()
+        self._metrics = _Metrics()
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="rl_ckpt-manager-monitor", daemon=True)
+        self._monitor.start()
+        self.patrol = self.engine.start_patrol(patrol_interval_seconds) if patrol_interval_seconds else None
+        self.healthz = HealthzServer(self.health, host=healthz_host, port=healthz_port) if healthz_port is not None else None
+
+    # -- handle ----------------------------------------------------------------
+    @staticmethod
+    def get_or_create(run_name: str = "run", base_dir: str = "./checkpoints", storage_options: dict | None = None,
+                      namespace: str = "rl_ckpt", config: CheckpointConfig | dict | None = None,
+                      healthz_port: int | None = 0, kill_hung: bool = False,
+                      patrol_interval_seconds: float | None = None, **overrides: Any):
+        """The run's manager actor handle, created (detached, restartable) or attached to.
+
+        Args:
+            run_name, base_dir, storage_options: where the run's snapshots live.
+            namespace: the Ray namespace of the named actor.
+            config: other CheckpointConfig keys (retention, checksums, timeouts...).
+            healthz_port: serve /healthz on 127.0.0.1 at this port (0: any free port; None: off).
+            kill_hung: stop participants whose heartbeats stopped, so Ray restarts them.
+        """
+        import ray
+
+        values = config.to_dict() if isinstance(config, CheckpointConfig) else dict(config or {})
+        if "://" not in base_dir:
+            base_dir = os.path.abspath(base_dir)  # the actor's working directory is not the driver's
+        values.update(overrides, base_dir=base_dir, run_name=run_name, storage_options=storage_options or {})
+        CheckpointConfig(**values)  # fail here, in the caller, on a bad key
+        actor = ray.remote(CheckpointManager).options(
+            name=f"rl_ckpt:{run_name}", namespace=namespace, lifetime="detached", max_restarts=-1,
+            max_task_retries=-1, get_if_exists=True, num_cpus=0, max_concurrency=64)
+        return actor.remote(values, healthz_port, "127.0.0.1", kill_hung, patrol_interval_seconds)
+
+    # -- two-phase commit ------------------------------------------------------
+    def begin(self, snapshot_id: str, expected: list[str]) -> dict:
+        """The attempt every participant of ``snapshot_id`` writes into (the same one for all)."""
+        with self._lock:
+            pending = self.pending.get(snapshot_id)
+            if pending is not None and pending.error is None and not pending.done.is_set():
+                return dataclasses.asdict(pending.attempt)
+            attempt = self.strategy.begin(snapshot_id)
+            body = {"expected": sorted(set(expected)), "created_at": now_iso()}
+            self.storage.write_atomic(join(attempt.data_prefix, "attempt.json"), json.dumps(body).encode())
+            self.pending[snapshot_id] = Pending(attempt, body["expected"], time.monotonic() + self.config.commit_timeout_seconds)
+            return dataclasses.asdict(attempt)
+
+    def report(self, snapshot_id: str, attempt_id: str, participant: str, part: bytes) -> bytes:
+        """A participant's part (metadata only); returns the merged manifest once committed."""
+        with self._lock:
+            self.bytes_received[snapshot_id] = self.bytes_received.get(snapshot_id, 0) + len(part)
+            done = self._committed_manifest(snapshot_id, attempt_id)
+            if done is not None:
+                return done
+            pending = self.pending.get(snapshot_id)
+            if pending is None or pending.attempt.attempt_id != attempt_id:
+                raise CheckpointError(f"{snapshot_id}: attempt {attempt_id} is not pending (aborted or superseded)",
+                                      snapshot_id=snapshot_id)
+            if pending.error is not None:
+                raise pending.error
+            if participant not in pending.expected:
+                raise CheckpointError(f"{snapshot_id}: {participant!r} is not one of the expected participants "
+                                      f"{pending.expected}", snapshot_id=snapshot_id)
+            manifest = Manifest.from_bytes(part, snapshot_id)
+            self._check_files(pending, participant, manifest)
+            pending.reports[participant] = manifest
+            if set(pending.reports) >= set(pending.expected):
+                self._commit(snapshot_id, pending)
+        wait = max(0.0, pending.deadline - time.monotonic()) + 5.0
+        if not pending.done.wait(wait):
+            raise CheckpointError(f"{snapshot_id}: not committed within the commit timeout", snapshot_id=snapshot_id)
+        if pending.error is not None:
+            raise pending.error
+        return pending.manifest
+
+    def abort(self, snapshot_id: str, attempt_id: str, participant: str, reason: str) -> None:
+        with self._lock:
+            pending = self.pending.get(snapshot_id)
+            if pending is not None and pending.attempt.attempt_id == attempt_id and not pending.done.is_set():
+                self._abort(snapshot_id, pending, f"{participant}: {reason}")
+
+    def _check_files(self, pending: Pending, participant: str, part: Manifest) -> None:
+        attempt = pending.attempt
+        for f in part.files:
+            rel = f.path[len(attempt.file_prefix):] if f.path.startswith(attempt.file_prefix) else f.path
+            path = join(attempt.data_prefix, rel)
+            size = self.storage.size(path) if self.storage.exists(path) else None
+            if size != f.size:
+                raise CheckpointError(f"{attempt.snapshot_id}: {participant} reported {f.path} ({f.size} bytes) but "
+                                      f"storage has {size}", snapshot_id=attempt.snapshot_id)
+
+    def _commit(self, snapshot_id: str, pending: Pending) -> None:
+        started = time.monotonic()
+        parts = [pending.reports[p] for p in sorted(pending.reports)]
+        head = next((m for p, m in sorted(pending.reports.items()) if p.startswith("learner-0")), parts[0])
+        steps = {(m.global_step, m.kind) for m in parts}
+        if len(steps) != 1:
+            self._abort(snapshot_id, pending, f"participants disagree on step/kind: {sorted(steps)}")
+            return
+        files, components, probes, metrics, tags = [], {}, {}, {}, {}
+        for m in parts:
+            files += m.files
+            components.update(m.components)
+            probes.update((m.extra or {}).get("probes") or {})
+            tags.update(m.tags)
+        reported = self._last_metrics  # from Ray Train's reports (after_report), when the engine had none
+        if reported.get("step") is None or reported["step"] <= head.global_step:
+            metrics.update({k: v for k, v in reported.items() if k != "step"})
+        for m in parts:
+            metrics.update(m.metrics)
+        metrics.update(head.metrics)
+        merged = dataclasses.replace(
+            head, files=files, components=components, metrics=metrics, tags=tags, created_at=now_iso(),
+            writer={"attempt": pending.attempt.attempt_id, "participants": pending.expected},
+            extra={"probes": probes} if probes else {})
+        data = merged.to_bytes()
+        try:
+            self.strategy.commit(pending.attempt, data)
+        except CommitConflictError as exc:
+            self._abort(snapshot_id, pending, str(exc))
+            return
+        except CheckpointError as exc:
+            self._abort(snapshot_id, pending, f"commit failed: {exc}")
+            return
+        self._tidy(snapshot_id, pending)
+        info = SnapshotInfo.from_manifest(merged)
+        self.engine.catalog.add(info)
+        self.engine._after_commit()
+        pending.manifest = data
+        pending.done.set()
+        del self.pending[snapshot_id]
+        self.committed += 1
+        self._metrics.committed(time.monotonic() - started, info.global_step, self.bytes_received.get(snapshot_id, 0))
+        log.info("manager committed %s from %s", snapshot_id, ", ".join(pending.expected))
+
+    def _tidy(self, snapshot_id: str, pending: Pending) -> None:
+        """Coordination files are not part of the snapshot: remove them (gc would too)."""
+        folder = snapshot_id if self.storage.supports_rename and pending.attempt.data_prefix.startswith(STAGING) \
+            else pending.attempt.data_prefix
+        for name in ["attempt.json"] + [f"{p}.report.json" for p in pending.expected]:
+            try:
+                self.storage.remove(join(folder, name))
+            except CheckpointError as exc:
+                log.warning("could not remove %s/%s: %s", folder, name, exc)
+
+    def _abort(self, snapshot_id: str, pending: Pending, reason: str) -> None:
+        pending.error = CheckpointError(f"snapshot {snapshot_id} aborted, not committed: {reason}. Its files are "
+                                        "debris for `rl-ckpt gc`.", snapshot_id=snapshot_id)
+        pending.done.set()
+        self.pending.pop(snapshot_id, None)
+        self.aborted += 1
+        self._metrics.aborted()
+        log.warning("manager aborted %s: %s", snapshot_id, reason)
+
+    def _committed_manifest(self, snapshot_id: str, attempt_id: str) -> bytes | None:
+        if not self.storage.exists(join(snapshot_id, MANIFEST_NAME)):
+            return None
+        try:
+            manifest = read_manifest(self.storage, snapshot_id)
+        except CheckpointError:
+            return None
+        if manifest.writer.get("attempt") != attempt_id:
+            raise CommitConflictError(f"{snapshot_id} was committed by another attempt", snapshot_id=snapshot_id)
+        return manifest.to_bytes()
+
+    def _rebuild_pending(self) -> None:
+        """After a restart: pending commits from the attempt folders on storage."""
+        folders = []
+        for entry in self.storage.list(STAGING):
+            sid = entry.name.split(".", 1)[0] if entry.name.startswith("step_") else None
+            rest = entry.name[len(sid) + 1:] if sid else ""
+            if sid and rest.startswith("light."):
+                sid, rest = sid + ".light", rest[len("light."):]
+            if sid and parse_snapshot_id(sid):
+                folders.append((sid, rest, join(STAGING, entry.name), ""))
+        for entry in self.storage.list(""):
+            if entry.is_dir and parse_snapshot_id(entry.name) and not self.storage.exists(join(entry.name, MANIFEST_NAME)):
+                for inner in self.storage.list(entry.name):
+                    if inner.is_dir:
+                        folders.append((entry.name, inner.name, join(entry.name, inner.name), inner.name + "/"))
+        for sid, attempt_id, prefix, file_prefix in folders:
+            if not self.storage.exists(join(prefix, "attempt.json")):
+                continue
+            try:
+                body = json.loads(bytes(self.storage.read(join(prefix, "attempt.json"))))
+                pending = Pending(Attempt(sid, attempt_id, prefix, file_prefix), body["expected"],
+                                  time.monotonic() + self.config.commit_timeout_seconds)
+                for p in body["expected"]:
+                    path = join(prefix, f"{p}.report.json")
+                    if self.storage.exists(path):
+                        pending.reports[p] = Manifest.from_bytes(self.storage.read(path), sid)
+            except (CheckpointError, ValueError, KeyError) as exc:
+                log.warning("cannot resume pending commit in %s: %s", prefix, exc)
+                continue
+            self.pending[sid] = pending
+            log.info("resumed pending commit of %s (%d of %d reports)", sid, len(pending.reports), len(pending.expected))
+            if set(pending.reports) >= set(pending.expected):
+                self._commit(sid, pending)
+
+    # -- catalog, failures, plans ---------------------------------------------
+    def snapshots(self) -> list[dict]:
+        return [{k: v for k, v in dataclasses.asdict(i).items() if k != "manifest"} for i in self.engine.catalog.snapshots()]
+
+    def stats(self) -> dict:
+        return {"committed": self.committed, "aborted": self.aborted, "pending": sorted(self.pending),
+                "bytes_received": dict(self.bytes_received), "started_at": self.started_at}
+
+    def record_metrics(self, metrics: dict, step: int | None = None) -> None:
+        """Metrics reported to Ray Train (after_report), kept for health and the coordinator."""
+        with self._lock:
+            self._last_metrics = {"step": step, **metrics}
+
+    def record_failure(self, failure: dict) -> dict:
+        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored."""
+        info = FailureInfo.from_json(failure)
+        if info.step is None:
+            info.step = max((p.step for p in self.participants.values() if p.step is not None), default=None)
+        self.storage.makedirs(FAILURES)
+        name = f"{FAILURES}/{info.time.replace(':', '').replace('+', 'p')}-{info.kind}.json"
+        self.storage.write_atomic(name, json.dumps(info.to_json(), allow_nan=False).encode())
+        log.warning("failure recorded: %s at step %s: %s", info.kind, info.step, info.message)
+        return info.to_json()
+
+    def failures(self) -> list[dict]:
+        out = []
+        for entry in sorted(self.storage.list(FAILURES), key=lambda e: e.name):
+            try:
+                out.append(json.loads(bytes(self.storage.read(f"{FAILURES}/{entry.name}"))))
+            except (CheckpointError, ValueError) as exc:
+                log.warning("unreadable failure record %s: %s", entry.name, exc)
+        return out
+
+    def plan(self) -> dict:
+        """The recovery plan every participant follows (the same for all until something changes).
+
+        The newest failure not yet answered by a decision goes to the coordinator;
+        its decision is recorded in the run folder once.
+        """
+        with self._lock:
+            decisions = self.engine.decisions()
+            failures = self.failures()
+            answered = {d.failure.time for d in decisions}
+            open_failures = [f for f in failures if f.get("time") not in answered]
+            newest = self.engine.catalog.snapshots()
+            key = (len(failures), len(decisions), newest[-1].snapshot_id if newest else None)
+            if self._plan_cache is not None and self._plan_cache[0][0] == key[0] and self._plan_cache[0][2] == key[2]:
+                return self._plan_cache[1]
+            failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
+            plan = self.engine.plan_recovery(failure, deep=True)
+            if plan.decision is not None:
+                self.engine.record_decision(plan.decision)
+            body = plan.to_json()
+            body["decision"] = plan.decision.to_json() if plan.decision else None
+            self._plan_cache = (key, body)
+            return body
+
+    # -- liveness ----------------------------------------------------------------
+    def register(self, participant: str, meta: dict, handle: Any = None) -> None:
+        with self._lock:
+            self.participants[participant] = Participant(meta, handle, time.monotonic())
+
+    def unregister(self, participant: str) -> None:
+        with self._lock:
+            self.participants.pop(participant, None)
+
+    def heartbeat(self, participant: str, step: int, last_snapshot: str | None) -> None:
+        with self._lock:
+            p = self.participants.setdefault(participant, Participant({}))
+            p.last_beat, p.step, p.last_snapshot, p.lost = time.monotonic(), step, last_snapshot, False
+
+    def _watch(self) -> None:
+        interval = self.config.heartbeat_interval_seconds
+        while not self._stop.wait(min(1.0, interval / 2)):
+            now = time.monotonic()
+            with self._lock:
+                for sid, pending in list(self.pending.items()):
+                    if now > pending.deadline and not pending.done.is_set():
+                        missing = sorted(set(pending.expected) - set(pending.reports))
+                        self._abort(sid, pending, f"participants {missing} did not report within "
+                                                  f"{self.config.commit_timeout_seconds:.0f} s")
+                lost = [(n, p) for n, p in self.participants.items() if not p.lost and now - p.last_beat > 2 * interval]
+                for _, p in lost:
+                    p.lost = True
+            for name, p in lost:
+                self._heartbeat_lost(name, p, now)
+
+    def _heartbeat_lost(self, name: str, p: Participant, now: float) -> None:
+        msg = f"{name} sent no heartbeat for {now - p.last_beat:.1f} s (> 2 x {self.config.heartbeat_interval_seconds} s)"
+        try:
+            self.record_failure(FailureInfo(kind="heartbeat_lost", step=p.step, message=msg, participant=name).to_json())
+        except CheckpointError as exc:
+            log.error("could not record heartbeat loss of %s: %s", name, exc)
+        if self.kill_hung and p.handle is not None:
+            import ray
+
+            log.warning("stopping hung participant %s so Ray restarts it", name)
+            ray.kill(p.handle, no_restart=False)
+
+    def health(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            newest = self.engine.catalog.snapshots()
+            parts = {n: {"heartbeat_age_s": round(now - p.last_beat, 3), "step": p.step, "lost": p.lost,
+                         "last_snapshot": p.last_snapshot, **p.meta} for n, p in self.participants.items()}
+            steps = [p.step for p in self.participants.values() if p.step is not None]
+            return {
+                "status": "degraded" if any(p["lost"] for p in parts.values()) or (self.patrol and self.patrol.status()["quarantined"]) else "ok",
+                "run": self.config.run_name, "storage": self.storage.url,
+                "last_step": max(steps) if steps else (newest[-1].global_step if newest else None),
+                "last_committed_snapshot": newest[-1].snapshot_id if newest else None,
+                "participants": parts, "pending_commits": sorted(self.pending),
+                "storage_free_bytes": self.storage.free_bytes(),
+                "patrol": self.patrol.status() if self.patrol else {"enabled": False},
+                "committed": self.committed, "aborted": self.aborted,
+            }
+
+    def healthz_url(self) -> str | None:
+        return self.healthz.url if self.healthz else None
+
+    def ping(self) -> str:
+        return "ok"
+
+
+class _Metrics:
+    """Prometheus metrics through ray.util.metrics (no-ops outside Ray)."""
+
+    def __init__(self) -> None:
+        try:
+            from ray.util import metrics
+
+            self._commits = metrics.Counter("rl_ckpt_snapshots_committed", description="Snapshots committed")
+            self._aborts = metrics.Counter("rl_ckpt_snapshots_aborted", description="Sharded snapshots aborted")
+            self._latency = metrics.Histogram("rl_ckpt_commit_seconds", description="Merge + commit time",
+                                              boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 30])
+            self._step = metrics.Gauge("rl_ckpt_last_committed_step", description="Step of the newest snapshot")
+            self._bytes = metrics.Gauge("rl_ckpt_manager_bytes_per_snapshot", description="Metadata bytes received")
+        except ImportError:  # pragma: no cover - the manager always runs inside Ray
+            self._commits = None
+
+    def committed(self, seconds: float, step: int, nbytes: int) -> None:
+        if self._commits is not None:
+            self._commits.inc()
+            self._latency.observe(seconds)
+            self._step.set(step)
+            self._bytes.set(nbytes)
+
+    def aborted(self) -> None:
+        if self._commits is not None:
+            self._aborts.inc()

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (Ray Train v2)."""

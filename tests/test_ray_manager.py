@@ -1,0 +1,154 @@
+"""The CheckpointManager actor on a real local Ray cluster: sharded two-phase commit, restarts,
+heartbeats, /healthz."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from ray_workers import Participant
+
+pytestmark = pytest.mark.ray
+PARTS = ["learner-0", "learner-1", "rollout-0", "rollout-1"]
+
+
+@pytest.fixture
+def run(ray_cluster, tmp_path):
+    from actors import CheckpointManager
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    handles = []
+
+    def make(**cfg):
+        mgr = CheckpointManager.get_or_create(run_name=name, base_dir=str(tmp_path), **cfg)
+        handles.append(mgr)
+        return mgr
+
+    yield name, str(tmp_path), make
+    for h in handles:
+        ray_cluster.kill(h)
+
+
+def _group(ray, base, name, mgr, nbytes=64 * 1024, cfg=None, restarts=0):
+    actor = ray.remote(num_cpus=0, max_restarts=restarts, max_task_retries=0)(Participant)
+    return [actor.remote(base, name, mgr, 0, 2, "learner", PARTS, nbytes, cfg),
+            actor.remote(base, name, mgr, 1, 2, "learner", PARTS, nbytes, cfg),
+            actor.remote(base, name, mgr, 0, 2, "rollout", PARTS, nbytes, cfg),
+            actor.remote(base, name, mgr, 1, 2, "rollout", PARTS, nbytes, cfg)]
+
+
+def test_sharded_commit_sends_only_metadata(ray_cluster, run):
+    ray = ray_cluster
+    name, base, make = run
+    mgr = make()
+    small = _group(ray, base, name, mgr, 64 * 1024)
+    assert ray.get([p.save.remote(1) for p in small]) == ["step_000000001"] * 4
+    big_name = name + "-big"
+    from actors import CheckpointManager
+
+    big_mgr = CheckpointManager.get_or_create(run_name=big_name, base_dir=base)
+    big = _group(ray, base, big_name, big_mgr, 16 * 1024 * 1024)
+    assert ray.get([p.save.remote(1) for p in big]) == ["step_000000001"] * 4
+    small_bytes = ray.get(mgr.stats.remote())["bytes_received"]["step_000000001"]
+    big_bytes = ray.get(big_mgr.stats.remote())["bytes_received"]["step_000000001"]
+    assert big_bytes < 64 * 1024 and small_bytes < 64 * 1024  # 4 x 16 MiB of state, a few KiB through the manager
+    assert abs(big_bytes - small_bytes) < 1024  # independent of the state size
+    snaps = ray.get(big_mgr.snapshots.remote())
+    assert [s["snapshot_id"] for s in snaps] == ["step_000000001"]
+    meta = json.loads(open(f"{base}/{big_name}/step_000000001/meta.json").read())
+    assert {f["path"].split("/")[0] for f in meta["files"]} == {"shared", *PARTS}
+    assert sum(1 for f in meta["files"] if f["path"].startswith("shared/policy")) == 2  # written once, by rank 0
+    restored = ray.get([p.restore.remote() for p in big])
+    assert all(r[:3] == ("step_000000001", 1, 1) for r in restored)
+    ray.kill(big_mgr)
+
+
+def test_killed_rollout_worker_means_no_commit_and_the_next_one_commits(ray_cluster, run):
+    ray = ray_cluster
+    name, base, make = run
+    mgr = make(commit_timeout_seconds=3.0)
+    group = _group(ray, base, name, mgr, cfg={"commit_timeout_seconds": 3.0}, restarts=1)
+    assert ray.get([p.save.remote(1) for p in group]) == ["step_000000001"] * 4
+    group[3].die.remote()  # SIGKILL, before it reports step 2
+    pending = [p.save.remote(2) for p in group[:3]]
+    errors = []
+    for ref in pending:
+        try:
+            ray.get(ref, timeout=60)
+        except Exception as exc:  # the three that reported wait, then hear the snapshot was aborted
+            errors.append(str(exc))
+    assert len(errors) == 3 and all("aborted" in e for e in errors)
+    assert [s["snapshot_id"] for s in ray.get(mgr.snapshots.remote())] == ["step_000000001"]
+    # The worker was restarted by Ray (max_restarts=1): the next snapshot commits with everyone.
+    assert ray.get([p.save.remote(3) for p in group], timeout=120) == ["step_000000003"] * 4
+    restored = ray.get([p.restore.remote() for p in group])
+    assert all(r[1] == 3 and r[2] == 3 for r in restored)
+
+
+def test_manager_killed_mid_run_restarts_and_loses_nothing(ray_cluster, run):
+    ray = ray_cluster
+    name, base, make = run
+    mgr = make()
+    group = _group(ray, base, name, mgr)
+    for step in (1, 2):
+        ray.get([p.save.remote(step) for p in group])
+    # Kill it in the middle of a commit: two of four participants have reported.
+    first = [p.save.remote(3) for p in group[:2]]
+    time.sleep(0.5)
+    ray.kill(mgr, no_restart=False)
+    rest = [p.save.remote(3) for p in group[2:]]
+    assert ray.get(first + rest, timeout=120) == ["step_000000003"] * 4
+    assert [s["snapshot_id"] for s in ray.get(mgr.snapshots.remote())] == [f"step_00000000{i}" for i in (1, 2, 3)]
+    ray.kill(mgr, no_restart=False)  # again, between saves: the catalog is rebuilt from storage
+    assert ray.get([p.save.remote(4) for p in group], timeout=120) == ["step_000000004"] * 4
+    assert [s["global_step"] for s in ray.get(mgr.snapshots.remote())] == [1, 2, 3, 4]
+
+
+def test_hung_worker_is_detected_and_stopped(ray_cluster, run):
+    ray = ray_cluster
+    name, base, make = run
+    mgr = make(heartbeat_interval_seconds=0.5, kill_hung=True)
+    cfg = {"heartbeat_interval_seconds": 0.5}
+    actor = ray.remote(num_cpus=0, max_restarts=1, max_concurrency=2)(Participant)
+    worker = actor.remote(base, name, mgr, 0, 1, "learner", ["learner-0"], 4096, cfg)
+    ray.get(worker.beat.remote(1))
+    old_pid = ray.get(worker.pid.remote())
+    worker.hang.remote()  # the worker sleeps forever: no more heartbeats
+    deadline = time.monotonic() + 60
+    failures = []
+    while time.monotonic() < deadline and not failures:
+        failures = [f for f in ray.get(mgr.failures.remote()) if f["kind"] == "heartbeat_lost"]
+        time.sleep(0.2)
+    assert failures and failures[0]["participant"] == "learner-0" and "no heartbeat" in failures[0]["message"]
+    new_pid = None
+    while time.monotonic() < deadline:
+        try:
+            new_pid = ray.get(worker.pid.remote(), timeout=10)
+            if new_pid != old_pid:
+                break
+        except Exception:  # the actor is being restarted
+            time.sleep(0.2)
+    assert new_pid is not None and new_pid != old_pid  # stopped and restarted by Ray
+
+
+def test_healthz(ray_cluster, run):
+    ray = ray_cluster
+    name, base, make = run
+    mgr = make(heartbeat_interval_seconds=0.5)
+    group = _group(ray, base, name, mgr, cfg={"heartbeat_interval_seconds": 0.5})
+    ray.get([p.save.remote(5) for p in group])
+    ray.get([p.beat.remote(6) for p in group])
+    url = ray.get(mgr.healthz_url.remote())
+    assert url.startswith("http://127.0.0.1:")
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["run"] == name and body["last_committed_snapshot"] == "step_000000005"
+    assert set(body["participants"]) == set(PARTS)
+    assert all("heartbeat_age_s" in p for p in body["participants"].values())
+    assert body["storage_free_bytes"] > 0 and "patrol" in body and body["last_step"] >= 5
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(url.replace("/healthz", "/other"), timeout=10)
