@@ -330,6 +330,10 @@ class CheckpointManager:
             key = (len(failures), len(decisions), newest[-1].snapshot_id if newest else None)
             if self._plan_cache is not None and self._plan_cache[0][0] == key[0] and self._plan_cache[0][2] == key[2]:
                 return self._plan_cache[1]
+            # Saves still pending belong to the timeline being recovered from: finishing one with the
+            # restarted participants' reports would mix two timelines in one snapshot.
+            for sid, pending in list(self.pending.items()):
+                self._abort(sid, pending, "a recovery plan was made; this save belongs to the run that failed")
             failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
             plan = self.engine.plan_recovery(failure, deep=True)
             if plan.decision is not None:

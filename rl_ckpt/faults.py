@@ -29,9 +29,10 @@ import random
 import shutil
 import tempfile
 import threading
+import uuid
 from typing import Callable, Iterable
 
-from .errors import StorageError
+from .errors import CommitConflictError, StorageError
 from .storage import LocalStorage, Storage
 
 OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "remove", "remove_tree",
@@ -210,38 +211,38 @@ class Effect:
         return f"{self.kind} {self.path}{extra}"
 
 
-class PowerLossStorage(Storage):
+class PowerLossStorage(LocalStorage):
     """A local disk that can lose power: ``power_cut()`` undoes every effect that was not made durable.
 
-    The model (strict POSIX; the worst case a journaling file system may legally show):
+    A :class:`LocalStorage` (the real one: same files, same fsyncs) that keeps
+    a journal of the effects of each call. Because it *is* the local storage,
+    the folder fsyncs that LocalStorage makes inside its own methods (after the
+    rename of ``write_atomic``, after a create-only link) count, exactly as on
+    a real disk. The model is strict POSIX, the worst case a file system may
+    legally show after a crash:
 
-    - ``write(..., durable=False)``: the data is not on disk until fsynced, and
-      this interface never fsyncs it later, so after a cut the file is empty
-      (truncated to 0 bytes); ``durable=True`` data survives.
-    - A *name* (a created file or folder, the target of a rename, the removal
-      of an entry) survives only if its parent folder was fsynced
-      (``sync_dir``) afterwards. ``write_atomic`` and create-only ``write``
-      fsync the parent themselves (they are temp + fsync + rename/link +
-      folder fsync in ``LocalStorage``), so their names are durable.
-    - Undoing a folder's creation loses everything in it. A rename whose new
-      parent was not fsynced is rolled back to the old name, unless the old
-      parent was fsynced (then the folder is lost altogether: it is in
-      neither place). An unsynced removal is undone from a copy taken before
-      the removal.
+    - File data is durable only once fsynced: ``write(..., durable=False)``
+      data is lost (the file is left empty); ``durable=True`` data survives.
+    - A *name* (a created file or folder, the new name of a rename, the
+      removal of an entry) survives only if its parent folder was fsynced
+      (``sync_dir``) after the change.
+    - Undoing the creation of a folder loses everything in it. A rename whose
+      new parent was not fsynced is rolled back to the old name, unless the
+      old parent was fsynced (then the folder is in neither place: lost). An
+      unsynced removal is undone from a copy taken before the removal. A file
+      replaced by rename (``write_atomic``) gets its old content back.
     - The run folder (the root) itself is taken as durable.
 
-    ``power_cut()`` undoes the pending effects newest first (every one of them,
-    or with ``rng`` each one independently kept with probability
-    ``keep_probability``, for the mixed outcomes a real disk may show), then
-    makes every further call raise :class:`PowerCut` until ``restart()``.
-    Each call is treated as atomic: a cut lands between two calls.
+    ``power_cut()`` undoes the pending effects newest first (all of them, or
+    with ``rng`` each one independently kept with ``keep_probability``: the
+    mixed outcomes a real disk may show), then makes every further call raise
+    :class:`PowerCut` until ``restart()``. A cut lands between two calls of
+    this interface; what happens *inside* one call (a temp file of
+    ``write_atomic``) is not modelled.
     """
 
-    def __init__(self, inner: "LocalStorage | str", journal_dir: str | None = None) -> None:
-        self.inner = inner if isinstance(inner, LocalStorage) else LocalStorage(inner)
-        self.url = self.inner.url
-        self.root = self.inner.root
-        self.supports_rename = True
+    def __init__(self, root: "LocalStorage | str", journal_dir: str | None = None) -> None:
+        super().__init__(root.root if isinstance(root, LocalStorage) else root)
         self.journal: list[Effect] = []
         self.halted = False
         self._own_journal_dir = journal_dir is None
@@ -263,12 +264,18 @@ class PowerLossStorage(Storage):
         if not os.path.lexists(full):
             return None
         self._backups += 1
-        dest = os.path.join(self.journal_dir, f"removed-{self._backups}")
+        dest = os.path.join(self.journal_dir, f"saved-{uuid.uuid4().hex[:8]}-{self._backups}")
         if os.path.isdir(full) and not os.path.islink(full):
             shutil.copytree(full, dest, symlinks=True)
         else:
             shutil.copy2(full, dest, follow_symlinks=False)
         return dest
+
+    def _drop(self, effect: Effect) -> None:
+        if effect in self.journal:
+            self.journal.remove(effect)
+        if effect.backup:
+            _rmtree_or_unlink(effect.backup)
 
     def _synced(self, folder: str) -> None:
         """The folder ``folder`` was fsynced: every entry change in it is durable."""
@@ -280,14 +287,8 @@ class PowerLossStorage(Storage):
         self._prune()
 
     def _prune(self) -> None:
-        keep = []
-        for e in self.journal:
-            if e.durable:
-                if e.backup:
-                    _rmtree_or_unlink(e.backup)
-            else:
-                keep.append(e)
-        self.journal = keep
+        for e in [e for e in self.journal if e.durable]:
+            self._drop(e)
 
     @property
     def pending(self) -> list[str]:
@@ -307,10 +308,8 @@ class PowerLossStorage(Storage):
                     continue  # this one happened to reach the disk
                 if self._undo(e, self.journal[:i]):
                     undone.append(str(e))
-            for e in self.journal:
-                if e.backup:
-                    _rmtree_or_unlink(e.backup)
-            self.journal = []
+            for e in list(self.journal):
+                self._drop(e)
             self.halted = halt
         return undone
 
@@ -321,23 +320,23 @@ class PowerLossStorage(Storage):
                 shutil.rmtree(full)
                 return True
             return False
-        if e.kind in ("create", "overwrite"):
+        if e.kind in ("create", "overwrite", "replace"):
             if not os.path.lexists(full):
                 return False
             if e.kind == "create" and not e.name_durable:
                 _rmtree_or_unlink(full)
+            elif e.kind == "replace" and not e.name_durable and e.backup:
+                _rmtree_or_unlink(full)
+                shutil.copy2(e.backup, full, follow_symlinks=False)  # the old inode is what the folder still names
             else:
                 os.truncate(full, 0)  # the name is there, the unsynced data is not
             return True
         if e.kind == "rename":
             if not os.path.lexists(full):
                 return False
-            if e.src_durable:
-                _rmtree_or_unlink(full)  # gone from the old folder, never reached the new one
-                return True
             src_full = self._full(e.src)
-            if os.path.lexists(src_full) or not os.path.isdir(os.path.dirname(src_full)):
-                _rmtree_or_unlink(full)
+            if e.src_durable or os.path.lexists(src_full) or not os.path.isdir(os.path.dirname(src_full)):
+                _rmtree_or_unlink(full)  # gone from the old folder, never reached the new one
                 return True
             os.rename(full, src_full)
             for other in earlier:  # what was inside is back under the old name
@@ -356,7 +355,7 @@ class PowerLossStorage(Storage):
         return False  # pragma: no cover
 
     def restart(self) -> None:
-        """Power is back: calls work again (the journal starts empty; everything on disk now is durable)."""
+        """Power is back: calls work again (the journal is empty: everything on disk now is durable)."""
         with self._lock:
             self.halted = False
 
@@ -364,96 +363,114 @@ class PowerLossStorage(Storage):
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
         with self._lock:
             self._alive()
-            existed = _safe(path) and os.path.lexists(self._full(path))
-            try:
-                size = self.inner.write(path, chunks, create_only=create_only, durable=durable)
-            except StorageError:
-                # an I/O error part way: whatever reached the file is not durable
-                if not create_only and _safe(path) and os.path.lexists(self._full(path)):
-                    self.journal.append(Effect("overwrite" if existed else "create", path, data_durable=False,
-                                               name_durable=existed))
-                raise
-            if create_only:
-                self.journal.append(Effect("create", path, data_durable=durable, name_durable=durable))
-                if durable:
-                    self._synced(_parent(path))  # LocalStorage fsyncs the folder after the link
+            if not _safe(path):
+                return super().write(path, chunks, create_only=create_only, durable=durable)
+            existed = os.path.lexists(self._full(path))
+            if create_only or not existed:
+                effect = Effect("create", path, data_durable=durable)
             else:
-                self.journal.append(Effect("overwrite" if existed else "create", path, data_durable=durable,
-                                           name_durable=existed))
-                self._prune()  # an overwrite with fsynced data is durable at once
+                effect = Effect("overwrite", path, data_durable=durable, name_durable=True)
+            self.journal.append(effect)  # before the call: the folder fsync inside it counts
+            try:
+                size = super().write(path, chunks, create_only=create_only, durable=durable)
+            except CommitConflictError:
+                self._drop(effect)  # someone else's file: not ours to undo
+                raise
+            except BaseException:
+                if os.path.lexists(self._full(path)) and not (create_only and existed):
+                    effect.data_durable = False  # whatever reached the file is not durable
+                else:
+                    self._drop(effect)
+                raise
+            self._prune()
             return size
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         with self._lock:
             self._alive()
-            self.inner.write_atomic(path, data, create_only=create_only)
-            # a new inode with fsynced data replaced whatever had this name
-            self.journal = [e for e in self.journal if not (e.kind in ("create", "overwrite") and e.path == path)]
-            self._synced(_parent(path))  # temp + fsync + rename/link + folder fsync: durable
+            if not _safe(path):
+                return super().write_atomic(path, data, create_only=create_only)
+            existed = os.path.lexists(self._full(path))
+            if existed and not create_only:
+                effect = Effect("replace", path, name_durable=False, backup=self._backup(path))
+            else:
+                effect = Effect("create", path)
+            self.journal.append(effect)
+            try:
+                super().write_atomic(path, data, create_only=create_only)
+            except BaseException:
+                if create_only or not os.path.lexists(self._full(path)):
+                    self._drop(effect)
+                raise
+            # a new inode with fsynced data now has this name: older data effects on it are moot
+            for e in [e for e in self.journal if e is not effect and e.path == path
+                      and e.kind in ("create", "overwrite", "replace")]:
+                if e.kind == "create" and not e.name_durable:
+                    effect.kind, effect.backup = "create", None
+                self._drop(e)
+            self._prune()
 
     # -- reads -------------------------------------------------------------------
     def read(self, path: str) -> bytearray:
         self._alive()
-        return self.inner.read(path)
+        return super().read(path)
 
     def open_read(self, path: str):
         self._alive()
-        return self.inner.open_read(path)
+        return super().open_read(path)
 
     def list(self, path: str = ""):
         self._alive()
-        return self.inner.list(path)
+        return super().list(path)
 
     def exists(self, path: str) -> bool:
         self._alive()
-        return self.inner.exists(path)
+        return super().exists(path)
 
     def size(self, path: str) -> int:
         self._alive()
-        return self.inner.size(path)
-
-    def is_link(self, path: str) -> bool:
-        self._alive()
-        return self.inner.is_link(path)
+        return super().size(path)
 
     # -- namespace -------------------------------------------------------------
     def remove(self, path: str) -> None:
-        with self._lock:
-            self._alive()
-            backup = self._backup(path) if _safe(path) else None
-            try:
-                self.inner.remove(path)
-            finally:
-                if backup and not os.path.lexists(self._full(path)):
-                    self.journal.append(Effect("remove", path, backup=backup))
-                elif backup:
-                    _rmtree_or_unlink(backup)
+        self._remove(path, super().remove)
 
     def remove_tree(self, path: str) -> None:
+        self._remove(path, super().remove_tree)
+
+    def _remove(self, path: str, fn: Callable[[str], None]) -> None:
         with self._lock:
             self._alive()
-            backup = self._backup(path) if _safe(path) else None
+            if not _safe(path):
+                return fn(path)
+            effect = Effect("remove", path, backup=self._backup(path))
+            self.journal.append(effect)
             try:
-                self.inner.remove_tree(path)
+                fn(path)
             finally:
-                if backup and not os.path.lexists(self._full(path)):
-                    self.journal.append(Effect("remove", path, backup=backup))
-                elif backup:
-                    _rmtree_or_unlink(backup)  # not (or only partly) removed: not journaled
+                if effect.backup is None or os.path.lexists(self._full(path)):
+                    self._drop(effect)  # nothing (or not all) removed: not journaled
+                self._prune()
 
     def makedirs(self, path: str) -> None:
         with self._lock:
             self._alive()
             parts = path.split("/") if _safe(path) else []
-            missing = [p for p in ("/".join(parts[:i + 1]) for i in range(len(parts)))
+            missing = [Effect("mkdir", p) for p in ("/".join(parts[:i + 1]) for i in range(len(parts)))
                        if not os.path.lexists(self._full(p))]
-            self.inner.makedirs(path)
-            self.journal += [Effect("mkdir", p) for p in missing]
+            self.journal += missing
+            try:
+                super().makedirs(path)
+            finally:
+                for e in missing:
+                    if not os.path.isdir(self._full(e.path)):
+                        self._drop(e)
+                self._prune()
 
     def rename_dir(self, src: str, dst: str) -> None:
         with self._lock:
             self._alive()
-            self.inner.rename_dir(src, dst)
+            super().rename_dir(src, dst)
             for e in self.journal:
                 e.path = _moved(e.path, src, dst)
                 if e.kind == "rename":
@@ -463,20 +480,16 @@ class PowerLossStorage(Storage):
     def sync_dir(self, path: str) -> None:
         with self._lock:
             self._alive()
-            self.inner.sync_dir(path)
+            super().sync_dir(path)
             self._synced(path)
-
-    def free_bytes(self) -> int | None:
-        return self.inner.free_bytes()
 
     def close(self) -> None:
         with self._lock:
-            for e in self.journal:
-                if e.backup:
-                    _rmtree_or_unlink(e.backup)
+            for e in list(self.journal):
+                self._drop(e)
             if self._own_journal_dir:
                 shutil.rmtree(self.journal_dir, ignore_errors=True)
-        self.inner.close()
+        super().close()
 
 
 def _safe(path: str) -> bool:

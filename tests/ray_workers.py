@@ -74,3 +74,56 @@ class Participant:
 
     def bytes_sent(self) -> int:
         return self.engine.commit.bytes_sent
+
+
+def ddp_train(config: dict) -> None:
+    """A DDP (gloo) training loop that checkpoints through the manager and can SIGKILL itself once."""
+    import hashlib
+
+    import ray.train
+    from torch.nn.parallel import DistributedDataParallel
+
+    from rl_ckpt import TrainingProgress
+    from rl_ckpt.integrations.ray_train import report
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(100 + rank)  # each rank draws its own data: the RNG state is per rank
+    progress = TrainingProgress()
+    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
+                              save_interval_steps=config["every"], save_interval_seconds=None, keep_latest=3,
+                              commit_timeout_seconds=15.0)
+    engine.register("policy", model)
+    engine.register("optimizer", opt)
+    engine.register("progress", progress)
+    engine.register("rng", RNGState())
+    result = engine.restore()
+    start = result.global_step
+    if rank == 0 and config.get("log"):
+        with open(config["log"], "a") as f:
+            f.write(f"attempt restored={result.snapshot_id} step={start}\n")
+    scheduler = engine.scheduler(start_step=start)
+    for step in range(start + 1, config["steps"] + 1):
+        x = torch.randn(16, 8)
+        loss = ddp(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        progress.global_step = step
+        marker = config.get("crash_marker")
+        if marker and rank == 1 and step == config["crash_at"] and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        scheduler.step(step, metrics={"loss": float(loss)})
+        report({"loss": float(loss), "step": step}, engine)
+    scheduler.close()
+    if rank == 0:
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        with open(config["out"], "w") as f:
+            f.write(digest)
+    engine.close()

@@ -1,0 +1,1665 @@
+"""The fault-injection suite: crash, cut, corrupt, fill, break and race real storage; print the figures.
+
+    python -m rl_ckpt.fault_suite [--quick | --long] [--json] [--base-dir DIR] [--only NAME ...]
+
+Scenarios (each against real storage: the local disk under ``--base-dir``, and
+an S3 endpoint served by moto on 127.0.0.1, started here):
+
+1. ``sigkill``      a child process saves and SIGKILLs itself right before /
+                    right after every storage operation of one save (dedup
+                    on/off x staged-rename/manifest-last), plus kills at random
+                    moments of a save loop;
+2. ``power``        a power cut (``faults.PowerLossStorage``: what was not
+                    fsynced is undone) before every operation of a save and
+                    after it returned;
+3. ``corruption``   bit flips, truncation and deletion of every kind of file of
+                    a snapshot, plus a bit-flip sweep over the manifest;
+4. ``errors``       ENOSPC, EIO and a timeout at every operation of a save
+                    (write, commit, retention) and of ``gc``;
+5. ``s3``           a 5xx-like error at every request of a save on S3;
+6. ``concurrent``   2, 4 and 8 processes released together save the same step
+                    (local rename, local manifest-last, S3);
+7. ``malicious``    path traversal, absolute paths, symlinks, pickles, bad
+                    safetensors headers, corrupt Arrow, unknown schema versions.
+
+After every case: the restored state is exactly one complete snapshot, no
+acknowledged snapshot is lost, every listed snapshot verifies, ``rl-ckpt gc
+--grace 0`` leaves everything verifiable, a later save succeeds, and nothing
+outside the run folder changed. Exit status 1 if any invariant is violated.
+
+Python API: ``report = run_suite("quick")``; ``report.ok``, ``report.table()``,
+``report.to_json()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import datetime as _dt
+import errno
+import hashlib
+import io
+import json
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import random
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError, CommitConflictError, StorageError
+
+SCENARIOS = ("sigkill", "power", "corruption", "errors", "s3", "concurrent", "malicious")
+VALUE_BASE = 1000  # every saved value is step * VALUE_BASE + writer: a mixed or partial snapshot shows
+VARIANTS = ((False, True), (False, False), (True, True), (True, False))  # (dedup, atomic_write)
+
+
+def variant_name(dedup: bool, atomic_write: bool) -> str:
+    return f"{'dedup' if dedup else 'plain'}/{'rename' if atomic_write else 'manifest-last'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    kill_when: tuple[str, ...] = ("before", "after")
+    random_kills: int = 48
+    random_kill_max_delay: float = 0.06
+    power_mixes: int = 1  # random keep/undo mixes per cut point, besides the full rollback
+    flips: tuple[str, ...] = ("middle",)
+    truncations: tuple[str, ...] = ("tail",)
+    manifest_flips: int | None = 48  # positions of the manifest bit-flip sweep (None: every byte)
+    manifest_sweep_variants: tuple[tuple[bool, bool], ...] = ((False, True),)
+    error_kinds: tuple[str, ...] = ("ENOSPC", "EIO", "ETIMEDOUT")
+    error_when: tuple[str, ...] = ("before",)
+    s3_variants: tuple[bool, ...] = (False, True)  # dedup off / on
+    s3_when: tuple[str, ...] = ("before",)
+    s3_stride: int = 2  # every n-th request of the save (the others in --long)
+    race_writers: tuple[int, ...] = (2, 4, 8)
+    race_rounds: int = 1
+
+
+PROFILES = {
+    "quick": Profile("quick"),
+    "long": Profile(
+        "long", random_kills=400, random_kill_max_delay=0.08, power_mixes=4,
+        flips=("first", "middle", "last", "random", "random"), truncations=("tail", "half", "empty"),
+        manifest_flips=None, manifest_sweep_variants=((False, True), (True, True), (False, False)),
+        error_when=("before", "after"), s3_when=("before", "after"), s3_stride=1, race_rounds=8,
+    ),
+}
+
+ERRORS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "ETIMEDOUT": errno.ETIMEDOUT}
+
+
+# -- the saved state: every value is a function of (step, writer) ---------------------------
+
+
+def stamp(step: int, writer: int = 0) -> int:
+    return step * VALUE_BASE + writer
+
+
+class Mixed(AssertionError):
+    """The restored state is not one snapshot's: values from several steps or writers."""
+
+
+class SuiteModel:
+    """Tensors (one changing, one frozen: shared by dedup) and JSON."""
+
+    def __init__(self, n: int = 2048) -> None:
+        self.step, self.writer = -1, 0
+        self.weight = torch.zeros(n, dtype=torch.float64)
+        self.counts = torch.zeros(64, dtype=torch.int64)
+        self.frozen = torch.arange(1024, dtype=torch.float32)
+
+    def set(self, step: int, writer: int = 0) -> None:
+        self.step, self.writer = step, writer
+        self.weight.fill_(stamp(step, writer))
+        self.counts.fill_(stamp(step, writer))
+
+    def state_dict(self) -> dict:
+        return {"weight": self.weight, "counts": self.counts, "frozen": self.frozen, "step": self.step,
+                "writer": self.writer, "info": {"stamp": stamp(self.step, self.writer), "tag": f"s{self.step}"}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.writer = state["step"], state["writer"]
+        self.weight, self.counts, self.frozen = state["weight"].clone(), state["counts"].clone(), state["frozen"].clone()
+        self.info = state["info"]
+
+
+class SuiteBuffer:
+    """A NumPy array and an Arrow table."""
+
+    def __init__(self) -> None:
+        self.step, self.writer = -1, 0
+        self.obs = np.zeros(512, dtype=np.int64)
+
+    def set(self, step: int, writer: int = 0) -> None:
+        self.step, self.writer = step, writer
+        self.obs.fill(stamp(step, writer))
+
+    def state_dict(self) -> dict:
+        import pyarrow as pa
+
+        value = stamp(self.step, self.writer)
+        table = pa.table({"stamp": pa.array([value] * 32, type=pa.int64()), "episode": pa.array(range(32), type=pa.int64()),
+                          "rewards": pa.array([[float(value)] * (i % 3) for i in range(32)], type=pa.list_(pa.float64()))})
+        return {"obs": self.obs, "episodes": table, "step": self.step, "writer": self.writer}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.writer = state["step"], state["writer"]
+        self.obs = np.array(state["obs"])
+        self.table = state["episodes"]
+
+
+def observed(model: SuiteModel, buf: SuiteBuffer) -> tuple[int, int]:
+    """(step, writer) of a restored state; :class:`Mixed` if its parts disagree."""
+    step, writer = model.step, model.writer
+    value = stamp(step, writer)
+    checks = {
+        "model.weight": bool((model.weight == value).all()),
+        "model.counts": bool((model.counts == value).all()),
+        "model.frozen": bool(torch.equal(model.frozen, torch.arange(1024, dtype=torch.float32))),
+        "model.info": getattr(model, "info", {}).get("stamp") == value,
+        "buffer.step/writer": (buf.step, buf.writer) == (step, writer),
+        "buffer.obs": bool((buf.obs == value).all()),
+        "buffer.table": getattr(buf, "table", None) is not None
+        and set(buf.table.column("stamp").to_pylist()) == {value},
+    }
+    bad = [k for k, good in checks.items() if not good]
+    if bad:
+        raise Mixed(f"restored state is not one snapshot's (step {step}, writer {writer}): {', '.join(bad)} disagree")
+    return step, writer
+
+
+def engine_cfg(base_dir: str, *, dedup: bool = False, atomic_write: bool = True, run_name: str = "run",
+               storage_options: dict | None = None, **extra: Any) -> dict:
+    cfg = {"base_dir": base_dir, "run_name": run_name, "dedup": dedup, "atomic_write": atomic_write,
+           "keep_latest": 2, "keep_best": 1, "best_metric": "avg_reward", "best_mode": "max"}
+    if storage_options:
+        cfg["storage_options"] = storage_options
+    cfg.update(extra)
+    return cfg
+
+
+def run_url(cfg: dict) -> str:
+    return cfg["base_dir"].rstrip("/") + "/" + cfg["run_name"]
+
+
+def build(cfg: dict, storage=None, **kwargs: Any):
+    """(engine, model, buffer): an engine with the suite's two components registered."""
+    from .engine import CheckpointEngine
+
+    engine = CheckpointEngine(**cfg, storage=storage, **kwargs)
+    model, buf = SuiteModel(), SuiteBuffer()
+    engine.register("model", model)
+    engine.register("replay_buffer", buf)
+    return engine, model, buf
+
+
+def save_step(engine, model: SuiteModel, buf: SuiteBuffer, step: int, writer: int = 0):
+    model.set(step, writer)
+    buf.set(step, writer)
+    return engine.save(step, metrics={"avg_reward": float(step)})
+
+
+# -- children (run in a forkserver process) --------------------------------------------------
+
+
+def _child_init(env: dict | None = None) -> None:
+    torch.set_num_threads(1)
+    logging.getLogger("rl_ckpt").setLevel(logging.CRITICAL)
+    logging.getLogger("rl_ckpt").propagate = False
+    if env:
+        os.environ.update(env)
+
+
+def _child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, conn) -> None:
+    """Save ``step``; SIGKILL ourselves right before/after the nth storage call (of any kind)."""
+    _child_init()
+    from .faults import FaultyStorage
+    from .storage import open_storage
+
+    storage = FaultyStorage(open_storage(run_url(cfg)))
+    engine, model, buf = build(cfg, storage)
+    engine.catalog.refresh()  # as when the ops were recorded: kill points are the save's own calls
+
+    def die() -> None:
+        if storage.ops[-1][0] != expect_op:
+            os._exit(3)  # the save took another path than the recorded one
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    (storage.before if when == "before" else storage.after)("*", die, nth=nth)
+    save_step(engine, model, buf, step)
+    conn.send_bytes(b"%d" % step)
+    os._exit(0)
+
+
+def _child_save_loop(cfg: dict, start: int, conn) -> None:
+    """Save start, start+1, ... until killed; ACK each step after save() returned."""
+    _child_init()
+    engine, model, buf = build(cfg)
+    conn.send_bytes(b"ready")
+    step = start
+    while True:
+        save_step(engine, model, buf, step)
+        conn.send_bytes(b"%d" % step)  # a pipe write: the ACK survives our death
+        step += 1
+
+
+def _child_race(cfg: dict, env: dict, writer: int, step: int, barrier, conn) -> None:
+    """Build an engine, wait for the others, then save ``step`` with this writer's values."""
+    _child_init(env)
+    try:
+        engine, model, buf = build(cfg)
+        model.set(step, writer)
+        buf.set(step, writer)
+        engine.catalog.refresh()
+    except BaseException as exc:  # pragma: no cover - setup failure
+        barrier.abort()
+        conn.send(("error", f"setup: {type(exc).__name__}: {exc}"))
+        return
+    try:
+        barrier.wait(60)
+        engine.save(step, metrics={"avg_reward": float(step)})
+        conn.send(("committed", ""))
+    except CommitConflictError as exc:
+        conn.send(("conflict", str(exc)))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        try:
+            engine.close()
+        except BaseException:
+            pass
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Violation:
+    scenario: str
+    variant: str
+    case: str
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.scenario} {self.variant}] {self.case}: {self.kind}: {self.message}"
+
+
+@dataclasses.dataclass
+class ScenarioResult:
+    key: str
+    title: str
+    tried: int = 0
+    injected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    corrupt_loads: int = 0
+    acked_lost: int = 0
+    broken_listed: int = 0
+    corruptions_injected: int = 0
+    corruptions_detected: int = 0
+    escapes: int = 0
+    max_rolled_back: int = 0
+    violations: list[Violation] = dataclasses.field(default_factory=list)
+    notes: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    COUNTERS = {"corrupt_load": "corrupt_loads", "acked_lost": "acked_lost", "broken_listed": "broken_listed",
+                "escape": "escapes"}
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def violate(self, variant: str, case: str, kind: str, message: str, count: int = 1) -> None:
+        attr = self.COUNTERS.get(kind)
+        if attr:
+            setattr(self, attr, getattr(self, attr) + count)
+        self.violations.append(Violation(self.key, variant, case, kind, message[:600]))
+
+    def note(self, key: str, n: int = 1) -> None:
+        self.notes[key] = self.notes.get(key, 0) + n
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["injected"] = dict(self.injected)
+        d["faults_injected"] = sum(self.injected.values())
+        d["violations"] = [dataclasses.asdict(v) for v in self.violations]
+        d["ok"] = self.ok
+        d["seconds"] = round(self.seconds, 1)
+        return d
+
+
+@dataclasses.dataclass
+class SuiteReport:
+    mode: str
+    started: str
+    machine: dict
+    scenarios: list[ScenarioResult]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.scenarios)
+
+    def get(self, key: str) -> ScenarioResult:
+        return next(s for s in self.scenarios if s.key == key)
+
+    @property
+    def violations(self) -> list[Violation]:
+        return [v for s in self.scenarios for v in s.violations]
+
+    def totals(self) -> dict:
+        out = {k: sum(getattr(s, k) for s in self.scenarios) for k in
+               ("tried", "corrupt_loads", "acked_lost", "broken_listed", "corruptions_injected", "corruptions_detected",
+                "escapes")}
+        out["faults_injected"] = sum(sum(s.injected.values()) for s in self.scenarios)
+        out["max_rolled_back"] = max((s.max_rolled_back for s in self.scenarios), default=0)
+        out["violations"] = len(self.violations)
+        return out
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "started": self.started, "machine": self.machine, "seconds": round(self.seconds, 1),
+                "ok": self.ok, "totals": self.totals(), "scenarios": [s.to_json() for s in self.scenarios]}
+
+    def table(self) -> str:
+        head = ["scenario", "tried", "faults", "corrupt loads", "acked lost", "broken listed", "detected/injected",
+                "escapes", "max rollback", "violations", "time"]
+        rows = []
+        for s in self.scenarios:
+            det = f"{s.corruptions_detected}/{s.corruptions_injected}" if s.corruptions_injected else "-"
+            rows.append([s.key, str(s.tried), str(sum(s.injected.values())), str(s.corrupt_loads), str(s.acked_lost),
+                         str(s.broken_listed), det, str(s.escapes), str(s.max_rolled_back), str(len(s.violations)),
+                         f"{s.seconds:.0f}s"])
+        t = self.totals()
+        det = f"{t['corruptions_detected']}/{t['corruptions_injected']}"
+        rows.append(["TOTAL", str(t["tried"]), str(t["faults_injected"]), str(t["corrupt_loads"]), str(t["acked_lost"]),
+                     str(t["broken_listed"]), det, str(t["escapes"]), str(t["max_rolled_back"]), str(t["violations"]),
+                     f"{self.seconds:.0f}s"])
+        widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+
+        def line(cells):
+            return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+        out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"]
+        out += [line(r) for r in rows]
+        out.append("")
+        out.append("Faults injected, by kind:")
+        for s in self.scenarios:
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(s.injected.items()))
+            out.append(f"  {s.key}: {kinds or '-'}")
+        out.append("")
+        out.append("Other figures:")
+        for s in self.scenarios:
+            if s.notes:
+                out.append(f"  {s.key}: " + ", ".join(f"{k} {v}" for k, v in s.notes.items()))
+        if self.violations:
+            out.append("")
+            out.append(f"VIOLATIONS ({len(self.violations)}):")
+            out += [f"  {v}" for v in self.violations[:40]]
+            if len(self.violations) > 40:
+                out.append(f"  ... {len(self.violations) - 40} more (see --json)")
+        out.append("")
+        out.append(f"{'OK' if self.ok else 'FAILED'}: {self.mode} suite, {t['tried']} cases, {self.seconds:.0f}s "
+                   f"on {self.machine['cpus']} cores")
+        return "\n".join(out)
+
+
+# -- targets: where a case's run lives, and how to look at it -----------------------------------
+
+
+def _tree_listing(top: str, skip: str | None = None) -> dict:
+    """Every entry under ``top`` but ``skip`` (links not followed): type, size, mtime and content digest."""
+    skip = os.path.normpath(skip) if skip else None
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+        dirnames[:] = [d for d in dirnames if os.path.normpath(os.path.join(dirpath, d)) != skip]
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, top)
+            st = os.lstat(full)
+            if os.path.islink(full):
+                out[rel] = ("link", os.readlink(full))
+            elif os.path.isdir(full):
+                out[rel] = ("dir", st.st_mode)
+            else:
+                with open(full, "rb") as f:
+                    out[rel] = ("file", st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
+    return out
+
+
+class LocalTarget:
+    """A case folder: ``<parent>/run`` is the run; ``<parent>/outside`` and a neighbour run must never change."""
+
+    def __init__(self, parent: str, cfg_kwargs: dict | None = None) -> None:
+        self.parent = parent
+        self.run = os.path.join(parent, "run")
+        os.makedirs(os.path.join(parent, "outside"), exist_ok=True)
+        with open(os.path.join(parent, "outside", "secret.txt"), "w") as f:
+            f.write("outside the run: never touched\n")
+        neighbour = os.path.join(parent, "neighbour", "step_000000001")
+        os.makedirs(neighbour, exist_ok=True)
+        with open(os.path.join(neighbour, "meta.json"), "w") as f:
+            f.write('{"not": "ours"}\n')
+        self.cfg = engine_cfg(parent, **(cfg_kwargs or {}))
+
+    def storage(self):
+        from .storage import LocalStorage
+
+        return LocalStorage(self.run)
+
+    def outside(self) -> dict:
+        return _tree_listing(self.parent, skip=self.run)
+
+    def gc(self) -> int:
+        from .cli import main as cli
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return cli(["gc", self.run, "--grace", "0"])
+
+
+class S3Target:
+    """A run under ``s3://<bucket>/<prefix>/run``; a sentinel key beside it must never change."""
+
+    def __init__(self, s3: "S3Endpoint", bucket: str, prefix: str, cfg_kwargs: dict | None = None) -> None:
+        self.s3, self.bucket, self.prefix = s3, bucket, prefix
+        self.run_key = f"{prefix}/run"
+        s3.fs.call_s3("put_object", Bucket=bucket, Key=f"{prefix}/outside/secret.txt", Body=b"outside the run")
+        s3.fs.call_s3("put_object", Bucket=bucket, Key=f"{prefix}/run-neighbour/step_000000001/meta.json", Body=b"{}")
+        self.cfg = engine_cfg(f"s3://{bucket}/{prefix}", storage_options=s3.options, **(cfg_kwargs or {}))
+
+    def storage(self):
+        from .storage import open_storage
+
+        return open_storage(run_url(self.cfg), self.s3.options)
+
+    def outside(self) -> dict:
+        return {k: v for k, v in self.s3.keys(self.bucket).items() if not k.startswith(self.run_key + "/")}
+
+    def gc(self) -> int:
+        run_gc(self.storage())
+        return 0
+
+
+def run_gc(storage) -> int:
+    """What ``rl-ckpt gc --grace 0`` does, on a given storage object."""
+    from .gc import find_debris, find_unreferenced_objects, remove_debris
+
+    debris = find_debris(storage, grace_seconds=0)
+    objects, _refusal = find_unreferenced_objects(storage, grace_seconds=0)
+    return remove_debris(storage, debris + objects)
+
+
+# -- S3 endpoint (moto on 127.0.0.1; the same setup as tests/s3_server.py) --------------------------
+
+LOOPBACK = "127.0.0.1"
+
+
+class _SerializeConditionalWrites:
+    """WSGI middleware: requests with ``If-None-Match`` one at a time (moto's check-then-store is not
+    atomic across its threads; real S3's is). All other requests stay concurrent."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+
+    def __call__(self, environ, start_response):
+        if "HTTP_IF_NONE_MATCH" in environ and environ.get("REQUEST_METHOD") in ("PUT", "POST"):
+            with self.lock:
+                return list(self.app(environ, start_response))
+        return self.app(environ, start_response)
+
+
+class S3Endpoint:
+    """moto's S3 server on 127.0.0.1 (free port), with s3fs options and helpers."""
+
+    ENV = {"AWS_EC2_METADATA_DISABLED": "true"}
+
+    def __init__(self, options: dict | None = None) -> None:
+        self.server = None
+        self._saved_env: dict[str, str | None] = {}
+        env = dict(self.ENV)
+        no_proxy = os.environ.get("NO_PROXY", "")
+        if LOOPBACK not in no_proxy.split(","):
+            env["NO_PROXY"] = env["no_proxy"] = ",".join(p for p in (no_proxy, LOOPBACK) if p)
+        self.env = env
+        for key, value in env.items():
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+        for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+            self._saved_env[key] = os.environ.pop(key, None)
+        if options is None:
+            options = self._start()
+        self.options = options
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(**options)
+
+    def _start(self, timeout: float = 30.0) -> dict:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
+        starter = threading.Thread(target=server.start, daemon=True, name="moto-start")
+        starter.start()
+        starter.join(timeout)
+        if starter.is_alive():
+            raise RuntimeError(f"moto S3 server did not start on {LOOPBACK} within {timeout:.0f}s")
+        host, port = server.get_host_and_port()
+        if host != LOOPBACK or not port:
+            server.stop()
+            raise RuntimeError(f"moto S3 server bound to {host}:{port}, expected {LOOPBACK}")
+        wsgi = getattr(server, "_server", None)
+        if wsgi is not None and hasattr(wsgi, "app"):
+            wsgi.app = _SerializeConditionalWrites(wsgi.app)
+        self.server = server
+        return {"endpoint_url": f"http://{host}:{port}", "key": "testing-access-key", "secret": "testing-secret-key",
+                "client_kwargs": {"region_name": "us-east-1"}, "config_kwargs": {"s3": {"addressing_style": "path"}}}
+
+    def bucket(self) -> str:
+        name = f"rlckpt-faults-{uuid.uuid4().hex[:16]}"
+        self.fs.call_s3("create_bucket", Bucket=name)
+        return name
+
+    def keys(self, bucket: str) -> dict:
+        out, token = {}, None
+        while True:
+            kw = {"Bucket": bucket}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self.fs.call_s3("list_objects_v2", **kw)
+            out.update({o["Key"]: (o["Size"], o["ETag"]) for o in page.get("Contents", [])})
+            if not page.get("IsTruncated"):
+                return out
+            token = page["NextContinuationToken"]
+
+    def drop_bucket(self, bucket: str) -> None:
+        try:
+            keys = list(self.keys(bucket))
+            for i in range(0, len(keys), 1000):
+                self.fs.call_s3("delete_objects", Bucket=bucket,
+                                Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            self.fs.call_s3("delete_bucket", Bucket=bucket)
+        except Exception:  # best effort: the server goes away with the suite
+            pass
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# -- the suite -----------------------------------------------------------------------------------
+
+
+class Suite:
+    def __init__(self, mode: str = "quick", base_dir: str | None = None, *, s3_storage_options: dict | None = None,
+                 progress: Callable[[str], None] | None = None, keep_failed: int = 20) -> None:
+        if mode not in PROFILES:
+            raise ValueError(f"mode must be one of {sorted(PROFILES)}")
+        self.profile = PROFILES[mode]
+        self._own_root = base_dir is None
+        parent = base_dir or tempfile.gettempdir()
+        os.makedirs(parent, exist_ok=True)
+        self.root = tempfile.mkdtemp(prefix=f"rlckpt-faults-{mode}-", dir=parent)
+        self.journal_dir = os.path.join(self.root, "_powerloss-journal")
+        self.progress = progress or (lambda msg: None)
+        self.keep_failed = keep_failed
+        self.kept: list[str] = []
+        self._case_no = 0
+        self._templates: dict[str, str] = {}
+        self._s3: S3Endpoint | None = None
+        self._s3_options = s3_storage_options
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "rl_ckpt", "rl_ckpt.engine", "rl_ckpt.fault_suite"])
+
+    # -- plumbing --------------------------------------------------------------------------
+    def s3(self) -> S3Endpoint:
+        if self._s3 is None:
+            self._s3 = S3Endpoint(self._s3_options)
+        return self._s3
+
+    def close(self) -> None:
+        if self._s3 is not None:
+            self._s3.close()
+            self._s3 = None
+        if self._own_root and not self.kept:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            shutil.rmtree(os.path.join(self.root, "_templates"), ignore_errors=True)
+            shutil.rmtree(self.journal_dir, ignore_errors=True)
+
+    def case(self, label: str, cfg_kwargs: dict | None = None, template: str | None = None) -> LocalTarget:
+        self._case_no += 1
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
+        target = LocalTarget(os.path.join(self.root, f"{self._case_no:05d}-{safe}"), cfg_kwargs)
+        if template is not None:
+            shutil.copytree(template, target.run, symlinks=True)
+        return target
+
+    def done(self, target: LocalTarget, ok: bool) -> None:
+        if ok or len(self.kept) >= self.keep_failed:
+            shutil.rmtree(target.parent, ignore_errors=True)
+        else:
+            self.kept.append(target.parent)
+
+    def template(self, name: str, cfg_kwargs: dict, steps=(1, 2)) -> str:
+        """A run folder with ``steps`` committed; cases copy it."""
+        key = f"{name}:{sorted(cfg_kwargs.items())}:{steps}"
+        if key not in self._templates:
+            parent = os.path.join(self.root, "_templates", f"{len(self._templates):02d}-{name.replace('/', '-')}")
+            cfg = engine_cfg(parent, **cfg_kwargs)
+            os.makedirs(run_url(cfg), exist_ok=True)
+            engine, model, buf = build(cfg)
+            for step in steps:
+                save_step(engine, model, buf, step)
+            engine.close()
+            self._templates[key] = run_url(cfg)
+        return self._templates[key]
+
+    def record_ops(self, template: str, cfg_kwargs: dict, step: int) -> list[tuple[str, str]]:
+        """The storage calls of one save of ``step`` on a copy of ``template``."""
+        from .faults import FaultyStorage
+        from .storage import LocalStorage
+
+        target = self.case("record", cfg_kwargs, template)
+        storage = FaultyStorage(LocalStorage(target.run))
+        engine, model, buf = build(target.cfg, storage)
+        engine.catalog.refresh()
+        storage.ops.clear()
+        save_step(engine, model, buf, step)
+        ops = list(storage.ops)
+        self.done(target, True)
+        return ops
+
+    def run_child(self, fn, args: tuple, *, timeout: float = 120.0) -> tuple[int | None, list[int]]:
+        recv, send = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=fn, args=(*args, send), daemon=True)
+        proc.start()
+        send.close()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        acks = []
+        while recv.poll(0):
+            try:
+                acks.append(int(recv.recv_bytes()))
+            except (EOFError, ValueError):
+                break
+        recv.close()
+        return proc.exitcode, acks
+
+    # -- the common invariant check ----------------------------------------------------------
+    def check(self, res: ScenarioResult, variant: str, label: str, target, *, must_list: set[int], allowed: set[int],
+              acked_max: int | None, in_flight: int | None, save_after: int | None = None, gc: bool = True,
+              writer: int | None = None, outside_before: dict | None = None, damaged: frozenset = frozenset()) -> bool:
+        """Every invariant after a fault; records violations in ``res``; True when all held.
+
+        ``damaged``: snapshot ids the case broke on purpose (they may fail verify and be skipped).
+        """
+        from .gc import find_debris, find_unreferenced_objects
+
+        n_before = len(res.violations)
+
+        def bad(kind: str, msg: str, count: int = 1) -> None:
+            res.violate(variant, label, kind, msg, count)
+
+        try:
+            engine, model, buf = build(target.cfg, target.storage())
+            listed = sorted(i.global_step for i in engine.snapshots())
+            missing = must_list - set(listed)
+            if missing:
+                bad("acked_lost", f"acknowledged step(s) {sorted(missing)} not listed (listed: {listed})", len(missing))
+            if set(listed) - allowed:
+                bad("unexpected", f"snapshots {sorted(set(listed) - allowed)} listed; only {sorted(allowed)} may be")
+            report = engine.verify()
+            broken = set(report.bad_snapshots) - damaged
+            if broken:
+                bad("broken_listed", f"verify: {report}", len(broken))
+            try:
+                result = engine.restore()
+            except CheckpointError as exc:
+                intact = [i.snapshot_id for i in engine.snapshots() if i.snapshot_id not in damaged]
+                if intact:
+                    bad("restore_failed", f"restore raised {type(exc).__name__} with {intact} intact: {exc}")
+            else:
+                if result.fresh:
+                    if listed or must_list:
+                        bad("acked_lost" if must_list else "restore_failed",
+                            f"restore started fresh with {listed} listed")
+                else:
+                    try:
+                        step, who = observed(model, buf)
+                    except Mixed as exc:
+                        bad("corrupt_load", str(exc))
+                    else:
+                        if result.global_step != step:
+                            bad("corrupt_load", f"restore says step {result.global_step}, the state is step {step}")
+                        elif writer is not None and who != writer:
+                            bad("corrupt_load", f"restored writer {who}'s state, but writer {writer} committed")
+                        if acked_max is not None and step < acked_max and not missing:
+                            bad("acked_lost", f"restored step {step} < acknowledged step {acked_max}")
+                        if in_flight is not None:
+                            res.max_rolled_back = max(res.max_rolled_back, in_flight - step)
+                    if set(result.skipped) - damaged:
+                        bad("broken_listed", f"restore skipped {result.skipped}")
+            engine.close()
+            if gc:
+                rc = target.gc()
+                if rc != 0:
+                    bad("gc", f"gc exited {rc}")
+                engine, model, buf = build(target.cfg, target.storage())
+                after = sorted(i.global_step for i in engine.snapshots())
+                if after != listed:
+                    bad("gc", f"gc changed the listing: {listed} -> {after}")
+                report = engine.verify()
+                if set(report.bad_snapshots) - damaged:
+                    bad("gc", f"verify after gc: {report}")
+                storage = target.storage()
+                left = [d.path for d in find_debris(storage, grace_seconds=0)]
+                left += [d.path for d in find_unreferenced_objects(storage, grace_seconds=0)[0]]
+                if left:
+                    bad("gc", f"gc left debris: {left[:5]}")
+                engine.close()
+            if save_after is not None:
+                engine, model, buf = build(target.cfg, target.storage())
+                try:
+                    save_step(engine, model, buf, save_after)
+                except CheckpointError as exc:
+                    bad("later_save", f"a later save of step {save_after} failed: {type(exc).__name__}: {exc}")
+                else:
+                    report = engine.verify()
+                    if set(report.bad_snapshots) - damaged:
+                        bad("later_save", f"verify after a later save: {report}")
+                engine.close()
+        except Exception as exc:  # anything that is not a CheckpointError where one was due, or a suite bug
+            bad("crash", f"{type(exc).__name__}: {exc}")
+        if outside_before is not None and target.outside() != outside_before:
+            bad("escape", "something outside the run folder changed")
+        return len(res.violations) == n_before
+
+    # == 1. SIGKILL ===============================================================================
+    def sigkill(self) -> ScenarioResult:
+        res = ScenarioResult("sigkill", "SIGKILL before/after every storage operation of a save, and at random moments")
+        phases = collections.Counter()
+        for dedup, aw in VARIANTS:
+            variant = variant_name(dedup, aw)
+            kw = {"dedup": dedup, "atomic_write": aw}
+            tpl = self.template(variant, kw)
+            ops = self.record_ops(tpl, kw, 3)
+            marks = op_phases(ops)
+            for k, (op, _path) in enumerate(ops):
+                for when in self.profile.kill_when:
+                    target = self.case(f"kill-{variant}-{k}-{when}", kw, tpl)
+                    before = target.outside()
+                    code, acks = self.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
+                    res.tried += 1
+                    res.injected[f"SIGKILL {when} op"] += 1
+                    phases[marks[k]] += 1
+                    label = f"kill {when} op {k} ({op}, {marks[k]})"
+                    if code != -signal.SIGKILL:
+                        why = {0: "the save finished without reaching it", 3: "the save took another path"}.get(code, f"exit {code}")
+                        res.violate(variant, label, "harness", f"kill point not reached: {why}")
+                    acked = 3 in acks
+                    ok = self.check(res, variant, label, target, must_list={2} | ({3} if acked else set()),
+                                    allowed={1, 2, 3}, acked_max=3 if acked else 2, in_flight=3, save_after=4,
+                                    outside_before=before)
+                    self.done(target, ok)
+            self.progress(f"  sigkill {variant}: {len(ops)} operations x {len(self.profile.kill_when)}")
+        res.notes.update({f"kill points in phase {p}": n for p, n in sorted(phases.items())})
+        self._random_kills(res)
+        return res
+
+    def _random_kills(self, res: ScenarioResult) -> None:
+        rnd = random.Random(20240611)
+        runs = {}
+        for dedup, aw in VARIANTS:
+            variant = variant_name(dedup, aw)
+            target = self.case(f"random-kills-{variant}", {"dedup": dedup, "atomic_write": aw})
+            runs[variant] = {"target": target, "last_ack": -1, "next": 0, "outside": target.outside(), "ok": True}
+        names = list(runs)
+        for i in range(self.profile.random_kills):
+            variant = names[i % len(names)]
+            run = runs[variant]
+            target = run["target"]
+            recv, send = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(target=_child_save_loop, args=(target.cfg, run["next"], send), daemon=True)
+            proc.start()
+            send.close()
+            acks: list[int] = []
+            if recv.poll(60) and recv.recv_bytes() == b"ready":
+                time.sleep(rnd.uniform(0.0, self.profile.random_kill_max_delay))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+            while recv.poll(0):
+                try:
+                    acks.append(int(recv.recv_bytes()))
+                except (EOFError, ValueError):
+                    break
+            recv.close()
+            res.tried += 1
+            res.injected["SIGKILL at a random moment"] += 1
+            if acks:
+                run["last_ack"] = max(run["last_ack"], acks[-1])
+                res.note("random kills: saves acknowledged", len(acks))
+            in_flight = (acks[-1] + 1) if acks else run["next"]
+            last = run["last_ack"]
+            ok = self.check(res, variant, f"random kill {i}", target, must_list={last} if last >= 0 else set(),
+                            allowed=set(range(0, in_flight + 1)), acked_max=last if last >= 0 else None,
+                            in_flight=in_flight, outside_before=run["outside"])
+            run["ok"] &= ok
+            run["next"] = in_flight + 1
+        for run in runs.values():
+            self.done(run["target"], run["ok"])
+        self.progress(f"  sigkill: {self.profile.random_kills} random-moment kills")
+
+    # == 2. power loss ============================================================================
+    def power(self) -> ScenarioResult:
+        from .faults import FaultyStorage, PowerCut, PowerLossStorage
+
+        res = ScenarioResult("power", "power cut (unsynced effects undone) before every operation of a save and after it")
+        for dedup, aw in VARIANTS:
+            for stage in ("first", "third"):
+                variant = f"{variant_name(dedup, aw)}/{stage} save"
+                kw = {"dedup": dedup, "atomic_write": aw}
+                prior = () if stage == "first" else (1, 2)
+                step = 1 if stage == "first" else 3
+                tpl = self.template(variant_name(dedup, aw), kw, steps=prior)
+                ops = self.record_ops(tpl, kw, step)
+                marks = op_phases(ops)
+                for k in range(len(ops) + 1):
+                    for mix in range(1 + self.profile.power_mixes):
+                        rng = random.Random(k * 1000 + mix) if mix else None
+                        target = self.case(f"power-{variant}-{k}-{mix}", kw, tpl)
+                        before = target.outside()
+                        storage = PowerLossStorage(target.run, journal_dir=self.journal_dir)
+                        faulty = FaultyStorage(storage)
+                        engine, model, buf = build(target.cfg, faulty)
+                        engine.catalog.refresh()
+
+                        def cut(storage=storage, rng=rng) -> None:
+                            storage.power_cut(rng)
+                            raise PowerCut("power cut")
+
+                        if k < len(ops):
+                            faulty.before("*", cut, nth=k + 1)
+                            label = f"cut before op {k} ({ops[k][0]}, {marks[k]})"
+                        else:
+                            label = "cut after the save returned"
+                        label += " (random mix)" if mix else ""
+                        acked = False
+                        try:
+                            save_step(engine, model, buf, step)
+                            acked = True
+                        except PowerCut:
+                            pass
+                        except CheckpointError as exc:
+                            res.violate(variant, label, "harness", f"save failed without a fault: {exc}")
+                        if acked and k < len(ops):
+                            res.violate(variant, label, "harness", "cut point not reached")
+                        if acked:
+                            storage.power_cut(rng)
+                        storage.close()
+                        res.tried += 1
+                        res.injected["power cut, random mix of unsynced effects" if mix else
+                                     ("power cut after the save returned" if k == len(ops) else "power cut before op")] += 1
+                        must = ({2} if stage == "third" else set()) | ({step} if acked else set())
+                        ok = self.check(res, variant, label, target, must_list=must, allowed={1, 2, 3},
+                                        acked_max=max(must) if must else None, in_flight=step, save_after=step + 1,
+                                        outside_before=before)
+                        self.done(target, ok)
+                self.progress(f"  power {variant}: {len(ops) + 1} cut points x {1 + self.profile.power_mixes}")
+        return res
+
+    # == 3. corruption ============================================================================
+    def corruption(self) -> ScenarioResult:
+        from .dedup import manifest_objects, object_path
+        from .reader import read_manifest
+        from .storage import LocalStorage
+
+        res = ScenarioResult("corruption", "bit flips, truncation, deletion in every kind of file of a snapshot")
+        kinds = collections.Counter()
+        rnd = random.Random(7)
+        for dedup, aw in VARIANTS:
+            variant = variant_name(dedup, aw)
+            kw = {"dedup": dedup, "atomic_write": aw}
+            tpl = self.template(variant, kw)
+            store = LocalStorage(tpl)
+            m1, m2 = read_manifest(store, "step_000000001"), read_manifest(store, "step_000000002")
+            role_kind = {"tensors": "safetensors shard", "json": "JSON", "table": "Arrow table"}
+            files = [(f"step_000000002/{f.path}", role_kind.get(f.role, f.role)) for f in m2.files]
+            files.append(("step_000000002/meta.json", "manifest"))
+            shared = manifest_objects(m1)
+            for digest, (algo, _size) in sorted(manifest_objects(m2).items()):
+                files.append((object_path(algo, digest), "dedup object (shared)" if digest in shared else "dedup object"))
+            corruptions = [f"flip {w}" for w in self.profile.flips] + [f"truncate {w}" for w in self.profile.truncations]
+            corruptions.append("delete")
+            for rel, kind in files:
+                for how in corruptions:
+                    target = self.case(f"corrupt-{variant}-{kind}-{how}", kw, tpl)
+                    before = target.outside()
+                    corrupt_file(os.path.join(target.run, *rel.split("/")), how, rnd)
+                    res.tried += 1
+                    res.injected[how.split()[0]] += 1
+                    label = f"{how} {rel} ({kind})"
+                    by_design = kind == "manifest" and how == "delete" and not aw
+                    expect = None if kind == "dedup object (shared)" else 1
+                    outcome = self._judge_corruption(res, variant, label, target, expect, by_design)
+                    if by_design:
+                        res.note("manifest deleted on manifest-last: snapshot reads as not committed (by design)")
+                    else:
+                        res.corruptions_injected += 1
+                        kinds[f"{kind}: injected"] += 1
+                        if outcome == "detected":
+                            res.corruptions_detected += 1
+                            kinds[f"{kind}: detected"] += 1
+                        else:
+                            res.violate(variant, label, "undetected", outcome)
+                    hit = {"step_000000001", "step_000000002"} if kind == "dedup object (shared)" else {"step_000000002"}
+                    ok = self.check(res, variant, label, target, must_list=set(), allowed={1, 2, 3},
+                                    acked_max=None, in_flight=None, save_after=3, outside_before=before,
+                                    damaged=frozenset(hit)) and outcome == "detected"
+                    self.done(target, ok)
+            self.progress(f"  corruption {variant}: {len(files)} files x {len(corruptions)}")
+        for kind in sorted({k.split(':')[0] for k in kinds}):
+            res.notes[f"{kind} detected"] = f"{kinds[kind + ': detected']}/{kinds[kind + ': injected']}"
+        self._manifest_sweep(res)
+        return res
+
+    def _judge_corruption(self, res: ScenarioResult, variant: str, label: str, target, expect: int | None,
+                          by_design: bool) -> str:
+        """'detected' when verify flags step 2 and restore neither loads it nor gives up needlessly."""
+        engine, model, buf = build(target.cfg, target.storage())
+        report = engine.verify()
+        flagged = "step_000000002" in report.bad_snapshots
+        try:
+            result = engine.restore()
+        except CheckpointError as exc:
+            engine.close()
+            if expect is None:
+                return "detected" if flagged else "restore refused, verify silent"
+            return f"restore gave up although step {expect} is intact: {exc}"
+        engine.close()
+        try:
+            step, _ = observed(model, buf)
+        except Mixed as exc:
+            res.violate(variant, label, "corrupt_load", str(exc))
+            return "corrupt load"
+        if result.global_step != step:
+            res.violate(variant, label, "corrupt_load", f"restore says step {result.global_step}, state is step {step}")
+            return "corrupt load"
+        if step == 2:
+            return "undetected: restore loaded the damaged snapshot" + ("" if flagged else "; verify silent")
+        if by_design:
+            return "detected"
+        if not flagged:
+            return "verify silent (restore fell back)"
+        if expect is not None and step != expect:
+            return f"restore fell back to step {step}, expected {expect}"
+        if "step_000000002" not in result.skipped and not by_design:
+            return "restore fell back without saying why"
+        return "detected"
+
+    def _manifest_sweep(self, res: ScenarioResult) -> None:
+        """Flip the lowest bit of manifest bytes (digit -> digit, letter -> letter: the hardest flips)."""
+        counts = collections.Counter()
+        undetected_fields = collections.Counter()
+        for dedup, aw in self.profile.manifest_sweep_variants:
+            variant = variant_name(dedup, aw)
+            kw = {"dedup": dedup, "atomic_write": aw}
+            tpl = self.template(variant, kw)
+            path = os.path.join(tpl, "step_000000002", "meta.json")
+            with open(path, "rb") as f:
+                original = f.read()
+            positions = list(range(len(original)))
+            if self.profile.manifest_flips is not None:
+                positions = sorted(random.Random(11).sample(positions, min(self.profile.manifest_flips, len(positions))))
+            for pos in positions:
+                target = self.case(f"manifest-flip-{variant}-{pos}", kw, tpl)
+                data = bytearray(original)
+                data[pos] ^= 0x01
+                with open(os.path.join(target.run, "step_000000002", "meta.json"), "wb") as f:
+                    f.write(data)
+                res.tried += 1
+                res.injected["manifest bit flip"] += 1
+                counts["injected"] += 1
+                label = f"manifest bit flip at byte {pos} ({manifest_field(original, pos)})"
+                n = len(res.violations)
+                outcome = self._judge_corruption(res, variant, label, target, expect=1, by_design=False)
+                if outcome == "detected":
+                    counts["detected"] += 1
+                elif outcome.startswith("undetected: restore loaded") and len(res.violations) == n:
+                    counts["harmless"] += 1
+                    undetected_fields[manifest_field(original, pos)] += 1
+                elif len(res.violations) == n:
+                    res.violate(variant, label, "undetected", outcome)
+                self.done(target, len(res.violations) == n)
+        res.notes["manifest bit flips"] = counts["injected"]
+        res.notes["manifest flips detected"] = counts["detected"]
+        res.notes["manifest flips harmless (load unaffected)"] = counts["harmless"]
+        if undetected_fields:
+            res.notes["harmless flips by field"] = dict(undetected_fields.most_common())
+        self.progress(f"  corruption: manifest sweep, {counts['injected']} flips")
+
+    # == 4. disk full / I/O errors ==================================================================
+    def errors(self) -> ScenarioResult:
+        from .faults import FaultyStorage
+        from .storage import LocalStorage
+
+        res = ScenarioResult("errors", "ENOSPC, EIO and timeouts at every operation of a save, a retention pass and gc")
+        phases = collections.Counter()
+        for dedup, aw in VARIANTS:
+            variant = variant_name(dedup, aw)
+            kw = {"dedup": dedup, "atomic_write": aw}
+            tpl = self.template(variant, kw)
+            ops = self.record_ops(tpl, kw, 3)
+            marks = op_phases(ops)
+            for k, (op, _path) in enumerate(ops):
+                for name in self.profile.error_kinds:
+                    for when in self.profile.error_when:
+                        target = self.case(f"error-{variant}-{k}-{name}-{when}", kw, tpl)
+                        before = target.outside()
+                        faulty = FaultyStorage(LocalStorage(target.run))
+                        engine, model, buf = build(target.cfg, faulty)
+                        engine.catalog.refresh()
+                        faulty.fail("*", nth=k + 1, error=ERRORS[name], after=when == "after")
+                        label = f"{name} {when} op {k} ({op}, {marks[k]})"
+                        res.tried += 1
+                        res.injected[f"{name} ({when} the call)"] += 1
+                        phases[marks[k]] += 1
+                        acked = self._expect_error(res, variant, label, lambda: save_step(engine, model, buf, 3), op)
+                        ok = self.check(res, variant, label, target, must_list={2} | ({3} if acked else set()),
+                                        allowed={1, 2, 3}, acked_max=3 if acked else 2, in_flight=3, save_after=4,
+                                        outside_before=before)
+                        self.done(target, ok)
+            self.progress(f"  errors {variant}: {len(ops)} operations x {len(self.profile.error_kinds)} x {len(self.profile.error_when)}")
+        res.notes.update({f"faults in phase {p}": n for p, n in sorted(phases.items())})
+        self._gc_errors(res)
+        return res
+
+    def _expect_error(self, res: ScenarioResult, variant: str, label: str, fn: Callable, op: str) -> bool:
+        """Run ``fn`` with a fault armed: a CheckpointError naming a path, or a fault absorbed. True if fn returned."""
+        try:
+            fn()
+        except CheckpointError as exc:
+            path = getattr(exc, "path", None)
+            if not path and "/" not in str(exc):
+                res.violate(variant, label, "error_without_path", f"{type(exc).__name__} names no path: {exc}")
+            return False
+        except Exception as exc:
+            res.violate(variant, label, "not_a_checkpoint_error", f"{type(exc).__name__}: {exc}")
+            return False
+        res.note(f"faults absorbed (optional {op})")
+        return True
+
+    def _gc_errors(self, res: ScenarioResult) -> None:
+        from .faults import FaultyStorage
+        from .storage import LocalStorage
+
+        kw = {"dedup": True, "atomic_write": True}
+        variant = "gc/" + variant_name(True, True)
+        tpl_clean = self.template(variant_name(True, True), kw)
+        tpl = os.path.join(self.root, "_templates", "gc-debris", "run")
+        if not os.path.exists(tpl):
+            shutil.copytree(tpl_clean, tpl, symlinks=True)
+            plant_debris(tpl)
+        probe = self.case("gc-record", kw, tpl)
+        faulty = FaultyStorage(LocalStorage(probe.run))
+        removed = run_gc(faulty)
+        ops = list(faulty.ops)
+        self.done(probe, True)
+        res.notes["gc debris entries planted"] = removed
+        for k, (op, _path) in enumerate(ops):
+            for name in self.profile.error_kinds:
+                for when in self.profile.error_when:
+                    target = self.case(f"gc-error-{k}-{name}-{when}", kw, tpl)
+                    before = target.outside()
+                    faulty = FaultyStorage(LocalStorage(target.run))
+                    faulty.fail("*", nth=k + 1, error=ERRORS[name], after=when == "after")
+                    label = f"gc: {name} {when} op {k} ({op})"
+                    res.tried += 1
+                    res.injected[f"{name} ({when} the call)"] += 1
+                    res.note("faults in gc")
+                    self._expect_error(res, variant, label, lambda: run_gc(faulty), op)
+                    ok = self.check(res, variant, label, target, must_list={1, 2}, allowed={1, 2}, acked_max=2,
+                                    in_flight=None, save_after=3, outside_before=before)
+                    self.done(target, ok)
+        self.progress(f"  errors gc: {len(ops)} operations")
+
+    # == 5. S3 ====================================================================================
+    def s3_errors(self) -> ScenarioResult:
+        from .faults import FaultyStorage
+        from .storage import open_storage
+
+        res = ScenarioResult("s3", "5xx-like errors at every request of a save on S3 (moto on 127.0.0.1)")
+        s3 = self.s3()
+        phases = collections.Counter()
+        for dedup in self.profile.s3_variants:
+            variant = f"s3/{'dedup' if dedup else 'plain'}"
+            kw = {"dedup": dedup}
+            bucket = s3.bucket()
+            probe = S3Target(s3, bucket, "record", kw)
+            faulty = FaultyStorage(open_storage(run_url(probe.cfg), s3.options))
+            engine, model, buf = build(probe.cfg, faulty)
+            for step in (1, 2):
+                save_step(engine, model, buf, step)
+            faulty.ops.clear()
+            save_step(engine, model, buf, 3)
+            ops = list(faulty.ops)
+            marks = op_phases(ops)
+            indices = [k for k in range(len(ops)) if k % self.profile.s3_stride == 0 or marks[k] != "write"]
+            for k in indices:
+                op = ops[k][0]
+                for when in self.profile.s3_when:
+                    target = S3Target(s3, bucket, f"c{k}-{when}", kw)
+                    faulty = FaultyStorage(target.storage())
+                    engine, model, buf = build(target.cfg, faulty)
+                    for step in (1, 2):
+                        save_step(engine, model, buf, step)
+                    before = target.outside()
+                    err = StorageError(f"injected fault: HTTP 503 SlowDown on {op} {ops[k][1]} (retries exhausted)",
+                                       path=ops[k][1])
+                    faulty.fail("*", nth=k + 1, error=err, after=when == "after")
+                    label = f"503 {when} request {k} ({op}, {marks[k]})"
+                    res.tried += 1
+                    res.injected[f"S3 5xx ({when} the request)"] += 1
+                    phases[marks[k]] += 1
+                    acked = self._expect_error(res, variant, label, lambda: save_step(engine, model, buf, 3), op)
+                    self.check(res, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
+                               acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
+            s3.drop_bucket(bucket)
+            self.progress(f"  s3 {variant}: {len(indices)} of {len(ops)} requests x {len(self.profile.s3_when)}")
+        res.notes.update({f"faults in phase {p}": n for p, n in sorted(phases.items())})
+        return res
+
+    # == 6. concurrent writers ======================================================================
+    def concurrent(self) -> ScenarioResult:
+        res = ScenarioResult("concurrent", "2, 4, 8 writers of the same step released together")
+        for backend in ("local/rename", "local/manifest-last", "s3"):
+            for n in self.profile.race_writers:
+                for rnd in range(self.profile.race_rounds):
+                    label = f"{n} writers, round {rnd}"
+                    env: dict = {}
+                    if backend == "s3":
+                        s3 = self.s3()
+                        bucket = s3.bucket()
+                        target = S3Target(s3, bucket, "race")
+                        env = dict(s3.env)
+                    else:
+                        target = self.case(f"race-{backend}-{n}-{rnd}", {"atomic_write": backend == "local/rename"})
+                        os.makedirs(target.run, exist_ok=True)
+                    before = target.outside()
+                    step = 7
+                    barrier = self.ctx.Barrier(n)
+                    procs, pipes = [], []
+                    for writer in range(1, n + 1):
+                        recv, send = self.ctx.Pipe(duplex=False)
+                        proc = self.ctx.Process(target=_child_race, args=(target.cfg, env, writer, step, barrier, send),
+                                                daemon=True)
+                        proc.start()
+                        send.close()
+                        procs.append(proc)
+                        pipes.append(recv)
+                    outcomes = {}
+                    for writer, (proc, recv) in enumerate(zip(procs, pipes), start=1):
+                        outcomes[writer] = recv.recv() if recv.poll(180) else ("error", "no answer")
+                        proc.join(30)
+                        recv.close()
+                    res.tried += 1
+                    res.injected[f"race of {n} writers"] += 1
+                    committed = [w for w, (what, _) in outcomes.items() if what == "committed"]
+                    errors = {w: msg for w, (what, msg) in outcomes.items() if what == "error"}
+                    if errors:
+                        res.violate(backend, label, "race_error", f"writers failed with other errors: {errors}")
+                    if len(committed) != 1:
+                        res.violate(backend, label, "race", f"{len(committed)} writers committed: {committed}")
+                    else:
+                        res.note(f"{backend}: races with exactly one commit")
+                    ok = self.check(res, backend, label, target, must_list={step}, allowed={step}, acked_max=step,
+                                    in_flight=None, writer=committed[0] if len(committed) == 1 else None,
+                                    outside_before=before, save_after=step + 1)
+                    if backend == "s3":
+                        self.s3().drop_bucket(bucket)
+                    else:
+                        self.done(target, ok)
+            self.progress(f"  concurrent {backend}: {len(self.profile.race_writers) * self.profile.race_rounds} races")
+        return res
+
+    # == 7. malicious input ===========================================================================
+    def malicious(self) -> ScenarioResult:
+        res = ScenarioResult("malicious", "hostile snapshots: traversal, links, pickles, bad headers, bad Arrow, schema")
+        for name, (dedup, fn) in MALICIOUS.items():
+            variant = variant_name(dedup, True)
+            kw = {"dedup": dedup}
+            target = self.case(f"malicious-{name}", kw, self.template(variant, kw, steps=(1,)))
+            marker = os.path.join(target.parent, "outside", "PWNED")
+            expect = fn(target, marker)  # mutates the snapshot
+            before = target.outside()
+            res.tried += 1
+            res.injected[name] += 1
+            n = len(res.violations)
+            engine, model, buf = build(target.cfg, target.storage())
+            try:
+                listed = [i.snapshot_id for i in engine.snapshots()] + [u.snapshot_id for u in engine.catalog.unreadable()]
+                report = engine.verify()
+                if expect == "flagged" and report.ok:
+                    res.violate(variant, name, "undetected", "verify reports the hostile snapshot as OK")
+                if expect == "unlisted" and listed:
+                    res.violate(variant, name, "unexpected", f"{listed} listed")
+                try:
+                    result = engine.restore()
+                except CheckpointError as exc:
+                    res.note("refused with a CheckpointError")
+                    if expect == "unlisted":
+                        res.violate(variant, name, "restore_failed", f"restore failed on an unlisted snapshot: {exc}")
+                else:
+                    if not result.fresh:
+                        res.violate(variant, name, "corrupt_load", f"restore loaded the hostile snapshot {result.snapshot_id}")
+                    elif expect != "unlisted":
+                        res.violate(variant, name, "unexpected", f"restore started fresh with {listed} listed")
+                    else:
+                        res.note("refused: never listed")
+            except Exception as exc:
+                res.violate(variant, name, "not_a_checkpoint_error", f"{type(exc).__name__}: {exc}")
+            engine.close()
+            try:
+                target.gc()  # gc must not follow links or delete outside either
+            except Exception as exc:
+                res.violate(variant, name, "not_a_checkpoint_error", f"gc: {type(exc).__name__}: {exc}")
+            if os.path.exists(marker):
+                res.violate(variant, name, "unpickled", "a pickle payload was executed (marker file exists)")
+            if target.outside() != before:
+                res.violate(variant, name, "escape", "something outside the run folder changed")
+            self.done(target, len(res.violations) == n)
+        self.progress(f"  malicious: {len(MALICIOUS)} cases")
+        return res
+
+
+# -- helpers for the scenarios ---------------------------------------------------------------------
+
+
+def op_phases(ops: list[tuple[str, str]]) -> list[str]:
+    """Label each call of a save: 'write' (before the commit), 'commit', 'after-commit' (aliases, retention)."""
+    commit = None
+    for i, (op, path) in enumerate(ops):
+        if op == "rename_dir" and not path.split(" -> ")[-1].startswith("."):
+            commit = i
+            break
+        if op == "write" and path.count("/") == 1 and path.endswith("/meta.json"):
+            commit = i
+            break
+    if commit is None:
+        return ["write"] * len(ops)
+    out = []
+    for i, (op, _path) in enumerate(ops):
+        if i < commit:
+            out.append("write")
+        elif i == commit or (op == "sync_dir" and all(o == "sync_dir" for o, _ in ops[commit + 1:i + 1])):
+            out.append("commit")
+        else:
+            out.append("after-commit")
+    return out
+
+
+def corrupt_file(path: str, how: str, rnd: random.Random) -> None:
+    if how == "delete":
+        os.unlink(path)
+        return
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    if how.startswith("flip"):
+        where = how.split()[1]
+        pos = {"first": 0, "middle": len(data) // 2, "last": len(data) - 1}.get(where)
+        if pos is None:
+            pos = rnd.randrange(len(data))
+        data[pos] ^= 0x10
+    else:
+        where = how.split()[1]
+        data = {"tail": data[: max(0, len(data) - 7)], "half": data[: len(data) // 2], "empty": bytearray()}[where]
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def manifest_field(manifest: bytes, pos: int) -> str:
+    """The top-level manifest key whose line holds byte ``pos`` (the manifest is indent=1 JSON)."""
+    start = manifest.rfind(b"\n", 0, pos) + 1
+    for line_start in _line_starts_backwards(manifest, start):
+        line = manifest[line_start:manifest.find(b"\n", line_start) if manifest.find(b"\n", line_start) != -1 else None]
+        if line.startswith(b' "'):
+            return line[2:line.find(b'"', 2)].decode(errors="replace")
+    return "(structure)"
+
+
+def _line_starts_backwards(data: bytes, start: int):
+    pos = start
+    while pos >= 0:
+        yield pos
+        if pos == 0:
+            return
+        pos = data.rfind(b"\n", 0, pos - 1) + 1
+
+
+def plant_debris(run: str) -> None:
+    """Everything gc must remove, beside committed snapshots 1 and 2 (dedup)."""
+    def put(rel: str, data: bytes = b"debris") -> None:
+        full = os.path.join(run, *rel.split("/"))
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+
+    shutil.copytree(os.path.join(run, "step_000000002"), os.path.join(run, ".staging", "step_000000005.host-1-2-dead0001"))
+    put("step_000000006/host-1-2-dead0002/model.json")  # manifest-last attempt that never committed
+    put(".trash/step_000000000.host-1-2-dead0003/model.json")  # an interrupted retirement
+    put(".tmp-host-1-2-dead0004-meta.json")  # an interrupted write_atomic
+    put("step_000000002/host-1-2-dead0005/model.json")  # a losing writer's attempt inside a committed snapshot
+    put("objects/sha256/ff/ff" + "0" * 62)  # an object no manifest references
+    put("objects/sha256/ff/.tmp-host-1-2-dead0006-ff00")  # an interrupted object write
+
+
+class Payload:
+    """Unpickling this creates a marker file: proof that something unpickled our data."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _snap(target: LocalTarget, sid: str = "step_000000001") -> str:
+    return os.path.join(target.run, sid)
+
+
+def _manifest(target: LocalTarget, mutate: Callable[[dict], None]) -> None:
+    path = os.path.join(_snap(target), "meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    mutate(meta)
+    with open(path, "w") as f:
+        json.dump(meta, f)
+
+
+def _replace_file(target: LocalTarget, name: str, data: bytes, fix_checksum: bool = True) -> None:
+    """Put ``data`` in place of a snapshot file and (as an attacker would) make the manifest agree."""
+    with open(os.path.join(_snap(target), name), "wb") as f:
+        f.write(data)
+    if fix_checksum:
+        def fix(meta: dict) -> None:
+            for f in meta["files"]:
+                if f["path"] == name:
+                    f["size"], f["checksum"] = len(data), hashlib.sha256(data).hexdigest()
+        _manifest(target, fix)
+
+
+def _read(target: LocalTarget, name: str) -> bytes:
+    with open(os.path.join(_snap(target), name), "rb") as f:
+        return f.read()
+
+
+def _secret(target: LocalTarget) -> str:
+    return os.path.join(target.parent, "outside", "secret.txt")
+
+
+def _mal_path(path_of: Callable[[LocalTarget], str]):
+    def fn(target: LocalTarget, marker: str) -> str:
+        _manifest(target, lambda m: m["files"][0].update(path=path_of(target)))
+        return "flagged"
+    return fn
+
+
+def _mal_symlink_shard(target: LocalTarget, marker: str) -> str:
+    shard = os.path.join(_snap(target), "model.safetensors")
+    copy = os.path.join(target.parent, "outside", "model.safetensors")
+    shutil.copy2(shard, copy)  # identical bytes: only the link itself is wrong
+    os.unlink(shard)
+    os.symlink(copy, shard)
+    return "flagged"
+
+
+def _mal_symlink_manifest(target: LocalTarget, marker: str) -> str:
+    meta = os.path.join(_snap(target), "meta.json")
+    copy = os.path.join(target.parent, "outside", "meta.json")
+    shutil.copy2(meta, copy)
+    os.unlink(meta)
+    os.symlink(copy, meta)
+    return "flagged"
+
+
+def _mal_symlink_snapshot(target: LocalTarget, marker: str) -> str:
+    moved = os.path.join(target.parent, "outside", "moved-snapshot")
+    os.rename(_snap(target), moved)
+    os.symlink(moved, _snap(target))
+    return "unlisted"  # a linked snapshot folder is never listed
+
+
+def _mal_symlink_object(target: LocalTarget, marker: str) -> str:
+    objects = os.path.join(target.run, "objects", "sha256")
+    prefix = sorted(os.listdir(objects))[0]
+    copy = os.path.join(target.parent, "outside", "objects-" + prefix)
+    shutil.copytree(os.path.join(objects, prefix), copy)
+    shutil.rmtree(os.path.join(objects, prefix))
+    os.symlink(copy, os.path.join(objects, prefix))
+    return "flagged"
+
+
+def _mal_pickle_shard(target: LocalTarget, marker: str) -> str:
+    _replace_file(target, "model.safetensors", pickle.dumps({"weight": Payload(marker)}))
+    return "flagged"
+
+
+def _mal_torch_save_shard(target: LocalTarget, marker: str) -> str:
+    buf = io.BytesIO()
+    torch.save({"weight": Payload(marker)}, buf)  # a zip-pickle, what torch.load would execute
+    _replace_file(target, "model.safetensors", buf.getvalue())
+    return "flagged"
+
+
+def _mal_pickle_json(target: LocalTarget, marker: str) -> str:
+    _replace_file(target, "model.json", pickle.dumps(Payload(marker)))
+    return "flagged"
+
+
+def _mal_safetensors_header(kind: str):
+    def fn(target: LocalTarget, marker: str) -> str:
+        good = _read(target, "model.safetensors")
+        (n,) = struct.unpack("<Q", good[:8])
+        header = json.loads(good[8:8 + n])
+        if kind == "huge":
+            data = struct.pack("<Q", 2**40) + good[8:]
+        elif kind == "past-end":
+            data = struct.pack("<Q", len(good) + 10) + good[8:]
+        else:
+            key = next(k for k in header if k != "__metadata__")
+            header[key]["data_offsets"] = [0, 10**12]
+            blob = json.dumps(header).encode()
+            data = struct.pack("<Q", len(blob)) + blob + good[8 + n:]
+        _replace_file(target, "model.safetensors", data)
+        return "flagged"
+    return fn
+
+
+def _mal_arrow(target: LocalTarget, marker: str) -> str:
+    name = "replay_buffer.t0.arrow"
+    data = bytearray(_read(target, name))
+    mid = len(data) // 2
+    data[mid:mid + 24] = b"\xff" * 24
+    _replace_file(target, name, bytes(data))
+    return "flagged"
+
+
+def _mal_schema(version: int):
+    def fn(target: LocalTarget, marker: str) -> str:
+        _manifest(target, lambda m: m.update(schema_version=version))
+        return "flagged"
+    return fn
+
+
+def _mal_state_schema(target: LocalTarget, marker: str) -> str:
+    _manifest(target, lambda m: m.update(state_schema_version=7))
+    return "refused"  # intact bytes (verify may pass), but restore must refuse the layout
+
+
+def _mal_objects_algo(algo: str):
+    def fn(target: LocalTarget, marker: str) -> str:
+        def mutate(m: dict) -> None:
+            m["components"]["model"]["objects_algo"] = algo
+        _manifest(target, mutate)
+        return "flagged"
+    return fn
+
+
+def _mal_object_digest(target: LocalTarget, marker: str) -> str:
+    def mutate(m: dict) -> None:
+        chunks = m["components"]["model"]["objects"]["weight"]
+        chunks[0][0] = "../../../outside/secret.txt"
+    _manifest(target, mutate)
+    return "flagged"
+
+
+def _mal_nested_json(target: LocalTarget, marker: str) -> str:
+    _replace_file(target, "model.json", b"[" * 200000 + b"]" * 200000)
+    return "flagged"
+
+
+def _mal_missing_tensor(target: LocalTarget, marker: str) -> str:
+    tree = json.loads(_read(target, "model.json"))
+    tree_text = json.dumps(tree).replace('"weight"', '"no_such_tensor"', 1)
+    _replace_file(target, "model.json", tree_text.encode())
+    return "flagged"
+
+
+def _mal_listed_twice(target: LocalTarget, marker: str) -> str:
+    _manifest(target, lambda m: m["files"].append(dict(m["files"][0])))
+    return "flagged"
+
+
+def _mal_renamed_copy(target: LocalTarget, marker: str) -> str:
+    os.rename(_snap(target), _snap(target, "step_000000005"))
+    return "flagged"
+
+
+def _mal_manifest_not_json(target: LocalTarget, marker: str) -> str:
+    with open(os.path.join(_snap(target), "meta.json"), "wb") as f:
+        f.write(pickle.dumps(Payload(marker)))
+    return "flagged"
+
+
+# name -> (dedup, mutate(target, marker) -> expectation): "flagged" (listed; verify flags it; restore refuses),
+# "refused" (listed; restore refuses), "unlisted" (never listed, never read)
+MALICIOUS: dict[str, tuple[bool, Callable[[LocalTarget, str], str]]] = {
+    "path traversal ../../outside/secret.txt": (False, _mal_path(lambda t: "../../outside/secret.txt")),
+    "path traversal a/../../x": (False, _mal_path(lambda t: "a/../../x")),
+    "absolute path to a file outside": (False, _mal_path(_secret)),
+    "absolute path /etc/passwd": (False, _mal_path(lambda t: "/etc/passwd")),
+    "empty path part a//b": (False, _mal_path(lambda t: "a//b")),
+    "symlinked shard (identical bytes)": (False, _mal_symlink_shard),
+    "symlinked manifest": (False, _mal_symlink_manifest),
+    "symlinked snapshot folder": (False, _mal_symlink_snapshot),
+    "symlinked dedup object folder": (True, _mal_symlink_object),
+    "pickle payload as shard (checksum fixed)": (False, _mal_pickle_shard),
+    "torch.save zip-pickle as shard (checksum fixed)": (False, _mal_torch_save_shard),
+    "pickle payload as JSON structure file": (False, _mal_pickle_json),
+    "pickle payload as manifest": (False, _mal_manifest_not_json),
+    "safetensors header length 2^40": (False, _mal_safetensors_header("huge")),
+    "safetensors header past end of file": (False, _mal_safetensors_header("past-end")),
+    "safetensors offsets beyond the data": (False, _mal_safetensors_header("offsets")),
+    "corrupt Arrow IPC (checksum fixed)": (False, _mal_arrow),
+    "manifest schema_version 99": (False, _mal_schema(99)),
+    "manifest schema_version 0": (False, _mal_schema(0)),
+    "state schema_version mismatch": (False, _mal_state_schema),
+    "dedup objects_algo with traversal": (True, _mal_objects_algo("../../../outside")),
+    "dedup unknown objects_algo": (True, _mal_objects_algo("md5")),
+    "dedup object digest with traversal": (True, _mal_object_digest),
+    "JSON nested 200000 deep": (False, _mal_nested_json),
+    "JSON references a missing tensor": (False, _mal_missing_tensor),
+    "manifest lists a file twice": (False, _mal_listed_twice),
+    "snapshot copied under another step's name": (False, _mal_renamed_copy),
+}
+
+
+# -- entry points ------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def run_suite(mode: str = "quick", base_dir: str | None = None, *, scenarios: tuple[str, ...] | list[str] | None = None,
+              s3_storage_options: dict | None = None, progress: Callable[[str], None] | None = None) -> SuiteReport:
+    """Run the suite; returns a :class:`SuiteReport` (``.ok``, ``.table()``, ``.to_json()``)."""
+    chosen = list(scenarios or SCENARIOS)
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {sorted(unknown)}; choose from {SCENARIOS}")
+    logger = logging.getLogger("rl_ckpt")
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.CRITICAL)
+    logger.propagate = False
+    started = time.perf_counter()
+    report = SuiteReport(mode, _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine_info(), [])
+    suite = Suite(mode, base_dir, s3_storage_options=s3_storage_options, progress=progress)
+    methods = {"sigkill": suite.sigkill, "power": suite.power, "corruption": suite.corruption, "errors": suite.errors,
+               "s3": suite.s3_errors, "concurrent": suite.concurrent, "malicious": suite.malicious}
+    try:
+        for key in chosen:
+            t0 = time.perf_counter()
+            suite.progress(f"{key} ...")
+            result = methods[key]()
+            result.seconds = time.perf_counter() - t0
+            report.scenarios.append(result)
+            suite.progress(f"{key}: {result.tried} cases, {len(result.violations)} violations, {result.seconds:.1f}s")
+    finally:
+        suite.close()
+        logger.setLevel(level)
+        logger.propagate = propagate
+    report.seconds = time.perf_counter() - started
+    if suite.kept:
+        report.machine["kept_failed_cases"] = suite.kept
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rl_ckpt.fault_suite", description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the quick suite (default, < 90 s)")
+    g.add_argument("--long", dest="mode", action="store_const", const="long", help="the long suite (10-20 minutes)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.add_argument("--base-dir", default=None, help="where case folders go (default: a temp folder, removed after)")
+    p.add_argument("--only", nargs="+", choices=SCENARIOS, help="run only these scenarios")
+    p.add_argument("-q", "--no-progress", action="store_true", help="no progress lines on stderr")
+    args = p.parse_args(argv)
+    progress = None if args.no_progress else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = run_suite(args.mode or "quick", args.base_dir, scenarios=args.only, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, default=str))
+    else:
+        print(report.table())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    from rl_ckpt.fault_suite import main as _main  # the importable module, so child processes find their targets
+
+    sys.exit(_main())
