@@ -1465,19 +1465,19 @@ def _mal_symlink_object(target: LocalTarget, marker: str) -> str:
 
 def _mal_pickle_shard(target: LocalTarget, marker: str) -> str:
     _replace_file(target, "model.safetensors", pickle.dumps({"weight": Payload(marker)}))
-    return "flagged"
+    return "refused"
 
 
 def _mal_torch_save_shard(target: LocalTarget, marker: str) -> str:
     buf = io.BytesIO()
     torch.save({"weight": Payload(marker)}, buf)  # a zip-pickle, what torch.load would execute
     _replace_file(target, "model.safetensors", buf.getvalue())
-    return "flagged"
+    return "refused"
 
 
 def _mal_pickle_json(target: LocalTarget, marker: str) -> str:
     _replace_file(target, "model.json", pickle.dumps(Payload(marker)))
-    return "flagged"
+    return "refused"
 
 
 def _mal_safetensors_header(kind: str):
@@ -1495,17 +1495,26 @@ def _mal_safetensors_header(kind: str):
             blob = json.dumps(header).encode()
             data = struct.pack("<Q", len(blob)) + blob + good[8 + n:]
         _replace_file(target, "model.safetensors", data)
-        return "flagged"
+        return "refused"
     return fn
 
 
-def _mal_arrow(target: LocalTarget, marker: str) -> str:
-    name = "replay_buffer.t0.arrow"
-    data = bytearray(_read(target, name))
-    mid = len(data) // 2
-    data[mid:mid + 24] = b"\xff" * 24
-    _replace_file(target, name, bytes(data))
-    return "flagged"
+def _mal_arrow(where: str):
+    def fn(target: LocalTarget, marker: str) -> str:
+        name = "replay_buffer.t0.arrow"
+        data = bytearray(_read(target, name))
+        (footer,) = struct.unpack("<i", data[-10:-6])
+        if where == "footer-length":
+            data[-10:-6] = struct.pack("<i", 10**8)  # the footer "starts" before the file does
+        elif where == "footer":
+            start = len(data) - 10 - footer
+            data[start + 4:start + 36] = b"\xff" * 32
+        else:  # the first record batch's metadata
+            first = data.find(b"\xff\xff\xff\xff", 16)
+            data[first + 8:first + 40] = b"\x7f" * 32
+        _replace_file(target, name, bytes(data))
+        return "refused"
+    return fn
 
 
 def _mal_schema(version: int):
@@ -1539,14 +1548,14 @@ def _mal_object_digest(target: LocalTarget, marker: str) -> str:
 
 def _mal_nested_json(target: LocalTarget, marker: str) -> str:
     _replace_file(target, "model.json", b"[" * 200000 + b"]" * 200000)
-    return "flagged"
+    return "refused"
 
 
 def _mal_missing_tensor(target: LocalTarget, marker: str) -> str:
     tree = json.loads(_read(target, "model.json"))
     tree_text = json.dumps(tree).replace('"weight"', '"no_such_tensor"', 1)
     _replace_file(target, "model.json", tree_text.encode())
-    return "flagged"
+    return "refused"
 
 
 def _mal_listed_twice(target: LocalTarget, marker: str) -> str:
@@ -1566,7 +1575,8 @@ def _mal_manifest_not_json(target: LocalTarget, marker: str) -> str:
 
 
 # name -> (dedup, mutate(target, marker) -> expectation): "flagged" (listed; verify flags it; restore refuses),
-# "refused" (listed; restore refuses), "unlisted" (never listed, never read)
+# "refused" (listed; restore refuses; verify may pass: the attacker made the checksums agree, so only
+# decoding can tell), "unlisted" (never listed, never read)
 MALICIOUS: dict[str, tuple[bool, Callable[[LocalTarget, str], str]]] = {
     "path traversal ../../outside/secret.txt": (False, _mal_path(lambda t: "../../outside/secret.txt")),
     "path traversal a/../../x": (False, _mal_path(lambda t: "a/../../x")),
@@ -1584,7 +1594,9 @@ MALICIOUS: dict[str, tuple[bool, Callable[[LocalTarget, str], str]]] = {
     "safetensors header length 2^40": (False, _mal_safetensors_header("huge")),
     "safetensors header past end of file": (False, _mal_safetensors_header("past-end")),
     "safetensors offsets beyond the data": (False, _mal_safetensors_header("offsets")),
-    "corrupt Arrow IPC (checksum fixed)": (False, _mal_arrow),
+    "Arrow footer length past the file (checksum fixed)": (False, _mal_arrow("footer-length")),
+    "Arrow footer garbage (checksum fixed)": (False, _mal_arrow("footer")),
+    "Arrow record batch metadata garbage (checksum fixed)": (False, _mal_arrow("batch")),
     "manifest schema_version 99": (False, _mal_schema(99)),
     "manifest schema_version 0": (False, _mal_schema(0)),
     "state schema_version mismatch": (False, _mal_state_schema),
