@@ -298,8 +298,12 @@ class CheckpointManager:
     def record_failure(self, failure: dict) -> dict:
         """Write a failure (FailureInfo JSON) into the run folder; returns it as stored."""
         info = FailureInfo.from_json(failure)
-        if info.step is None:
-            info.step = max((p.step for p in self.participants.values() if p.step is not None), default=None)
+        with self._lock:
+            if info.step is None:
+                info.step = max((p.step for p in self.participants.values() if p.step is not None), default=None)
+            if info.kind != "heartbeat_lost":
+                for p in self.participants.values():  # the group is restarting: silence is expected now
+                    p.step = None
         self.storage.makedirs(FAILURES)
         name = f"{FAILURES}/{info.time.replace(':', '').replace('+', 'p')}-{info.kind}.json"
         self.storage.write_atomic(name, json.dumps(info.to_json(), allow_nan=False).encode())
@@ -367,7 +371,10 @@ class CheckpointManager:
                         missing = sorted(set(pending.expected) - set(pending.reports))
                         self._abort(sid, pending, f"participants {missing} did not report within "
                                                   f"{self.config.commit_timeout_seconds:.0f} s")
-                lost = [(n, p) for n, p in self.participants.items() if not p.lost and now - p.last_beat > 2 * interval]
+                # Only participants that are training (have reported a step) can be lost: a worker idle
+                # before training starts, or one already known to have failed, is not a new incident.
+                lost = [(n, p) for n, p in self.participants.items()
+                        if p.step is not None and not p.lost and now - p.last_beat > 2 * interval]
                 for _, p in lost:
                     p.lost = True
             for name, p in lost:

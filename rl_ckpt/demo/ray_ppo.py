@@ -1,0 +1,274 @@
+"""PPO on CartPole-v1 on Ray: TorchTrainer learner ranks + rollout-worker actors, one run, one manager.
+
+- Rollout workers (plain Ray actors) own the envs and the action-sampling RNG;
+  each is a checkpoint participant ``rollout-i`` (env state + RNG).
+- Learner ranks (Ray Train v2 ``TorchTrainer``, gloo) send the policy weights to
+  their workers, keep the rollout buffer, and run the PPO update with
+  gradients all-reduced across ranks, so the model/optimizer/scheduler are
+  replicated and written once (``shared/``); each rank's buffer, progress and
+  RNG are its own (``learner-r/``).
+- Saves: the learners' scheduler decides (layered: full + light, keep-best on
+  ``avg_reward``); when it starts a save, each learner tells its workers to save
+  the same step, and the manager commits the snapshot once all reported.
+- A failure anywhere (a killed learner rank or rollout worker) fails the
+  attempt; the ``CheckpointCallback`` records it; Ray Train restarts the
+  learners; every learner and worker restores the snapshot the coordinator
+  chose, and training continues exactly where that snapshot left it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import CheckpointEngine, RNGState
+from .ppo import PPOConfig, PPOTrainer, EnvState
+
+
+class ObsState:
+    """The learner's copy of its workers' current observations (for the GAE bootstrap)."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.obs = np.zeros((num_envs, 4), dtype=np.float32)
+
+    def state_dict(self) -> dict:
+        return {"obs": self.obs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.obs = np.array(state["obs"], dtype=np.float32)
+
+
+class RolloutWorker:
+    """A Ray actor holding envs; collects experience with the weights it is sent."""
+
+    def __init__(self, index: int, ppo: dict, engine_cfg: dict, manager, participants: list[str]) -> None:
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+        cfg = PPOConfig(**ppo)
+        self.index = index
+        torch.manual_seed(cfg.seed * 1000 + 17 + index)  # this worker's action-sampling stream
+        self.envs = EnvState(cfg.num_envs, cfg.seed * 1000 + index)
+        from .ppo import ActorCritic
+
+        self.model = ActorCritic(tuple(cfg.hidden_sizes))
+        self.engine = CheckpointEngine(**engine_cfg, manager=manager, rank=index, world_size=1, role="rollout",
+                                       participants=participants)
+        self.engine.register("env", self.envs)
+        self.engine.register("rng", RNGState())
+        self.pending = None
+
+    @torch.no_grad()
+    def collect(self, weights: dict, steps: int, global_step: int) -> dict:
+        self.engine.beat(global_step)
+        self.model.load_state_dict(weights)
+        rows: dict[str, list] = {k: [] for k in ("obs", "actions", "logprobs", "rewards", "dones", "values")}
+        finished: list[float] = []
+        for _ in range(steps):
+            obs = self.envs.obs.copy()
+            obs_t = torch.from_numpy(obs)
+            dist = self.model.dist(obs_t)
+            action = dist.sample()
+            rows["obs"].append(obs)
+            rows["actions"].append(action.numpy())
+            rows["logprobs"].append(dist.log_prob(action).numpy())
+            rows["values"].append(self.model.get_value(obs_t).numpy())
+            rewards, dones, done_returns = self.envs.step(action.numpy())
+            rows["rewards"].append(rewards)
+            rows["dones"].append(dones)
+            finished += done_returns
+        out = {k: np.stack(v) for k, v in rows.items()}
+        out["next_obs"] = self.envs.obs.copy()
+        out["finished"] = finished
+        return out
+
+    def save(self, step: int) -> None:
+        """Stage now (the state as of this call), persist in the background."""
+        if self.pending is not None:
+            self.pending.wait()  # one in flight; its error surfaces here
+        self.pending = self.engine.save_async(step)
+
+    def restore(self) -> tuple:
+        self.pending = None
+        result = self.engine.restore()
+        return result.snapshot_id, result.global_step
+
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Learner(PPOTrainer):
+    """A PPOTrainer whose experience comes from rollout workers and whose gradients are all-reduced."""
+
+    def __init__(self, cfg: PPOConfig, workers: list) -> None:
+        super().__init__(cfg)
+        self.workers = workers
+        self.env_state = ObsState(cfg.num_envs)  # replaces the local envs: the workers own them
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            world = dist.get_world_size()
+
+            def average(param: torch.Tensor) -> None:
+                dist.all_reduce(param.grad)
+                param.grad.div_(world)
+
+            for p in self.model.parameters():
+                p.register_post_accumulate_grad_hook(average)
+
+    def components(self) -> dict[str, Any]:
+        parts = super().components()
+        parts["env"] = self.env_state
+        return parts
+
+    def _collect(self) -> None:
+        import ray
+
+        weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+        step = self.progress.global_step
+        batches = ray.get([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers])
+        for t in range(self.cfg.steps_per_train_step):
+            self.buffer.add(**{k: np.concatenate([b[k][t] for b in batches]) for k in
+                               ("obs", "actions", "logprobs", "rewards", "dones", "values")})
+        for b in batches:
+            for ret in b["finished"]:
+                self.progress.record_episode(ret)
+        self.env_state.obs = np.concatenate([b["next_obs"] for b in batches])
+        self.progress.env_steps += self.cfg.steps_per_train_step * self.buffer.num_envs
+
+
+def learner_loop(config: dict) -> None:
+    """The Ray Train train function (one per learner rank)."""
+    import ray
+    import ray.train
+
+    from ..integrations.ray_train import report
+
+    rank = ray.train.get_context().get_world_rank()
+    world = ray.train.get_context().get_world_size()
+    k = config["workers_per_learner"]
+    workers = config["workers"][rank * k:(rank + 1) * k]
+    ppo = PPOConfig(**{**config["ppo"], "num_envs": config["ppo"]["num_envs"] * k})
+    learner = Learner(ppo, workers)
+    engine = CheckpointEngine(**config["engine"], manager=config["manager"], participants=config["participants"],
+                              train_config={k2: v for k2, v in config["ppo"].items() if k2 != "seed"})
+    for name, component in learner.components().items():
+        engine.register(name, component, replicated=name in ("policy", "optimizer", "lr_scheduler"))
+    engine.register("rng", RNGState())
+    result = engine.restore()
+    worker_restores = ray.get([w.restore.remote() for w in workers])
+    start = result.global_step
+    if rank == 0:
+        _log(config, {"event": "attempt", "restored": result.snapshot_id, "step": start,
+                      "light": result.light_snapshot_id, "workers": worker_restores,
+                      "plan": str(result.plan) if result.plan is not None else ""})
+    scheduler = engine.scheduler(start_step=start)
+    crash = config.get("crash")
+    while learner.progress.global_step < config["steps"]:
+        metrics = learner.train_step()
+        step = learner.progress.global_step
+        crasher = 0 if crash and crash["target"] == "rollout" else world - 1
+        if crash and rank == crasher and step == crash["step"] and not os.path.exists(crash["marker"]):
+            open(crash["marker"], "w").close()  # once per run: the restarted attempt goes on
+            if crash["target"] == "rollout":
+                workers[0].die.remote()  # the next collect fails: the attempt fails, Ray Train restarts
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
+        if handle is not None:
+            for w in workers:
+                w.save.remote(step)
+        if rank == 0:
+            _log(config, {"event": "step", "step": step, "loss": _num(metrics["loss"]), "avg_reward": metrics["avg_reward"]})
+        if step % config.get("report_every", 10) == 0 or step == config["steps"]:
+            report({"avg_reward": metrics["avg_reward"], "step": step}, engine)
+    scheduler.close()
+    if rank == 0:
+        digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in learner.model.state_dict().values())).hexdigest()
+        _log(config, {"event": "done", "step": learner.progress.global_step, "digest": digest,
+                      "avg_reward": learner.progress.avg_reward})
+    engine.close()
+
+
+def _num(x: float) -> float | str:
+    return x if x == x else "nan"
+
+
+def _log(config: dict, msg: dict) -> None:
+    with open(config["log"], "a") as f:
+        f.write(json.dumps({**msg, "t": time.time()}) + "\n")
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_name: str
+    log: list[dict]
+    manager: Any
+    seconds: float
+
+    @property
+    def done(self) -> dict | None:
+        return next((m for m in reversed(self.log) if m["event"] == "done"), None)
+
+    @property
+    def attempts(self) -> list[dict]:
+        return [m for m in self.log if m["event"] == "attempt"]
+
+    def losses(self) -> dict[int, Any]:
+        return {m["step"]: m["loss"] for m in self.log if m["event"] == "step"}
+
+
+def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_per_learner: int = 1,
+        crash_at: int | None = None, crash_target: str = "learner", seed: int = 0, engine_cfg: dict | None = None,
+        ppo: dict | None = None, log_dir: str | None = None, max_failures: int = 2) -> RunResult:
+    """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from actors import CheckpointManager
+
+    from ..integrations.ray_train import CheckpointCallback
+
+    started = time.monotonic()
+    engine_cfg = {"base_dir": base_dir, "run_name": run_name, "save_interval_steps": 10, "save_interval_seconds": None,
+                  "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1, "commit_timeout_seconds": 20.0,
+                  **(engine_cfg or {})}
+    ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=1)), **(ppo or {})}
+    ppo["hidden_sizes"] = list(ppo["hidden_sizes"])
+    manager = CheckpointManager.get_or_create(run_name=run_name, base_dir=base_dir,
+                                              config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
+    n_workers = learners * workers_per_learner
+    participants = [f"learner-{r}" for r in range(learners)] + [f"rollout-{i}" for i in range(n_workers)]
+    worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
+    workers = [worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True)
+               .remote(i, ppo, engine_cfg, manager, participants) for i in range(n_workers)]
+    log_dir = log_dir or base_dir
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"{run_name}.log.jsonl")
+    config = {"engine": engine_cfg, "ppo": ppo, "manager": manager, "workers": workers,
+              "workers_per_learner": workers_per_learner, "participants": participants, "steps": steps,
+              "log": log_path}
+    if crash_at is not None:
+        config["crash"] = {"step": crash_at, "target": crash_target, "marker": os.path.join(log_dir, f"{run_name}.crashed")}
+    trainer = TorchTrainer(
+        learner_loop, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(name=run_name, storage_path=os.path.join(log_dir, "ray_results"),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             callbacks=[CheckpointCallback(run_name=run_name)]),
+    )
+    trainer.fit()
+    for i, w in enumerate(workers):
+        manager.unregister.remote(f"rollout-{i}")  # finished, not lost
+        ray.kill(w)
+    with open(log_path) as f:
+        log = [json.loads(line) for line in f]
+    return RunResult(run_name, log, manager, time.monotonic() - started)
