@@ -70,6 +70,9 @@ class CheckpointManager:
         self.config = CheckpointConfig(**config)
         self.storage = open_storage(self.config.run_url, self.config.storage_options)
         self.engine = CheckpointEngine(self.config, storage=self.storage)  # catalog, retention, plans, decisions
+        # Participants reuse dedup chunks while the manager applies retention: unreferenced chunks
+        # are left to `rl-ckpt gc` and its grace period instead of an immediate sweep.
+        self.engine.sweep_in_gc_only = True
         self.strategy = self.engine.commit
         self.kill_hung = kill_hung
         self._lock = threading.RLock()
@@ -349,7 +352,16 @@ class CheckpointManager:
 
     # -- liveness ----------------------------------------------------------------
     def register(self, participant: str, meta: dict, handle: Any = None) -> None:
+        """A participant process announces itself (pid, node, actor handle).
+
+        Calls run concurrently in this actor, so a heartbeat sent after ``register``
+        may be handled before it: a registration from the same process merges.
+        """
         with self._lock:
+            known = self.participants.get(participant)
+            if known is not None and known.meta.get("pid") in (None, meta.get("pid")):
+                known.meta, known.handle = {**known.meta, **meta}, handle or known.handle
+                return
             self.participants[participant] = Participant(meta, handle, time.monotonic())
 
     def unregister(self, participant: str) -> None:

@@ -281,7 +281,8 @@ def gbps(n: int, s: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------- phases (--phases)
-def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer) -> dict:
+def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer,
+                   quiet=lambda: None) -> dict:
     """Time each part of a save on its own, and the training step next to each one."""
     from rl_ckpt import safetensors_io
     from rl_ckpt.checksum import new_hasher
@@ -333,20 +334,25 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
         fn()
         return time.perf_counter() - t0
 
-    out: dict = {"bytes": n}
-    baseline_step = trainer.median_step(12)  # re-measured now: the machine's load may have changed
-    out["step_idle_ms"] = 1e3 * baseline_step
+    out: dict = {"bytes": n, "other_cores": {}}
     t0 = time.perf_counter()
     encode_state("x", {"a": arrays})
     out["encode_state_s"] = time.perf_counter() - t0
     for name, fn in (("hash_s", hash_only), ("write_fsync_s", write_only), ("write_hashed_s", write_hashed),
                      ("verify_reread_hash_s", verify_only), ("copy_into_s", copy_only)):
+        quiet()
+        meter = CpuMeter()
         out[name] = timed(fn)
-        log(f"  phase {name}: {out[name]:.3f} s")
-    # Training next to one background activity at a time (loops it until enough steps ran).
+        out["other_cores"][name] = meter.other_cores()
+        log(f"  phase {name}: {out[name]:.3f} s (other load {out['other_cores'][name] or 0:.2f} cores)")
+    # Training next to one background activity at a time (looped until 12 steps ran), each
+    # against an idle baseline measured just before it.
     contention = {}
     for name, fn in (("hash", hash_only), ("write_fsync", write_only), ("verify", verify_only),
                      ("copy_into", copy_only)):
+        quiet()
+        meter = CpuMeter()
+        idle = trainer.median_step(12)
         stop = threading.Event()
 
         def loop(fn=fn) -> None:
@@ -355,12 +361,12 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
         th = threading.Thread(target=loop, daemon=True)
         th.start()
         time.sleep(0.05)
-        steps = [trainer.step() for _ in range(12)]
+        busy = statistics.median(trainer.step() for _ in range(12))
         stop.set()
         th.join()
-        contention[name] = {"step_ms": 1e3 * statistics.median(steps),
-                            "slowdown": statistics.median(steps) / baseline_step}
-        log(f"  step next to {name}: {contention[name]['step_ms']:.1f} ms ({contention[name]['slowdown']:.2f}x)")
+        contention[name] = {"idle_ms": 1e3 * idle, "step_ms": 1e3 * busy, "slowdown": busy / idle,
+                            "other_cores": meter.other_cores()}
+        log(f"  step next to {name}: {1e3 * busy:.1f} ms vs idle {1e3 * idle:.1f} ms ({busy / idle:.2f}x)")
         storage.remove_tree("x")
         storage.makedirs("x")
         write_only()
@@ -524,11 +530,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.phases:
             log("phases ...")
             staged = [buf for buf in engine._staging._buffers.values() if isinstance(buf, torch.Tensor)]
-            if args.wait_quiet > 0:
-                wait_quiet(args.wait_quiet)
-            meter = CpuMeter()
-            res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer)
-            res["phases"]["other_cores"] = meter.other_cores()
+            quiet = (lambda: wait_quiet(args.wait_quiet)) if args.wait_quiet > 0 else (lambda: None)
+            res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer, quiet)
         return res
     finally:
         if engine is not None:
@@ -601,16 +604,18 @@ def print_report(res: dict) -> None:
         p = res["phases"]
         n = p["bytes"]
         print()
-        load = p.get("other_cores")
-        print("  phases (each alone, same bytes, median of 2)"
-              + (f"; other load {load:.2f} cores" if load is not None else "")
-              + ("   WARNING: not quiet" if load is not None and load > QUIET_LIMIT else ""))
+        loads = p["other_cores"]
+        print("  phases (each alone, same bytes, median of 2; other = cores busy outside this process)")
         for key in ("encode_state_s", "hash_s", "write_fsync_s", "write_hashed_s", "verify_reread_hash_s",
                     "copy_into_s"):
-            print(f"    {key:<22} {p[key]:8.3f}s  {n / p[key] / 1e9:6.2f} GB/s")
-        print(f"    training step next to one background activity (12 steps; idle {p['step_idle_ms']:.1f} ms):")
+            load = loads.get(key)
+            note = "" if load is None else f"   other {load:.2f}" + ("  NOT QUIET" if load > QUIET_LIMIT else "")
+            print(f"    {key:<22} {p[key]:8.3f}s  {n / p[key] / 1e9:6.2f} GB/s{note}")
+        print("    training step next to one background activity (12 steps each, vs idle just before):")
         for name, v in p["step_next_to"].items():
-            print(f"      {name:<14} {v['step_ms']:7.1f} ms   {v['slowdown']:.2f}x")
+            load = v["other_cores"]
+            note = "" if load is None else f"   other {load:.2f}" + ("  NOT QUIET" if load > QUIET_LIMIT else "")
+            print(f"      {name:<14} {v['step_ms']:7.1f} ms vs {v['idle_ms']:6.1f} ms   {v['slowdown']:.2f}x{note}")
     print(f"  cleaned up: {c['cleaned_up']}")
 
 

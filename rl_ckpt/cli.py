@@ -223,6 +223,23 @@ def cmd_scrub(args) -> int:
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
+def cmd_timeline(args) -> int:
+    from .timeline import load, plot
+
+    storage = _storage(args)
+    data = load(storage, metric=args.metric)
+    if not data["snapshots"]:
+        raise UsageError(f"no snapshots in {args.url} to draw")
+    step_log = None
+    if args.log:
+        with open(args.log) as f:
+            step_log = [json.loads(line) for line in f if line.strip()]
+        step_log = [r for r in step_log if r.get("event", "step") == "step"]
+    plot(data, args.output, step_log=step_log, title=f"rl_ckpt timeline: {args.url}")
+    print(f"wrote {args.output}: {len(data['snapshots'])} snapshots, {len(data['failures'])} failure(s)")
+    return EXIT_OK
+
+
 def cmd_gc(args) -> int:
     from .gc import find_debris, find_unreferenced_objects, remove_debris
 
@@ -253,6 +270,12 @@ def cmd_export(args) -> int:
     meta = export_component(storage, manifest, args.component, args.output)
     print(f"wrote {args.output}: {len(meta)} tensors from {args.snapshot_id}/{args.component}")
     return EXIT_OK
+
+
+def cmd_bench(args) -> int:
+    from .bench import main_args
+
+    return main_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("scrub", cmd_scrub, "re-hash every snapshot at a bounded rate; quarantine corrupt ones (exit 1 if any)")
     s.add_argument("--rate-mib", type=float, default=0, help="read-rate limit in MiB/s (default: unlimited)")
     s.add_argument("--min-free-gib", type=float, default=1.0, help="warn (exit 1) below this much free space")
+    s = cmd("timeline", cmd_timeline, "draw the run: reward curve, snapshots (full/light, kept/deleted, best), crash and resume")
+    s.add_argument("-o", "--output", required=True, help="output .png")
+    s.add_argument("--metric", default="avg_reward")
+    s.add_argument("--log", help="a JSON-lines step log with per-step metrics to draw as the curve")
     sub.add_parser("demo", help="run the crash drill: PPO, SIGKILL mid-run, verified exact restart (rl-ckpt demo -h)")
     s = cmd("gc", cmd_gc, "remove debris of crashed saves (never a committed snapshot)")
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
@@ -295,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("export", cmd_export, "write one component's tensors as a plain safetensors file", needs_id=True)
     s.add_argument("component")
     s.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    from .bench import add_arguments as _bench_arguments
+
+    s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
+                       description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)")
+    _bench_arguments(s)
+    s.set_defaults(func=cmd_bench)
     return p
 
 

@@ -49,6 +49,7 @@ log = logging.getLogger("rl_ckpt")
 # Config keys that change what training does or what a snapshot holds: a
 # difference between the snapshot and the running job is worth a warning.
 DECISIONS = "decisions"
+RETIRED = "history/retired"
 DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
 
 
@@ -155,6 +156,7 @@ class CheckpointEngine:
             self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor())
         self.last_save_time = time.monotonic()
         self.last_retention: RetentionDecision | None = None
+        self.sweep_in_gc_only = False  # set by the manager: participants may be reusing chunks right now
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
         self._patrol = None
@@ -370,6 +372,9 @@ class CheckpointEngine:
             return False
 
     def _object_writer(self) -> ObjectWriter:
+        if self.manager is not None:
+            # The manager applies retention: see its deletions before reusing any chunk.
+            self.catalog.refresh()
         committed: set[str] = set()
         for info in self.catalog.snapshots():
             if info.manifest is not None:
@@ -392,11 +397,21 @@ class CheckpointEngine:
             info = self.catalog.get(sid)
             if info is not None and info.manifest is not None:
                 freed.update(manifest_objects(info.manifest))
+            self._tombstone(info, decision)
             retire_snapshot(self.storage, sid)
             self.catalog.discard([sid])
             log.info("retention: deleted %s", sid)
-        if freed:
+        if freed and not self.sweep_in_gc_only:
             self._sweep_objects(freed)
+
+    def _tombstone(self, info: SnapshotInfo | None, decision: RetentionDecision) -> None:
+        """A note of what retention deleted (for the timeline and for people), written before deleting."""
+        if info is None:
+            return
+        body = {"snapshot_id": info.snapshot_id, "global_step": info.global_step, "kind": info.kind,
+                "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "deleted_at": now_iso()}
+        self.storage.makedirs(RETIRED)
+        self.storage.write_atomic(f"{RETIRED}/{info.snapshot_id}.json", json.dumps(body).encode())
 
     def _sweep_objects(self, candidates: dict[str, tuple[str, int]]) -> None:
         """Delete dedup objects of deleted snapshots that no remaining manifest references.
@@ -533,7 +548,7 @@ class CheckpointEngine:
             result, fatal, error = None, None, None
             self._probe_outputs = {}
             try:
-                result = self._restore_one(sid, skipped, strict, light=plan.light is not None or sid != plan.target)
+                result = self._restore_one(sid, skipped, strict, light=light and (plan.light is not None or sid != plan.target))
             except (StateMismatchError, RestoreError) as exc:
                 fatal = exc
             except CheckpointError as exc:

@@ -90,6 +90,9 @@ class Profile:
     s3_stride: int = 2  # every n-th request of the save (the others in --long)
     race_writers: tuple[int, ...] = (2, 4, 8)
     race_rounds: int = 1
+    every_error_kind: bool = False  # quick: one error kind per operation, in rotation; long: all of them
+    power_save_after: bool = True
+    workers: int = 3
 
 
 PROFILES = {
@@ -98,7 +101,7 @@ PROFILES = {
         "long", random_kills=400, random_kill_max_delay=0.08, power_mixes=4,
         flips=("first", "middle", "last", "random", "random"), truncations=("tail", "half", "empty"),
         manifest_flips=None, manifest_sweep_variants=((False, True), (True, True), (False, False)),
-        error_when=("before", "after"), s3_when=("before", "after"), s3_stride=1, race_rounds=8,
+        error_when=("before", "after"), every_error_kind=True, s3_when=("before", "after"), s3_stride=1, race_rounds=8,
     ),
 }
 
@@ -335,6 +338,19 @@ class ScenarioResult:
     def note(self, key: str, n: int = 1) -> None:
         self.notes[key] = self.notes.get(key, 0) + n
 
+    def merge(self, other: "ScenarioResult") -> None:
+        for attr in ("tried", "corrupt_loads", "acked_lost", "broken_listed", "corruptions_injected",
+                     "corruptions_detected", "escapes"):
+            setattr(self, attr, getattr(self, attr) + getattr(other, attr))
+        self.injected.update(other.injected)
+        self.max_rolled_back = max(self.max_rolled_back, other.max_rolled_back)
+        self.violations += other.violations
+        for key, value in other.notes.items():
+            if isinstance(value, int) and isinstance(self.notes.get(key, 0), int):
+                self.notes[key] = self.notes.get(key, 0) + value
+            else:
+                self.notes[key] = value
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["injected"] = dict(self.injected)
@@ -443,6 +459,9 @@ def _tree_listing(top: str, skip: str | None = None) -> dict:
     return out
 
 
+_CLI_LOCK = threading.Lock()
+
+
 class LocalTarget:
     """A case folder: ``<parent>/run`` is the run; ``<parent>/outside`` and a neighbour run must never change."""
 
@@ -467,16 +486,22 @@ class LocalTarget:
         return _tree_listing(self.parent, skip=self.run)
 
     def gc(self) -> int:
+        """``rl-ckpt gc <run> --grace 0`` (its output swallowed; one at a time: stdout is process-wide)."""
         from .cli import main as cli
 
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with _CLI_LOCK, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return cli(["gc", self.run, "--grace", "0"])
 
 
 class S3Target:
-    """A run under ``s3://<bucket>/<prefix>/run``; a sentinel key beside it must never change."""
+    """A run under ``s3://<bucket>/case-<name>/run``; sentinel keys beside it must never change.
 
-    def __init__(self, s3: "S3Endpoint", bucket: str, prefix: str, cfg_kwargs: dict | None = None) -> None:
+    Cases of one bucket run side by side, so "outside" is this case's prefix (but its run) plus every
+    key that belongs to no case at all.
+    """
+
+    def __init__(self, s3: "S3Endpoint", bucket: str, name: str, cfg_kwargs: dict | None = None) -> None:
+        prefix = f"case-{name}"
         self.s3, self.bucket, self.prefix = s3, bucket, prefix
         self.run_key = f"{prefix}/run"
         s3.fs.call_s3("put_object", Bucket=bucket, Key=f"{prefix}/outside/secret.txt", Body=b"outside the run")
@@ -489,7 +514,8 @@ class S3Target:
         return open_storage(run_url(self.cfg), self.s3.options)
 
     def outside(self) -> dict:
-        return {k: v for k, v in self.s3.keys(self.bucket).items() if not k.startswith(self.run_key + "/")}
+        return {k: v for k, v in self.s3.keys(self.bucket).items()
+                if not k.startswith(self.run_key + "/") and (k.startswith(self.prefix + "/") or not k.startswith("case-"))}
 
     def gc(self) -> int:
         run_gc(self.storage())
@@ -525,13 +551,35 @@ class _SerializeConditionalWrites:
         return self.app(environ, start_response)
 
 
+def _serve_s3(conn) -> None:
+    """Child: run moto's S3 server on 127.0.0.1 (free port), send ("ok", port), serve until killed."""
+    try:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        if host != LOOPBACK or not port:
+            raise RuntimeError(f"bound to {host}:{port}")
+        wsgi = getattr(server, "_server", None)
+        if wsgi is not None and hasattr(wsgi, "app"):
+            wsgi.app = _SerializeConditionalWrites(wsgi.app)
+        conn.send(("ok", int(port)))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.close()
+    threading.Event().wait()
+
+
 class S3Endpoint:
     """moto's S3 server on 127.0.0.1 (free port), with s3fs options and helpers."""
 
     ENV = {"AWS_EC2_METADATA_DISABLED": "true"}
 
-    def __init__(self, options: dict | None = None) -> None:
-        self.server = None
+    def __init__(self, options: dict | None = None, ctx=None) -> None:
+        self.process = None
         self._saved_env: dict[str, str | None] = {}
         env = dict(self.ENV)
         no_proxy = os.environ.get("NO_PROXY", "")
@@ -544,36 +592,32 @@ class S3Endpoint:
         for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
             self._saved_env[key] = os.environ.pop(key, None)
         if options is None:
-            options = self._start()
+            options = self._start(ctx or mp.get_context("forkserver"))
         self.options = options
         import s3fs
 
         self.fs = s3fs.S3FileSystem(**options)
 
-    def _start(self, timeout: float = 30.0) -> dict:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
-        starter = threading.Thread(target=server.start, daemon=True, name="moto-start")
-        starter.start()
-        starter.join(timeout)
-        if starter.is_alive():
+    def _start(self, ctx, timeout: float = 60.0) -> dict:
+        """moto in a process of its own: its request threads do not compete for our GIL."""
+        recv, send = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve_s3, args=(send,), daemon=True, name="rl-ckpt-moto")
+        self.process.start()
+        send.close()
+        if not recv.poll(timeout):
+            self.process.kill()
             raise RuntimeError(f"moto S3 server did not start on {LOOPBACK} within {timeout:.0f}s")
-        host, port = server.get_host_and_port()
-        if host != LOOPBACK or not port:
-            server.stop()
-            raise RuntimeError(f"moto S3 server bound to {host}:{port}, expected {LOOPBACK}")
-        wsgi = getattr(server, "_server", None)
-        if wsgi is not None and hasattr(wsgi, "app"):
-            wsgi.app = _SerializeConditionalWrites(wsgi.app)
-        self.server = server
-        return {"endpoint_url": f"http://{host}:{port}", "key": "testing-access-key", "secret": "testing-secret-key",
+        what, value = recv.recv()
+        recv.close()
+        if what != "ok":
+            raise RuntimeError(f"moto S3 server failed to start: {value}")
+        return {"endpoint_url": f"http://{LOOPBACK}:{value}", "key": "testing-access-key", "secret": "testing-secret-key",
                 "client_kwargs": {"region_name": "us-east-1"}, "config_kwargs": {"s3": {"addressing_style": "path"}}}
 
     def bucket(self) -> str:
         name = f"rlckpt-faults-{uuid.uuid4().hex[:16]}"
         self.fs.call_s3("create_bucket", Bucket=name)
+        self.fs.call_s3("put_object", Bucket=name, Key="sentinel.txt", Body=b"belongs to no run")
         return name
 
     def keys(self, bucket: str) -> dict:
@@ -599,9 +643,10 @@ class S3Endpoint:
             pass
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        if self.process is not None:
+            self.process.kill()
+            self.process.join(10)
+            self.process = None
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -613,11 +658,15 @@ class S3Endpoint:
 
 
 class Suite:
+    """Runs the scenarios. Cases are independent jobs (own folder or prefix), run on a few threads:
+    most of a case's time is fsync, child processes and HTTP, which do not hold the GIL."""
+
     def __init__(self, mode: str = "quick", base_dir: str | None = None, *, s3_storage_options: dict | None = None,
-                 progress: Callable[[str], None] | None = None, keep_failed: int = 20) -> None:
+                 progress: Callable[[str], None] | None = None, keep_failed: int = 20, workers: int | None = None) -> None:
         if mode not in PROFILES:
             raise ValueError(f"mode must be one of {sorted(PROFILES)}")
         self.profile = PROFILES[mode]
+        self.workers = workers or self.profile.workers
         self._own_root = base_dir is None
         parent = base_dir or tempfile.gettempdir()
         os.makedirs(parent, exist_ok=True)
@@ -627,17 +676,21 @@ class Suite:
         self.keep_failed = keep_failed
         self.kept: list[str] = []
         self._case_no = 0
+        self._lock = threading.Lock()
         self._templates: dict[str, str] = {}
         self._s3: S3Endpoint | None = None
         self._s3_options = s3_storage_options
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "rl_ckpt", "rl_ckpt.engine", "rl_ckpt.fault_suite"])
+        # pandas: pyarrow imports it on the first array it builds (0.2 s in every child otherwise)
+        self.ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "pandas", "rl_ckpt", "rl_ckpt.engine",
+                                         "rl_ckpt.fault_suite"])
 
     # -- plumbing --------------------------------------------------------------------------
     def s3(self) -> S3Endpoint:
-        if self._s3 is None:
-            self._s3 = S3Endpoint(self._s3_options)
-        return self._s3
+        with self._lock:
+            if self._s3 is None:
+                self._s3 = S3Endpoint(self._s3_options, self.ctx)
+            return self._s3
 
     def close(self) -> None:
         if self._s3 is not None:
@@ -649,22 +702,42 @@ class Suite:
             shutil.rmtree(os.path.join(self.root, "_templates"), ignore_errors=True)
             shutil.rmtree(self.journal_dir, ignore_errors=True)
 
+    def run_jobs(self, res: ScenarioResult, jobs: list[Callable[[ScenarioResult], None]]) -> None:
+        """Run ``jobs`` (each fills its own part of the result) on the worker threads; merge into ``res``."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(job) -> ScenarioResult:
+            part = ScenarioResult(res.key, res.title)
+            try:
+                job(part)
+            except Exception as exc:  # a suite bug must show, not hide a case
+                part.violate("?", getattr(job, "__name__", "job"), "crash", f"{type(exc).__name__}: {exc}")
+            return part
+
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for part in pool.map(one, jobs):
+                res.merge(part)
+
     def case(self, label: str, cfg_kwargs: dict | None = None, template: str | None = None) -> LocalTarget:
-        self._case_no += 1
+        with self._lock:
+            self._case_no += 1
+            number = self._case_no
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
-        target = LocalTarget(os.path.join(self.root, f"{self._case_no:05d}-{safe}"), cfg_kwargs)
+        target = LocalTarget(os.path.join(self.root, f"{number:05d}-{safe}"), cfg_kwargs)
         if template is not None:
             shutil.copytree(template, target.run, symlinks=True)
         return target
 
     def done(self, target: LocalTarget, ok: bool) -> None:
-        if ok or len(self.kept) >= self.keep_failed:
+        with self._lock:
+            keep = not ok and len(self.kept) < self.keep_failed
+            if keep:
+                self.kept.append(target.parent)
+        if not keep:
             shutil.rmtree(target.parent, ignore_errors=True)
-        else:
-            self.kept.append(target.parent)
 
     def template(self, name: str, cfg_kwargs: dict, steps=(1, 2)) -> str:
-        """A run folder with ``steps`` committed; cases copy it."""
+        """A run folder with ``steps`` committed; cases copy it (call from the main thread)."""
         key = f"{name}:{sorted(cfg_kwargs.items())}:{steps}"
         if key not in self._templates:
             parent = os.path.join(self.root, "_templates", f"{len(self._templates):02d}-{name.replace('/', '-')}")
@@ -713,16 +786,23 @@ class Suite:
     # -- the common invariant check ----------------------------------------------------------
     def check(self, res: ScenarioResult, variant: str, label: str, target, *, must_list: set[int], allowed: set[int],
               acked_max: int | None, in_flight: int | None, save_after: int | None = None, gc: bool = True,
-              writer: int | None = None, outside_before: dict | None = None, damaged: frozenset = frozenset()) -> bool:
-        """Every invariant after a fault; records violations in ``res``; True when all held.
+              writer: int | None = None, outside_before: dict | None = None,
+              damaged: frozenset = frozenset()) -> tuple[bool, int | None]:
+        """Every invariant after a fault; violations go into ``res``. Returns (all held, restored step).
 
         ``damaged``: snapshot ids the case broke on purpose (they may fail verify and be skipped).
         """
         from .gc import find_debris, find_unreferenced_objects
 
         n_before = len(res.violations)
+        restored = None
+        seen: set[str] = set()
 
         def bad(kind: str, msg: str, count: int = 1) -> None:
+            # one record per kind and case; a later echo of a snapshot already found broken is not a new finding
+            if kind in seen or (kind in ("gc", "broken_listed") and "broken_listed" in seen and "verif" in msg):
+                return
+            seen.add(kind)
             res.violate(variant, label, kind, msg, count)
 
         try:
@@ -740,20 +820,21 @@ class Suite:
             try:
                 result = engine.restore()
             except CheckpointError as exc:
-                intact = [i.snapshot_id for i in engine.snapshots() if i.snapshot_id not in damaged]
+                intact = [i.snapshot_id for i in engine.snapshots()
+                          if i.snapshot_id not in damaged and i.snapshot_id not in report.bad_snapshots]
                 if intact:
                     bad("restore_failed", f"restore raised {type(exc).__name__} with {intact} intact: {exc}")
             else:
                 if result.fresh:
                     if listed or must_list:
-                        bad("acked_lost" if must_list else "restore_failed",
-                            f"restore started fresh with {listed} listed")
+                        bad("acked_lost" if must_list else "restore_failed", f"restore started fresh with {listed} listed")
                 else:
                     try:
                         step, who = observed(model, buf)
                     except Mixed as exc:
                         bad("corrupt_load", str(exc))
                     else:
+                        restored = step
                         if result.global_step != step:
                             bad("corrupt_load", f"restore says step {result.global_step}, the state is step {step}")
                         elif writer is not None and who != writer:
@@ -798,12 +879,12 @@ class Suite:
             bad("crash", f"{type(exc).__name__}: {exc}")
         if outside_before is not None and target.outside() != outside_before:
             bad("escape", "something outside the run folder changed")
-        return len(res.violations) == n_before
+        return len(res.violations) == n_before, restored
 
     # == 1. SIGKILL ===============================================================================
     def sigkill(self) -> ScenarioResult:
         res = ScenarioResult("sigkill", "SIGKILL before/after every storage operation of a save, and at random moments")
-        phases = collections.Counter()
+        jobs = []
         for dedup, aw in VARIANTS:
             variant = variant_name(dedup, aw)
             kw = {"dedup": dedup, "atomic_write": aw}
@@ -812,47 +893,49 @@ class Suite:
             marks = op_phases(ops)
             for k, (op, _path) in enumerate(ops):
                 for when in self.profile.kill_when:
-                    target = self.case(f"kill-{variant}-{k}-{when}", kw, tpl)
-                    before = target.outside()
-                    code, acks = self.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
-                    res.tried += 1
-                    res.injected[f"SIGKILL {when} op"] += 1
-                    phases[marks[k]] += 1
-                    label = f"kill {when} op {k} ({op}, {marks[k]})"
-                    if code != -signal.SIGKILL:
-                        why = {0: "the save finished without reaching it", 3: "the save took another path"}.get(code, f"exit {code}")
-                        res.violate(variant, label, "harness", f"kill point not reached: {why}")
-                    acked = 3 in acks
-                    ok = self.check(res, variant, label, target, must_list={2} | ({3} if acked else set()),
-                                    allowed={1, 2, 3}, acked_max=3 if acked else 2, in_flight=3, save_after=4,
-                                    outside_before=before)
-                    self.done(target, ok)
+                    jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, k=k, op=op, when=when, mark=marks[k]:
+                                self._kill_point(part, variant, kw, tpl, k, op, when, mark))
             self.progress(f"  sigkill {variant}: {len(ops)} operations x {len(self.profile.kill_when)}")
-        res.notes.update({f"kill points in phase {p}": n for p, n in sorted(phases.items())})
-        self._random_kills(res)
+        self.run_jobs(res, jobs)
+        self.run_jobs(res, [lambda part, v=v: self._random_kills(part, *v) for v in VARIANTS])
+        self.progress(f"  sigkill: {self.profile.random_kills} random-moment kills")
         return res
 
-    def _random_kills(self, res: ScenarioResult) -> None:
-        rnd = random.Random(20240611)
-        runs = {}
-        for dedup, aw in VARIANTS:
-            variant = variant_name(dedup, aw)
-            target = self.case(f"random-kills-{variant}", {"dedup": dedup, "atomic_write": aw})
-            runs[variant] = {"target": target, "last_ack": -1, "next": 0, "outside": target.outside(), "ok": True}
-        names = list(runs)
-        for i in range(self.profile.random_kills):
-            variant = names[i % len(names)]
-            run = runs[variant]
-            target = run["target"]
+    def _kill_point(self, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, when: str,
+                    mark: str) -> None:
+        target = self.case(f"kill-{variant}-{k}-{when}", kw, tpl)
+        before = target.outside()
+        code, acks = self.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
+        part.tried += 1
+        part.injected[f"SIGKILL {when} op"] += 1
+        part.note(f"kill points in phase {mark}")
+        label = f"kill {when} op {k} ({op}, {mark})"
+        if code != -signal.SIGKILL:
+            why = {0: "the save finished without reaching it", 3: "the save took another path"}.get(code, f"exit {code}")
+            part.violate(variant, label, "harness", f"kill point not reached: {why}")
+        acked = 3 in acks
+        ok, _ = self.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
+                           acked_max=3 if acked else 2, in_flight=3, outside_before=before)
+        self.done(target, ok)
+
+    def _random_kills(self, res: ScenarioResult, dedup: bool, aw: bool) -> None:
+        """One run folder; a child saves steps in a loop and is SIGKILLed at a random moment, over and over.
+        Like a trainer, each new child resumes from the step that was restored."""
+        variant = variant_name(dedup, aw)
+        rnd = random.Random(20240611 + 2 * dedup + aw)
+        target = self.case(f"random-kills-{variant}", {"dedup": dedup, "atomic_write": aw})
+        outside = target.outside()
+        last_ack, start, all_ok = -1, 0, True
+        for i in range(self.profile.random_kills // len(VARIANTS)):
             recv, send = self.ctx.Pipe(duplex=False)
-            proc = self.ctx.Process(target=_child_save_loop, args=(target.cfg, run["next"], send), daemon=True)
+            proc = self.ctx.Process(target=_child_save_loop, args=(target.cfg, start, send), daemon=True)
             proc.start()
             send.close()
-            acks: list[int] = []
             if recv.poll(60) and recv.recv_bytes() == b"ready":
                 time.sleep(rnd.uniform(0.0, self.profile.random_kill_max_delay))
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(30)
+            acks: list[int] = []
             while recv.poll(0):
                 try:
                     acks.append(int(recv.recv_bytes()))
@@ -862,76 +945,81 @@ class Suite:
             res.tried += 1
             res.injected["SIGKILL at a random moment"] += 1
             if acks:
-                run["last_ack"] = max(run["last_ack"], acks[-1])
+                last_ack = max(last_ack, acks[-1])
                 res.note("random kills: saves acknowledged", len(acks))
-            in_flight = (acks[-1] + 1) if acks else run["next"]
-            last = run["last_ack"]
-            ok = self.check(res, variant, f"random kill {i}", target, must_list={last} if last >= 0 else set(),
-                            allowed=set(range(0, in_flight + 1)), acked_max=last if last >= 0 else None,
-                            in_flight=in_flight, outside_before=run["outside"])
-            run["ok"] &= ok
-            run["next"] = in_flight + 1
-        for run in runs.values():
-            self.done(run["target"], run["ok"])
-        self.progress(f"  sigkill: {self.profile.random_kills} random-moment kills")
+            in_flight = (acks[-1] + 1) if acks else start  # the save that was running when the kill came
+            ok, restored = self.check(res, variant, f"random kill {i}", target,
+                                      must_list={last_ack} if last_ack >= 0 else set(), allowed=set(range(in_flight + 1)),
+                                      acked_max=last_ack if last_ack >= 0 else None, in_flight=in_flight,
+                                      outside_before=outside)
+            all_ok &= ok
+            start = 0 if restored is None else restored + 1
+        self.done(target, all_ok)
 
     # == 2. power loss ============================================================================
     def power(self) -> ScenarioResult:
-        from .faults import FaultyStorage, PowerCut, PowerLossStorage
-
         res = ScenarioResult("power", "power cut (unsynced effects undone) before every operation of a save and after it")
+        jobs = []
         for dedup, aw in VARIANTS:
             for stage in ("first", "third"):
                 variant = f"{variant_name(dedup, aw)}/{stage} save"
                 kw = {"dedup": dedup, "atomic_write": aw}
-                prior = () if stage == "first" else (1, 2)
                 step = 1 if stage == "first" else 3
-                tpl = self.template(variant_name(dedup, aw), kw, steps=prior)
+                tpl = self.template(variant_name(dedup, aw), kw, steps=() if stage == "first" else (1, 2))
                 ops = self.record_ops(tpl, kw, step)
-                marks = op_phases(ops)
+                marks = op_phases(ops) + ["after the save returned"]
                 for k in range(len(ops) + 1):
                     for mix in range(1 + self.profile.power_mixes):
-                        rng = random.Random(k * 1000 + mix) if mix else None
-                        target = self.case(f"power-{variant}-{k}-{mix}", kw, tpl)
-                        before = target.outside()
-                        storage = PowerLossStorage(target.run, journal_dir=self.journal_dir)
-                        faulty = FaultyStorage(storage)
-                        engine, model, buf = build(target.cfg, faulty)
-                        engine.catalog.refresh()
-
-                        def cut(storage=storage, rng=rng) -> None:
-                            storage.power_cut(rng)
-                            raise PowerCut("power cut")
-
-                        if k < len(ops):
-                            faulty.before("*", cut, nth=k + 1)
-                            label = f"cut before op {k} ({ops[k][0]}, {marks[k]})"
-                        else:
-                            label = "cut after the save returned"
-                        label += " (random mix)" if mix else ""
-                        acked = False
-                        try:
-                            save_step(engine, model, buf, step)
-                            acked = True
-                        except PowerCut:
-                            pass
-                        except CheckpointError as exc:
-                            res.violate(variant, label, "harness", f"save failed without a fault: {exc}")
-                        if acked and k < len(ops):
-                            res.violate(variant, label, "harness", "cut point not reached")
-                        if acked:
-                            storage.power_cut(rng)
-                        storage.close()
-                        res.tried += 1
-                        res.injected["power cut, random mix of unsynced effects" if mix else
-                                     ("power cut after the save returned" if k == len(ops) else "power cut before op")] += 1
-                        must = ({2} if stage == "third" else set()) | ({step} if acked else set())
-                        ok = self.check(res, variant, label, target, must_list=must, allowed={1, 2, 3},
-                                        acked_max=max(must) if must else None, in_flight=step, save_after=step + 1,
-                                        outside_before=before)
-                        self.done(target, ok)
+                        jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, step=step, k=k, n=len(ops),
+                                    op=ops[k][0] if k < len(ops) else "", mark=marks[k], mix=mix:
+                                    self._power_cut(part, variant, kw, tpl, step, k, n, op, mark, mix))
                 self.progress(f"  power {variant}: {len(ops) + 1} cut points x {1 + self.profile.power_mixes}")
+        self.run_jobs(res, jobs)
         return res
+
+    def _power_cut(self, part: ScenarioResult, variant: str, kw: dict, tpl: str, step: int, k: int, n: int, op: str,
+                   mark: str, mix: int) -> None:
+        from .faults import FaultyStorage, PowerCut, PowerLossStorage
+
+        rng = random.Random(k * 1000 + mix) if mix else None
+        target = self.case(f"power-{variant}-{k}-{mix}", kw, tpl)
+        before = target.outside()
+        storage = PowerLossStorage(target.run, journal_dir=self.journal_dir)
+        faulty = FaultyStorage(storage)
+        engine, model, buf = build(target.cfg, faulty)
+        engine.catalog.refresh()
+
+        def cut() -> None:
+            storage.power_cut(rng)
+            raise PowerCut("power cut")
+
+        if k < n:
+            faulty.before("*", cut, nth=k + 1)
+            label = f"cut before op {k} ({op}, {mark})"
+        else:
+            label = "cut after the save returned"
+        label += " (random mix)" if mix else ""
+        acked = False
+        try:
+            save_step(engine, model, buf, step)
+            acked = True
+        except PowerCut:
+            pass
+        except CheckpointError as exc:
+            part.violate(variant, label, "harness", f"save failed without a fault: {exc}")
+        if acked and k < n:
+            part.violate(variant, label, "harness", "cut point not reached")
+        if acked:
+            storage.power_cut(rng)
+        storage.close()
+        part.tried += 1
+        part.injected["power cut, random mix of unsynced effects undone" if mix else
+                      ("power cut after the save returned" if k == n else "power cut before op")] += 1
+        must = ({2} if step == 3 else set()) | ({step} if acked else set())
+        ok, _ = self.check(part, variant, label, target, must_list=must, allowed={1, 2, 3},
+                           acked_max=max(must) if must else None, in_flight=step,
+                           save_after=step + 1 if self.profile.power_save_after else None, outside_before=before)
+        self.done(target, ok)
 
     # == 3. corruption ============================================================================
     def corruption(self) -> ScenarioResult:
@@ -940,8 +1028,7 @@ class Suite:
         from .storage import LocalStorage
 
         res = ScenarioResult("corruption", "bit flips, truncation, deletion in every kind of file of a snapshot")
-        kinds = collections.Counter()
-        rnd = random.Random(7)
+        jobs = []
         for dedup, aw in VARIANTS:
             variant = variant_name(dedup, aw)
             kw = {"dedup": dedup, "atomic_write": aw}
@@ -956,37 +1043,43 @@ class Suite:
                 files.append((object_path(algo, digest), "dedup object (shared)" if digest in shared else "dedup object"))
             corruptions = [f"flip {w}" for w in self.profile.flips] + [f"truncate {w}" for w in self.profile.truncations]
             corruptions.append("delete")
-            for rel, kind in files:
-                for how in corruptions:
-                    target = self.case(f"corrupt-{variant}-{kind}-{how}", kw, tpl)
-                    before = target.outside()
-                    corrupt_file(os.path.join(target.run, *rel.split("/")), how, rnd)
-                    res.tried += 1
-                    res.injected[how.split()[0]] += 1
-                    label = f"{how} {rel} ({kind})"
-                    by_design = kind == "manifest" and how == "delete" and not aw
-                    expect = None if kind == "dedup object (shared)" else 1
-                    outcome = self._judge_corruption(res, variant, label, target, expect, by_design)
-                    if by_design:
-                        res.note("manifest deleted on manifest-last: snapshot reads as not committed (by design)")
-                    else:
-                        res.corruptions_injected += 1
-                        kinds[f"{kind}: injected"] += 1
-                        if outcome == "detected":
-                            res.corruptions_detected += 1
-                            kinds[f"{kind}: detected"] += 1
-                        else:
-                            res.violate(variant, label, "undetected", outcome)
-                    hit = {"step_000000001", "step_000000002"} if kind == "dedup object (shared)" else {"step_000000002"}
-                    ok = self.check(res, variant, label, target, must_list=set(), allowed={1, 2, 3},
-                                    acked_max=None, in_flight=None, save_after=3, outside_before=before,
-                                    damaged=frozenset(hit)) and outcome == "detected"
-                    self.done(target, ok)
+            for i, (rel, kind) in enumerate(files):
+                for j, how in enumerate(corruptions):
+                    jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, rel=rel, kind=kind, how=how, aw=aw,
+                                seed=i * 100 + j: self._corrupt_one(part, variant, kw, tpl, rel, kind, how, aw, seed))
             self.progress(f"  corruption {variant}: {len(files)} files x {len(corruptions)}")
-        for kind in sorted({k.split(':')[0] for k in kinds}):
-            res.notes[f"{kind} detected"] = f"{kinds[kind + ': detected']}/{kinds[kind + ': injected']}"
+        self.run_jobs(res, jobs)
+        kinds = sorted({k.split(": ")[0] for k in res.notes if k.endswith(": injected")})
+        for kind in kinds:
+            res.notes[f"{kind} detected"] = f"{res.notes.pop(kind + ': detected', 0)}/{res.notes.pop(kind + ': injected')}"
         self._manifest_sweep(res)
         return res
+
+    def _corrupt_one(self, part: ScenarioResult, variant: str, kw: dict, tpl: str, rel: str, kind: str, how: str,
+                     aw: bool, seed: int) -> None:
+        target = self.case(f"corrupt-{variant}-{kind}-{how}", kw, tpl)
+        before = target.outside()
+        corrupt_file(os.path.join(target.run, *rel.split("/")), how, random.Random(seed))
+        part.tried += 1
+        part.injected[how.split()[0]] += 1
+        label = f"{how} {rel} ({kind})"
+        by_design = kind == "manifest" and how == "delete" and not aw
+        expect = None if kind == "dedup object (shared)" else 1
+        outcome = self._judge_corruption(part, variant, label, target, expect, by_design)
+        if by_design:
+            part.note("manifest deleted on manifest-last: reads as never committed (by design)")
+        else:
+            part.corruptions_injected += 1
+            part.note(f"{kind}: injected")
+            if outcome == "detected":
+                part.corruptions_detected += 1
+                part.note(f"{kind}: detected")
+            elif outcome != "corrupt load":
+                part.violate(variant, label, "undetected", outcome)
+        hit = {"step_000000001", "step_000000002"} if kind == "dedup object (shared)" else {"step_000000002"}
+        ok, _ = self.check(part, variant, label, target, must_list=set(), allowed={1, 2, 3}, acked_max=None,
+                           in_flight=None, save_after=3, outside_before=before, damaged=frozenset(hit))
+        self.done(target, ok and outcome == "detected")
 
     def _judge_corruption(self, res: ScenarioResult, variant: str, label: str, target, expect: int | None,
                           by_design: bool) -> str:
@@ -1018,7 +1111,7 @@ class Suite:
             return "verify silent (restore fell back)"
         if expect is not None and step != expect:
             return f"restore fell back to step {step}, expected {expect}"
-        if "step_000000002" not in result.skipped and not by_design:
+        if "step_000000002" not in result.skipped:
             return "restore fell back without saying why"
         return "detected"
 
@@ -1028,14 +1121,12 @@ class Suite:
         The manifest has no checksum of its own, so this measures what a flip in it does: caught by
         verify, caught by restore only, unnoticed and harmless, or a corrupt load (a violation).
         """
-        counts = collections.Counter()
-        unnoticed = collections.Counter()
+        jobs = []
         for dedup, aw in self.profile.manifest_sweep_variants:
             variant = variant_name(dedup, aw)
             kw = {"dedup": dedup, "atomic_write": aw}
             tpl = self.template(variant, kw)
-            path = os.path.join(tpl, "step_000000002", "meta.json")
-            with open(path, "rb") as f:
+            with open(os.path.join(tpl, "step_000000002", "meta.json"), "rb") as f:
                 original = f.read()
             positions = list(range(len(original)))
             if self.profile.manifest_flips is not None:
@@ -1043,45 +1134,51 @@ class Suite:
                 for key in MANIFEST_KEY_FIELDS:  # always: every byte of the values that say what a snapshot is
                     chosen.update(json_value_span(original, key))
                 positions = sorted(chosen)
-            for pos in positions:
-                target = self.case(f"manifest-flip-{variant}-{pos}", kw, tpl)
-                data = bytearray(original)
-                data[pos] ^= 0x01
-                with open(os.path.join(target.run, "step_000000002", "meta.json"), "wb") as f:
-                    f.write(data)
-                res.tried += 1
-                res.injected["manifest bit flip"] += 1
-                field = manifest_field(original, pos)
-                label = f"manifest bit flip at byte {pos} ({field}: {original[pos:pos + 1]!r} -> {bytes(data[pos:pos + 1])!r})"
-                n = len(res.violations)
-                outcome = self._judge_corruption(res, variant, label, target, expect=1, by_design=False)
-                if len(res.violations) > n:
-                    counts["corrupt load"] += 1
-                elif outcome == "detected":
-                    counts["caught by verify"] += 1
-                elif outcome.startswith("verify silent"):
-                    counts["caught by restore only"] += 1
-                    unnoticed[field] += 1
-                elif outcome.startswith("undetected: restore loaded"):
-                    counts["unnoticed, load unaffected"] += 1
-                    unnoticed[field] += 1
-                else:
-                    res.violate(variant, label, "undetected", outcome)
-                self.done(target, len(res.violations) == n)
-        res.notes["manifest bit flips"] = sum(counts.values())
-        for key in ("caught by verify", "caught by restore only", "unnoticed, load unaffected", "corrupt load"):
-            res.notes[f"manifest flips {key}"] = counts[key]
-        if unnoticed:
-            res.notes["manifest flips verify missed, by field"] = dict(unnoticed.most_common())
-        self.progress(f"  corruption: manifest sweep, {sum(counts.values())} flips")
+            jobs += [lambda part, variant=variant, kw=kw, tpl=tpl, original=original, pos=pos:
+                     self._flip_manifest(part, variant, kw, tpl, original, pos) for pos in positions]
+        sweep = ScenarioResult(res.key, res.title)
+        self.run_jobs(sweep, jobs)
+        notes = sweep.notes
+        sweep.notes = {}
+        res.merge(sweep)
+        res.notes["manifest bit flips"] = sum(notes.get(f"sweep: {k}", 0) for k in SWEEP_OUTCOMES)
+        for key in SWEEP_OUTCOMES:
+            res.notes[f"manifest flips {key}"] = notes.get(f"sweep: {key}", 0)
+        missed = {k.split(": ", 1)[1]: v for k, v in notes.items() if k.startswith("verify missed: ")}
+        if missed:
+            res.notes["manifest flips verify missed, by field"] = dict(sorted(missed.items(), key=lambda kv: -kv[1]))
+        self.progress(f"  corruption: manifest sweep, {res.notes['manifest bit flips']} flips")
+
+    def _flip_manifest(self, part: ScenarioResult, variant: str, kw: dict, tpl: str, original: bytes, pos: int) -> None:
+        target = self.case(f"manifest-flip-{variant}-{pos}", kw, tpl)
+        data = bytearray(original)
+        data[pos] ^= 0x01
+        with open(os.path.join(target.run, "step_000000002", "meta.json"), "wb") as f:
+            f.write(data)
+        part.tried += 1
+        part.injected["manifest bit flip"] += 1
+        field = manifest_field(original, pos)
+        label = f"manifest bit flip at byte {pos} ({field}: {original[pos:pos + 1]!r} -> {bytes(data[pos:pos + 1])!r})"
+        outcome = self._judge_corruption(part, variant, label, target, expect=1, by_design=False)
+        if outcome == "corrupt load":
+            part.note("sweep: corrupt load")
+        elif outcome == "detected":
+            part.note("sweep: caught by verify")
+        elif outcome.startswith("verify silent"):
+            part.note("sweep: caught by restore only")
+            part.note(f"verify missed: {field}")
+        elif outcome.startswith("undetected: restore loaded"):
+            part.note("sweep: unnoticed, load unaffected")
+            part.note(f"verify missed: {field}")
+        else:
+            part.violate(variant, label, "undetected", outcome)
+        self.done(target, part.ok)
 
     # == 4. disk full / I/O errors ==================================================================
     def errors(self) -> ScenarioResult:
-        from .faults import FaultyStorage
-        from .storage import LocalStorage
-
         res = ScenarioResult("errors", "ENOSPC, EIO and timeouts at every operation of a save, a retention pass and gc")
-        phases = collections.Counter()
+        jobs = []
+        kinds = self.profile.error_kinds
         for dedup, aw in VARIANTS:
             variant = variant_name(dedup, aw)
             kw = {"dedup": dedup, "atomic_write": aw}
@@ -1089,27 +1186,35 @@ class Suite:
             ops = self.record_ops(tpl, kw, 3)
             marks = op_phases(ops)
             for k, (op, _path) in enumerate(ops):
-                for name in self.profile.error_kinds:
+                names = kinds if self.profile.every_error_kind else (kinds[(k + len(jobs)) % len(kinds)],)
+                for name in names:
                     for when in self.profile.error_when:
-                        target = self.case(f"error-{variant}-{k}-{name}-{when}", kw, tpl)
-                        before = target.outside()
-                        faulty = FaultyStorage(LocalStorage(target.run))
-                        engine, model, buf = build(target.cfg, faulty)
-                        engine.catalog.refresh()
-                        faulty.fail("*", nth=k + 1, error=ERRORS[name], after=when == "after")
-                        label = f"{name} {when} op {k} ({op}, {marks[k]})"
-                        res.tried += 1
-                        res.injected[f"{name} ({when} the call)"] += 1
-                        phases[marks[k]] += 1
-                        acked = self._expect_error(res, variant, label, lambda: save_step(engine, model, buf, 3), op)
-                        ok = self.check(res, variant, label, target, must_list={2} | ({3} if acked else set()),
-                                        allowed={1, 2, 3}, acked_max=3 if acked else 2, in_flight=3, save_after=4,
-                                        outside_before=before)
-                        self.done(target, ok)
-            self.progress(f"  errors {variant}: {len(ops)} operations x {len(self.profile.error_kinds)} x {len(self.profile.error_when)}")
-        res.notes.update({f"faults in phase {p}": n for p, n in sorted(phases.items())})
-        self._gc_errors(res)
+                        jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, k=k, op=op, name=name, when=when,
+                                    mark=marks[k]: self._error_at(part, variant, kw, tpl, k, op, name, when, mark))
+            self.progress(f"  errors {variant}: {len(ops)} operations")
+        jobs += self._gc_error_jobs()
+        self.run_jobs(res, jobs)
         return res
+
+    def _error_at(self, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, name: str, when: str,
+                  mark: str) -> None:
+        from .faults import FaultyStorage
+        from .storage import LocalStorage
+
+        target = self.case(f"error-{variant}-{k}-{name}-{when}", kw, tpl)
+        before = target.outside()
+        faulty = FaultyStorage(LocalStorage(target.run))
+        engine, model, buf = build(target.cfg, faulty)
+        engine.catalog.refresh()
+        faulty.fail("*", nth=k + 1, error=ERRORS[name], after=when == "after")
+        label = f"{name} {when} op {k} ({op}, {mark})"
+        part.tried += 1
+        part.injected[f"{name} ({when} the call)"] += 1
+        part.note(f"faults in phase {mark}")
+        acked = self._expect_error(part, variant, label, lambda: save_step(engine, model, buf, 3), op)
+        ok, _ = self.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
+                           acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
+        self.done(target, ok)
 
     def _expect_error(self, res: ScenarioResult, variant: str, label: str, fn: Callable, op: str) -> bool:
         """Run ``fn`` with a fault armed: a CheckpointError naming a path, or a fault absorbed. True if fn returned."""
@@ -1126,12 +1231,11 @@ class Suite:
         res.note(f"faults absorbed (optional {op})")
         return True
 
-    def _gc_errors(self, res: ScenarioResult) -> None:
+    def _gc_error_jobs(self) -> list:
         from .faults import FaultyStorage
         from .storage import LocalStorage
 
         kw = {"dedup": True, "atomic_write": True}
-        variant = "gc/" + variant_name(True, True)
         tpl_clean = self.template(variant_name(True, True), kw)
         tpl = os.path.join(self.root, "_templates", "gc-debris", "run")
         if not os.path.exists(tpl):
@@ -1142,23 +1246,33 @@ class Suite:
         removed = run_gc(faulty)
         ops = list(faulty.ops)
         self.done(probe, True)
-        res.notes["gc debris entries planted"] = removed
+        self.progress(f"  errors gc: {len(ops)} operations ({removed} debris entries)")
+        jobs = []
+        kinds = self.profile.error_kinds
         for k, (op, _path) in enumerate(ops):
-            for name in self.profile.error_kinds:
+            names = kinds if self.profile.every_error_kind else (kinds[k % len(kinds)],)
+            for name in names:
                 for when in self.profile.error_when:
-                    target = self.case(f"gc-error-{k}-{name}-{when}", kw, tpl)
-                    before = target.outside()
-                    faulty = FaultyStorage(LocalStorage(target.run))
-                    faulty.fail("*", nth=k + 1, error=ERRORS[name], after=when == "after")
-                    label = f"gc: {name} {when} op {k} ({op})"
-                    res.tried += 1
-                    res.injected[f"{name} ({when} the call)"] += 1
-                    res.note("faults in gc")
-                    self._expect_error(res, variant, label, lambda: run_gc(faulty), op)
-                    ok = self.check(res, variant, label, target, must_list={1, 2}, allowed={1, 2}, acked_max=2,
-                                    in_flight=None, save_after=3, outside_before=before)
-                    self.done(target, ok)
-        self.progress(f"  errors gc: {len(ops)} operations")
+                    jobs.append(lambda part, k=k, op=op, name=name, when=when: self._gc_error_at(part, kw, tpl, k, op, name, when))
+        return jobs
+
+    def _gc_error_at(self, part: ScenarioResult, kw: dict, tpl: str, k: int, op: str, name: str, when: str) -> None:
+        from .faults import FaultyStorage
+        from .storage import LocalStorage
+
+        variant = "gc/" + variant_name(True, True)
+        target = self.case(f"gc-error-{k}-{name}-{when}", kw, tpl)
+        before = target.outside()
+        faulty = FaultyStorage(LocalStorage(target.run))
+        faulty.fail("*", nth=k + 1, error=ERRORS[name], after=when == "after")
+        label = f"gc: {name} {when} op {k} ({op})"
+        part.tried += 1
+        part.injected[f"{name} ({when} the call)"] += 1
+        part.note("faults in gc")
+        self._expect_error(part, variant, label, lambda: run_gc(faulty), op)
+        ok, _ = self.check(part, variant, label, target, must_list={1, 2}, allowed={1, 2}, acked_max=2, in_flight=None,
+                           save_after=3, outside_before=before)
+        self.done(target, ok)
 
     # == 5. S3 ====================================================================================
     def s3_errors(self) -> ScenarioResult:
@@ -1167,11 +1281,12 @@ class Suite:
 
         res = ScenarioResult("s3", "5xx-like errors at every request of a save on S3 (moto on 127.0.0.1)")
         s3 = self.s3()
-        phases = collections.Counter()
+        buckets, jobs = [], []
         for dedup in self.profile.s3_variants:
             variant = f"s3/{'dedup' if dedup else 'plain'}"
             kw = {"dedup": dedup}
             bucket = s3.bucket()
+            buckets.append(bucket)
             probe = S3Target(s3, bucket, "record", kw)
             faulty = FaultyStorage(open_storage(run_url(probe.cfg), s3.options))
             engine, model, buf = build(probe.cfg, faulty)
@@ -1183,28 +1298,34 @@ class Suite:
             marks = op_phases(ops)
             indices = [k for k in range(len(ops)) if k % self.profile.s3_stride == 0 or marks[k] != "write"]
             for k in indices:
-                op = ops[k][0]
                 for when in self.profile.s3_when:
-                    target = S3Target(s3, bucket, f"c{k}-{when}", kw)
-                    faulty = FaultyStorage(target.storage())
-                    engine, model, buf = build(target.cfg, faulty)
-                    for step in (1, 2):
-                        save_step(engine, model, buf, step)
-                    before = target.outside()
-                    err = StorageError(f"injected fault: HTTP 503 SlowDown on {op} {ops[k][1]} (retries exhausted)",
-                                       path=ops[k][1])
-                    faulty.fail("*", nth=k + 1, error=err, after=when == "after")
-                    label = f"503 {when} request {k} ({op}, {marks[k]})"
-                    res.tried += 1
-                    res.injected[f"S3 5xx ({when} the request)"] += 1
-                    phases[marks[k]] += 1
-                    acked = self._expect_error(res, variant, label, lambda: save_step(engine, model, buf, 3), op)
-                    self.check(res, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
-                               acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
-            s3.drop_bucket(bucket)
+                    jobs.append(lambda part, variant=variant, kw=kw, bucket=bucket, k=k, op=ops[k], when=when,
+                                mark=marks[k]: self._s3_error_at(part, variant, kw, bucket, k, op, when, mark))
             self.progress(f"  s3 {variant}: {len(indices)} of {len(ops)} requests x {len(self.profile.s3_when)}")
-        res.notes.update({f"faults in phase {p}": n for p, n in sorted(phases.items())})
+        self.run_jobs(res, jobs)
+        for bucket in buckets:
+            s3.drop_bucket(bucket)
         return res
+
+    def _s3_error_at(self, part: ScenarioResult, variant: str, kw: dict, bucket: str, k: int, op: tuple, when: str,
+                     mark: str) -> None:
+        from .faults import FaultyStorage
+
+        target = S3Target(self.s3(), bucket, f"{k}-{when}", kw)
+        faulty = FaultyStorage(target.storage())
+        engine, model, buf = build(target.cfg, faulty)
+        for step in (1, 2):
+            save_step(engine, model, buf, step)
+        before = target.outside()
+        err = StorageError(f"injected fault: HTTP 503 SlowDown on {op[0]} {op[1]} (retries exhausted)", path=op[1])
+        faulty.fail("*", nth=k + 1, error=err, after=when == "after")
+        label = f"503 {when} request {k} ({op[0]}, {mark})"
+        part.tried += 1
+        part.injected[f"S3 5xx ({when} the request)"] += 1
+        part.note(f"faults in phase {mark}")
+        acked = self._expect_error(part, variant, label, lambda: save_step(engine, model, buf, 3), op[0])
+        self.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
+                   acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
 
     # == 6. concurrent writers ======================================================================
     def concurrent(self) -> ScenarioResult:
@@ -1212,52 +1333,61 @@ class Suite:
         for backend in ("local/rename", "local/manifest-last", "s3"):
             for n in self.profile.race_writers:
                 for rnd in range(self.profile.race_rounds):
-                    label = f"{n} writers, round {rnd}"
-                    env: dict = {}
-                    if backend == "s3":
-                        s3 = self.s3()
-                        bucket = s3.bucket()
-                        target = S3Target(s3, bucket, "race")
-                        env = dict(s3.env)
-                    else:
-                        target = self.case(f"race-{backend}-{n}-{rnd}", {"atomic_write": backend == "local/rename"})
-                        os.makedirs(target.run, exist_ok=True)
-                    before = target.outside()
-                    step = 7
-                    barrier = self.ctx.Barrier(n)
-                    procs, pipes = [], []
-                    for writer in range(1, n + 1):
-                        recv, send = self.ctx.Pipe(duplex=False)
-                        proc = self.ctx.Process(target=_child_race, args=(target.cfg, env, writer, step, barrier, send),
-                                                daemon=True)
-                        proc.start()
-                        send.close()
-                        procs.append(proc)
-                        pipes.append(recv)
-                    outcomes = {}
-                    for writer, (proc, recv) in enumerate(zip(procs, pipes), start=1):
-                        outcomes[writer] = recv.recv() if recv.poll(180) else ("error", "no answer")
-                        proc.join(30)
-                        recv.close()
-                    res.tried += 1
-                    res.injected[f"race of {n} writers"] += 1
-                    committed = [w for w, (what, _) in outcomes.items() if what == "committed"]
-                    errors = {w: msg for w, (what, msg) in outcomes.items() if what == "error"}
-                    if errors:
-                        res.violate(backend, label, "race_error", f"writers failed with other errors: {errors}")
-                    if len(committed) != 1:
-                        res.violate(backend, label, "race", f"{len(committed)} writers committed: {committed}")
-                    else:
-                        res.note(f"{backend}: races with exactly one commit")
-                    ok = self.check(res, backend, label, target, must_list={step}, allowed={step}, acked_max=step,
-                                    in_flight=None, writer=committed[0] if len(committed) == 1 else None,
-                                    outside_before=before, save_after=step + 1)
-                    if backend == "s3":
-                        self.s3().drop_bucket(bucket)
-                    else:
-                        self.done(target, ok)
+                    self._race(res, backend, n, rnd)
             self.progress(f"  concurrent {backend}: {len(self.profile.race_writers) * self.profile.race_rounds} races")
         return res
+
+    def _race(self, res: ScenarioResult, backend: str, n: int, rnd: int) -> None:
+        label = f"{n} writers, round {rnd}"
+        env: dict = {}
+        bucket = None
+        if backend == "s3":
+            s3 = self.s3()
+            bucket = s3.bucket()
+            target = S3Target(s3, bucket, "race")
+            env = dict(s3.env)
+        else:
+            target = self.case(f"race-{backend}-{n}-{rnd}", {"atomic_write": backend == "local/rename"})
+            os.makedirs(target.run, exist_ok=True)
+        before = target.outside()
+        step = 7
+        barrier = self.ctx.Barrier(n)
+        procs, pipes = [], []
+        for writer in range(1, n + 1):
+            recv, send = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(target=_child_race, args=(target.cfg, env, writer, step, barrier, send), daemon=True)
+            proc.start()
+            send.close()
+            procs.append(proc)
+            pipes.append(recv)
+        outcomes = {}
+        for writer, (proc, recv) in enumerate(zip(procs, pipes), start=1):
+            try:
+                outcomes[writer] = recv.recv() if recv.poll(180) else ("error", "no answer")
+            except EOFError:
+                outcomes[writer] = ("error", f"died (exit {proc.exitcode})")
+            proc.join(30)
+            recv.close()
+        res.tried += 1
+        res.injected[f"race of {n} writers"] += 1
+        committed = [w for w, (what, _) in outcomes.items() if what == "committed"]
+        errors = {w: msg for w, (what, msg) in outcomes.items() if what == "error"}
+        res.note(f"{backend}: races")
+        if errors:
+            res.violate(backend, label, "race_error", f"writers failed with other errors: {errors}")
+        if len(committed) != 1:
+            res.violate(backend, label, "race", f"{len(committed)} writers committed: {committed}")
+        else:
+            res.note(f"{backend}: exactly one committed")
+        res.note(f"{backend}: losers got CommitConflictError",
+                 sum(1 for what, _ in outcomes.values() if what == "conflict"))
+        ok, _ = self.check(res, backend, label, target, must_list={step}, allowed={step}, acked_max=step, in_flight=None,
+                           writer=committed[0] if len(committed) == 1 else None, outside_before=before,
+                           save_after=step + 1)
+        if bucket is not None:
+            self.s3().drop_bucket(bucket)
+        else:
+            self.done(target, ok)
 
     # == 7. malicious input ===========================================================================
     def malicious(self) -> ScenarioResult:
@@ -1307,6 +1437,9 @@ class Suite:
             self.done(target, len(res.violations) == n)
         self.progress(f"  malicious: {len(MALICIOUS)} cases")
         return res
+
+
+SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "unnoticed, load unaffected", "corrupt load")
 
 
 # -- helpers for the scenarios ---------------------------------------------------------------------
@@ -1702,6 +1835,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from rl_ckpt.fault_suite import main as _main  # the importable module, so child processes find their targets
+    # Child processes find their targets in the importable rl_ckpt.fault_suite; without a spec and a file
+    # for __main__, multiprocessing does not re-run this file as each child's __main__.
+    _this = sys.modules["__main__"]
+    _this.__spec__ = None
+    del _this.__file__
+    from rl_ckpt.fault_suite import main as _main
 
     sys.exit(_main())

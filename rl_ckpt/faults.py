@@ -114,7 +114,8 @@ class FaultyStorage(Storage):
         if rule.error is not None:
             if isinstance(rule.error, BaseException):
                 raise rule.error
-            raise StorageError(f"injected fault: {op} {path}: {os.strerror(rule.error)}", path=path, errno=rule.error)
+            shown = path or "."  # the run folder itself, named as LocalStorage names it in its own errors
+            raise StorageError(f"injected fault: {op} {shown}: {os.strerror(rule.error)}", path=shown, errno=rule.error)
 
     def write(self, path, chunks, *, create_only=False, durable=True):
         return self._call("write", path, lambda: self.inner.write(path, chunks, create_only=create_only, durable=durable))

@@ -57,22 +57,114 @@ def summarize(result, cfg: dict, steps: int) -> str:
     return "\n".join(lines)
 
 
+def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None) -> tuple[str, bool]:
+    """The summary of a Ray demo run and whether it matched the uninterrupted run."""
+    from ..timeline import load
+
+    storage = open_storage(f"{base}/{run.run_name}")
+    data = load(storage)
+    snaps = data["snapshots"]
+    kept = [s for s in snaps if s["state"] == "kept"]
+    cat = Catalog(storage)
+    cat.refresh()
+    logical = sum(i.size_bytes for i in cat.snapshots())
+    on_disk = _disk_bytes(f"{base}/{run.run_name}")
+    last = {}
+    for m in run.log:  # the resumed attempt re-logs the redone steps: the last value per step counts
+        if m["event"] == "step":
+            last[m["step"]] = m
+    ref_steps = {m["step"]: m for m in ref.log if m["event"] == "step"}
+    pre_crash = [m for m in run.log if m["event"] == "step" and m["step"] <= crash_at][:crash_at]
+    losses_equal = all(last[s]["loss"] == ref_steps[s]["loss"] for s in ref_steps) and \
+        all(m["loss"] == ref_steps[m["step"]]["loss"] for m in pre_crash)
+    params_equal = bool(run.done and ref.done and run.done["digest"] == ref.done["digest"])
+    attempts = run.attempts
+    resumed = attempts[-1] if len(attempts) > 1 else None
+    failures = data["failures"]
+    decisions = data["decisions"]
+    restored_step = resumed["step"] if resumed else 0
+    crash_step = failures[0]["step"] if failures and failures[0]["step"] is not None else crash_at
+    t_crash = max((m["t"] for m in run.log if m["event"] == "step" and m["step"] <= crash_step and m["t"] < resumed["t"]),
+                  default=None) if resumed else None
+    t_back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
+    downtime = (t_back - t_crash) if (t_crash and t_back) else float("nan")
+    full = [s for s in kept if s["kind"] == "full"]
+    light = [s for s in kept if s["kind"] == "light"]
+    deleted = [s for s in snaps if s["state"] == "deleted"]
+    ok = params_equal and losses_equal and resumed is not None
+    lines = [
+        "rl_ckpt demo: PPO on CartPole-v1 on Ray (2 learner ranks + 2 rollout workers), crash, verified restart",
+        f"  storage            {storage.url}",
+        f"  snapshots          {len(full)} full + {len(light)} light kept, {len(deleted)} deleted by retention; "
+        f"{_human(logical)} logical, {_human(on_disk)} on disk (dedup saved {_human(max(0, logical - on_disk))})",
+        f"  failure            {failures[0]['kind'] if failures else '-'} at step {crash_step} (SIGKILL)",
+        f"  decision           {decisions[0]['action'] if decisions else '-'} -> {decisions[0]['snapshot'] if decisions else '-'}",
+        f"  restored           {resumed['restored'] if resumed else '-'} (step {restored_step}); "
+        f"rollout workers: {[w[0] for w in resumed['workers']] if resumed else '-'}",
+        f"  time lost          {crash_step - restored_step} steps redone; {downtime:.1f} s from the last step before the "
+        "crash to the first step after the restart",
+        f"  final avg reward   {run.done['avg_reward']:.1f} at step {steps}" if run.done else "  final avg reward   -",
+        f"  matches uninterrupted run: parameters {'YES' if params_equal else 'NO'}, losses {'YES' if losses_equal else 'NO'}",
+    ]
+    if png:
+        lines.append(f"  timeline           {png}")
+    if resumed and resumed.get("plan"):
+        lines += ["", "Recovery plan followed by every rank:", resumed["plan"]]
+    return "\n".join(lines), ok
+
+
+def _disk_bytes(path: str) -> int:
+    import os
+
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rl-ckpt demo", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--crash-at", type=int, default=37, help="SIGKILL the training process at this step")
+    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
+    p.add_argument("--crash-at", type=int, default=27, help="SIGKILL at this step")
+    p.add_argument("--crash-target", choices=["learner", "rollout"], default="learner")
     p.add_argument("--base-dir", help="where to write snapshots (default: a fresh temp folder)")
+    p.add_argument("--address", help="attach to this Ray cluster instead of starting a local one")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local", action="store_true", help="no Ray: one training process, SIGKILLed and resumed")
     args = p.parse_args(argv)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
     base = args.base_dir or tempfile.mkdtemp(prefix="rl-ckpt-demo-")
-    cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
-           "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1}
-    print(f"running: reference run, crashed run (SIGKILL at step {args.crash_at}), resumed run ...", file=sys.stderr)
-    result = crash_drill(cfg, args.steps, args.crash_at, seed=args.seed)
-    print(summarize(result, cfg, args.steps))
-    return 0 if result.ok else 1
+    if args.local:
+        cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
+               "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1}
+        print(f"running: reference run, crashed run (SIGKILL at step {args.crash_at}), resumed run ...", file=sys.stderr)
+        result = crash_drill(cfg, args.steps, args.crash_at, seed=args.seed)
+        print(summarize(result, cfg, args.steps))
+        return 0 if result.ok else 1
+
+    import os
+
+    import ray
+
+    from ..timeline import load, plot
+    from .ray_ppo import run
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if args.address:
+        ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
+    engine_cfg = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True}
+    print("1/2 uninterrupted reference run ...", file=sys.stderr)
+    ref = run(base_dir=base, run_name="ppo_reference", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg)
+    print(f"2/2 run with a SIGKILL of a {args.crash_target} at step {args.crash_at} ...", file=sys.stderr)
+    crashed = run(base_dir=base, run_name="ppo_cartpole", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg,
+                  crash_at=args.crash_at, crash_target=args.crash_target)
+    png = os.path.join(base, "timeline.png")
+    steps_log = [m for m in crashed.log if m["event"] == "step"]
+    plot(load(open_storage(f"{base}/ppo_cartpole")), png, step_log=steps_log, title="rl-ckpt demo: PPO on CartPole-v1")
+    text, ok = ray_summary(ref, crashed, base, args.steps, args.crash_at, png)
+    print(text)
+    ray.shutdown()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -89,15 +89,15 @@ class RolloutWorker:
         out["finished"] = finished
         return out
 
-    def save(self, step: int) -> None:
-        """Stage now (the state as of this call), persist in the background."""
+    def save(self, step: int, kind: str = "full") -> None:
+        """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
         if self.pending is not None:
             self.pending.wait()  # one in flight; its error surfaces here
-        self.pending = self.engine.save_async(step)
+        self.pending = self.engine.save_async(step, kind=kind)
 
-    def restore(self) -> tuple:
+    def restore(self, light: bool = False) -> tuple:
         self.pending = None
-        result = self.engine.restore()
+        result = self.engine.restore(light=light)
         return result.snapshot_id, result.global_step
 
     def die(self) -> None:
@@ -161,8 +161,10 @@ def learner_loop(config: dict) -> None:
     for name, component in learner.components().items():
         engine.register(name, component, replicated=name in ("policy", "optimizer", "lr_scheduler"))
     engine.register("rng", RNGState())
-    result = engine.restore()
-    worker_restores = ray.get([w.restore.remote() for w in workers])
+    # Full snapshots only: that restore is exact (a light layer trades exactness for fresher bookkeeping).
+    use_light = bool(config.get("use_light"))
+    result = engine.restore(light=use_light)
+    worker_restores = ray.get([w.restore.remote(use_light) for w in workers])
     start = result.global_step
     if rank == 0:
         _log(config, {"event": "attempt", "restored": result.snapshot_id, "step": start,
@@ -181,9 +183,9 @@ def learner_loop(config: dict) -> None:
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
-        if handle is not None:
+        if handle is not None:  # the workers join the same snapshot: same step, same kind
             for w in workers:
-                w.save.remote(step)
+                w.save.remote(step, handle.kind)
         if rank == 0:
             _log(config, {"event": "step", "step": step, "loss": _num(metrics["loss"]), "avg_reward": metrics["avg_reward"]})
         if step % config.get("report_every", 10) == 0 or step == config["steps"]:

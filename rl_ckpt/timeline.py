@@ -1,0 +1,111 @@
+"""``rl-ckpt timeline URL -o FILE.png``: one picture of a run.
+
+Steps on x; the reward curve (from snapshot metrics, or a per-step log);
+snapshots as marks (full/light, kept/deleted by retention, best starred);
+failures as red lines and restarts as green arrows back to the restored step.
+Everything comes from the run folder: manifests, ``history/retired/``,
+``best/``, ``failures/`` and ``decisions/``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .catalog import Catalog
+from .errors import CheckpointError
+from .storage import Storage
+
+
+def _records(storage: Storage, folder: str) -> list[dict]:
+    out = []
+    for entry in sorted(storage.list(folder), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            try:
+                out.append(json.loads(bytes(storage.read(f"{folder}/{entry.name}"))))
+            except (CheckpointError, ValueError):
+                continue
+    return out
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def load(storage: Storage, metric: str = "avg_reward") -> dict:
+    """The facts the timeline draws."""
+    cat = Catalog(storage)
+    cat.refresh()
+    snaps = [{"id": i.snapshot_id, "step": i.global_step, "kind": i.kind, "value": _num(i.metrics.get(metric)),
+              "state": "quarantined" if i.quarantined else "kept"} for i in cat.snapshots()]
+    for r in _records(storage, "history/retired"):
+        snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
+                      "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
+    best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best")}
+    failures = [{"step": r.get("step"), "kind": r.get("kind")} for r in _records(storage, "failures")]
+    decisions = [{"step": r.get("failure", {}).get("step"), "action": r.get("action"), "to": r.get("global_step"),
+                  "snapshot": r.get("snapshot_id")} for r in _records(storage, "decisions")]
+    return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
+            "decisions": decisions, "metric": metric}
+
+
+def plot(data: dict, out: str, step_log: list[dict] | None = None, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = data["metric"]
+    fig, ax = plt.subplots(figsize=(11, 4.5), dpi=110)
+    if step_log:
+        pts = sorted((r["step"], r[metric]) for r in step_log if r.get(metric) is not None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="#4c72b0", lw=1.4, label=f"{metric} (training log)")
+    snaps = data["snapshots"]
+    curve = [(s["step"], s["value"]) for s in snaps if s["value"] is not None and s["kind"] == "full"]
+    if curve and not step_log:
+        ax.plot([c[0] for c in curve], [c[1] for c in curve], color="#4c72b0", lw=1.4, label=f"{metric} at snapshots")
+    ymin, ymax = ax.get_ylim() if (curve or step_log) else (0.0, 1.0)
+    base = ymin - 0.06 * (ymax - ymin or 1.0)
+    styles = {("full", "kept"): dict(marker="^", color="#2a9d4b", s=60),
+              ("full", "deleted"): dict(marker="^", facecolors="none", edgecolors="#999999", s=60),
+              ("full", "quarantined"): dict(marker="x", color="#d62728", s=60),
+              ("light", "kept"): dict(marker="o", color="#8c8cd9", s=18),
+              ("light", "deleted"): dict(marker="o", facecolors="none", edgecolors="#bbbbbb", s=18),
+              ("light", "quarantined"): dict(marker="x", color="#d62728", s=18)}
+    labels = {("full", "kept"): "full snapshot (kept)", ("full", "deleted"): "full (deleted by retention)",
+              ("full", "quarantined"): "quarantined", ("light", "kept"): "light snapshot (kept)",
+              ("light", "deleted"): "light (deleted)", ("light", "quarantined"): None}
+    for key, style in styles.items():
+        xs = [s["step"] for s in snaps if (s["kind"], s["state"]) == key]
+        if xs:
+            ax.scatter(xs, [s["value"] if s["value"] is not None else base for s in snaps if (s["kind"], s["state"]) == key]
+                       if key[0] == "full" else [base] * len(xs), label=labels[key], zorder=3, **style)
+    best_id = data["best"].get(metric)
+    best = next((s for s in snaps if s["id"] == best_id), None)
+    if best is not None and best["value"] is not None:
+        ax.scatter([best["step"]], [best["value"]], marker="*", s=260, color="#f2b134", edgecolors="k",
+                   zorder=4, label=f"best {metric}")
+    for i, f in enumerate(data["failures"]):
+        if f["step"] is not None:
+            ax.axvline(f["step"], color="#d62728", ls="-", lw=1.5, label="failure" if i == 0 else None)
+            ax.annotate(f["kind"], (f["step"], ymax), rotation=90, va="top", ha="right", fontsize=8, color="#d62728")
+    for i, d in enumerate(data["decisions"]):
+        if d["step"] is not None and d["to"] is not None:
+            y = ymin + 0.85 * (ymax - ymin)
+            ax.annotate("", xy=(d["to"], y), xytext=(d["step"], y),
+                        arrowprops=dict(arrowstyle="->", color="#2a9d4b", lw=1.6))
+            ax.annotate(f"resume from step {d['to']}", (d["to"], y), xytext=(4, 4), textcoords="offset points",
+                        fontsize=8, color="#2a9d4b")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(metric)
+    ax.set_title(title or "rl_ckpt timeline")
+    ax.grid(alpha=0.25)
+    ax.legend(loc="upper left", fontsize=8, ncol=2, framealpha=0.85)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""``rl-ckpt bench`` on a tiny state: it runs, every documented JSON key is there. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rl_ckpt import bench
+
+TOP_KEYS = ("mode", "url", "workdir", "repeat", "host", "cache", "load", "state", "results", "dedup", "ratios",
+            "goals", "goals_met", "goals_total")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rl_ckpt.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_docstring_documents_every_key():
+    doc = bench.__doc__
+    for key in (*TOP_KEYS, *bench.RESULT_KEYS, *bench.VARIANT_KEYS, *bench.RATIOS, "scaling", "sizes[]", "catalog[]",
+                "other_cores_mean", "second_bytes_added", "per_snapshot_us", "plan_recovery_cold_s", "create_per_s"):
+        if key.startswith("hash_") and key != "hash_sha256":
+            assert key.split("_", 1)[1] in doc, key
+            continue
+        assert key in doc, f"{key} is not documented in rl_ckpt/bench.py's docstring"
+
+
+def test_bench_json_table_and_plot(tmp_path):
+    png = tmp_path / "bench.png"
+    proc = run_cli(str(tmp_path / "b"), "--size", "8MiB", "--repeat", "1", "--json", "--cache", "fadvise",
+                   "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in TOP_KEYS:
+        assert key in out, key
+    assert out["mode"] == "compare" and out["repeat"] == 1
+    assert out["cache"]["method"] == "fadvise"
+    for key in ("cpus", "python", "torch", "platform", "fs"):
+        assert key in out["host"]
+    for key in ("other_cores_mean", "other_cores_max", "loadavg_start", "loadavg_end"):
+        assert key in out["load"]
+    st = out["state"]
+    assert 7 * 2**20 < st["bytes"] < 9 * 2**20 and st["tensors"] > 50
+    assert set(st["mix"]) == {"large", "medium", "small"} and {"hidden", "blocks"} <= set(st["shape"])
+    for key in bench.RESULT_KEYS:
+        r = out["results"][key]
+        assert set(r) >= {"median_s", "gbps", "samples_s", "other_cores"}, key
+        assert r["median_s"] is not None and r["median_s"] >= 0 and len(r["samples_s"]) == 1, key
+    for key in bench.RATIOS:
+        assert out["ratios"][key] is not None and out["ratios"][key] > 0, key
+    dd = out["dedup"]
+    assert set(dd) == {"changed_bytes", "first_bytes_added", "second_bytes_added", "second_fraction"}
+    assert 0 < dd["second_bytes_added"] < dd["first_bytes_added"]  # dedup wrote only what changed (and metadata)
+    assert len(out["goals"]) == out["goals_total"] == 7
+    for g in out["goals"]:
+        assert set(g) == {"name", "met", "value", "limit", "text"} and isinstance(g["met"], bool)
+    assert 0 <= out["goals_met"] <= 7
+    assert png.exists() and png.stat().st_size > 1000
+    assert not any((tmp_path / "b").iterdir()), "the bench must delete what it wrote"
+
+    # The table, from the same function the CLI uses.
+    text = bench.format_compare(out)
+    assert "rl_ckpt save (sha256+verify)" in text and "torch.load(weights_only)" in text and "DCP save" in text
+    assert "goals (medians of this run)" in text and ("MET" in text or "MISSED" in text)
+
+
+def test_scaling_json(tmp_path, capsys):
+    code = bench.main([str(tmp_path), "--scaling", "--sizes", "2M,4M", "--counts", "1,3", "--repeat", "1", "--json",
+                       "--cache", "none"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "scaling"
+    sizes, catalog = out["scaling"]["sizes"], out["scaling"]["catalog"]
+    assert [r["size_request"] for r in sizes] == [2 << 20, 4 << 20]
+    for row in sizes:
+        assert set(row["results"]) == {"raw_write", "raw_read", "clone", "rl_save", "rl_restore", "rl_async_block"}
+        for key in ("save_vs_raw", "restore_vs_raw", "block_vs_clone", "state_bytes", "tensors"):
+            assert row[key] is not None
+    assert [r["count"] for r in catalog] == [1, 3]
+    for row in catalog:
+        for key in ("create_s", "create_per_s", "snapshots_s", "refresh_s", "plan_recovery_s", "plan_recovery_cold_s",
+                    "retention_s"):
+            assert row[key] is not None and row[key] >= 0, key
+        assert set(row["per_snapshot_us"]) == {"snapshots", "refresh", "plan_recovery", "retention"}
+    assert "catalog operations" in bench.format_scaling(out)
+
+
+def test_remote_url_refused():
+    proc = run_cli("s3://bucket/prefix", "--size", "1MiB", "--repeat", "1")
+    assert proc.returncode == 2
+    assert "local folders only" in proc.stderr and "s3://" in proc.stderr
+
+
+def test_cache_drop_falls_back_to_fadvise(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "DROP_CACHES", str(tmp_path / "no" / "such" / "drop_caches"))
+    cache = bench.CacheDropper("drop")
+    assert cache.method == "fadvise" and "refused" in cache.note and "POSIX_FADV_DONTNEED" in cache.note
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"x" * 4096)
+    cache.drop(str(tmp_path))  # evicts every file under the folder without error
+    assert bench.CacheDropper("none").method == "none"
+
+
+@pytest.mark.parametrize("text,expected", [("64M", 64 << 20), ("256MiB", 256 << 20), ("1G", 1 << 30),
+                                           ("1.5GiB", 3 << 29), ("4096", 4096), ("8MB", 8 << 20)])
+def test_parse_size(text, expected):
+    assert bench.parse_size(text) == expected
+
+
+def test_bad_size_and_tensor_count():
+    with pytest.raises(bench.BenchUsageError):
+        bench.parse_size("lots")
+    model, opt, shape = bench.build_state(4 << 20, tensors=200)
+    n = len(bench.flat_tensors(model, opt))
+    assert 150 <= n <= 250 and shape["blocks"] >= 1
