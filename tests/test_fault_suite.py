@@ -1,0 +1,502 @@
+"""The fault-injection suite (rl_ckpt.fault_suite) and the power-loss model (rl_ckpt.faults.PowerLossStorage).
+
+``test_quick_suite_*`` run ``python -m rl_ckpt.fault_suite --quick --json`` once (in a subprocess:
+its own forkserver with its own preloads, its own moto S3 endpoint, and the real entry point) and
+assert every invariant figure.
+
+Four bugs the suite found in files outside this test's scope are pinned by strict xfail tests below
+(``test_known_bug_*``). Until they are fixed, the violations they cause are set aside in the
+figure tests by ``KNOWN_BUGS``; once a fix lands its xfail test XPASSes (a failure, as it is
+strict): then delete that test's marker and its entry in ``KNOWN_BUGS``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from rl_ckpt import CheckpointEngine
+from rl_ckpt.errors import StorageError, UnsafePathError
+from rl_ckpt.fault_suite import (
+    MALICIOUS, PROFILES, SCENARIOS, ScenarioResult, SuiteReport, build, engine_cfg, machine_info, observed, op_phases,
+    run_url, save_step,
+)
+from rl_ckpt.faults import FaultyStorage, PowerCut, PowerLossStorage
+
+# -- the quick suite ------------------------------------------------------------------------------
+
+
+def _power_dedup(v: dict) -> bool:  # storage/local.py:LocalStorage.makedirs
+    return v["scenario"] == "power" and v["variant"].startswith("dedup/")
+
+
+def _power_manifest_last(v: dict) -> bool:  # commit.py:ManifestLastCommit.commit (+ makedirs for a first save)
+    return v["scenario"] == "power" and "/manifest-last/" in v["variant"]
+
+
+def _dedup_reuses_rotten(v: dict) -> bool:  # dedup.py:ObjectWriter.put
+    return (v["scenario"] == "corruption" and "dedup object (shared)" in v["case"] and v["kind"] == "broken_listed"
+            and "later save" in v["message"])
+
+
+def _manifest_step_unchecked(v: dict) -> bool:  # reader.py:read_manifest
+    return v["scenario"] == "corruption" and "manifest bit flip" in v["case"] and "global_step" in v["case"] \
+        and v["kind"] == "corrupt_load"
+
+
+KNOWN_BUGS = {
+    "power/dedup": _power_dedup,
+    "power/manifest-last": _power_manifest_last,
+    "dedup reuses a rotted object": _dedup_reuses_rotten,
+    "manifest global_step unchecked": _manifest_step_unchecked,
+}
+
+
+def _known(v: dict) -> bool:
+    return any(pred(v) for pred in KNOWN_BUGS.values())
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("fault-suite")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_ckpt.fault_suite", "--quick", "--json", "-q", "--base-dir", str(base)],
+        capture_output=True, text=True, timeout=540,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    report["returncode"] = proc.returncode
+    return report
+
+
+def _scenario(report: dict, key: str) -> dict:
+    return next(s for s in report["scenarios"] if s["key"] == key)
+
+
+def _unexplained(report: dict) -> list[dict]:
+    return [v for s in report["scenarios"] for v in s["violations"] if not _known(v)]
+
+
+def test_quick_suite_runs_every_scenario_and_exit_status_matches(quick):
+    assert [s["key"] for s in quick["scenarios"]] == list(SCENARIOS)
+    assert quick["machine"]["cpus"] == os.cpu_count()
+    assert (quick["returncode"] == 0) == quick["ok"] == (quick["totals"]["violations"] == 0)
+    for s in quick["scenarios"]:
+        assert s["tried"] > 0 and s["faults_injected"] > 0, s["key"]
+
+
+def test_quick_suite_has_no_violation_but_the_known_bugs(quick):
+    unexplained = _unexplained(quick)
+    assert not unexplained, "\n".join(f"[{v['scenario']} {v['variant']}] {v['case']}: {v['kind']}: {v['message']}"
+                                      for v in unexplained[:20])
+
+
+@pytest.mark.parametrize("figure,kind", [("corrupt_loads", "corrupt_load"), ("acked_lost", "acked_lost"),
+                                         ("escapes", "escape"), ("broken_listed", "broken_listed")])
+def test_quick_suite_invariant_figures(quick, figure, kind):
+    # every increment of a figure comes with a violation of that kind: apart from the known bugs, none
+    for s in quick["scenarios"]:
+        known = sum(1 for v in s["violations"] if v["kind"] == kind and _known(v))
+        if known == 0:
+            assert s[figure] == 0, (s["key"], figure, s[figure])
+    assert not [v for v in _unexplained(quick) if v["kind"] == kind]
+
+
+def test_quick_suite_sigkill_figures(quick):
+    s = _scenario(quick, "sigkill")
+    assert s["ok"], s["violations"][:5]
+    assert s["injected"]["SIGKILL before op"] >= 80  # every operation of 4 variants' saves
+    assert s["injected"]["SIGKILL after op"] >= 30
+    assert s["injected"]["SIGKILL at a random moment"] == PROFILES["quick"].random_kills
+    assert s["max_rolled_back"] <= 1  # only the save in flight is ever lost
+    for phase in ("write", "commit", "after-commit"):
+        assert s["notes"][f"kill points in phase {phase}"] > 0
+
+
+def test_quick_suite_power_cuts_cover_every_operation(quick):
+    s = _scenario(quick, "power")
+    assert s["injected"]["power cut after the save returned"] == 8  # 4 variants x first/third save
+    assert s["injected"]["power cut before op"] >= 150
+    plain_rename = [v for v in s["violations"] if v["variant"].startswith("plain/rename")]
+    assert not plain_rename, plain_rename[:3]  # the fully fsynced path is clean today
+
+
+def test_quick_suite_corruption_detected_equals_injected(quick):
+    s = _scenario(quick, "corruption")
+    assert s["corruptions_injected"] >= 80
+    assert s["corruptions_detected"] == s["corruptions_injected"]
+    for kind in ("safetensors shard", "JSON", "Arrow table", "manifest", "dedup object", "dedup object (shared)"):
+        detected, injected = s["notes"][f"{kind} detected"].split("/")
+        assert detected == injected and int(injected) > 0, kind
+    assert s["notes"]["manifest bit flips"] >= 48
+
+
+def test_quick_suite_errors_surface_as_checkpoint_errors_naming_a_path(quick):
+    for key in ("errors", "s3"):
+        s = _scenario(quick, key)
+        assert s["ok"], s["violations"][:5]
+        assert s["max_rolled_back"] <= 1
+    errors = _scenario(quick, "errors")
+    for name in ("ENOSPC", "EIO", "ETIMEDOUT"):
+        assert errors["injected"][f"{name} (before the call)"] > 20
+    assert errors["notes"]["faults in gc"] > 10
+    for phase in ("write", "commit", "after-commit"):
+        assert errors["notes"][f"faults in phase {phase}"] > 0
+    assert sum(_scenario(quick, "s3")["injected"].values()) >= 10
+
+
+def test_quick_suite_concurrent_writers_exactly_one_commits(quick):
+    s = _scenario(quick, "concurrent")
+    assert s["ok"], s["violations"][:5]
+    for backend in ("local/rename", "local/manifest-last", "s3"):
+        races = s["notes"][f"{backend}: races"]
+        assert races == len(PROFILES["quick"].race_writers) * PROFILES["quick"].race_rounds
+        assert s["notes"][f"{backend}: exactly one committed"] == races
+        assert s["notes"][f"{backend}: losers got CommitConflictError"] == sum(PROFILES["quick"].race_writers) - races
+
+
+def test_quick_suite_malicious_inputs_all_refused(quick):
+    s = _scenario(quick, "malicious")
+    assert s["ok"], s["violations"][:5]
+    assert s["tried"] == len(MALICIOUS)
+    assert s["notes"].get("refused with a CheckpointError", 0) + s["notes"].get("refused: never listed", 0) == len(MALICIOUS)
+
+
+def test_cli_exit_status_and_table(tmp_path, capsys):
+    from rl_ckpt.fault_suite import main
+
+    assert main(["--quick", "--only", "malicious", "-q", "--base-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| malicious" in out and "| TOTAL" in out and "OK: quick suite" in out
+    assert os.listdir(tmp_path) == [n for n in os.listdir(tmp_path) if n.startswith("rlckpt-faults-quick-")]
+
+
+def test_report_table_flags_violations():
+    res = ScenarioResult("x", "x", tried=2)
+    res.violate("v", "case", "corrupt_load", "boom")
+    report = SuiteReport("quick", "now", machine_info(), [res], 1.0)
+    assert not report.ok and report.totals()["corrupt_loads"] == 1
+    assert "VIOLATIONS (1)" in report.table() and "FAILED" in report.table()
+    assert json.loads(json.dumps(report.to_json()))["scenarios"][0]["violations"][0]["kind"] == "corrupt_load"
+
+
+def test_op_phases():
+    ops = [("exists", "step_000000003/meta.json"), ("write", ".staging/x/a"), ("write", ".staging/x/meta.json"),
+           ("rename_dir", ".staging/x -> step_000000003"), ("sync_dir", ""), ("sync_dir", ".staging"),
+           ("rename_dir", "step_000000001 -> .trash/step_000000001.y"), ("sync_dir", "")]
+    assert op_phases(ops) == ["write"] * 3 + ["commit"] * 3 + ["after-commit"] * 2
+    ml = [("makedirs", "step_000000003/a"), ("write", "step_000000003/a/x"), ("write", "step_000000003/meta.json"),
+          ("sync_dir", "step_000000003"), ("exists", "best/avg_reward.json")]
+    assert op_phases(ml) == ["write", "write", "commit", "commit", "after-commit"]
+
+
+# -- the bugs the suite found (owned elsewhere) ----------------------------------------------------
+
+
+def _save_then_cut(tmp_path, *, dedup: bool, atomic_write: bool, prior: tuple[int, ...]) -> tuple[dict, int]:
+    cfg = engine_cfg(str(tmp_path), dedup=dedup, atomic_write=atomic_write)
+    os.makedirs(run_url(cfg))
+    engine, model, buf = build(cfg)
+    for step in prior:
+        save_step(engine, model, buf, step)
+    storage = PowerLossStorage(run_url(cfg))
+    engine, model, buf = build(cfg, storage)
+    step = (max(prior) if prior else 0) + 1
+    save_step(engine, model, buf, step)  # acknowledged
+    storage.power_cut()
+    return cfg, step
+
+
+def _assert_survived(cfg: dict, step: int) -> None:
+    engine, model, buf = build(cfg)
+    assert step in [i.global_step for i in engine.snapshots()], "the acknowledged snapshot is gone"
+    report = engine.verify()
+    assert report.ok, str(report)
+    assert engine.restore().global_step == step and observed(model, buf)[0] == step
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "storage/local.py:LocalStorage.makedirs: a new folder's name is never fsynced into its parent "
+    "(objects/, objects/<algo>/, objects/<algo>/<xx>/ for dedup; the snapshot folder of a manifest-last "
+    "save), so a power cut after an acknowledged save can drop the folder and every object or file in it"))
+def test_known_bug_power_cut_loses_dedup_objects_of_an_acknowledged_save(tmp_path):
+    cfg, step = _save_then_cut(tmp_path, dedup=True, atomic_write=True, prior=(1, 2))
+    _assert_survived(cfg, step)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "commit.py:ManifestLastCommit.commit: the attempt folder holding the data files is never fsynced "
+    "before the manifest is published, so on a local disk a power cut after an acknowledged save leaves "
+    "a listed snapshot whose files are missing"))
+def test_known_bug_power_cut_breaks_an_acknowledged_manifest_last_snapshot(tmp_path):
+    cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=False, prior=(1, 2))  # retention syncs the run folder
+    _assert_survived(cfg, step)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "storage/local.py:LocalStorage.makedirs + commit.py:ManifestLastCommit.commit: the first manifest-last "
+    "save of a run creates <run>/step_N/ and never fsyncs the run folder, so a power cut loses the whole "
+    "acknowledged snapshot"))
+def test_known_bug_power_cut_loses_a_first_manifest_last_snapshot(tmp_path):
+    cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=False, prior=())
+    _assert_survived(cfg, step)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "dedup.py:ObjectWriter.put: a chunk a committed manifest references is reused when the object is "
+    "present with the right size, without checking its content, so an object that rotted in place is "
+    "referenced by the next save, which is acknowledged already corrupt (verify_after_write does not "
+    "re-read reused chunks)"))
+def test_known_bug_dedup_reuses_an_object_that_rotted(tmp_path):
+    cfg = engine_cfg(str(tmp_path), dedup=True)
+    engine, model, buf = build(cfg)
+    save_step(engine, model, buf, 1)
+    frozen = bytes(model.frozen.numpy().tobytes())  # the same in every snapshot: one shared object
+    import hashlib
+
+    digest = hashlib.sha256(frozen).hexdigest()
+    path = os.path.join(run_url(cfg), "objects", "sha256", digest[:2], digest)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10  # bit rot after commit
+    open(path, "wb").write(bytes(data))
+    save_step(engine, model, buf, 2)  # returns: acknowledged
+    report = CheckpointEngine(**cfg).verify("step_000000002")
+    assert report.ok, str(report)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "reader.py:read_manifest: the manifest's global_step and kind are not checked against the snapshot "
+    "folder name (and the manifest has no checksum of its own), so one bit flip in global_step passes "
+    "verify and restore reports another step than the state it loaded"))
+def test_known_bug_flip_in_manifest_global_step_is_not_detected(tmp_path):
+    cfg = engine_cfg(str(tmp_path))
+    engine, model, buf = build(cfg)
+    for step in (1, 2):
+        save_step(engine, model, buf, step)
+    path = os.path.join(run_url(cfg), "step_000000002", "meta.json")
+    data = bytearray(open(path, "rb").read())
+    at = data.find(b'"global_step": ') + len(b'"global_step": ')
+    assert data[at:at + 1] == b"2"
+    data[at] ^= 0x01  # "2" -> "3"
+    open(path, "wb").write(bytes(data))
+    engine, model, buf = build(cfg)
+    assert not engine.verify().ok
+    result = engine.restore()
+    assert result.global_step == observed(model, buf)[0]
+
+
+# -- PowerLossStorage -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    storage = PowerLossStorage(str(root), journal_dir=str(tmp_path / "journal"))
+    yield storage, root
+    storage.close()
+
+
+def _tree(root) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, name), root) + "/"] = None
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                out[os.path.relpath(os.path.join(dirpath, name), root)] = f.read()
+    return out
+
+
+def test_power_loss_new_names_need_a_folder_fsync(disk):
+    storage, root = disk
+    storage.write("synced.bin", [b"a" * 10])
+    storage.sync_dir("")
+    storage.write("unsynced.bin", [b"b" * 10])  # data fsynced, the name not
+    assert storage.pending == ["create unsynced.bin"]
+    undone = storage.power_cut()
+    assert undone == ["create unsynced.bin"]
+    assert _tree(root) == {"synced.bin": b"a" * 10}
+
+
+def test_power_loss_unsynced_data_is_lost_even_when_the_name_survives(disk):
+    storage, root = disk
+    storage.write("f.bin", [b"old"])
+    storage.sync_dir("")
+    storage.write("f.bin", [b"new data"], durable=False)  # overwritten, never fsynced
+    storage.write("g.bin", [b"x"], durable=False)
+    storage.sync_dir("")  # the names are durable now, the data of both is not
+    storage.power_cut()
+    assert _tree(root) == {"f.bin": b"", "g.bin": b""}
+
+
+def test_power_loss_unsynced_folder_takes_its_content_along(disk):
+    storage, root = disk
+    storage.makedirs("a/b")
+    storage.write("a/b/x", [b"1"])
+    storage.sync_dir("a/b")  # x is durable in b, but b's and a's own names are not
+    storage.power_cut()
+    assert _tree(root) == {}
+    storage.restart()
+    storage.makedirs("a/b")
+    storage.sync_dir("")
+    storage.sync_dir("a")
+    storage.write("a/b/x", [b"1"])
+    storage.sync_dir("a/b")
+    assert storage.pending == []
+    storage.power_cut()
+    assert _tree(root) == {"a/": None, "a/b/": None, "a/b/x": b"1"}
+
+
+def test_power_loss_rename_rolls_back_and_follows_the_folder(disk):
+    storage, root = disk
+    storage.makedirs("stage/s1")
+    storage.sync_dir("")
+    storage.sync_dir("stage")
+    storage.write("stage/s1/data", [b"d"])
+    storage.sync_dir("stage/s1")
+    storage.rename_dir("stage/s1", "snap")  # not yet durable: neither folder fsynced
+    storage.write("snap/late", [b"l"])  # a file created in the renamed folder (unsynced)
+    assert storage.pending == ["rename stage/s1 -> snap", "create snap/late"]
+    storage.power_cut()
+    assert _tree(root) == {"stage/": None, "stage/s1/": None, "stage/s1/data": b"d"}
+
+
+def test_power_loss_rename_durable_once_the_new_parent_is_synced(disk):
+    storage, root = disk
+    storage.makedirs("stage/s1")
+    for folder in ("", "stage"):
+        storage.sync_dir(folder)
+    storage.write("stage/s1/data", [b"d"])
+    storage.sync_dir("stage/s1")
+    storage.rename_dir("stage/s1", "snap")
+    storage.sync_dir("")  # the new name is on disk
+    storage.power_cut()
+    assert _tree(root) == {"stage/": None, "snap/": None, "snap/data": b"d"}
+
+
+def test_power_loss_rename_with_only_the_old_parent_synced_loses_the_folder(disk):
+    storage, root = disk
+    storage.makedirs("s1")
+    storage.makedirs("trash")
+    storage.sync_dir("")
+    storage.write("s1/f", [b"f"])
+    storage.sync_dir("s1")
+    storage.rename_dir("s1", "trash/s1")
+    storage.sync_dir("")  # gone from the run folder for good; trash/ never fsynced
+    storage.power_cut()
+    assert _tree(root) == {"trash/": None}
+
+
+def test_power_loss_unsynced_removal_comes_back(disk):
+    storage, root = disk
+    storage.makedirs("d")
+    storage.write("d/f", [b"f"])
+    storage.write("g", [b"g"])
+    storage.sync_dir("")
+    storage.sync_dir("d")
+    storage.remove_tree("d")
+    storage.remove("g")
+    assert not (root / "d").exists() and not (root / "g").exists()
+    storage.power_cut()
+    assert _tree(root) == {"d/": None, "d/f": b"f", "g": b"g"}
+    storage.restart()
+    storage.remove("g")
+    storage.sync_dir("")
+    storage.power_cut()
+    assert "g" not in _tree(root)
+
+
+def test_power_loss_write_atomic_and_create_only_are_durable_by_their_own_fsync(disk):
+    storage, root = disk
+    storage.write("a.json", [b"v1"])
+    storage.sync_dir("")
+    storage.write_atomic("a.json", b"v2")  # temp + fsync + rename + folder fsync inside LocalStorage
+    storage.write("m.json", [b"manifest"], create_only=True)  # link + folder fsync inside LocalStorage
+    assert storage.pending == []
+    storage.power_cut()
+    assert _tree(root) == {"a.json": b"v2", "m.json": b"manifest"}
+
+
+def test_power_loss_halts_until_restart_and_mixes_with_rng(disk):
+    storage, root = disk
+    storage.power_cut()
+    with pytest.raises(PowerCut):
+        storage.write("x", [b"x"])
+    with pytest.raises(PowerCut):
+        storage.list("")
+    storage.restart()
+    for name in "abcdefgh":
+        storage.write(name, [name.encode()])
+    storage.power_cut(random.Random(1), keep_probability=1.0, halt=False)  # every effect happened to land
+    assert len(_tree(root)) == 8
+    for name in "ijklmnop":
+        storage.write(name, [name.encode()])
+    kept = 8 + (8 - len(storage.power_cut(random.Random(3))))
+    assert len(_tree(root)) == kept and 8 < kept < 16
+
+
+def test_power_loss_refuses_what_local_storage_refuses(disk, tmp_path):
+    storage, root = disk
+    (tmp_path / "outside").write_text("x")
+    with pytest.raises(UnsafePathError):
+        storage.write("../outside", [b"y"])
+    with pytest.raises(UnsafePathError):
+        storage.remove_tree("../outside")
+    os.symlink(tmp_path / "outside", root / "link")
+    with pytest.raises(UnsafePathError):
+        storage.write("link/x", [b"y"])
+    assert (tmp_path / "outside").read_text() == "x" and storage.pending == []
+
+
+def test_power_loss_under_a_real_save_staged_rename_survives(tmp_path):
+    cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=True, prior=(1, 2))
+    _assert_survived(cfg, step)
+
+
+def test_power_loss_mid_save_never_lists_a_partial_snapshot(tmp_path):
+    cfg = engine_cfg(str(tmp_path))
+    os.makedirs(run_url(cfg))
+    engine, model, buf = build(cfg)
+    save_step(engine, model, buf, 1)
+    storage = PowerLossStorage(run_url(cfg))
+    faulty = FaultyStorage(storage)
+    engine, model, buf = build(cfg, faulty)
+    engine.catalog.refresh()
+
+    def cut() -> None:
+        storage.power_cut()
+        raise PowerCut("cut")
+
+    faulty.before("rename_dir", cut)  # right at the commit
+    with pytest.raises(PowerCut):
+        save_step(engine, model, buf, 2)
+    engine, model, buf = build(cfg)
+    assert [i.global_step for i in engine.snapshots()] == [1] and engine.verify().ok
+
+
+# -- FaultyStorage additions -----------------------------------------------------------------------
+
+
+def test_faulty_storage_any_operation_and_root_errors_name_the_folder(tmp_path):
+    from rl_ckpt.storage import LocalStorage
+
+    seen = []
+    storage = FaultyStorage(LocalStorage(str(tmp_path)))
+    storage.before("*", lambda: seen.append(storage.ops[-1][0]), nth=3)
+    storage.makedirs("a")
+    storage.write("a/x", [b"x"])
+    storage.sync_dir("a")
+    assert seen == ["sync_dir"]
+    storage.fail("sync_dir", error=errno.EIO)
+    with pytest.raises(StorageError) as err:
+        storage.sync_dir("")
+    assert err.value.path == "." and err.value.errno == errno.EIO
+    with pytest.raises(ValueError):
+        storage.fail("rename", error=errno.EIO)
