@@ -679,6 +679,10 @@ class CheckpointEngine:
         if manifest.config_digest == config_digest(now):
             return []
         keys = changed_keys(manifest.config, now)
+        if not self.train_config:  # this process declared no hyperparameters (e.g. a rollout worker)
+            keys = [k for k in keys if not k.startswith("train.")]
+            if not keys:
+                return []
         return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {', '.join(keys) or '(unknown keys)'}"]
 
     # -- health patrol -------------------------------------------------------
