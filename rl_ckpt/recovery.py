@@ -85,7 +85,8 @@ class RecoveryPlan:
         lines = [f"Recovery plan for {self.run_url}  ({'checksums verified' if self.deep else 'sizes checked'}; {self.created_at})"]
         if self.failure is not None:
             f = self.failure
-            lines.append(f"  failure:   {f.kind} at step {f.step}: {f.message}".rstrip(": "))
+            first = f.message.strip().splitlines()[0] if f.message.strip() else ""
+            lines.append(f"  failure:   {f.kind} at step {f.step}: {first[:240]}".rstrip(": "))
         if self.decision is not None:
             lines.append(f"  decision:  {self.decision.action} - {self.decision.reason}")
         if self.action == "restore":

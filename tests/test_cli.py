@@ -83,3 +83,25 @@ def test_gc_removes_debris_only(tmp_path):
     assert not (run_dir / ".staging" / "step_000000003.host-1-2-abc").exists()
     assert not (run_dir / "step_000000004").exists() and not (run_dir / "step_000000002" / "loser-attempt").exists()
     assert run("verify", url).returncode == 0 and len(CheckpointEngine(base_dir=str(tmp_path)).snapshots()) == 2
+
+
+def test_timeline_draws_kept_deleted_best_and_failures(tmp_path):
+    from rl_ckpt.coordinator import FailureInfo
+    from rl_ckpt.timeline import load
+
+    s = PPOState()
+    e = s.register(CheckpointEngine(base_dir=str(tmp_path), keep_latest=2, keep_best=1))
+    for step, reward in [(10, 1.0), (20, 5.0), (30, 2.0), (40, 3.0)]:
+        s.train(1)
+        e.save(step, metrics={"avg_reward": reward})
+    e.save(45, kind="light")
+    e.restore(e.plan_recovery(FailureInfo(kind="process_killed", step=47)))
+    data = load(e.storage)
+    states = {x["id"]: x["state"] for x in data["snapshots"]}
+    assert states == {"step_000000010": "deleted", "step_000000020": "kept", "step_000000030": "kept",
+                      "step_000000040": "kept", "step_000000045.light": "kept"}
+    assert data["best"]["avg_reward"] == "step_000000020"
+    assert data["decisions"][0]["to"] == 40 and data["decisions"][0]["step"] == 47
+    out = tmp_path / "t.png"
+    assert run("timeline", str(tmp_path / "run"), "-o", str(out)).returncode == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

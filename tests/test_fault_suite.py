@@ -336,7 +336,11 @@ def test_power_loss_unsynced_data_is_lost_even_when_the_name_survives(disk):
     assert _tree(root) == {"f.bin": b"", "g.bin": b""}
 
 
-def test_power_loss_unsynced_folder_takes_its_content_along(disk):
+def test_power_loss_unsynced_folder_takes_its_content_along(disk, monkeypatch):
+    from rl_ckpt.storage import LocalStorage
+
+    # the model, whatever LocalStorage.makedirs itself fsyncs: a plain mkdir that syncs nothing
+    monkeypatch.setattr(LocalStorage, "makedirs", lambda self, path: os.makedirs(self._abs(path), exist_ok=True))
     storage, root = disk
     storage.makedirs("a/b")
     storage.write("a/b/x", [b"1"])

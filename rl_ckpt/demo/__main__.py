@@ -68,7 +68,11 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
     cat = Catalog(storage)
     cat.refresh()
     logical = sum(i.size_bytes for i in cat.snapshots())
-    on_disk = _disk_bytes(f"{base}/{run.run_name}")
+    from ..dedup import manifest_objects
+
+    refs = [manifest_objects(i.manifest) for i in cat.snapshots() if i.manifest is not None]
+    referenced = sum(size for r in refs for _algo, size in r.values())
+    unique = sum(size for _algo, size in {d: v for r in refs for d, v in r.items()}.values())
     last = {}
     for m in run.log:  # the resumed attempt re-logs the redone steps: the last value per step counts
         if m["event"] == "step":
@@ -96,7 +100,8 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
         "rl_ckpt demo: PPO on CartPole-v1 on Ray (2 learner ranks + 2 rollout workers), crash, verified restart",
         f"  storage            {storage.url}",
         f"  snapshots          {len(full)} full + {len(light)} light kept, {len(deleted)} deleted by retention; "
-        f"{_human(logical)} logical, {_human(on_disk)} on disk (dedup saved {_human(max(0, logical - on_disk))})",
+        f"{_human(logical)} logical; tensor chunks {_human(referenced)} referenced, {_human(unique)} stored "
+        f"(dedup saved {_human(referenced - unique)})",
         f"  failure            {failures[0]['kind'] if failures else '-'} at step {crash_step} (SIGKILL)",
         f"  decision           {decisions[0]['action'] if decisions else '-'} -> {decisions[0]['snapshot'] if decisions else '-'}",
         f"  restored           {resumed['restored'] if resumed else '-'} (step {restored_step}); "
@@ -111,12 +116,6 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
     if resumed and resumed.get("plan"):
         lines += ["", "Recovery plan followed by every rank:", resumed["plan"]]
     return "\n".join(lines), ok
-
-
-def _disk_bytes(path: str) -> int:
-    import os
-
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
 def main(argv=None) -> int:
