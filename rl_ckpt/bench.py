@@ -1,7 +1,7 @@
 """``rl-ckpt bench``: how fast rl_ckpt saves and restores, next to the floor and its peers, in one run.
 
     rl-ckpt bench URL [--size 1GiB] [--tensors N] [--repeat 3] [--json] [--plot FILE.png]
-                      [--variants] [--cache drop|fadvise|none] [--keep] [--fail-on-miss]
+                      [--variants] [--cache drop|fadvise|none] [--threads 1] [--keep] [--fail-on-miss]
     rl-ckpt bench URL --scaling [--sizes 64M,256M,1G,4G] [--counts 1,10,100,1000,10000] [--repeat 3]
 
 URL is a local folder (a path or ``file://``): the peers (``torch.save``,
@@ -25,8 +25,13 @@ starting method rotates per repeat); figures are medians over the repeats.
 Before every read the page cache is dropped (``echo 3 >
 /proc/sys/vm/drop_caches``, root only); where that is refused, the files just
 written are evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after their
-fsync instead; the output says which one was used. The machine may be shared:
-the CPU used by other processes during each measurement is recorded.
+fsync instead; the output says which one was used. Every measurement starts
+after ``gc.collect()`` and ``os.sync()`` (not timed), so it pays for no dirty
+pages, discards or garbage left by the one before. The machine may be shared:
+the CPU used by other processes during each measurement is recorded, and torch
+runs with 1 intra-op thread by default (``--threads``): on an oversubscribed
+machine OpenMP's spin-waiting makes multi-threaded tensor copies erratic (a
+64 MiB clone took 0.02-1.0 s with 2 threads, a steady 0.035 s with 1).
 
 Measured (``results`` keys):
 
@@ -59,7 +64,7 @@ JSON (``--json`` prints one object; every figure is in it):
     url                the URL given
     workdir            the folder written into
     repeat             repeats per measurement
-    host               {"cpus", "python", "torch", "platform", "fs"}
+    host               {"cpus", "torch_threads", "python", "torch", "platform", "fs"}
     cache              {"method": "drop_caches"|"fadvise"|"none", "note": text}
     load               {"other_cores_mean", "other_cores_max", "loadavg_start", "loadavg_end"}
     state              {"bytes", "tensors", "param_bytes", "mix": {large|medium|small: {count, bytes}}, "shape"}
@@ -565,6 +570,12 @@ def dcp_load(path: str, state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- measuring
+def quiesce() -> None:
+    """Before a measurement (not timed): no garbage, no dirty pages or pending discards from the last one."""
+    gc.collect()
+    os.sync()
+
+
 class Samples:
     """Every sample of every measurement, with the CPU other processes used meanwhile."""
 
@@ -577,7 +588,7 @@ class Samples:
         self.other.setdefault(name, []).append(other)
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
-        gc.collect()
+        quiesce()
         meter = CpuMeter()
         t0 = time.perf_counter()
         out = fn()
@@ -712,7 +723,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         sm.timed("dcp_load", lambda: dcp_load(path, state_dict_of(model, opt)))
         rmtree(path)
         path = d(f"dcp-async-{r}")
-        gc.collect()
+        quiesce()
         meter = CpuMeter()
         t0 = time.perf_counter()
         fut = dcp_async_save(path, state_dict_of(model, opt))
@@ -733,7 +744,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         _clear_run(rl)
 
     def g_rl_async(r: int) -> None:
-        gc.collect()
+        quiesce()
         meter = CpuMeter()
         t0 = time.perf_counter()
         handle = rl_async.save_async(next(step))
@@ -868,7 +879,7 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
         cache.drop(rl.storage.root)
         sm.timed("rl_restore", lambda: rl.restore())
         _clear_run(rl)
-        gc.collect()
+        quiesce()
         t0 = time.perf_counter()
         handle = rl.save_async(next(step))
         sm.add("rl_async_block", time.perf_counter() - t0, None)
@@ -987,7 +998,7 @@ def format_compare(out: dict) -> str:
         f"{human(mix['medium']['bytes'])}, small {mix['small']['count']} = {human(mix['small']['bytes'])}); "
         f"hidden {st['shape']['hidden']}, {st['shape']['blocks']} blocks",
         f"medians of {out['repeat']} interleaved repeat(s); filesystem {out['host']['fs']['fstype']} on "
-        f"{out['host']['fs']['source']}; {out['host']['cpus']} CPUs",
+        f"{out['host']['fs']['source']}; {out['host']['cpus']} CPUs, torch threads {out['host']['torch_threads']}",
         f"cache: {out['cache']['note']}",
         f"noise: other processes used {_f(out['load']['other_cores_mean'], '{:.2f}')} cores on average "
         f"(max {_f(out['load']['other_cores_max'], '{:.2f}')}) during the measurements; load average "
@@ -1127,11 +1138,16 @@ def run(args) -> dict:
         raise BenchUsageError("--repeat must be >= 1")
     if args.tensors is not None and args.tensors < 4:
         raise BenchUsageError("--tensors must be >= 4")
+    if args.threads < 0:
+        raise BenchUsageError("--threads must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="rl-ckpt-bench-", dir=base)
     cache = CacheDropper(args.cache)
     out: dict = {
         "mode": "scaling" if args.scaling else "compare", "url": args.url, "workdir": workdir, "repeat": args.repeat,
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                 "python": platform.python_version(), "torch": torch.__version__,
                  "platform": platform.platform(), "fs": fs_info(workdir)},
         "cache": {"method": cache.method, "note": cache.note},
     }
@@ -1164,6 +1180,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time engine.save with xxh3_128 and/or verify_after_write=False")
     p.add_argument("--cache", choices=["drop", "fadvise", "none"], default="drop",
                    help="how reads are made cold: drop_caches (falls back to fadvise), fadvise, none")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads while measuring (default 1: on a shared machine OpenMP spin-waits make "
+                        "multi-threaded copies erratic; 0 keeps torch's default)")
     p.add_argument("--scaling", action="store_true",
                    help="instead: how cost grows with state size (--sizes) and snapshot count (--counts)")
     p.add_argument("--sizes", default=None, help=f"with --scaling: state sizes (default {DEFAULT_SIZES})")

@@ -39,7 +39,7 @@ def test_bench_json_table_and_plot(tmp_path):
         assert key in out, key
     assert out["mode"] == "compare" and out["repeat"] == 1
     assert out["cache"]["method"] == "fadvise"
-    for key in ("cpus", "python", "torch", "platform", "fs"):
+    for key in ("cpus", "torch_threads", "python", "torch", "platform", "fs"):
         assert key in out["host"]
     for key in ("other_cores_mean", "other_cores_max", "loadavg_start", "loadavg_end"):
         assert key in out["load"]

@@ -43,6 +43,7 @@ S3 (s3fs) specifics, each checked against moto's S3 server in
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import time
 import uuid
@@ -51,7 +52,11 @@ from typing import BinaryIO, Iterable
 from ..errors import CommitConflictError, StorageError
 from .base import Entry, Storage, check_relpath
 
+log = logging.getLogger("rl_ckpt")
 _S3_PROTOCOLS = ("s3", "s3a")
+PARALLEL_UPLOAD_BYTES = 64 * 1024 * 1024  # larger S3 writes go as one multipart upload with parallel parts
+PART_BYTES = 16 * 1024 * 1024
+UPLOAD_CONCURRENCY = 8
 _TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
 _CONFLICT_RETRIES = 8
 _DELETE_BATCH = 1000
@@ -140,6 +145,13 @@ class FsspecStorage(Storage):
             data = b"".join(memoryview(c).cast("B") for c in chunks)
             self._create_only(full, path, data)
             return len(data)
+        if hasattr(self.fs, "_call_s3"):
+            views = [memoryview(c).cast("B") for c in chunks]  # zero-copy; errors of the producer propagate
+            total = sum(v.nbytes for v in views)
+            if total >= PARALLEL_UPLOAD_BYTES:
+                self._parallel_upload(full, path, views)
+                return total
+            chunks = views
         try:
             f = self.fs.open(full, "wb")
         except Exception as exc:
@@ -162,6 +174,83 @@ class FsspecStorage(Storage):
             raise self._error(exc, "cannot write", path) from exc
         return total
 
+    def _parallel_upload(self, full: str, path: str, views: list) -> None:
+        """One multipart upload with up to ``UPLOAD_CONCURRENCY`` parts in flight; aborted on any failure."""
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        parts: list[bytes] = []
+        pending: list[memoryview] = []
+        size = 0
+        for view in views:
+            while view.nbytes:
+                take = min(view.nbytes, PART_BYTES - size)
+                pending.append(view[:take])
+                size += take
+                view = view[take:]
+                if size == PART_BYTES:
+                    parts.append(b"".join(pending))
+                    pending, size = [], 0
+        if pending:
+            parts.append(b"".join(pending))
+        bucket, key, _ = self.fs.split_path(full)
+        fs = self.fs
+
+        async def upload() -> None:
+            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+            upload_id = mpu["UploadId"]
+            gate = asyncio.Semaphore(UPLOAD_CONCURRENCY)
+
+            async def put(number: int, body: bytes) -> dict:
+                async with gate:
+                    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                                            PartNumber=number, Body=body)
+                    return {"PartNumber": number, "ETag": out["ETag"]}
+
+            try:
+                done = await asyncio.gather(*(put(i + 1, body) for i, body in enumerate(parts)))
+                await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                                  MultipartUpload={"Parts": list(done)})
+            except BaseException:
+                try:  # nothing half-written may be published; gc aborts what this could not
+                    await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                except Exception as abort_error:
+                    log.warning("could not abort multipart upload of %s: %s", full, abort_error)
+                raise
+
+        try:
+            sync(self.fs.loop, upload)
+        except Exception as exc:
+            raise self._error(exc, "cannot upload", path) from exc
+        self.fs.invalidate_cache(full)
+
+    def abort_incomplete_uploads(self, older_than_seconds: float) -> list[str]:
+        """Abort multipart uploads under this root started more than ``older_than_seconds`` ago (S3 only)."""
+        if not hasattr(self.fs, "_call_s3"):
+            return []
+        import datetime as dt
+
+        from fsspec.asyn import sync
+
+        bucket, prefix, _ = self.fs.split_path(self.root)
+        fs = self.fs
+        now = dt.datetime.now(dt.timezone.utc)
+
+        async def sweep() -> list[str]:
+            out = await fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+            aborted = []
+            for up in out.get("Uploads", []):
+                if (now - up["Initiated"]).total_seconds() >= older_than_seconds:
+                    await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    aborted.append(up["Key"])
+            return aborted
+
+        try:
+            return sync(self.fs.loop, sweep)
+        except Exception as exc:
+            raise self._error(exc, "cannot list multipart uploads under", ".") from exc
+
     def _abandon(self, f, full: str) -> None:
         """Throw away a half-written file without publishing it (best effort)."""
         from fsspec.spec import AbstractBufferedFile
@@ -173,8 +262,8 @@ class FsspecStorage(Storage):
             else:
                 f.close()
                 self.fs.rm_file(full)  # e.g. memory://, where the file is visible from open()
-        except Exception:
-            pass
+        except Exception as exc:  # best effort: gc removes whatever remains
+            log.warning("could not abandon partial upload of %s: %s", full, exc)
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         full = self._abs(path)
