@@ -75,3 +75,27 @@ class Participant:
     def bytes_sent(self) -> int:
         return self.engine.commit.bytes_sent
 
+
+
+class GlooLearner:
+    """A learner rank in a real torch.distributed gloo group, checkpointing through the manager."""
+
+    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world: int, init: str) -> None:
+        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(16, 16)
+        self.rank = rank
+        torch.manual_seed(100 + rank)
+        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, keep_latest=5)
+        self.engine.register("policy", self.model)
+        self.engine.register("rng", RNGState())
+
+    def save(self, step: int) -> str:
+        with torch.no_grad():
+            self.model.weight.fill_(float(step))
+        torch.rand(3)  # move this rank's RNG
+        return self.engine.save(step).snapshot_id
+
+    def restore(self) -> tuple:
+        result = self.engine.restore()
+        return result.snapshot_id, float(self.model.weight[0, 0]), dict(result.skipped)
