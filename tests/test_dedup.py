@@ -95,7 +95,7 @@ def test_dedup_restore_export_and_corruption(tmp_path):
 
     only2 = set(manifest_objects(manifest2)) - set(manifest_objects(manifest1))
     digest = next(iter(only2))
-    path = tmp_path / "run" / object_path("sha256", digest)
+    path = tmp_path / "run" / object_path(e2.config.checksum_algo, digest)
     data = bytearray(path.read_bytes())
     data[7] ^= 0x40
     path.write_bytes(bytes(data))
@@ -121,7 +121,7 @@ def test_gc_sweeps_only_unreferenced_objects_and_refuses_when_unsure(tmp_path):
     objects = tmp_path / "run" / "objects"
     live = {p.name for p in objects.rglob("*") if p.is_file()}
     assert len(live) == 2
-    orphan = objects / "sha256" / "ff" / ("ff" * 32)
+    orphan = objects / e.config.checksum_algo / "ff" / ("ff" * 32)
     orphan.parent.mkdir(parents=True, exist_ok=True)
     orphan.write_bytes(b"orphan")
     (tmp_path / "run" / "step_000000002" / "meta.json").write_text("{broken")  # now references are unknown

@@ -7,7 +7,6 @@ touched, and nothing is ever unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine, CheckpointError, NoValidSnapshotError, SchemaVersionError, UnsafePathError
+from rl_ckpt.checksum import digest_bytes
 from rl_ckpt.reader import read_manifest
 from rl_ckpt.storage import open_storage
 
@@ -54,7 +54,7 @@ def _rewrite_manifest(snap, mutate) -> None:
 def _set_file(meta, name, data: bytes, new_path=None):
     for f in meta["files"]:
         if f["path"] == name:
-            f["size"], f["checksum"] = len(data), hashlib.sha256(data).hexdigest()
+            f["size"], f["checksum"] = len(data), digest_bytes(f["algo"], data)
             if new_path:
                 f["path"] = new_path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -12,6 +11,7 @@ import torch
 
 from helpers import PPOState, assert_same_state
 from rl_ckpt import CheckpointEngine, NoValidSnapshotError
+from rl_ckpt.checksum import digest_bytes
 from rl_ckpt.cli import main as cli
 from rl_ckpt.coordinator import FailureInfo
 
@@ -64,7 +64,7 @@ def test_restore_falls_back_when_the_post_load_probe_disagrees(tmp_path):
     meta = json.loads(meta_path.read_text())
     for f in meta["files"]:
         if f["path"] == "policy.safetensors":
-            f["checksum"] = hashlib.sha256(bytes(data)).hexdigest()
+            f["checksum"] = digest_bytes(f["algo"], bytes(data))
     meta_path.write_text(json.dumps(meta))
     assert CheckpointEngine(**cfg).verify().ok  # checksums alone see nothing wrong
 
