@@ -31,7 +31,10 @@ pages, discards or garbage left by the one before. The machine may be shared:
 the CPU used by other processes during each measurement is recorded, and torch
 runs with 1 intra-op thread by default (``--threads``): on an oversubscribed
 machine OpenMP's spin-waiting makes multi-threaded tensor copies erratic (a
-64 MiB clone took 0.02-1.0 s with 2 threads, a steady 0.035 s with 1).
+64 MiB clone took 0.02-1.0 s with 2 threads, a steady 0.035 s with 1). On a
+VM with free page reporting (virtio_balloon), freed memory goes back to the
+host within seconds and its next first touch is slow: every method that
+allocates fresh buffers pays for it erratically (the output says when it is on).
 
 Measured (``results`` keys):
 
@@ -64,7 +67,7 @@ JSON (``--json`` prints one object; every figure is in it):
     url                the URL given
     workdir            the folder written into
     repeat             repeats per measurement
-    host               {"cpus", "torch_threads", "python", "torch", "platform", "fs"}
+    host               {"cpus", "torch_threads", "python", "torch", "platform", "fs", "page_reporting"}
     cache              {"method": "drop_caches"|"fadvise"|"none", "note": text}
     load               {"other_cores_mean", "other_cores_max", "loadavg_start", "loadavg_end"}
     state              {"bytes", "tensors", "param_bytes", "mix": {large|medium|small: {count, bytes}}, "shape"}
@@ -384,6 +387,15 @@ class CpuMeter:
             return None
         t = os.times()
         return max(0.0, (b - self._b) - (t[0] + t[1] + t[2] + t[3] - self._own)) / wall
+
+
+def free_page_reporting() -> bool:
+    """True when the guest hands freed memory back to its hypervisor (virtio_balloon free page reporting)."""
+    try:
+        with open("/sys/module/page_reporting/parameters/reported_kib", encoding="ascii") as f:
+            return int(f.read().strip() or 0) > 0
+    except (OSError, ValueError):
+        return False
 
 
 def loadavg() -> float | None:
@@ -1003,6 +1015,11 @@ def format_compare(out: dict) -> str:
         f"noise: other processes used {_f(out['load']['other_cores_mean'], '{:.2f}')} cores on average "
         f"(max {_f(out['load']['other_cores_max'], '{:.2f}')}) during the measurements; load average "
         f"{_f(out['load']['loadavg_start'], '{:.2f}')} -> {_f(out['load']['loadavg_end'], '{:.2f}')}",
+    ]
+    if out["host"].get("page_reporting"):
+        lines.append("note: this VM reports freed memory to its host (virtio_balloon free page reporting): the first touch "
+                     "of fresh memory (new buffers, page cache) is slow and erratic; reused buffers are not")
+    lines += [
         "",
         "time ratios: x floor / x torch / x safetensors / x DCP = this row's seconds / theirs (same op; < 1 is faster)",
     ]
@@ -1148,7 +1165,7 @@ def run(args) -> dict:
         "mode": "scaling" if args.scaling else "compare", "url": args.url, "workdir": workdir, "repeat": args.repeat,
         "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "python": platform.python_version(), "torch": torch.__version__,
-                 "platform": platform.platform(), "fs": fs_info(workdir)},
+                 "platform": platform.platform(), "fs": fs_info(workdir), "page_reporting": free_page_reporting()},
         "cache": {"method": cache.method, "note": cache.note},
     }
     la0 = loadavg()

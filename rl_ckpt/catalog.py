@@ -81,6 +81,7 @@ class Catalog:
         self._lock = threading.RLock()
         self._infos: dict[str, SnapshotInfo] | None = None
         self._unreadable: dict[str, Unreadable] = {}
+        self.version = 0  # bumped by every change other than an add (caches of derived facts key on it)
 
     def refresh(self) -> None:
         infos, bad = {}, {}
@@ -105,6 +106,7 @@ class Catalog:
                 infos[sid].quarantined = why
         with self._lock:
             self._infos, self._unreadable = infos, bad
+            self.version += 1
 
     def _ensure(self) -> dict[str, SnapshotInfo]:
         if self._infos is None:
@@ -126,6 +128,7 @@ class Catalog:
             info = self._ensure().get(snapshot_id)
             if info is not None:
                 info.quarantined = reason
+            self.version += 1
 
     def unreadable(self) -> list[Unreadable]:
         self._ensure()
@@ -145,3 +148,4 @@ class Catalog:
             for sid in snapshot_ids:
                 infos.pop(sid, None)
                 self._unreadable.pop(sid, None)
+            self.version += 1

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-CHECKSUM_ALGOS = ("sha256", "blake3", "xxh3_128")
+CHECKSUM_ALGOS = ("xxh3_128", "blake3", "sha256")
 BEST_MODES = ("max", "min")
 DEFAULT_LIGHT_COMPONENTS = ("progress", "rng", "lr_scheduler", "scheduler")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -119,7 +119,10 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "keep_interval_steps": (None, _int(1, optional=True), "Also keep every snapshot whose step is a multiple of N (archive points)."),
     "atomic_write": (True, _bool, "Stage the snapshot and publish it with one atomic rename (local/NFS)."),
     "verify_after_write": (True, _bool, "Re-read every written file and compare checksums before committing."),
-    "checksum_algo": ("sha256", _choice(CHECKSUM_ALGOS), "Checksum of every file: sha256, blake3 or xxh3_128."),
+    # xxh3_128 by default: 20+ GB/s here against 1.7 GB/s for sha256, and a save hashes twice. It is a
+    # 128-bit corruption check, not a security hash; neither is sha256 in an unsigned manifest, since
+    # whoever can rewrite a shard can rewrite the manifest too. sha256 stays one key away.
+    "checksum_algo": ("xxh3_128", _choice(CHECKSUM_ALGOS), "Checksum of every file: xxh3_128 (fast, detects corruption), blake3 or sha256 (cryptographic)."),
     "save_optimizer": (True, _bool, "Save optimizer components (torch.optim.Optimizer)."),
     "save_rng_state": (True, _bool, "Save RNGState components."),
     "save_replay_buffer": (True, _bool, "Save components named like *buffer*."),

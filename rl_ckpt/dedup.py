@@ -101,12 +101,14 @@ def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearr
     return data
 
 
-def read_tensor_bytes(storage: Storage, algo: str, chunks: list) -> bytearray:
-    """Reassemble one tensor's bytes from its verified chunks."""
+def read_tensor_bytes(storage: Storage, algo: str, chunks: list):
+    """Reassemble one tensor's bytes from its verified chunks (into a buffer that is not zero-filled first)."""
+    import numpy as np
+
     total = sum(size for _digest, size in chunks)
-    out = bytearray(total)
+    out = np.empty(total, dtype=np.uint8)
     pos = 0
     for digest, size in chunks:
-        out[pos:pos + size] = check_object(storage, algo, digest, size)
+        out[pos:pos + size] = np.frombuffer(check_object(storage, algo, digest, size), dtype=np.uint8)
         pos += size
     return out

@@ -156,7 +156,8 @@ class CheckpointEngine:
             self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor())
         self.last_save_time = time.monotonic()
         self.last_retention: RetentionDecision | None = None
-        self.sweep_in_gc_only = False  # set by the manager: participants may be reusing chunks right now
+        self.sweep_in_gc_only = False
+        self._best_cache: tuple[int, dict | None] = (-1, None)  # set by the manager: participants may be reusing chunks right now
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
         self._patrol = None
@@ -434,7 +435,17 @@ class CheckpointEngine:
         cfg = self.config
         metrics = cfg.best_metric if isinstance(cfg.best_metric, list) else [cfg.best_metric]
         modes = cfg.best_mode if isinstance(cfg.best_mode, list) else [cfg.best_mode] * len(metrics)
-        for metric, sid in best_per_metric(snapshots, metrics, modes).items():
+        version, cached = self._best_cache
+        if version == self.catalog.version and cached is not None:
+            # Only adds since the last look: the best is the old best or one of the new snapshots.
+            known = set(cached.get("_seen", ()))
+            fresh = [i for i in snapshots if i.snapshot_id not in known]
+            pool = [i for i in snapshots if i.snapshot_id in {v for k, v in cached.items() if k != "_seen"}] + fresh
+        else:
+            pool = snapshots
+        best = best_per_metric(pool, metrics, modes)
+        self._best_cache = (self.catalog.version, {**best, "_seen": [i.snapshot_id for i in snapshots]})
+        for metric, sid in best.items():
             info = self.catalog.get(sid)
             mode = modes[metrics.index(metric)]
             body = {"snapshot_id": sid, "global_step": info.global_step if info else None, "metric": metric,

@@ -61,6 +61,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .checksum import digest_bytes
 from .errors import CheckpointError, CommitConflictError, StorageError
 
 SCENARIOS = ("sigkill", "power", "corruption", "errors", "s3", "concurrent", "malicious")
@@ -78,8 +79,8 @@ class Profile:
     kill_when: tuple[str, ...] = ("before", "after")
     # "after op k" leaves the disk as "before op k+1" does; quick runs it where the phase changes meaning
     kill_after_phases: tuple[str, ...] = ("commit", "after-commit")
-    random_kills: int = 32
-    random_kill_max_delay: float = 0.06
+    random_kills: int = 48
+    random_kill_max_delay: float = 0.3  # a child's first save takes ~0.1 s (fsyncs): kills land 0-3 saves in
     power_mixes: int = 0  # random keep/undo mixes per cut point, besides the full rollback
     flips: tuple[str, ...] = ("middle",)
     truncations: tuple[str, ...] = ("tail",)
@@ -100,7 +101,7 @@ class Profile:
 PROFILES = {
     "quick": Profile("quick"),
     "long": Profile(
-        "long", kill_after_phases=("write", "commit", "after-commit"), random_kills=400, random_kill_max_delay=0.08,
+        "long", kill_after_phases=("write", "commit", "after-commit"), random_kills=400, random_kill_max_delay=0.4,
         power_mixes=4, power_save_after=True, s3_variants=(False, True),
         flips=("first", "middle", "last", "random", "random"), truncations=("tail", "half", "empty"),
         manifest_flips=None, manifest_sweep_variants=((False, True), (True, True), (False, False)),
@@ -678,7 +679,6 @@ class Suite:
             raise ValueError(f"mode must be one of {sorted(PROFILES)}")
         self.profile = PROFILES[mode]
         self.workers = workers or self.profile.workers
-        self._own_root = base_dir is None
         parent = base_dir or tempfile.gettempdir()
         os.makedirs(parent, exist_ok=True)
         self.root = tempfile.mkdtemp(prefix=f"rlckpt-faults-{mode}-", dir=parent)
@@ -691,11 +691,20 @@ class Suite:
         self._templates: dict[str, str] = {}
         self._s3: S3Endpoint | None = None
         self._s3_options = s3_storage_options
-        self.ctx = mp.get_context("forkserver")
-        # pandas: pyarrow imports it on the first array it builds (0.2 s in every child otherwise)
-        # s3fs/botocore: every S3 writer process would import them again
-        self.ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "pandas", "s3fs", "rl_ckpt", "rl_ckpt.engine",
-                                         "rl_ckpt.fault_suite"])
+        self._ctx = None
+
+    @property
+    def ctx(self):
+        """The forkserver context, its preloads set when the first child is about to start (the preload
+        list is process-wide; it only matters if this process has not started its forkserver yet)."""
+        if self._ctx is None:
+            ctx = mp.get_context("forkserver")
+            # pandas: pyarrow imports it on the first array it builds (0.2 s in every child otherwise);
+            # s3fs/botocore: every S3 writer process would import them again
+            ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "pandas", "s3fs", "rl_ckpt", "rl_ckpt.engine",
+                                        "rl_ckpt.fault_suite"])
+            self._ctx = ctx
+        return self._ctx
 
     # -- plumbing --------------------------------------------------------------------------
     def s3(self) -> S3Endpoint:
@@ -708,9 +717,9 @@ class Suite:
         if self._s3 is not None:
             self._s3.close()
             self._s3 = None
-        if self._own_root and not self.kept:
+        if not self.kept:
             shutil.rmtree(self.root, ignore_errors=True)
-        else:
+        else:  # keep the failed cases (listed in the report) for a person to look at
             shutil.rmtree(os.path.join(self.root, "_templates"), ignore_errors=True)
             shutil.rmtree(self.journal_dir, ignore_errors=True)
 
@@ -799,10 +808,12 @@ class Suite:
     def check(self, res: ScenarioResult, variant: str, label: str, target, *, must_list: set[int], allowed: set[int],
               acked_max: int | None, in_flight: int | None, save_after: int | None = None, gc: bool = True,
               writer: int | None = None, outside_before: dict | None = None,
-              damaged: frozenset = frozenset()) -> tuple[bool, int | None]:
+              damaged: frozenset = frozenset(), retention_keeps: int | None = None) -> tuple[bool, int | None]:
         """Every invariant after a fault; violations go into ``res``. Returns (all held, restored step).
 
         ``damaged``: snapshot ids the case broke on purpose (they may fail verify and be skipped).
+        ``retention_keeps``: an acknowledged step may be gone only if at least this many newer snapshots
+        are listed (retention retired it in their favour: keep_latest).
         """
         from .gc import find_debris, find_unreferenced_objects
 
@@ -821,6 +832,11 @@ class Suite:
             engine, model, buf = build(target.cfg, target.storage())
             listed = sorted(i.global_step for i in engine.snapshots())
             missing = must_list - set(listed)
+            if retention_keeps:
+                retired = {s for s in missing if sum(1 for x in listed if x > s) >= retention_keeps}
+                if retired:
+                    res.note("acknowledged snapshots retired by retention in favour of newer ones", len(retired))
+                missing -= retired
             if missing:
                 bad("acked_lost", f"acknowledged step(s) {sorted(missing)} not listed (listed: {listed})", len(missing))
             if set(listed) - allowed:
@@ -919,6 +935,12 @@ class Suite:
         target = self.case(f"kill-{variant}-{k}-{when}", kw, tpl)
         before = target.outside()
         code, acks = self.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
+        if code not in (-signal.SIGKILL, 0, 3):  # 255: the forkserver lost the child (host trouble), not our kill
+            part.note(f"harness: child lost (exit {code}), case run again")
+            self.done(target, True)
+            target = self.case(f"kill-{variant}-{k}-{when}-again", kw, tpl)
+            before = target.outside()
+            code, acks = self.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
         part.tried += 1
         part.injected[f"SIGKILL {when} op"] += 1
         part.note(f"kill points in phase {mark}")
@@ -960,11 +982,12 @@ class Suite:
             if acks:
                 last_ack = max(last_ack, acks[-1])
                 res.note("random kills: saves acknowledged", len(acks))
+                res.note("random kills after at least one acknowledged save")
             in_flight = (acks[-1] + 1) if acks else start  # the save that was running when the kill came
             ok, restored = self.check(res, variant, f"random kill {i}", target,
                                       must_list={last_ack} if last_ack >= 0 else set(), allowed=set(range(in_flight + 1)),
                                       acked_max=last_ack if last_ack >= 0 else None, in_flight=in_flight,
-                                      outside_before=outside)
+                                      outside_before=outside, retention_keeps=target.cfg["keep_latest"])
             all_ok &= ok
             start = 0 if restored is None else restored + 1
         self.done(target, all_ok)
@@ -1182,6 +1205,9 @@ class Suite:
             part.note(f"verify missed: {field}")
         elif outcome.startswith("undetected: restore loaded"):
             part.note("sweep: unnoticed, load unaffected")
+            part.note(f"verify missed: {field}")
+        elif outcome.startswith("restore gave up"):  # safe (nothing loaded), but no fallback to the intact step
+            part.note("sweep: restore refused, no fallback")
             part.note(f"verify missed: {field}")
         else:
             part.violate(variant, label, "undetected", outcome)
@@ -1456,7 +1482,8 @@ class Suite:
         return res
 
 
-SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "unnoticed, load unaffected", "corrupt load")
+SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "restore refused, no fallback",
+                  "unnoticed, load unaffected", "corrupt load")
 
 
 # -- helpers for the scenarios ---------------------------------------------------------------------
@@ -1553,8 +1580,9 @@ def plant_debris(run: str) -> None:
     put(".trash/step_000000000.host-1-2-dead0003/model.json")  # an interrupted retirement
     put(".tmp-host-1-2-dead0004-meta.json")  # an interrupted write_atomic
     put("step_000000002/host-1-2-dead0005/model.json")  # a losing writer's attempt inside a committed snapshot
-    put("objects/sha256/ff/ff" + "0" * 62)  # an object no manifest references
-    put("objects/sha256/ff/.tmp-host-1-2-dead0006-ff00")  # an interrupted object write
+    algo = sorted(os.listdir(os.path.join(run, "objects")))[0]  # the checksum algorithm the objects are named by
+    put(f"objects/{algo}/ff/ff" + "0" * 30)  # an object no manifest references
+    put(f"objects/{algo}/ff/.tmp-host-1-2-dead0006-ff00")  # an interrupted object write
 
 
 class Payload:
@@ -1588,7 +1616,7 @@ def _replace_file(target: LocalTarget, name: str, data: bytes, fix_checksum: boo
         def fix(meta: dict) -> None:
             for f in meta["files"]:
                 if f["path"] == name:
-                    f["size"], f["checksum"] = len(data), hashlib.sha256(data).hexdigest()
+                    f["size"], f["checksum"] = len(data), digest_bytes(f["algo"], data)
         _manifest(target, fix)
 
 
@@ -1634,7 +1662,8 @@ def _mal_symlink_snapshot(target: LocalTarget, marker: str) -> str:
 
 
 def _mal_symlink_object(target: LocalTarget, marker: str) -> str:
-    objects = os.path.join(target.run, "objects", "sha256")
+    objects = os.path.join(target.run, "objects")
+    objects = os.path.join(objects, sorted(os.listdir(objects))[0])  # objects/<algo>
     prefix = sorted(os.listdir(objects))[0]
     copy = os.path.join(target.parent, "outside", "objects-" + prefix)
     shutil.copytree(os.path.join(objects, prefix), copy)
@@ -1838,7 +1867,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the quick suite (default, < 90 s)")
     g.add_argument("--long", dest="mode", action="store_const", const="long", help="the long suite (10-20 minutes)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
-    p.add_argument("--base-dir", default=None, help="where case folders go (default: a temp folder, removed after)")
+    p.add_argument("--base-dir", default=None,
+                   help="where the suite's working folder goes (default: the temp dir); removed after the run "
+                        "unless a case failed (failed cases are kept there and listed in the report)")
     p.add_argument("--only", nargs="+", choices=SCENARIOS, help="run only these scenarios")
     p.add_argument("-q", "--no-progress", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)

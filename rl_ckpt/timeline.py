@@ -43,7 +43,10 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
     cat.refresh()
     snaps = [{"id": i.snapshot_id, "step": i.global_step, "kind": i.kind, "value": _num(i.metrics.get(metric)),
               "state": "quarantined" if i.quarantined else "kept"} for i in cat.snapshots()]
+    listed = {s["id"] for s in snaps}
     for r in _records(storage, "history/retired"):
+        if r["snapshot_id"] in listed:
+            continue  # the note is written before the deletion: a crash in between leaves it listed
         snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
                       "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
     best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best")}

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .dedup import ObjectWriter
 
 READ_CHUNK = 16 * 1024 * 1024
+HASH_SLICE = 4 * 1024 * 1024
 
 
 def write_hashed(storage: Storage, path: str, chunks: Iterable, algo: str) -> tuple[int, str]:
@@ -30,10 +31,15 @@ def write_hashed(storage: Storage, path: str, chunks: Iterable, algo: str) -> tu
     hasher = new_hasher(algo)
 
     def hashing() -> Iterator:
+        # Hash each slice right before it is written, while it is still in the CPU cache.
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
-            hasher.update(view)
-            yield view
+            for start in range(0, view.nbytes, HASH_SLICE):
+                piece = view[start:start + HASH_SLICE]
+                hasher.update(piece)
+                yield piece
+            if not view.nbytes:
+                yield view
 
     size = storage.write(path, hashing(), durable=True)
     return size, hasher.hexdigest()

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_defaults_and_kwargs():
     cfg = CheckpointConfig(base_dir="s3://bucket/prefix", keep_latest=2)
-    assert cfg.keep_latest == 2 and cfg.best_metric == "avg_reward" and cfg.checksum_algo == "sha256"
+    assert cfg.keep_latest == 2 and cfg.best_metric == "avg_reward" and cfg.checksum_algo == "xxh3_128"
     assert cfg.run_url == "s3://bucket/prefix/run"
     assert set(cfg.to_dict()) == set(FIELDS)
 
@@ -33,7 +33,7 @@ def test_dict_with_checkpoint_section_or_flat():
 
 @pytest.mark.parametrize("key,value,allowed", [
     ("keep_latest", 0, ">= 1"), ("keep_latest", "5", ">= 1"), ("keep_best", -1, ">= 0"),
-    ("checksum_algo", "md5", "sha256, blake3, xxh3_128"), ("best_mode", "up", "max, min"),
+    ("checksum_algo", "md5", "xxh3_128, blake3, sha256"), ("best_mode", "up", "max, min"),
     ("atomic_write", "yes", "true or false"), ("save_interval_seconds", -1, ">= 0"),
     ("run_name", "../escape", "no '/'"), ("storage_options", [1], "mapping"), ("best_metric", "", "name"),
 ])

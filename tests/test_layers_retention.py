@@ -124,7 +124,7 @@ def test_crash_during_retention_never_leaves_a_half_deleted_listed_snapshot(tmp_
     assert cli(["gc", str(tmp_path / "run"), "--grace", "0"]) == 0
     assert [i.global_step for i in CheckpointEngine(**cfg).snapshots()] == listed
     leftovers = {p.name for p in (tmp_path / "run").iterdir()} - {"step_000000001", "step_000000002", "step_000000003",
-                                                                 ".staging", ".trash"}
+                                                                 ".staging", ".trash", "history"}
     assert leftovers == set()
     assert not (tmp_path / "run" / ".trash").exists() or not any((tmp_path / "run" / ".trash").iterdir())
     assert proc.exitcode == -9, "the kill point was never reached"

@@ -91,8 +91,8 @@ class Storage(abc.ABC):
         """Publish a small standalone file all-or-nothing (temp + fsync + rename, or one PUT)."""
 
     @abc.abstractmethod
-    def read(self, path: str) -> bytearray:
-        """Read a whole regular file (links refused)."""
+    def read(self, path: str):
+        """Read a whole regular file (links refused) into a writable bytes-like buffer."""
 
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:

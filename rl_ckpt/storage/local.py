@@ -23,6 +23,8 @@ import shutil
 import stat
 from typing import BinaryIO, Iterable
 
+import numpy as np
+
 from ..errors import CheckpointError, CommitConflictError, StorageError, UnsafePathError
 from .base import Entry, Storage, check_relpath, unique_suffix
 
@@ -30,12 +32,26 @@ _MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
+_WRITEBACK_BYTES = 32 * 1024 * 1024
+_SYNC_FILE_RANGE_WRITE = 2
+
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _renameat2 = _libc.renameat2
     _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
     _renameat2 = None
+try:
+    _sync_file_range = _libc.sync_file_range
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+except (NameError, AttributeError):  # pragma: no cover
+    _sync_file_range = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a range back (no wait; errors surface at fsync)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _storage_error(exc: OSError, what: str, path: str) -> StorageError:
@@ -87,6 +103,7 @@ class LocalStorage(Storage):
     # -- writes ------------------------------------------------------------
     def _write_fd(self, fd: int, chunks: Iterable, durable: bool, shown: str) -> int:
         total = 0
+        started = 0  # bytes already handed to writeback
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
@@ -94,6 +111,11 @@ class LocalStorage(Storage):
                     n = os.write(fd, view[:_MAX_WRITE])
                     view = view[n:]
                     total += n
+                if durable and total - started >= _WRITEBACK_BYTES:
+                    # Start writeback now so the disk works while we hash and write the rest;
+                    # the final fsync still decides durability (this is only a head start).
+                    _start_writeback(fd, started, total - started)
+                    started = total
             if durable:
                 os.fsync(fd)
         except OSError as exc:
@@ -170,10 +192,11 @@ class LocalStorage(Storage):
             raise UnsafePathError(f"refused {path!r}: not a regular file", path=path)
         return fd, st.st_size
 
-    def read(self, path: str) -> bytearray:
+    def read(self, path: str):
+        """The whole file in a fresh, writable buffer (not zero-filled first: that alone costs a pass)."""
         fd, size = self._open_regular(path)
-        buf = bytearray(size)
-        view = memoryview(buf)
+        buf = np.empty(size, dtype=np.uint8)
+        view = memoryview(buf).cast("B")
         got = 0
         try:
             with os.fdopen(fd, "rb", buffering=0, closefd=True) as f:
