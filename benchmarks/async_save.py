@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="write into a fresh folder inside PATH (default: temp on repo disk)")
     ap.add_argument("--size-gib", type=float, default=1.0, help="total model + optimizer state (default 1.0)")
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds; medians reported (default 3)")
-    ap.add_argument("--algo", default="sha256", choices=CHECKSUM_ALGOS, help="checksum_algo (default sha256)")
+    ap.add_argument("--algo", default="xxh3_128", choices=CHECKSUM_ALGOS, help="checksum_algo (default xxh3_128, the engine default)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",

@@ -968,7 +968,7 @@ LABELS = [  # (op, key, label, floor key, peer keys by column)
     ("save", "torch_save", "torch.save+fsync"),
     ("save", "st_save", "safetensors save_file+fsync"),
     ("save", "dcp_save", "DCP save"),
-    ("save", "rl_save", "rl_ckpt save (sha256+verify)"),
+    ("save", "rl_save", "rl_ckpt save (defaults: xxh3_128+verify)"),
     ("save", "rl_save_xxh3", "rl_ckpt save xxh3_128+verify"),
     ("save", "rl_save_noverify", "rl_ckpt save sha256, no verify"),
     ("save", "rl_save_fast", "rl_ckpt save xxh3_128, no verify"),

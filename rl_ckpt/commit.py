@@ -100,8 +100,15 @@ class ManifestLastCommit(CommitStrategy):
         return Attempt(snapshot_id, attempt_id, prefix, attempt_id + "/")
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        # On a filesystem, the data files' names must be durable before the manifest that vouches
+        # for them, and the snapshot folder's name after it. Object stores have no folders to sync.
+        filesystem = self.storage.supports_rename
+        if filesystem:
+            self.storage.sync_dir(attempt.data_prefix)
         self.storage.write(join(attempt.snapshot_id, MANIFEST_NAME), [manifest], create_only=True, durable=True)
-        self.storage.sync_dir(attempt.snapshot_id)
+        if filesystem:
+            self.storage.sync_dir(attempt.snapshot_id)
+            self.storage.sync_dir("")
 
     def abort(self, attempt: Attempt) -> None:
         self.storage.remove_tree(attempt.data_prefix)

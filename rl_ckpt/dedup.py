@@ -70,8 +70,18 @@ class ObjectWriter:
             self.seen.add(digest)
             path = object_path(self.algo, digest)
             if digest in self.committed and self._present(path, chunk.nbytes):
-                self.bytes_reused += chunk.nbytes
-                continue
+                if verify:
+                    # Reused, not rewritten: with verify-after-write the new snapshot still vouches only
+                    # for bytes it has read back, so an object that rotted in place is rewritten.
+                    try:
+                        check_object(self.storage, self.algo, digest, chunk.nbytes)
+                        self.bytes_reused += chunk.nbytes
+                        continue
+                    except CorruptSnapshotError:
+                        pass  # fall through: write a good copy over the rotten one
+                else:
+                    self.bytes_reused += chunk.nbytes
+                    continue
             self.storage.makedirs(path.rsplit("/", 1)[0])
             self.storage.write_atomic(path, chunk)
             self.bytes_written += chunk.nbytes

@@ -1356,7 +1356,8 @@ class Suite:
         for step in (1, 2):
             save_step(engine, model, buf, step)
         before = target.outside()
-        err = StorageError(f"injected fault: HTTP 503 SlowDown on {op[0]} {op[1]} (retries exhausted)", path=op[1])
+        shown = op[1] or "."  # the run folder itself
+        err = StorageError(f"injected fault: HTTP 503 SlowDown on {op[0]} {shown} (retries exhausted)", path=shown)
         faulty.fail("*", nth=k + 1, error=err, after=when == "after")
         label = f"503 {when} request {k} ({op[0]}, {mark})"
         part.tried += 1

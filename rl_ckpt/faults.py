@@ -27,9 +27,11 @@ import errno as _errno
 import os
 import random
 import shutil
+import stat as _stat
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Callable, Iterable
 
 from .errors import CommitConflictError, StorageError
@@ -212,15 +214,49 @@ class Effect:
         return f"{self.kind} {self.path}{extra}"
 
 
+# -- seeing the fsyncs that really happen ---------------------------------------------
+# A folder fsync may be issued anywhere inside LocalStorage (sync_dir, after a rename, after a
+# mkdir...). Rather than trusting one method to be the only way, every live PowerLossStorage
+# observes os.fsync itself: a folder fsynced under its root makes the entry changes in it durable.
+_LIVE: "weakref.WeakSet[PowerLossStorage]" = weakref.WeakSet()
+_INSTALL_LOCK = threading.Lock()
+_real_fsync: Callable[[int], None] | None = None
+
+
+def _observing_fsync(fd: int) -> None:
+    _real_fsync(fd)  # type: ignore[misc]  # errors propagate exactly as before
+    if not _LIVE:
+        return
+    try:
+        if not _stat.S_ISDIR(os.fstat(fd).st_mode):
+            return
+        path = os.readlink(f"/proc/self/fd/{fd}")  # Linux; elsewhere only sync_dir() is seen
+    except OSError:
+        return
+    for storage in list(_LIVE):
+        if path == storage.root or path.startswith(storage.root + os.sep):
+            storage._observed_fsync(os.path.relpath(path, storage.root).replace(os.sep, "/"))
+
+
+def _observe_fsync() -> None:
+    global _real_fsync
+    with _INSTALL_LOCK:
+        if _real_fsync is None:
+            _real_fsync = os.fsync
+            os.fsync = _observing_fsync
+
+
 class PowerLossStorage(LocalStorage):
     """A local disk that can lose power: ``power_cut()`` undoes every effect that was not made durable.
 
     A :class:`LocalStorage` (the real one: same files, same fsyncs) that keeps
-    a journal of the effects of each call. Because it *is* the local storage,
-    the folder fsyncs that LocalStorage makes inside its own methods (after the
-    rename of ``write_atomic``, after a create-only link) count, exactly as on
-    a real disk. The model is strict POSIX, the worst case a file system may
-    legally show after a crash:
+    a journal of the effects of each call. The folder fsyncs that really
+    happen count, wherever LocalStorage issues them (``sync_dir``, after the
+    rename of ``write_atomic``, after a create-only link, after a mkdir): while
+    an instance is alive, ``os.fsync`` is observed and a folder fsynced under
+    its root (the path read from ``/proc/self/fd``) makes the entry changes in
+    that folder durable. The model is strict POSIX, the worst case a file
+    system may legally show after a crash:
 
     - File data is durable only once fsynced: ``write(..., durable=False)``
       data is lost (the file is left empty); ``durable=True`` data survives.
@@ -251,6 +287,8 @@ class PowerLossStorage(LocalStorage):
         os.makedirs(self.journal_dir, exist_ok=True)
         self._backups = 0
         self._lock = threading.RLock()
+        _observe_fsync()
+        _LIVE.add(self)
 
     # -- helpers -------------------------------------------------------------
     def _full(self, path: str) -> str:
@@ -286,6 +324,11 @@ class PowerLossStorage(LocalStorage):
             if e.kind == "rename" and _parent(e.src) == folder:
                 e.src_durable = True
         self._prune()
+
+    def _observed_fsync(self, folder: str) -> None:
+        """``os.fsync`` of the folder ``folder`` (relative to the root; "." is the root) just returned."""
+        with self._lock:
+            self._synced("" if folder == "." else folder)
 
     def _prune(self) -> None:
         for e in [e for e in self.journal if e.durable]:
@@ -485,6 +528,7 @@ class PowerLossStorage(LocalStorage):
             self._synced(path)
 
     def close(self) -> None:
+        _LIVE.discard(self)
         with self._lock:
             for e in list(self.journal):
                 self._drop(e)

@@ -99,7 +99,11 @@ class Manifest:
         return d
 
     def to_bytes(self) -> bytes:
-        return json.dumps(self.to_json(), indent=1, sort_keys=True, allow_nan=False).encode()
+        """JSON with ``manifest_checksum``: a checksum of its own canonical form, so a flipped bit
+        anywhere in the manifest (a key, a step, a size) is caught, not silently misread."""
+        d = self.to_json()
+        d["manifest_checksum"] = _self_checksum(d)
+        return json.dumps(d, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "Manifest":
@@ -109,6 +113,14 @@ class Manifest:
             d = json.loads(bytes(data))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise _corrupt(where, f"manifest is not valid JSON ({exc})") from None
+        if isinstance(d, dict) and "manifest_checksum" in d:
+            recorded = d.pop("manifest_checksum")
+            try:
+                ok = recorded == _self_checksum(d)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise _corrupt(where, "manifest checksum mismatch: meta.json changed after it was written")
         return cls.from_json(d, where)
 
     @classmethod
@@ -142,6 +154,13 @@ class Manifest:
         if len(set(paths)) != len(paths):
             raise _corrupt(where, "a file is listed twice")
         return m
+
+
+def _self_checksum(d: dict) -> str:
+    from .checksum import digest_bytes
+
+    canon = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return "xxh3_128:" + digest_bytes("xxh3_128", canon)
 
 
 def now_iso() -> str:

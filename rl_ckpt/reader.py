@@ -14,7 +14,7 @@ from typing import Any
 from . import safetensors_io
 from .checksum import new_hasher
 from .errors import CheckpointError, CorruptSnapshotError, StorageError, UnsafePathError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, parse_snapshot_id
 from .state_codec import decode_state
 from .storage import Storage, join
 from .writer import hash_file
@@ -65,6 +65,12 @@ def read_manifest(storage: Storage, snapshot_id: str) -> Manifest:
         raise CorruptSnapshotError(f"{snapshot_id}: cannot read manifest ({exc})", snapshot_id=snapshot_id,
                                    problems=[str(exc)]) from exc
     manifest = Manifest.from_bytes(data, snapshot_id)
+    parsed = parse_snapshot_id(snapshot_id)
+    if parsed is not None and (parsed[0] != manifest.global_step or parsed[2] != manifest.kind):
+        raise CorruptSnapshotError(
+            f"{snapshot_id}: manifest says step {manifest.global_step} ({manifest.kind}); the folder name says "
+            f"step {parsed[0]} ({parsed[2]}). The manifest is corrupt; refusing it",
+            snapshot_id=snapshot_id, problems=["step/kind mismatch"])
     if manifest.snapshot_id != snapshot_id:
         raise CorruptSnapshotError(
             f"{snapshot_id}: manifest names snapshot {manifest.snapshot_id!r}; it was copied or renamed, refusing it",

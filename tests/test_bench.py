@@ -39,7 +39,7 @@ def test_bench_json_table_and_plot(tmp_path):
         assert key in out, key
     assert out["mode"] == "compare" and out["repeat"] == 1
     assert out["cache"]["method"] == "fadvise"
-    for key in ("cpus", "torch_threads", "python", "torch", "platform", "fs"):
+    for key in ("cpus", "torch_threads", "python", "torch", "platform", "fs", "page_reporting"):
         assert key in out["host"]
     for key in ("other_cores_mean", "other_cores_max", "loadavg_start", "loadavg_end"):
         assert key in out["load"]
@@ -64,7 +64,7 @@ def test_bench_json_table_and_plot(tmp_path):
 
     # The table, from the same function the CLI uses.
     text = bench.format_compare(out)
-    assert "rl_ckpt save (sha256+verify)" in text and "torch.load(weights_only)" in text and "DCP save" in text
+    assert "rl_ckpt save (defaults: xxh3_128+verify)" in text and "torch.load(weights_only)" in text and "DCP save" in text
     assert "goals (medians of this run)" in text and ("MET" in text or "MISSED" in text)
 
 

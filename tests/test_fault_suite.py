@@ -4,10 +4,10 @@
 its own forkserver with its own preloads, its own moto S3 endpoint, and the real entry point) and
 assert every invariant figure.
 
-Four bugs the suite found in files outside this test's scope are pinned by strict xfail tests below
-(``test_known_bug_*``). Until they are fixed, the violations they cause are set aside in the
-figure tests by ``KNOWN_BUGS``; once a fix lands its xfail test XPASSes (a failure, as it is
-strict): then delete that test's marker and its entry in ``KNOWN_BUGS``.
+The bugs the suite found (docs/reliability.md, "Findings") each have a small regression test
+below (``test_regression_*``); they were strict xfail tests until the fixes landed. If the suite
+finds a new bug, pin it the same way: a strict xfail test naming the file and function, and a
+predicate in ``KNOWN_BUGS`` so the figure tests set its violations aside until it is fixed.
 """
 
 from __future__ import annotations
@@ -32,30 +32,8 @@ from rl_ckpt.faults import FaultyStorage, PowerCut, PowerLossStorage
 # -- the quick suite ------------------------------------------------------------------------------
 
 
-def _power_dedup(v: dict) -> bool:  # storage/local.py:LocalStorage.makedirs
-    return v["scenario"] == "power" and v["variant"].startswith("dedup/")
-
-
-def _power_manifest_last(v: dict) -> bool:  # commit.py:ManifestLastCommit.commit (+ makedirs for a first save)
-    return v["scenario"] == "power" and "/manifest-last/" in v["variant"]
-
-
-def _dedup_reuses_rotten(v: dict) -> bool:  # dedup.py:ObjectWriter.put
-    return (v["scenario"] == "corruption" and "dedup object (shared)" in v["case"] and v["kind"] == "broken_listed"
-            and "later save" in v["message"])
-
-
-def _manifest_step_unchecked(v: dict) -> bool:  # reader.py:read_manifest
-    return v["scenario"] == "corruption" and "manifest bit flip" in v["case"] and "global_step" in v["case"] \
-        and v["kind"] == "corrupt_load"
-
-
-KNOWN_BUGS = {
-    "power/dedup": _power_dedup,
-    "power/manifest-last": _power_manifest_last,
-    "dedup reuses a rotted object": _dedup_reuses_rotten,
-    "manifest global_step unchecked": _manifest_step_unchecked,
-}
+# name -> predicate(violation dict): True when a known, not yet fixed bug caused the violation.
+KNOWN_BUGS: dict = {}  # the bugs this suite found are fixed; their tests below are regressions now
 
 
 def _known(v: dict) -> bool:
@@ -115,6 +93,7 @@ def test_quick_suite_sigkill_figures(quick):
     assert s["injected"]["SIGKILL after op"] >= 30
     assert s["injected"]["SIGKILL at a random moment"] == PROFILES["quick"].random_kills
     assert s["max_rolled_back"] <= 1  # only the save in flight is ever lost
+    assert s["notes"]["random kills after at least one acknowledged save"] >= 5  # not all in a child's first save
     for phase in ("write", "commit", "after-commit"):
         assert s["notes"][f"kill points in phase {phase}"] > 0
 
@@ -123,18 +102,22 @@ def test_quick_suite_power_cuts_cover_every_operation(quick):
     s = _scenario(quick, "power")
     assert s["injected"]["power cut after the save returned"] == 8  # 4 variants x first/third save
     assert s["injected"]["power cut before op"] >= 150
-    plain_rename = [v for v in s["violations"] if v["variant"].startswith("plain/rename")]
-    assert not plain_rename, plain_rename[:3]  # the fully fsynced path is clean today
+    assert s["ok"], s["violations"][:5]
 
 
 def test_quick_suite_corruption_detected_equals_injected(quick):
     s = _scenario(quick, "corruption")
+    assert s["ok"], s["violations"][:5]
     assert s["corruptions_injected"] >= 80
     assert s["corruptions_detected"] == s["corruptions_injected"]
     for kind in ("safetensors shard", "JSON", "Arrow table", "manifest", "dedup object", "dedup object (shared)"):
-        detected, injected = s["notes"][f"{kind} detected"].split("/")
-        assert detected == injected and int(injected) > 0, kind
+        detected, injected = map(int, s["notes"][f"{kind} detected"].split("/"))
+        assert detected == injected and injected > 0, kind
     assert s["notes"]["manifest bit flips"] >= 48
+    outcomes = ("caught by verify", "caught by restore only", "restore refused, no fallback", "unnoticed, load unaffected",
+                "corrupt load")
+    assert sum(s["notes"][f"manifest flips {o}"] for o in outcomes) == s["notes"]["manifest bit flips"]
+    assert s["notes"]["manifest flips corrupt load"] == 0
 
 
 def test_quick_suite_errors_surface_as_checkpoint_errors_naming_a_path(quick):
@@ -174,7 +157,7 @@ def test_cli_exit_status_and_table(tmp_path, capsys):
     assert main(["--quick", "--only", "malicious", "-q", "--base-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| malicious" in out and "| TOTAL" in out and "OK: quick suite" in out
-    assert os.listdir(tmp_path) == [n for n in os.listdir(tmp_path) if n.startswith("rlckpt-faults-quick-")]
+    assert os.listdir(tmp_path) == []  # nothing failed: the working folder is gone
 
 
 def test_report_table_flags_violations():
@@ -196,7 +179,7 @@ def test_op_phases():
     assert op_phases(ml) == ["write", "write", "commit", "commit", "after-commit"]
 
 
-# -- the bugs the suite found (owned elsewhere) ----------------------------------------------------
+# -- regression tests for the bugs the suite found (fixed in their modules; docs/reliability.md) -----
 
 
 def _save_then_cut(tmp_path, *, dedup: bool, atomic_write: bool, prior: tuple[int, ...]) -> tuple[dict, int]:
@@ -221,47 +204,36 @@ def _assert_survived(cfg: dict, step: int) -> None:
     assert engine.restore().global_step == step and observed(model, buf)[0] == step
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "storage/local.py:LocalStorage.makedirs: a new folder's name is never fsynced into its parent "
-    "(objects/, objects/<algo>/, objects/<algo>/<xx>/ for dedup; the snapshot folder of a manifest-last "
-    "save), so a power cut after an acknowledged save can drop the folder and every object or file in it"))
-def test_known_bug_power_cut_loses_dedup_objects_of_an_acknowledged_save(tmp_path):
+def test_regression_power_cut_keeps_the_dedup_objects_of_an_acknowledged_save(tmp_path):
+    """Finding 1, storage/local.py:LocalStorage.makedirs: new folders are fsynced into their parent."""
     cfg, step = _save_then_cut(tmp_path, dedup=True, atomic_write=True, prior=(1, 2))
     _assert_survived(cfg, step)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "commit.py:ManifestLastCommit.commit: the attempt folder holding the data files is never fsynced "
-    "before the manifest is published, so on a local disk a power cut after an acknowledged save leaves "
-    "a listed snapshot whose files are missing"))
-def test_known_bug_power_cut_breaks_an_acknowledged_manifest_last_snapshot(tmp_path):
+def test_regression_power_cut_keeps_an_acknowledged_manifest_last_snapshot_whole(tmp_path):
+    """Finding 2, commit.py:ManifestLastCommit.commit: the data folder is fsynced before the manifest."""
     cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=False, prior=(1, 2))  # retention syncs the run folder
     _assert_survived(cfg, step)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "storage/local.py:LocalStorage.makedirs + commit.py:ManifestLastCommit.commit: the first manifest-last "
-    "save of a run creates <run>/step_N/ and never fsyncs the run folder, so a power cut loses the whole "
-    "acknowledged snapshot"))
-def test_known_bug_power_cut_loses_a_first_manifest_last_snapshot(tmp_path):
+def test_regression_power_cut_keeps_the_first_manifest_last_snapshot(tmp_path):
+    """Findings 1 + 2: the first manifest-last save of a run survives a power cut."""
     cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=False, prior=())
     _assert_survived(cfg, step)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dedup.py:ObjectWriter.put: a chunk a committed manifest references is reused when the object is "
-    "present with the right size, without checking its content, so an object that rotted in place is "
-    "referenced by the next save, which is acknowledged already corrupt (verify_after_write does not "
-    "re-read reused chunks)"))
-def test_known_bug_dedup_reuses_an_object_that_rotted(tmp_path):
+def test_regression_dedup_rewrites_an_object_that_rotted(tmp_path):
+    """Finding 3, dedup.py:ObjectWriter.put: a reused object is checked, and rewritten if it rotted."""
     cfg = engine_cfg(str(tmp_path), dedup=True)
     engine, model, buf = build(cfg)
     save_step(engine, model, buf, 1)
-    frozen = bytes(model.frozen.numpy().tobytes())  # the same in every snapshot: one shared object
-    import hashlib
+    from rl_ckpt.dedup import object_path
+    from rl_ckpt.reader import read_manifest
+    from rl_ckpt.storage import open_storage
 
-    digest = hashlib.sha256(frozen).hexdigest()
-    path = os.path.join(run_url(cfg), "objects", "sha256", digest[:2], digest)
+    section = read_manifest(open_storage(run_url(cfg)), "step_000000001").components["model"]
+    (digest, _size), = section["objects"]["frozen"]  # the same in every snapshot: one shared object
+    path = os.path.join(run_url(cfg), *object_path(section["objects_algo"], digest).split("/"))
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x10  # bit rot after commit
     open(path, "wb").write(bytes(data))
@@ -270,11 +242,8 @@ def test_known_bug_dedup_reuses_an_object_that_rotted(tmp_path):
     assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reader.py:read_manifest: the manifest's global_step and kind are not checked against the snapshot "
-    "folder name (and the manifest has no checksum of its own), so one bit flip in global_step passes "
-    "verify and restore reports another step than the state it loaded"))
-def test_known_bug_flip_in_manifest_global_step_is_not_detected(tmp_path):
+def test_regression_flip_in_manifest_global_step_is_detected(tmp_path):
+    """Finding 4, reader.py:read_manifest + the manifest checksum: a wrong step is never restored."""
     cfg = engine_cfg(str(tmp_path))
     engine, model, buf = build(cfg)
     for step in (1, 2):
@@ -289,6 +258,23 @@ def test_known_bug_flip_in_manifest_global_step_is_not_detected(tmp_path):
     assert not engine.verify().ok
     result = engine.restore()
     assert result.global_step == observed(model, buf)[0]
+
+
+def test_regression_flip_in_a_manifest_key_falls_back(tmp_path):
+    """Finding 4, manifest.py: a flipped key name is caught by the manifest checksum; restore falls back."""
+    cfg = engine_cfg(str(tmp_path))
+    engine, model, buf = build(cfg)
+    for step in (1, 2):
+        save_step(engine, model, buf, step)
+    path = os.path.join(run_url(cfg), "step_000000002", "meta.json")
+    data = bytearray(open(path, "rb").read())
+    at = data.find(b'"components"') + 8
+    assert data[at:at + 1] == b"n"
+    data[at] ^= 0x01  # "components" -> "componeots"
+    open(path, "wb").write(bytes(data))
+    engine, model, buf = build(cfg)
+    assert not engine.verify().ok
+    assert engine.restore().global_step == 1 and observed(model, buf)[0] == 1
 
 
 # -- PowerLossStorage -----------------------------------------------------------------------------

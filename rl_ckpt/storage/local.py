@@ -265,8 +265,27 @@ class LocalStorage(Storage):
             raise _storage_error(exc, "cannot remove", path) from exc
 
     def makedirs(self, path: str) -> None:
+        """Create missing folders, fsyncing each new folder's parent so its name survives a power cut."""
+        full = self._abs(path)
+        missing = []
+        cur = full
+        while not os.path.isdir(cur):
+            missing.append(cur)
+            parent = os.path.dirname(cur)
+            if parent == cur:
+                break
+            cur = parent
         try:
-            os.makedirs(self._abs(path), exist_ok=True)
+            for folder in reversed(missing):
+                try:
+                    os.mkdir(folder)
+                except FileExistsError:
+                    continue
+                fd = os.open(os.path.dirname(folder), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         except OSError as exc:
             raise _storage_error(exc, "cannot create folder", path) from exc
 
