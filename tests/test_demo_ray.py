@@ -49,7 +49,7 @@ def test_crash_then_exact_restart(ray_cluster, reference, target, crash_at):
     run_dir = base / f"crash-{target}"
     failures = [json.loads(p.read_text()) for p in (run_dir / "failures").iterdir()]
     assert [f["kind"] for f in failures] == ["process_killed"]
-    assert crash_at - 3 <= failures[0]["step"] <= crash_at + 1  # recorded at about the step it happened
+    assert crash_at - 4 <= failures[0]["step"] <= crash_at + 2  # recorded at about the step it happened
     decisions = [json.loads(p.read_text()) for p in (run_dir / "decisions").iterdir()]
     assert decisions[0]["snapshot_id"] == restored["restored"]
     kinds = {p.name.endswith(".light") for p in run_dir.iterdir() if p.name.startswith("step_")}

@@ -48,6 +48,7 @@ def _setup(tmp_path):
 def _rewrite_manifest(snap, mutate) -> None:
     meta = json.loads((snap / "meta.json").read_text())
     mutate(meta)
+    meta.pop("manifest_checksum", None)  # an attacker drops it (it is a corruption check, not a signature)
     (snap / "meta.json").write_text(json.dumps(meta))
 
 
@@ -202,3 +203,13 @@ def test_every_error_is_a_checkpoint_error(tmp_path):
     err = errors.StateMismatchError("x", component="policy", mismatches=["a"])
     clone = pickle.loads(pickle.dumps(err))  # errors cross Ray actor boundaries
     assert type(clone) is errors.StateMismatchError and clone.component == "policy" and clone.mismatches == ["a"]
+
+
+def test_a_manifest_edited_without_its_checksum_updated_is_refused(tmp_path):
+    cfg, snap, _ = _setup(tmp_path)
+    meta = json.loads((snap / "meta.json").read_text())
+    meta["global_step"] = 1  # same step, just rewritten: the recorded checksum no longer matches the bytes
+    meta["tags"] = {"edited": True}
+    (snap / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(NoValidSnapshotError, match="manifest checksum mismatch"):
+        _restore(cfg)

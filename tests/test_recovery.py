@@ -65,6 +65,7 @@ def test_restore_falls_back_when_the_post_load_probe_disagrees(tmp_path):
     for f in meta["files"]:
         if f["path"] == "policy.safetensors":
             f["checksum"] = digest_bytes(f["algo"], bytes(data))
+    meta.pop("manifest_checksum", None)  # the tamperer drops the manifest's own checksum too
     meta_path.write_text(json.dumps(meta))
     assert CheckpointEngine(**cfg).verify().ok  # checksums alone see nothing wrong
 

@@ -64,9 +64,18 @@ class RolloutWorker:
         self.engine.register("env", self.envs)
         self.engine.register("rng", RNGState())
         self.pending = None
+        self.ready = False  # set by restore(): a worker Ray restarted must not serve fresh state
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            from ..errors import CheckpointError
+
+            raise CheckpointError(f"rollout worker {self.index} was restarted and has not restored its state; "
+                                  "the learners must restore it first (the attempt fails and Ray Train recovers)")
 
     @torch.no_grad()
     def collect(self, weights: dict, steps: int, global_step: int) -> dict:
+        self._check_ready()
         self.engine.beat(global_step)
         self.model.load_state_dict(weights)
         rows: dict[str, list] = {k: [] for k in ("obs", "actions", "logprobs", "rewards", "dones", "values")}
@@ -91,6 +100,7 @@ class RolloutWorker:
 
     def save(self, step: int, kind: str = "full") -> None:
         """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
+        self._check_ready()
         if self.pending is not None:
             self.pending.wait()  # one in flight; its error surfaces here
         self.pending = self.engine.save_async(step, kind=kind)
@@ -98,6 +108,7 @@ class RolloutWorker:
     def restore(self, light: bool = False) -> tuple:
         self.pending = None
         result = self.engine.restore(light=light)
+        self.ready = True
         return result.snapshot_id, result.global_step
 
     def die(self) -> None:
