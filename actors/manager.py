@@ -83,6 +83,7 @@ class CheckpointManager:
         self.aborted = 0
         self._plan_cache: tuple[tuple, dict] | None = None
         self._last_metrics: dict = {}
+        self._last_loss_record = float("-inf")
         self.started_at = now_iso()
         self.engine.catalog.refresh()
         self._rebuild_pending()
@@ -389,20 +390,30 @@ class CheckpointManager:
                         if p.step is not None and not p.lost and now - p.last_beat > 2 * interval]
                 for _, p in lost:
                     p.lost = True
-            for name, p in lost:
-                self._heartbeat_lost(name, p, now)
+            if lost:
+                self._heartbeat_lost(lost, now)
 
-    def _heartbeat_lost(self, name: str, p: Participant, now: float) -> None:
-        msg = f"{name} sent no heartbeat for {now - p.last_beat:.1f} s (> 2 x {self.config.heartbeat_interval_seconds} s)"
+    def _heartbeat_lost(self, lost: list, now: float) -> None:
+        """One failure record per incident: participants that fell silent together are listed together."""
+        interval = self.config.heartbeat_interval_seconds
+        if now - self._last_loss_record < 2 * interval:
+            return  # the same incident, noticed a watch cycle later for other participants
+        self._last_loss_record = now
+        names = ", ".join(name for name, _ in lost)
+        ages = ", ".join(f"{now - p.last_beat:.1f}" for _, p in lost)
+        msg = f"{names} sent no heartbeat for {ages} s (> 2 x {self.config.heartbeat_interval_seconds} s)"
+        step = max((p.step for _, p in lost if p.step is not None), default=None)
         try:
-            self.record_failure(FailureInfo(kind="heartbeat_lost", step=p.step, message=msg, participant=name).to_json())
+            self.record_failure(FailureInfo(kind="heartbeat_lost", step=step, message=msg, participant=lost[0][0]).to_json())
         except CheckpointError as exc:
-            log.error("could not record heartbeat loss of %s: %s", name, exc)
-        if self.kill_hung and p.handle is not None:
+            log.error("could not record heartbeat loss of %s: %s", names, exc)
+        if self.kill_hung:
             import ray
 
-            log.warning("stopping hung participant %s so Ray restarts it", name)
-            ray.kill(p.handle, no_restart=False)
+            for name, p in lost:
+                if p.handle is not None:
+                    log.warning("stopping hung participant %s so Ray restarts it", name)
+                    ray.kill(p.handle, no_restart=False)
 
     def health(self) -> dict:
         now = time.monotonic()

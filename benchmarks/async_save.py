@@ -3,7 +3,8 @@
 ``save_async`` blocks, and how much a background save slows training.
 
     python benchmarks/async_save.py [--dir PATH] [--size-gib 1.0] [--repeat 3]
-                                    [--algo sha256] [--json] [--phases]
+                                    [--algo xxh3_128|sha256|blake3] [--json] [--phases]
+                                    [--wait-quiet S]
 
 State: a synthetic model plus ``torch.optim.Adam`` state (exp_avg/exp_avg_sq
 populated by one optimizer step) of about ``--size-gib`` in total, fp32, with
@@ -196,6 +197,24 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- helpers
+def repo_commit() -> str | None:
+    """The checked-out commit, read from .git directly (no git process, nothing written)."""
+    git = REPO_ROOT / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        if (git / ref).exists():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    return None
+
+
 def fs_info(path: str) -> dict:
     """Filesystem type and source of the mount holding ``path`` (Linux; best effort)."""
     best, info = "", {"fstype": "?", "source": "?", "mount": "?"}
@@ -384,7 +403,7 @@ def run(args: argparse.Namespace) -> dict:
                  "env": {"torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
                          "torch_num_interop_threads": torch.get_num_interop_threads(),
                          "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                         "machine": platform.machine()}}
+                         "machine": platform.machine(), "repo_commit": repo_commit()}}
     if res["config"]["fs"]["fstype"] == "tmpfs":
         log(f"warning: {workdir} is on tmpfs: write/fsync figures will not reflect a disk")
     engine = None
@@ -560,7 +579,8 @@ def print_report(res: dict) -> None:
     print(f"  storage    {c['dir']} ({c['fs']['fstype']} on {c['fs']['source']}); checksum {c['algo']}, "
           f"verify_after_write on, retention off")
     print(f"  machine    torch {e['torch']}, torch.get_num_threads()={e['torch_num_threads']}, "
-          f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}")
+          f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}; "
+          f"repo at {(e.get('repo_commit') or '?')[:10]}")
     print(f"  training   {res['train']['model']}, batch {res['train']['batch']} "
           f"(calibrated to ~{res['train']['target_ms']:.0f} ms/step)")
     print(f"  rounds     1 warm-up + {c['repeat']} measured (medians below); GB/s = 1e9 B/s")
