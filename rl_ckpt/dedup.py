@@ -99,12 +99,11 @@ class ObjectWriter:
 def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearray:
     """Read an object and prove it is what its name says; CorruptSnapshotError otherwise."""
     path = object_path(algo, digest)
+    hasher = new_hasher(algo)
     try:
-        data = storage.read(path)
+        data = storage.read(path, on_chunk=hasher.update)
     except StorageError as exc:
         raise CorruptSnapshotError(f"object {path}: {exc}", path=path, problems=["object unreadable"]) from exc
-    hasher = new_hasher(algo)
-    hasher.update(data)
     if len(data) != size or hasher.hexdigest() != digest:
         raise CorruptSnapshotError(f"object {path}: content does not match its name (corrupt)", path=path,
                                    problems=["object checksum mismatch"])
@@ -115,8 +114,10 @@ def read_tensor_bytes(storage: Storage, algo: str, chunks: list):
     """Reassemble one tensor's bytes from its verified chunks (into a buffer that is not zero-filled first)."""
     import numpy as np
 
+    from .storage.base import alloc_bytes
+
     total = sum(size for _digest, size in chunks)
-    out = np.empty(total, dtype=np.uint8)
+    out = alloc_bytes(total)
     pos = 0
     for digest, size in chunks:
         out[pos:pos + size] = np.frombuffer(check_object(storage, algo, digest, size), dtype=np.uint8)

@@ -125,8 +125,8 @@ class FaultyStorage(Storage):
     def write_atomic(self, path, data, *, create_only=False):
         return self._call("write_atomic", path, lambda: self.inner.write_atomic(path, data, create_only=create_only))
 
-    def read(self, path):
-        return self._call("read", path, lambda: self.inner.read(path))
+    def read(self, path, *, on_chunk=None):
+        return self._call("read", path, lambda: self.inner.read(path, on_chunk=on_chunk))
 
     def open_read(self, path):
         return self._call("open_read", path, lambda: self.inner.open_read(path))
@@ -455,9 +455,9 @@ class PowerLossStorage(LocalStorage):
             self._prune()
 
     # -- reads -------------------------------------------------------------------
-    def read(self, path: str) -> bytearray:
+    def read(self, path: str, *, on_chunk=None) -> bytearray:
         self._alive()
-        return super().read(path)
+        return super().read(path, on_chunk=on_chunk)
 
     def open_read(self, path: str):
         self._alive()

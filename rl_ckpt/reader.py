@@ -136,12 +136,11 @@ def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry) -> bytea
                 f"{snapshot_id}/{entry.path}: size {storage.size(path)} != {entry.size} in manifest",
                 snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"],
             )
-        data = storage.read(path)
+        hasher = new_hasher(entry.algo)
+        data = storage.read(path, on_chunk=hasher.update)
     except StorageError as exc:
         raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path,
                                    problems=["unreadable"]) from exc
-    hasher = new_hasher(entry.algo)
-    hasher.update(data)
     if len(data) != entry.size or hasher.hexdigest() != entry.checksum:
         raise CorruptSnapshotError(
             f"{snapshot_id}/{entry.path}: {entry.algo} checksum mismatch; the file changed after commit",

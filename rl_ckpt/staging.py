@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .state_codec import EncodedState
+from .storage.base import alloc_bytes
 
 
 class StagingArea:
@@ -31,7 +32,8 @@ class StagingArea:
                 self.allocations += 1
         else:
             if not (isinstance(buf, np.ndarray) and buf.shape == value.shape and buf.dtype == value.dtype):
-                buf = np.empty(value.shape, dtype=value.dtype)
+                buf = (np.empty(value.shape, dtype=value.dtype) if value.dtype.hasobject
+                       else alloc_bytes(value.nbytes).view(value.dtype).reshape(value.shape))
                 self._buffers[key] = buf
                 self.allocations += 1
         return buf

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import mmap
 import os
 import re
 import socket
 import threading
 import uuid
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Callable, Iterable
+
+import numpy as np
 
 from ..errors import UnsafePathError
 
@@ -52,6 +55,24 @@ _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "h
 def unique_suffix() -> str:
     """A name part no other host, process or thread will produce (temp and attempt names)."""
     return f"{_HOST}-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:8]}"
+
+
+_SMALL = 4 * 1024 * 1024
+
+
+def alloc_bytes(size: int) -> np.ndarray:
+    """A writable uint8 array of ``size`` bytes, not zero-filled, for reads and staging buffers.
+
+    Large buffers are anonymous mappings rather than ``np.empty``: NumPy advises
+    huge pages for allocations of 4 MiB and more, and on kernels with
+    transparent huge pages in ``madvise`` mode (the common default) the first
+    touch of such memory can stall on memory compaction. Measured on the
+    development VM, reading 1 GiB into a fresh buffer: 0.61 s with plain pages,
+    0.51-2.48 s (median 0.88 s) with NumPy's huge-page advice.
+    """
+    if size < _SMALL:
+        return np.empty(size, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
 def join(*parts: str) -> str:
@@ -91,8 +112,14 @@ class Storage(abc.ABC):
         """Publish a small standalone file all-or-nothing (temp + fsync + rename, or one PUT)."""
 
     @abc.abstractmethod
-    def read(self, path: str):
-        """Read a whole regular file (links refused) into a writable bytes-like buffer."""
+    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None):
+        """Read a whole regular file (links refused) into a writable bytes-like buffer.
+
+        ``on_chunk`` is called with consecutive pieces of the buffer as they
+        are filled (the reader hashes there, while each piece is still in the
+        CPU cache and the next one is being read ahead); a backend that reads
+        in one piece calls it once.
+        """
 
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:

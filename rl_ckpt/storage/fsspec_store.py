@@ -352,12 +352,15 @@ class FsspecStorage(Storage):
         return (head.get("Metadata") or {}).get(_TOKEN_META) == token
 
     # -- reads -------------------------------------------------------------
-    def read(self, path: str) -> bytearray:
+    def read(self, path: str, *, on_chunk=None) -> bytearray:
         full = self._abs(path)
         try:
-            return bytearray(self.fs.cat_file(full))
+            data = bytearray(self.fs.cat_file(full))
         except Exception as exc:
             raise self._error(exc, "cannot read", path) from exc
+        if on_chunk is not None:
+            on_chunk(memoryview(data))
+        return data
 
     def open_read(self, path: str) -> BinaryIO:
         full = self._abs(path)
