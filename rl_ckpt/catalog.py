@@ -8,6 +8,7 @@ single source of truth.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
@@ -81,32 +82,51 @@ class Catalog:
         self._lock = threading.RLock()
         self._infos: dict[str, SnapshotInfo] | None = None
         self._unreadable: dict[str, Unreadable] = {}
+        self._versions: dict[str, str | None] = {}  # snapshot id -> Storage.stat version of its manifest when read
         self.version = 0  # bumped by every change other than an add (caches of derived facts key on it)
+        self.manifest_reads = 0  # manifests parsed by refresh() (the rest came from the cache)
+        self._sorted: list[SnapshotInfo] | None = None  # the infos in sort_key order, kept across adds
 
     def refresh(self) -> None:
-        infos, bad = {}, {}
+        """Re-list storage. Manifests unchanged since the last look (same ``Storage.stat`` version) are not
+        re-read, so a refresh costs one listing plus one stat per snapshot; restore and verification always
+        read the manifest they use afresh, so this cache decides only what is listed."""
+        with self._lock:
+            known, known_versions = dict(self._infos or {}), dict(self._versions)
+        infos, bad, versions = {}, {}, {}
         for entry in self.storage.list(""):
             if not entry.is_dir or entry.name in (STAGING, TRASH) or parse_snapshot_id(entry.name) is None:
                 continue
-            if not self.storage.exists(f"{entry.name}/meta.json"):
+            meta = self.storage.stat(f"{entry.name}/meta.json")
+            if meta is None:
                 if lost_manifest(self.storage, entry.name):
                     bad[entry.name] = Unreadable(entry.name, LOST_MANIFEST)
                     log.warning("snapshot %s: %s", entry.name, LOST_MANIFEST)
                 continue  # otherwise never committed: debris of a crashed save, for gc
+            cached = known.get(entry.name)
+            if cached is not None and meta.version is not None and known_versions.get(entry.name) == meta.version:
+                infos[entry.name], versions[entry.name] = cached, meta.version
+                continue
             try:
                 infos[entry.name] = SnapshotInfo.from_manifest(read_manifest(self.storage, entry.name))
+                versions[entry.name] = meta.version
+                self.manifest_reads += 1
             except CheckpointError as exc:
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
         from .quarantine import quarantined
 
         fenced = quarantined(self.storage)
-        for sid, why in fenced.items():
-            if sid in infos:
-                infos[sid].quarantined = why
+        was = {sid: info.quarantined for sid, info in known.items()}
+        for sid, info in infos.items():
+            info.quarantined = fenced.get(sid)
+        only_added = (all(infos.get(sid) is info for sid, info in known.items())
+                      and all(infos[sid].quarantined == q for sid, q in was.items()) and not bad)
         with self._lock:
-            self._infos, self._unreadable = infos, bad
-            self.version += 1
+            self._infos, self._unreadable, self._versions = infos, bad, versions
+            self._sorted = None
+            if not only_added:
+                self.version += 1
 
     def _ensure(self) -> dict[str, SnapshotInfo]:
         if self._infos is None:
@@ -116,12 +136,14 @@ class Catalog:
     def snapshots(self, kind: str | None = None, *, usable: bool = False) -> list[SnapshotInfo]:
         """Committed, readable snapshots, oldest first; ``usable`` leaves out quarantined ones."""
         with self._lock:
-            infos = list(self._ensure().values())
+            if self._sorted is None:
+                self._sorted = sorted(self._ensure().values(), key=SnapshotInfo.sort_key)
+            infos = list(self._sorted)
         if kind:
             infos = [i for i in infos if i.kind == kind]
         if usable:
             infos = [i for i in infos if not i.quarantined]
-        return sorted(infos, key=SnapshotInfo.sort_key)
+        return infos
 
     def mark_quarantined(self, snapshot_id: str, reason: str) -> None:
         with self._lock:
@@ -139,8 +161,20 @@ class Catalog:
             return self._ensure().get(snapshot_id)
 
     def add(self, info: SnapshotInfo) -> None:
+        """Record a snapshot this process just committed (its manifest is stat-ed, not re-read)."""
+        try:
+            meta = self.storage.stat(f"{info.snapshot_id}/meta.json")
+        except CheckpointError:
+            meta = None
         with self._lock:
-            self._ensure()[info.snapshot_id] = info
+            infos = self._ensure()
+            old = infos.get(info.snapshot_id)
+            infos[info.snapshot_id] = info
+            if self._sorted is not None:
+                if old is not None:
+                    self._sorted.remove(old)
+                bisect.insort(self._sorted, info, key=SnapshotInfo.sort_key)  # usually the newest: O(1) moves
+            self._versions[info.snapshot_id] = meta.version if meta is not None else None
 
     def discard(self, snapshot_ids: Iterable[str]) -> None:
         with self._lock:
@@ -148,4 +182,6 @@ class Catalog:
             for sid in snapshot_ids:
                 infos.pop(sid, None)
                 self._unreadable.pop(sid, None)
+                self._versions.pop(sid, None)
+            self._sorted = None
             self.version += 1

@@ -438,13 +438,13 @@ class CheckpointEngine:
         version, cached = self._best_cache
         if version == self.catalog.version and cached is not None:
             # Only adds since the last look: the best is the old best or one of the new snapshots.
-            known = set(cached.get("_seen", ()))
-            fresh = [i for i in snapshots if i.snapshot_id not in known]
-            pool = [i for i in snapshots if i.snapshot_id in {v for k, v in cached.items() if k != "_seen"}] + fresh
+            known = cached["_seen"]
+            best_ids = {v for k, v in cached.items() if k != "_seen"}
+            pool = [i for i in snapshots if i.snapshot_id in best_ids or i.snapshot_id not in known]
         else:
             pool = snapshots
         best = best_per_metric(pool, metrics, modes)
-        self._best_cache = (self.catalog.version, {**best, "_seen": [i.snapshot_id for i in snapshots]})
+        self._best_cache = (self.catalog.version, {**best, "_seen": {i.snapshot_id for i in snapshots}})
         for metric, sid in best.items():
             info = self.catalog.get(sid)
             mode = modes[metrics.index(metric)]

@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 from .errors import CommitConflictError, StorageError
 from .storage import LocalStorage, Storage
 
-OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "remove", "remove_tree",
+OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "stat", "remove", "remove_tree",
               "makedirs", "rename_dir", "sync_dir")
 ANY = "*"
 
@@ -139,6 +139,9 @@ class FaultyStorage(Storage):
 
     def size(self, path):
         return self._call("size", path, lambda: self.inner.size(path))
+
+    def stat(self, path):
+        return self._call("stat", path, lambda: self.inner.stat(path))
 
     def remove(self, path):
         return self._call("remove", path, lambda: self.inner.remove(path))
@@ -474,6 +477,10 @@ class PowerLossStorage(LocalStorage):
     def size(self, path: str) -> int:
         self._alive()
         return super().size(path)
+
+    def stat(self, path: str):
+        self._alive()
+        return super().stat(path)
 
     # -- namespace -------------------------------------------------------------
     def remove(self, path: str) -> None:

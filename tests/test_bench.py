@@ -83,9 +83,9 @@ def test_scaling_json(tmp_path, capsys):
     assert [r["count"] for r in catalog] == [1, 3]
     for row in catalog:
         for key in ("create_s", "create_per_s", "snapshots_s", "refresh_s", "plan_recovery_s", "plan_recovery_cold_s",
-                    "retention_s"):
+                    "retention_s", "open_s"):
             assert row[key] is not None and row[key] >= 0, key
-        assert set(row["per_snapshot_us"]) == {"snapshots", "refresh", "plan_recovery", "retention"}
+        assert set(row["per_snapshot_us"]) == {"snapshots", "refresh", "plan_recovery", "retention", "open"}
     assert "catalog operations" in bench.format_scaling(out)
 
 

@@ -87,6 +87,8 @@ class Entry:
     is_dir: bool
     size: int = 0
     mtime: float | None = None
+    #: From :meth:`Storage.stat`: changes whenever the file is rewritten or replaced (None: cannot tell).
+    version: str | None = None
 
 
 class Storage(abc.ABC):
@@ -134,6 +136,12 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def size(self, path: str) -> int: ...
+
+    def stat(self, path: str) -> Entry | None:
+        """One file's entry, or None if it does not exist; ``version`` lets callers cache what they parsed."""
+        if not self.exists(path):
+            return None
+        return Entry(path.rsplit("/", 1)[-1], False, self.size(path))
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:

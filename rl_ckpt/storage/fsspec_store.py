@@ -414,6 +414,22 @@ class FsspecStorage(Storage):
         except Exception as exc:
             raise self._error(exc, "cannot stat", path) from exc
 
+    def stat(self, path: str) -> Entry | None:
+        full = self._abs(path)
+        self._fresh(full)
+        try:
+            info = self.fs.info(full)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._error(exc, "cannot stat", path) from exc
+        size = int(info.get("size") or 0)
+        mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+        tag = info.get("ETag") or info.get("VersionId")
+        # An object store replaces whole objects: its ETag (or time of the last PUT) names this content.
+        version = f"{tag}:{size}" if tag else (f"{mtime}:{size}" if mtime is not None else None)
+        return Entry(path.rsplit("/", 1)[-1], info.get("type") == "directory", size, _ts(mtime), version)
+
     def remove(self, path: str) -> None:
         full = self._abs(path)
         try:

@@ -242,6 +242,17 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise _storage_error(exc, "cannot stat", path) from exc
 
+    def stat(self, path: str) -> Entry | None:
+        try:
+            st = os.lstat(self._abs(path))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _storage_error(exc, "cannot stat", path) from exc
+        # ctime cannot be set from user space: an in-place edit that restores mtime still changes it.
+        version = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        return Entry(path.rsplit("/", 1)[-1], stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime, version)
+
     def is_link(self, path: str) -> bool:
         return os.path.islink(self._abs(path, check_links=False))
 
