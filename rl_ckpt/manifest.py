@@ -138,6 +138,11 @@ class Manifest:
                 snapshot_id=where, found=version, supported=SCHEMA_VERSION,
             )
         known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            # Within one schema version the top-level keys are fixed (new facts go under "extra"): an unknown
+            # key is a corrupted one, e.g. a flipped bit in "manifest_checksum" that would skip the self-check.
+            raise _corrupt(where, f"manifest has unknown top-level key(s) {unknown}; it is corrupt")
         try:
             kwargs = {k: d[k] for k in known if k in d}
             kwargs["files"] = [FileEntry.from_json(f, where) for f in d.get("files", [])]

@@ -93,3 +93,35 @@ def test_manifest_with_tampered_checksum_field_is_caught(tmp_path):
     fresh = PPOState(seed=5)
     assert fresh.register(CheckpointEngine(**cfg)).restore().snapshot_id == "step_000000002"
     assert_same_state(fresh, reference)
+
+
+def test_every_bit_flip_in_the_manifest_is_refused(tmp_path):
+    """Each single-bit flip of meta.json, including in the key names (``manifest_checksum`` itself), is caught:
+    the manifest is never read as something else."""
+    from rl_ckpt.errors import CorruptSnapshotError
+    from rl_ckpt.manifest import Manifest
+
+    _cfg, _reference, newest = _two_snapshots(tmp_path)
+    raw = (newest / "meta.json").read_bytes()
+    key_at = raw.index(b'"manifest_checksum"')
+    positions = list(range(key_at, key_at + len(b'"manifest_checksum"'))) + list(range(0, len(raw), 7))
+    accepted = []
+    for pos in positions:
+        for bit in range(8):
+            data = bytearray(raw)
+            data[pos] ^= 1 << bit
+            try:
+                Manifest.from_bytes(bytes(data), newest.name)
+            except CorruptSnapshotError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - anything else is a bug in the reader
+                raise AssertionError(f"flip at byte {pos} bit {bit} raised {type(exc).__name__}: {exc}") from exc
+            accepted.append((pos, bit, bytes(data[max(0, pos - 10):pos + 10])))
+    # Only flips that leave the very same JSON document (whitespace <-> whitespace) may pass.
+    assert all(json.loads(bytes(_flip(raw, p, b))) == json.loads(raw) for p, b, _ in accepted), accepted[:5]
+
+
+def _flip(raw: bytes, pos: int, bit: int) -> bytearray:
+    data = bytearray(raw)
+    data[pos] ^= 1 << bit
+    return data
