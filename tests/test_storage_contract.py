@@ -485,6 +485,25 @@ def local(tmp_path):
     return open_storage(str(root)), root, tmp_path
 
 
+def test_local_large_read_with_prefault_is_exact(local):
+    """Files large enough for the prefault helper (pages populated from a second thread) read back exactly,
+    and populating never overwrites bytes already read into the buffer."""
+    store, _root, _ = local
+    import numpy as np
+
+    from rl_ckpt.storage.base import alloc_bytes, prefault
+
+    data = np.random.default_rng(0).integers(0, 256, size=(48 << 20) + 4097, dtype=np.uint8).tobytes()
+    put(store, "snap/big.bin", [data])
+    pieces = []
+    got = store.read("snap/big.bin", on_chunk=lambda v: pieces.append(len(v)))
+    assert bytes(got) == data and sum(pieces) == len(data) and len(pieces) > 1
+    buf = alloc_bytes(64 << 20)
+    buf[: 32 << 20] = 7  # as if a read had already filled the first half
+    prefault(buf)()
+    assert int(buf[: 32 << 20].min()) == 7 == int(buf[: 32 << 20].max())
+
+
 def test_local_open_storage_kinds(tmp_path):
     assert isinstance(open_storage(str(tmp_path)), LocalStorage)
     assert isinstance(open_storage(f"file://{tmp_path}"), LocalStorage)

@@ -24,7 +24,7 @@ import stat
 from typing import BinaryIO, Iterable
 
 from ..errors import CheckpointError, CommitConflictError, StorageError, UnsafePathError
-from .base import Entry, Storage, alloc_bytes, check_relpath, unique_suffix
+from .base import Entry, Storage, alloc_bytes, check_relpath, prefault, unique_suffix
 
 _MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per readinto() call: hashed while in the CPU cache, the kernel reads ahead
@@ -197,6 +197,7 @@ class LocalStorage(Storage):
         buf = alloc_bytes(size)
         view = memoryview(buf).cast("B")
         got = 0
+        stop_prefault = prefault(buf)
         try:
             with os.fdopen(fd, "rb", buffering=0, closefd=True) as f:
                 while got < size:
@@ -208,6 +209,8 @@ class LocalStorage(Storage):
                     got += n
         except OSError as exc:
             raise _storage_error(exc, "cannot read", path) from exc
+        finally:
+            stop_prefault()
         if got != size:
             raise StorageError(f"short read of {path}: {got} of {size} bytes (file changed while reading?)", path=path)
         return buf
