@@ -498,6 +498,27 @@ def test_local_large_read_with_prefault_is_exact(local):
     pieces = []
     got = store.read("snap/big.bin", on_chunk=lambda v: pieces.append(len(v)))
     assert bytes(got) == data and sum(pieces) == len(data) and len(pieces) > 1
+    # Out of the page cache, the same files are read with O_DIRECT (aligned sizes and an unaligned tail).
+    import rl_ckpt.storage.local as local_mod
+
+    modes = []
+    real = local_mod._set_direct
+    for size in (32 << 20, (48 << 20) + 4097):
+        blob = data[:size]
+        put(store, f"snap/cold-{size}.bin", [blob])
+        fd = os.open(os.path.join(store.root, "snap", f"cold-{size}.bin"), os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        local_mod._set_direct = lambda fd, on: (modes.append(on), real(fd, on))[1]
+        try:
+            pieces = []
+            got = store.read(f"snap/cold-{size}.bin", on_chunk=lambda v: pieces.append(bytes(v)))
+        finally:
+            local_mod._set_direct = real
+        assert bytes(got) == blob and b"".join(pieces) == blob and len(got) == size
+        assert not memoryview(got).readonly
+    assert True in modes, "a cold large file was not read with O_DIRECT"
     buf = alloc_bytes(64 << 20)
     buf[: 32 << 20] = 7  # as if a read had already filled the first half
     prefault(buf)()
