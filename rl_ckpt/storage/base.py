@@ -58,21 +58,28 @@ def unique_suffix() -> str:
     return f"{_HOST}-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:8]}"
 
 
-_SMALL = 4 * 1024 * 1024
+_SMALL = 4 * 1024 * 1024  # NumPy advises huge pages from here on
+_MAPPED = 32 * 1024 * 1024  # glibc maps allocations this large fresh from the kernel anyway
 
 
 def alloc_bytes(size: int) -> np.ndarray:
     """A writable uint8 array of ``size`` bytes, not zero-filled, for reads and staging buffers.
 
-    Large buffers are anonymous mappings rather than ``np.empty``: NumPy advises
-    huge pages for allocations of 4 MiB and more, and on kernels with
-    transparent huge pages in ``madvise`` mode (the common default) the first
-    touch of such memory can stall on memory compaction. Measured on the
-    development VM, reading 1 GiB into a fresh buffer: 0.61 s with plain pages,
-    0.51-2.48 s (median 0.88 s) with NumPy's huge-page advice.
+    Never ``np.empty`` for 4 MiB and more: NumPy advises huge pages there, and
+    on kernels with transparent huge pages in ``madvise`` mode (the common
+    default) the first touch of such memory can stall on memory compaction.
+    Measured on the development VM, reading 1 GiB into a fresh buffer: 0.61 s
+    with plain pages, 0.51-2.48 s (median 0.88 s) with NumPy's advice.
+    Medium buffers come from the C allocator (through torch, which gives no
+    advice), whose heap reuses memory already touched; large ones are page
+    aligned anonymous mappings (O_DIRECT reads need the alignment).
     """
     if size < _SMALL:
         return np.empty(size, dtype=np.uint8)
+    if size < _MAPPED:
+        import torch
+
+        return torch.empty(size, dtype=torch.uint8).numpy()
     return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 

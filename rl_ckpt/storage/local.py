@@ -302,6 +302,8 @@ class LocalStorage(Storage):
         fd, size = self._open_regular(path)
         direct = size >= DIRECT_MIN_BYTES and not _mostly_cached(fd, size) and _set_direct(fd, True)
         buf = alloc_bytes(_round_up(size, _DIRECT_ALIGN) if direct else size)
+        if direct and buf.ctypes.data % _DIRECT_ALIGN:  # large buffers are page-aligned mappings; be sure
+            direct = _set_direct(fd, False)
         view = memoryview(buf).cast("B")
         stop_prefault = prefault(buf)
         try:
