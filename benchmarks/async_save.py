@@ -398,7 +398,10 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
 # --------------------------------------------------------------------------- benchmark
 def run(args: argparse.Namespace) -> dict:
     workdir = make_workdir(args.dir)
-    res: dict = {"config": {"size_gib": args.size_gib, "repeat": args.repeat, "algo": args.algo,
+    from rl_ckpt.config import FIELDS
+
+    nice = FIELDS["writer_nice"][0] if args.writer_nice is None else args.writer_nice
+    res: dict = {"config": {"size_gib": args.size_gib, "repeat": args.repeat, "algo": args.algo, "writer_nice": nice,
                             "verify_after_write": True, "dir": workdir, "fs": fs_info(workdir)},
                  "env": {"torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
                          "torch_num_interop_threads": torch.get_num_interop_threads(),
@@ -435,8 +438,9 @@ def run(args: argparse.Namespace) -> dict:
         res["train"] = {"model": f"MLP {trainer.width}-{trainer.hidden}-{trainer.hidden}-{trainer.width} + Adam",
                         "batch": trainer.batch, "target_ms": args.step_ms, "calibration_other_cores": calib_load}
 
+        extra = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
         engine = CheckpointEngine(base_dir=workdir, run_name="bench", checksum_algo=args.algo,
-                                  verify_after_write=True, retention=False)
+                                  verify_after_write=True, retention=False, **extra)
         engine.register("policy", model)
         engine.register("optimizer", opt)
         dst = [torch.empty_like(t) for t in tensors]
@@ -577,7 +581,7 @@ def print_report(res: dict) -> None:
                                      for k in ("large", "medium", "small"))
           + f"  [large >= {LARGE >> 20} MiB, small < {SMALL >> 10} KiB]")
     print(f"  storage    {c['dir']} ({c['fs']['fstype']} on {c['fs']['source']}); checksum {c['algo']}, "
-          f"verify_after_write on, retention off")
+          f"verify_after_write on, retention off, writer_nice {c.get('writer_nice')}")
     print(f"  machine    torch {e['torch']}, torch.get_num_threads()={e['torch_num_threads']}, "
           f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}; "
           f"repo at {(e.get('repo_commit') or '?')[:10]}")
@@ -663,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="write into a fresh folder inside PATH (default: temp on repo disk)")
     ap.add_argument("--size-gib", type=float, default=1.0, help="total model + optimizer state (default 1.0)")
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds; medians reported (default 3)")
+    ap.add_argument("--writer-nice", type=int, default=None,
+                    help="writer_nice for the engine (default: the engine default); 0 = writer at normal priority")
     ap.add_argument("--algo", default="xxh3_128", choices=CHECKSUM_ALGOS, help="checksum_algo (default xxh3_128, the engine default)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import threading
 from typing import Callable
 
@@ -46,8 +47,9 @@ class SaveHandle:
 class BackgroundWriter:
     """A single writer thread: persisting never overlaps, and fails loudly."""
 
-    def __init__(self) -> None:
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl_ckpt-writer")
+    def __init__(self, nice: int = 0) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl_ckpt-writer",
+                                           initializer=_lower_priority, initargs=(nice,))
         self._lock = threading.Lock()
         self._current: SaveHandle | None = None
 
@@ -80,3 +82,14 @@ class BackgroundWriter:
     def close(self) -> None:
         self.wait_idle()
         self._pool.shutdown(wait=True)
+
+
+def _lower_priority(nice: int) -> None:
+    """Run this (writer) thread at a lower CPU priority, so training threads win a contended core."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # not permitted here: the save still runs, at normal priority
+        log.debug("could not lower the writer thread's priority: %s", exc)

@@ -19,12 +19,14 @@ DEFAULT_LIGHT_COMPONENTS = ("progress", "rng", "lr_scheduler", "scheduler")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def _int(minimum: int, optional: bool = False):
+def _int(minimum: int, optional: bool = False, maximum: int | None = None):
     def check(key: str, value: Any) -> Any:
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            allowed = f"an integer >= {minimum}" + (" or null" if optional else "")
+        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                or (maximum is not None and value > maximum)):
+            allowed = (f"an integer from {minimum} to {maximum}" if maximum is not None else f"an integer >= {minimum}") + (
+                " or null" if optional else "")
             raise ConfigError(f"config key {key!r}: got {value!r}; allowed: {allowed}", key=key, allowed=allowed)
         return value
     return check
@@ -123,6 +125,7 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     # 128-bit corruption check, not a security hash; neither is sha256 in an unsigned manifest, since
     # whoever can rewrite a shard can rewrite the manifest too. sha256 stays one key away.
     "checksum_algo": ("xxh3_128", _choice(CHECKSUM_ALGOS), "Checksum of every file: xxh3_128 (fast, detects corruption), blake3 or sha256 (cryptographic)."),
+    "writer_nice": (10, _int(0, maximum=19), "save_async: run the background writer thread this much nicer (Linux, 0-19) so training threads win a contended core; 0 keeps normal priority."),
     "save_optimizer": (True, _bool, "Save optimizer components (torch.optim.Optimizer)."),
     "save_rng_state": (True, _bool, "Save RNGState components."),
     "save_replay_buffer": (True, _bool, "Save components named like *buffer*."),

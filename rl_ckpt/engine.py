@@ -278,7 +278,7 @@ class CheckpointEngine:
             self.stage(kind)  # raises the "nothing to save" error
         blocked = time.perf_counter() - started
         if self._writer is None:
-            self._writer = BackgroundWriter()
+            self._writer = BackgroundWriter(nice=self.config.writer_nice)
         metrics = clean_metrics(metrics)
         return self._writer.submit(
             lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes),

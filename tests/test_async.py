@@ -135,3 +135,27 @@ def test_close_waits_for_the_save_in_flight(tmp_path):
     threading.Timer(0.05, gate.set).start()
     engine.close()
     assert handle.done() and handle.wait().global_step == 5
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_background_writer_runs_at_the_configured_lower_priority(tmp_path, nice):
+    """writer_nice: the writer thread (not the trainer) is reniced, so training threads win a contended core."""
+    import os
+
+    s = PPOState(seed=4)
+    engine, storage = _engine(tmp_path, writer_nice=nice)
+    s.register(engine)
+    seen = {}
+
+    def look() -> None:  # runs on the writer thread, at its first write
+        tid = threading.get_native_id()
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["name"] = threading.current_thread().name
+
+    storage.before("write", look, nth=1)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    engine.save_async(1).wait()
+    assert seen["name"].startswith("rl_ckpt-writer")
+    assert seen["writer"] == min(19, base + nice)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
+    engine.close()
