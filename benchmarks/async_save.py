@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -65,14 +64,13 @@ try:
 except ImportError:  # pragma: no cover - running from a checkout without install
     sys.path.insert(0, str(REPO_ROOT))
 from rl_ckpt import CheckpointEngine  # noqa: E402
+from rl_ckpt.bench import LARGE, SMALL, CpuMeter, build_state, flat_tensors, fs_info, nbytes, size_mix  # noqa: E402
 from rl_ckpt.config import CHECKSUM_ALGOS  # noqa: E402
 
 GIB = 1 << 30
 GOAL_BLOCK_VS_SYNC = 0.10
 GOAL_BLOCK_VS_CLONE = 1.5
 GOAL_STEP_SLOWDOWN = 1.15
-LARGE = 16 << 20  # bytes: >= 16 MiB is a "large" tensor
-SMALL = 64 << 10  # bytes: < 64 KiB is a "small" tensor
 QUIET_LIMIT = 0.25  # cores used by other processes above which a round is flagged (and, with --wait-quiet, redone)
 MAX_DISCARDED = 6  # at most this many redone rounds per run
 
@@ -82,74 +80,10 @@ def log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- state
-class Block(nn.Module):
-    """One transformer-ish block: 4 medium matrices, many small vectors."""
-
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.q = nn.Linear(h, h)
-        self.k = nn.Linear(h, h)
-        self.v = nn.Linear(h, h)
-        self.o = nn.Linear(h, h)
-        self.norm1 = nn.LayerNorm(h)
-        self.norm2 = nn.LayerNorm(h)
-        self.gate = nn.Linear(h, 16)  # small
-        self.scale = nn.Parameter(torch.ones(h // 8))  # small
-
-
-class SyntheticPolicy(nn.Module):
-    """Never run forward: it only holds a realistic mix of parameters to checkpoint."""
-
-    def __init__(self, h: int, layers: int, rows: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(rows, h)
-        self.unembed = nn.Linear(h, rows, bias=False)
-        self.policy_head = nn.Linear(h, rows)
-        self.value_trunk = nn.Linear(h, rows)
-        self.blocks = nn.ModuleList(Block(h) for _ in range(layers))
-        self.final_norm = nn.LayerNorm(h)
-        self.value_out = nn.Linear(h, 1)
-
-
-def build_state(size_gib: float, seed: int = 0) -> tuple[SyntheticPolicy, torch.optim.Adam, dict]:
-    """A model + Adam whose state totals ~size_gib (params 1/3, exp_avg + exp_avg_sq 2/3)."""
-    torch.manual_seed(seed)
-    n_params = max(1, int(size_gib * GIB / 3 / 4))  # fp32
-    h = max(64, 64 * round(16 * math.sqrt(size_gib)))  # 1024 at 1 GiB
-    per_block = 4 * (h * h + h) + 4 * h + (16 * h + 16) + h // 8
-    layers = max(2, round(0.45 * n_params / per_block))  # ~45% of the bytes in medium matrices
-    rest = n_params - layers * per_block - (2 * h + h + 1)
-    rows = max(64, (rest - 2 * h) // (4 * h))  # 4 large matrices hold the rest (~55%)
-    with torch.no_grad():
-        model = SyntheticPolicy(h, layers, rows)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p).mul_(1e-3)
-    opt.step()  # populates exp_avg / exp_avg_sq / step
-    opt.zero_grad(set_to_none=True)
-    return model, opt, {"hidden": h, "blocks": layers, "large_rows": rows}
-
-
+# The synthetic model + Adam state is rl-ckpt bench's (same tensor mix, same sizes); the engine
+# saves exactly these tensors: the model's state_dict and the optimizer's state.
 def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor the engine saves for these two components (same objects, no copies)."""
-    out = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
-    for st in opt.state_dict()["state"].values():
-        out += [t for t in st.values() if isinstance(t, torch.Tensor)]
-    return out
-
-
-def nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def size_mix(tensors: list[torch.Tensor]) -> dict:
-    mix = {"large": [0, 0], "medium": [0, 0], "small": [0, 0]}
-    for t in tensors:
-        b = t.numel() * t.element_size()
-        key = "large" if b >= LARGE else ("small" if b < SMALL else "medium")
-        mix[key][0] += 1
-        mix[key][1] += b
-    return {k: {"count": c, "bytes": b} for k, (c, b) in mix.items()}
+    return list(flat_tensors(model, opt).values())
 
 
 # --------------------------------------------------------------------------- training
@@ -215,23 +149,6 @@ def repo_commit() -> str | None:
     return None
 
 
-def fs_info(path: str) -> dict:
-    """Filesystem type and source of the mount holding ``path`` (Linux; best effort)."""
-    best, info = "", {"fstype": "?", "source": "?", "mount": "?"}
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                mnt = left.split()[4]
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    fstype, source = right.split()[:2]
-                    best, info = mnt, {"fstype": fstype, "source": source, "mount": mnt}
-    except OSError:
-        pass
-    return info
-
-
 def make_workdir(base: str | None) -> str:
     """A fresh folder to write into: inside ``base``, or a temp folder on the repo's disk."""
     if base is not None:
@@ -243,36 +160,6 @@ def make_workdir(base: str | None) -> str:
     except OSError:
         same_disk = False
     return tempfile.mkdtemp(prefix="rl_ckpt_bench-", dir=tmp if same_disk else str(REPO_ROOT.parent))
-
-
-class CpuMeter:
-    """CPU used by everything but this process (other processes, kernel threads) while measuring.
-
-    Other jobs on the machine (a test run, a build) skew every figure here, most of
-    all the training-step slowdown: the report shows how many cores they took.
-    """
-
-    def __init__(self) -> None:
-        self._tck = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.start()
-
-    def _busy(self) -> float | None:
-        try:
-            with open("/proc/stat", encoding="ascii") as f:
-                v = [int(x) for x in f.readline().split()[1:8]]
-        except (OSError, ValueError):
-            return None
-        return (v[0] + v[1] + v[2] + v[5] + v[6]) / self._tck  # user nice system irq softirq
-
-    def start(self) -> None:
-        self._t, self._b, self._own = time.perf_counter(), self._busy(), sum(os.times()[:2])
-
-    def other_cores(self) -> float | None:
-        """Average number of cores busy outside this process since ``start``."""
-        b, wall = self._busy(), time.perf_counter() - self._t
-        if b is None or self._b is None or wall <= 0:
-            return None
-        return max(0.0, (b - self._b) - (sum(os.times()[:2]) - self._own)) / wall
 
 
 def wait_quiet(limit_s: float, threshold: float = 0.15, window_s: float = 2.0) -> float | None:
@@ -412,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
     engine = None
     try:
         log(f"building ~{args.size_gib} GiB of model + Adam state ...")
-        model, opt, shape = build_state(args.size_gib)
+        model, opt, shape = build_state(int(args.size_gib * GIB))
         tensors = state_tensors(model, opt)
         total = nbytes(tensors)
         model_bytes = nbytes(list(model.state_dict().values()))

@@ -117,3 +117,26 @@ def test_bad_size_and_tensor_count():
     model, opt, shape = bench.build_state(4 << 20, tensors=200)
     n = len(bench.flat_tensors(model, opt))
     assert 150 <= n <= 250 and shape["blocks"] >= 1
+
+
+def test_async_benchmark_script_runs_and_reports_every_goal(tmp_path):
+    """benchmarks/async_save.py (the training-while-saving figures in the README) still runs end to end."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "async_save.py"
+    out = subprocess.run([sys.executable, str(script), "--size-gib", "0.02", "--repeat", "1", "--json",
+                          "--dir", str(tmp_path), "--writer-nice", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["config"]["writer_nice"] == 3 and res["config"]["cleaned_up"]
+    assert {g for g in res["goals"]} == {"async_block_vs_sync", "async_block_vs_clone", "step_slowdown"}
+    for key in ("sync_save_s", "async_block_s", "async_total_s", "clone_s"):
+        assert res["median"][key] > 0, key
+    assert res["staging"]["reused"] is True
+    import os
+
+    assert os.listdir(tmp_path) == []  # its work folder is gone
