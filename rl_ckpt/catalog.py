@@ -97,7 +97,12 @@ class Catalog:
         for entry in self.storage.list(""):
             if not entry.is_dir or entry.name in (STAGING, TRASH) or parse_snapshot_id(entry.name) is None:
                 continue
-            meta = self.storage.stat(f"{entry.name}/meta.json")
+            try:
+                meta = self.storage.stat(f"{entry.name}/meta.json")
+            except CheckpointError as exc:  # e.g. a planted link in place of the manifest
+                bad[entry.name] = Unreadable(entry.name, str(exc))
+                log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
+                continue
             if meta is None:
                 if lost_manifest(self.storage, entry.name):
                     bad[entry.name] = Unreadable(entry.name, LOST_MANIFEST)

@@ -26,6 +26,8 @@ from .manifest import Manifest
 from .storage import Storage
 
 CHUNK_BYTES = 8 * 1024 * 1024
+BATCH_BYTES = 64 * 1024 * 1024  # new objects are published in batches (one sync pass each) of about this size
+BATCH_FILES = 64
 OBJECTS = "objects"
 
 
@@ -54,6 +56,9 @@ class ObjectWriter:
         self.seen: set[str] = set()
         self.bytes_written = 0
         self.bytes_reused = 0
+        self._pending: list[tuple[str, memoryview, str, int]] = []  # (path, bytes, digest, size), not yet written
+        self._pending_bytes = 0
+        self._folders: set[str] = set()  # object folders known to exist
 
     def put(self, view: memoryview, verify: bool) -> list[list]:
         """Store a tensor's bytes; returns its chunk list ``[[digest, size], ...]``."""
@@ -82,12 +87,29 @@ class ObjectWriter:
                 else:
                     self.bytes_reused += chunk.nbytes
                     continue
-            self.storage.makedirs(path.rsplit("/", 1)[0])
-            self.storage.write_atomic(path, chunk)
-            self.bytes_written += chunk.nbytes
-            if verify:
-                check_object(self.storage, self.algo, digest, chunk.nbytes)
+            self._pending.append((path, chunk, digest, chunk.nbytes))
+            self._pending_bytes += chunk.nbytes
+            if self._pending_bytes >= BATCH_BYTES or len(self._pending) >= BATCH_FILES:
+                self.flush(verify)
         return chunks
+
+    def flush(self, verify: bool) -> None:
+        """Publish the pending objects durably (one batch), then read each back if ``verify``.
+
+        Callers flush before a manifest may reference what ``put`` returned;
+        the bytes handed to ``put`` must stay unchanged until then.
+        """
+        if not self._pending:
+            return
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        for folder in sorted({path.rsplit("/", 1)[0] for path, *_ in batch} - self._folders):
+            self.storage.makedirs(folder)
+            self._folders.add(folder)
+        self.storage.write_many_atomic([(path, chunk) for path, chunk, _digest, _size in batch])
+        self.bytes_written += sum(size for *_, size in batch)
+        if verify:
+            for _path, _chunk, digest, size in batch:
+                check_object(self.storage, self.algo, digest, size)
 
     def _present(self, path: str, size: int) -> bool:
         try:

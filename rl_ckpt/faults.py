@@ -437,25 +437,50 @@ class PowerLossStorage(LocalStorage):
             self._alive()
             if not _safe(path):
                 return super().write_atomic(path, data, create_only=create_only)
-            existed = os.path.lexists(self._full(path))
-            if existed and not create_only:
-                effect = Effect("replace", path, name_durable=False, backup=self._backup(path))
-            else:
-                effect = Effect("create", path)
-            self.journal.append(effect)
+            effect = self._atomic_effect(path, create_only)
             try:
                 super().write_atomic(path, data, create_only=create_only)
             except BaseException:
                 if create_only or not os.path.lexists(self._full(path)):
                     self._drop(effect)
                 raise
-            # a new inode with fsynced data now has this name: older data effects on it are moot
-            for e in [e for e in self.journal if e is not effect and e.path == path
-                      and e.kind in ("create", "overwrite", "replace")]:
-                if e.kind == "create" and not e.name_durable:
-                    effect.kind, effect.backup = "create", None
-                self._drop(e)
+            self._published(effect)
             self._prune()
+
+    def write_many_atomic(self, items) -> None:
+        """The real batched write; each file is journaled as one ``write_atomic`` (a cut lands before
+        or after the whole call, like any other)."""
+        with self._lock:
+            self._alive()
+            if not all(_safe(path) for path, _data in items):
+                return super().write_many_atomic(items)
+            effects = [self._atomic_effect(path, False) for path, _data in items]
+            try:
+                super().write_many_atomic(items)
+            except BaseException:
+                for (path, _data), effect in zip(items, effects):
+                    if not os.path.lexists(self._full(path)):
+                        self._drop(effect)
+                raise
+            for effect in effects:
+                self._published(effect)
+            self._prune()
+
+    def _atomic_effect(self, path: str, create_only: bool) -> Effect:
+        if os.path.lexists(self._full(path)) and not create_only:
+            effect = Effect("replace", path, name_durable=False, backup=self._backup(path))
+        else:
+            effect = Effect("create", path)
+        self.journal.append(effect)  # before the call: the folder fsync inside it counts
+        return effect
+
+    def _published(self, effect: Effect) -> None:
+        # a new inode with fsynced data now has this name: older data effects on it are moot
+        for e in [e for e in self.journal if e is not effect and e.path == effect.path
+                  and e.kind in ("create", "overwrite", "replace")]:
+            if e.kind == "create" and not e.name_durable:
+                effect.kind, effect.backup = "create", None
+            self._drop(e)
 
     # -- reads -------------------------------------------------------------------
     def read(self, path: str, *, on_chunk=None) -> bytearray:

@@ -98,6 +98,7 @@ def write_component(
             value = enc.arrays[key]
             section["tensors"][key] = {"dtype": safetensors_io.array_code(value), "shape": list(value.shape)}
             section["objects"][key] = objects.put(safetensors_io.byte_view(value), verify)
+        objects.flush(verify)  # every object this section names is durable before it can be committed
     elif enc.arrays:
         chunks, tensor_meta = safetensors_io.encode(enc.arrays, metadata={"component": name})
         section["tensors"] = tensor_meta

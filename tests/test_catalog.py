@@ -124,3 +124,17 @@ def test_engine_listing_stays_cheap_as_a_run_grows(tmp_path):
         plan = e.plan_recovery(deep=False)
         assert plan.target == "step_000000030"
     assert e.catalog.manifest_reads == reads, "the engine's own commits were parsed again"
+
+
+def test_a_planted_link_in_place_of_a_manifest_is_listed_unreadable(tmp_path):
+    e = _engine(str(tmp_path))
+    e.save(1)
+    e.save(2)
+    meta = os.path.join(e.storage.root, "step_000000002", "meta.json")
+    os.replace(meta, str(tmp_path / "elsewhere.json"))
+    os.symlink(str(tmp_path / "elsewhere.json"), meta)
+    catalog = Catalog(e.storage)
+    catalog.refresh()  # never follows it, never raises
+    assert _steps(catalog) == [1]
+    assert [u.snapshot_id for u in catalog.unreadable()] == ["step_000000002"]
+    assert "link" in catalog.unreadable()[0].reason

@@ -165,6 +165,19 @@ def test_read_reports_every_piece_in_order(store, size):
     assert not memoryview(got).readonly  # a private, writable buffer: decoding may reuse it in place
 
 
+def test_write_many_atomic_publishes_every_file(store):
+    store.makedirs("objects/ab")
+    store.makedirs("objects/cd")
+    store.write_atomic("objects/cd/old", b"stale")
+    items = [("objects/ab/one", b"1" * 10), ("objects/cd/two", memoryview(b"2" * (3 << 20))),
+             ("objects/cd/old", bytearray(b"fresh")), ("objects/ab/empty", b"")]
+    store.write_many_atomic(items)
+    for path, data in items:
+        assert bytes(store.read(path)) == bytes(data), path
+    names = {e.name for e in store.list("objects/ab")} | {e.name for e in store.list("objects/cd")}
+    assert names == {"one", "two", "old", "empty"}  # no temp file left behind
+
+
 def test_write_create_only_round_trip(store):
     assert put(store, "snap/meta.json", [b"{", bytearray(b'"a": 1'), memoryview(b"}")], create_only=True) == 8
     assert bytes(store.read("snap/meta.json")) == b'{"a": 1}'

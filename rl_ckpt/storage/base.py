@@ -159,6 +159,13 @@ class Storage(abc.ABC):
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         """Publish a small standalone file all-or-nothing (temp + fsync + rename, or one PUT)."""
 
+    def write_many_atomic(self, items: list[tuple[str, object]]) -> None:
+        """Publish several standalone files (``(path, bytes-like)``, parents existing), each all-or-nothing
+        and all durable when this returns. Backends may batch the syncs (local: write all, then fsync
+        all, then rename all, then fsync each folder once); the default publishes one by one."""
+        for path, data in items:
+            self.write_atomic(path, data)
+
     @abc.abstractmethod
     def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None):
         """Read a whole regular file (links refused) into a writable bytes-like buffer.
