@@ -123,14 +123,18 @@ class Mixed(AssertionError):
     """The restored state is not one snapshot's: values from several steps or writers."""
 
 
-class SuiteModel:
-    """Tensors (one changing, one frozen: shared by dedup) and JSON."""
+FROZEN_N = 32768  # float32: 128 KiB, above the size below which dedup keeps tensors in the snapshot file
 
-    def __init__(self, n: int = 2048) -> None:
+
+class SuiteModel:
+    """Tensors (one changing, one frozen: shared by dedup) and JSON. With dedup, ``weight`` and ``frozen``
+    (128 KiB each) are objects and ``counts`` stays in the snapshot's safetensors file (small tensors do)."""
+
+    def __init__(self, n: int = 16384) -> None:
         self.step, self.writer = -1, 0
         self.weight = torch.zeros(n, dtype=torch.float64)
         self.counts = torch.zeros(64, dtype=torch.int64)
-        self.frozen = torch.arange(1024, dtype=torch.float32)
+        self.frozen = torch.arange(FROZEN_N, dtype=torch.float32)
 
     def set(self, step: int, writer: int = 0) -> None:
         self.step, self.writer = step, writer
@@ -179,7 +183,7 @@ def observed(model: SuiteModel, buf: SuiteBuffer) -> tuple[int, int]:
     checks = {
         "model.weight": bool((model.weight == value).all()),
         "model.counts": bool((model.counts == value).all()),
-        "model.frozen": bool(torch.equal(model.frozen, torch.arange(1024, dtype=torch.float32))),
+        "model.frozen": bool(torch.equal(model.frozen, torch.arange(FROZEN_N, dtype=torch.float32))),
         "model.info": getattr(model, "info", {}).get("stamp") == value,
         "buffer.step/writer": (buf.step, buf.writer) == (step, writer),
         "buffer.obs": bool((buf.obs == value).all()),

@@ -197,11 +197,14 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
                 raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r}: bytes do not match its shape",
                                            snapshot_id=sid, problems=["object size mismatch"])
             arrays[key] = safetensors_io.to_torch(meta["dtype"], shape, memoryview(raw))
-        return arrays
+    # Without dedup every tensor is here; with dedup, the small ones are.
     entry = next((f for f in manifest.files_of(name) if f.role == "tensors"), None)
     if entry is not None:
         raw = read_verified(storage, sid, entry)
         for key, (code, shape, view) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items():
+            if key in arrays:
+                raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r} is both in {entry.path} and in objects/",
+                                           snapshot_id=sid, problems=["tensor stored twice"])
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .dedup import ObjectWriter
 
 READ_CHUNK = 16 * 1024 * 1024
+SMALL_TENSOR_BYTES = 64 * 1024  # with dedup, smaller tensors stay in the snapshot's safetensors file
 HASH_SLICE = 4 * 1024 * 1024
 
 
@@ -91,17 +92,24 @@ def write_component(
             verify_written(storage, path, entry)
         files.append(entry)
 
+    in_file = enc.arrays
     if enc.arrays and objects is not None:
-        section["objects_algo"] = objects.algo
-        section["objects"] = {}
-        for key in sorted(enc.arrays):
-            value = enc.arrays[key]
-            section["tensors"][key] = {"dtype": safetensors_io.array_code(value), "shape": list(value.shape)}
-            section["objects"][key] = objects.put(safetensors_io.byte_view(value), verify)
-        objects.flush(verify)  # every object this section names is durable before it can be committed
-    elif enc.arrays:
-        chunks, tensor_meta = safetensors_io.encode(enc.arrays, metadata={"component": name})
-        section["tensors"] = tensor_meta
+        # Tensors below SMALL_TENSOR_BYTES (norms, biases, step counters: ~0.1 % of the bytes, most of the
+        # tensors) go to the snapshot's own safetensors file: one object each would cost a file and an
+        # fsync apiece, for nothing worth deduplicating.
+        big = {k: v for k, v in enc.arrays.items() if _nbytes(v) >= SMALL_TENSOR_BYTES}
+        in_file = {k: v for k, v in enc.arrays.items() if k not in big}
+        if big:
+            section["objects_algo"] = objects.algo
+            section["objects"] = {}
+            for key in sorted(big):
+                value = big[key]
+                section["tensors"][key] = {"dtype": safetensors_io.array_code(value), "shape": list(value.shape)}
+                section["objects"][key] = objects.put(safetensors_io.byte_view(value), verify)
+            objects.flush(verify)  # every object this section names is durable before it can be committed
+    if in_file:
+        chunks, tensor_meta = safetensors_io.encode(in_file, metadata={"component": name})
+        section["tensors"].update(tensor_meta)
         put(f"{name}.safetensors", "tensors", chunks)
     for i, (table_name, table) in enumerate(sorted(enc.tables.items())):
         file_name = f"{name}.t{i}.arrow"
@@ -119,3 +127,7 @@ def _arrow_bytes(table):
     with pa.ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
     return sink.getvalue()
+
+
+def _nbytes(value) -> int:
+    return value.numel() * value.element_size() if hasattr(value, "element_size") else value.nbytes

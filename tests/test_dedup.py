@@ -127,3 +127,59 @@ def test_gc_sweeps_only_unreferenced_objects_and_refuses_when_unsure(tmp_path):
     (tmp_path / "run" / "step_000000002" / "meta.json").write_text("{broken")  # now references are unknown
     assert cli(["gc", str(tmp_path / "run"), "--grace", "0"]) == 0
     assert orphan.exists() and {p.name for p in objects.rglob("*") if p.is_file()} >= live
+
+
+def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly(tmp_path):
+    """Tensors under 64 KiB (norms, biases, step counters) go to the snapshot's safetensors file, the rest to
+    objects/: one object per small tensor would cost a file and an fsync each for nothing to deduplicate."""
+    import json
+
+    from rl_ckpt.errors import NoValidSnapshotError
+    from rl_ckpt.writer import SMALL_TENSOR_BYTES
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 8))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    e = CheckpointEngine(base_dir=str(tmp_path), dedup=True, retention=False)
+    e.register("policy", model)
+    e.register("optimizer", opt)
+    e.save(1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    manifest = e.catalog.get("step_000000001").manifest
+    sec = manifest.components["policy"]
+    for key, t in model.state_dict().items():
+        assert (key in sec.get("objects", {})) == (t.numel() * t.element_size() >= SMALL_TENSOR_BYTES), key
+    objects = [f for _r, _d, fs in os.walk(tmp_path / "run" / "objects") for f in fs]
+    assert len(objects) == 1 + 2  # the 1 MiB weight; Adam's two 1 MiB moments of it
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 8))
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    e2 = CheckpointEngine(base_dir=str(tmp_path), dedup=True, retention=False)
+    e2.register("policy", fresh)
+    e2.register("optimizer", fresh_opt)
+    e2.restore()
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+    # A manifest naming one tensor in both places is refused (never silently one of the two).
+    meta_path = tmp_path / "run" / "step_000000001" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.pop("manifest_checksum")
+    from rl_ckpt.checksum import digest_bytes
+    from rl_ckpt.dedup import object_path
+    from rl_ckpt.safetensors_io import byte_view
+
+    small_key = next(k for k in saved if k not in sec["objects"])
+    data = bytes(byte_view(saved[small_key]))
+    digest = digest_bytes(sec["objects_algo"], data)
+    e.storage.makedirs(object_path(sec["objects_algo"], digest).rsplit("/", 1)[0])
+    e.storage.write_atomic(object_path(sec["objects_algo"], digest), data)  # a valid object of that tensor
+    meta["components"]["policy"]["objects"][small_key] = [[digest, len(data)]]
+    meta_path.write_text(json.dumps(meta))
+    e3 = CheckpointEngine(base_dir=str(tmp_path), dedup=True, retention=False)
+    e3.register("policy", torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 8)))
+    report = e3.verify()
+    assert report.ok  # every file and object still matches its checksum...
+    with pytest.raises(NoValidSnapshotError, match="both in"):  # ...but the manifest contradicts itself
+        e3.restore()

@@ -49,30 +49,34 @@ def test_dedup_retention_and_corruption_on_s3(s3_url):
     import s3fs
 
     cfg = _cfg(s3_url, dedup=True, keep_latest=2, keep_best=0)
-    model = torch.nn.Linear(256, 256)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 128))
     e = CheckpointEngine(**cfg)
     e.register("policy", model)
+    saved = {}
     for step in (1, 2, 3):
         with torch.no_grad():
-            model.bias.add_(1.0)  # the weight is unchanged: stored once
+            model[1].weight.add_(1.0)  # the first weight is unchanged: stored once
+            model[1].bias.add_(1.0)
         e.save(step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     assert [i.global_step for i in CheckpointEngine(**cfg).snapshots()] == [2, 3]
     url, options = s3_url
     fs = s3fs.S3FileSystem(**options)
     objects = [p for p in fs.find(url + "/objects")]
-    assert len(objects) == 3  # one weight chunk + the biases of steps 2 and 3 (step 1's was swept)
-    saved3 = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len(objects) == 3  # the first weight + the second weight of steps 2 and 3 (step 1's was swept)
     m3 = CheckpointEngine(**cfg).catalog.get("step_000000003").manifest
-    bias3 = m3.components["policy"]["objects"]["bias"][0][0]
-    victim = next(p for p in objects if p.endswith(bias3))
+    assert set(m3.components["policy"]["objects"]) == {"0.weight", "1.weight"}  # biases: the snapshot's own file
+    assert [f.role for f in m3.files_of("policy")].count("tensors") == 1
+    w3 = m3.components["policy"]["objects"]["1.weight"][0][0]
+    victim = next(p for p in objects if p.endswith(w3))
     fs.pipe_file(victim, b"corrupted")
     report = CheckpointEngine(**cfg).verify()
     assert report.bad_snapshots == ["step_000000003"]
-    restored = torch.nn.Linear(256, 256)
+    restored = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 128))
     e2 = CheckpointEngine(**cfg)
     e2.register("policy", restored)
     assert e2.restore().snapshot_id == "step_000000002"
-    assert torch.equal(restored.weight, saved3["weight"])
+    assert all(torch.equal(v, saved[2][k]) for k, v in restored.state_dict().items())
 
 
 def test_large_shard_parallel_multipart_and_abort(s3_url, monkeypatch):
