@@ -59,6 +59,16 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def _create_temp(full: str, path: str) -> tuple[int, str]:
+    """A new, exclusive temp file next to ``full`` (``.tmp-<host-pid-thread-random>-<name>``: gc removes leftovers)."""
+    folder, name = os.path.split(full)
+    tmp = os.path.join(folder, f".tmp-{unique_suffix()}-{name}")
+    try:
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), tmp
+    except OSError as exc:
+        raise _storage_error(exc, "cannot create temp file for", path) from exc
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -245,12 +255,7 @@ class LocalStorage(Storage):
         try:
             for path, data in items:
                 full = self._abs(path)
-                folder, name = os.path.split(full)
-                tmp = os.path.join(folder, f".tmp-{unique_suffix()}-{name}")
-                try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-                except OSError as exc:
-                    raise _storage_error(exc, "cannot create temp file for", path) from exc
+                fd, tmp = _create_temp(full, path)
                 temps.append((fd, tmp, full, path))
                 view = memoryview(data).cast("B")
                 try:
@@ -288,12 +293,7 @@ class LocalStorage(Storage):
                     pass
 
     def _publish_via_temp(self, path: str, full: str, chunks: Iterable, *, create_only: bool, durable: bool) -> int:
-        folder, name = os.path.split(full)
-        tmp = os.path.join(folder, f".tmp-{unique_suffix()}-{name}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise _storage_error(exc, "cannot create temp file for", path) from exc
+        fd, tmp = _create_temp(full, path)
         try:
             size = self._write_fd(fd, chunks, durable, path)
             if create_only:
