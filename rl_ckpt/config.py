@@ -130,6 +130,7 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "save_rng_state": (True, _bool, "Save RNGState components."),
     "save_replay_buffer": (True, _bool, "Save components named like *buffer*."),
     "dedup": (False, _bool, "Store tensor data content-addressed in objects/ so unchanged tensors are written once."),
+    "dedup_min_tensor_bytes": (64 << 10, _int(0), "With dedup: smaller tensors stay in the snapshot's own safetensors file (an object costs a file and an fsync)."),
     "schema_version": (1, _int(1), "Your state layout version; bump it when the model structure changes. A mismatch refuses to load."),
     "post_load_check": (True, _bool, "Record a probe forward pass of each module at save; re-run and compare after load."),
     "probe_shapes": ({}, _mapping, "Probe input shape per component when it cannot be inferred, e.g. {policy: [1, 8]}."),

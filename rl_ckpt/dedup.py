@@ -49,9 +49,11 @@ def manifest_objects(manifest: Manifest) -> dict[str, tuple[str, int]]:
 class ObjectWriter:
     """Writes the chunks of one save; reuses chunks that committed snapshots already hold."""
 
-    def __init__(self, storage: Storage, algo: str, committed: Iterable[str] = ()) -> None:
+    def __init__(self, storage: Storage, algo: str, committed: Iterable[str] = (), *,
+                 min_bytes: int = 64 * 1024) -> None:
         self.storage = storage
         self.algo = algo
+        self.min_bytes = min_bytes  # smaller tensors stay in the snapshot's safetensors file
         self.committed = set(committed)
         self.seen: set[str] = set()
         self.bytes_written = 0

@@ -380,7 +380,8 @@ class CheckpointEngine:
         for info in self.catalog.snapshots():
             if info.manifest is not None:
                 committed.update(manifest_objects(info.manifest))
-        return ObjectWriter(self.storage, self.config.checksum_algo, committed)
+        return ObjectWriter(self.storage, self.config.checksum_algo, committed,
+                            min_bytes=self.config.dedup_min_tensor_bytes)
 
     def _after_commit(self) -> None:
         """Best aliases first, deletions last: a crash in between only leaves extra snapshots."""

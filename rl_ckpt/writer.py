@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from .dedup import ObjectWriter
 
 READ_CHUNK = 16 * 1024 * 1024
-SMALL_TENSOR_BYTES = 64 * 1024  # with dedup, smaller tensors stay in the snapshot's safetensors file
 HASH_SLICE = 4 * 1024 * 1024
 
 
@@ -94,10 +93,10 @@ def write_component(
 
     in_file = enc.arrays
     if enc.arrays and objects is not None:
-        # Tensors below SMALL_TENSOR_BYTES (norms, biases, step counters: ~0.1 % of the bytes, most of the
-        # tensors) go to the snapshot's own safetensors file: one object each would cost a file and an
-        # fsync apiece, for nothing worth deduplicating.
-        big = {k: v for k, v in enc.arrays.items() if _nbytes(v) >= SMALL_TENSOR_BYTES}
+        # Tensors below dedup_min_tensor_bytes (norms, biases, step counters: ~0.1 % of the bytes, most
+        # of the tensors) go to the snapshot's own safetensors file: one object each would cost a file
+        # and an fsync apiece, for nothing worth deduplicating.
+        big = {k: v for k, v in enc.arrays.items() if _nbytes(v) >= objects.min_bytes}
         in_file = {k: v for k, v in enc.arrays.items() if k not in big}
         if big:
             section["objects_algo"] = objects.algo

@@ -135,7 +135,9 @@ def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly
     import json
 
     from rl_ckpt.errors import NoValidSnapshotError
-    from rl_ckpt.writer import SMALL_TENSOR_BYTES
+    from rl_ckpt.config import FIELDS
+
+    SMALL_TENSOR_BYTES = FIELDS["dedup_min_tensor_bytes"][0]
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 8))

@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
     else:
         ray.init(num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
-    engine_cfg = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True}
+    engine_cfg = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True,
+                  "dedup_min_tensor_bytes": 4096}  # the CartPole layers are 16 KiB: dedup them, keep biases in files
     print("1/2 uninterrupted reference run ...", file=sys.stderr)
     ref = run(base_dir=base, run_name="ppo_reference", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg)
     print(f"2/2 run with a SIGKILL of a {args.crash_target} at step {args.crash_at} ...", file=sys.stderr)
