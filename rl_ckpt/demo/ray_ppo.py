@@ -190,7 +190,9 @@ def learner_loop(config: dict) -> None:
         if crash and rank == crasher and step == crash["step"] and not os.path.exists(crash["marker"]):
             open(crash["marker"], "w").close()  # once per run: the restarted attempt goes on
             if crash["target"] == "rollout":
-                workers[0].die.remote()  # the next collect fails: the attempt fails, Ray Train restarts
+                # Wait for the kill to land (the actor may first finish a queued save): the call fails with
+                # the actor's death here, at this step, and Ray Train restarts the attempt.
+                ray.get(workers[0].die.remote())
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
