@@ -713,6 +713,8 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         path = d(f"torch-{r}.pt")
         sm.timed("torch_save", lambda: torch_save(path, state_dict_of(model, opt)))
         cache.drop(path)
+        # The torch.load peer the issue asks for: it reads back the file torch.save wrote a moment ago in this
+        # run (weights_only: tensors and containers only). No rl_ckpt checkpoint is ever passed to torch.load.
         loaded = sm.timed("torch_load", lambda: torch.load(path, weights_only=True))
         del loaded
         rmtree(path)

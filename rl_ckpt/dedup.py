@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from .checksum import new_hasher
+from .config import FIELDS
 from .errors import CorruptSnapshotError, StorageError
 from .manifest import Manifest
 from .storage import Storage
@@ -50,7 +51,7 @@ class ObjectWriter:
     """Writes the chunks of one save; reuses chunks that committed snapshots already hold."""
 
     def __init__(self, storage: Storage, algo: str, committed: Iterable[str] = (), *,
-                 min_bytes: int = 64 * 1024) -> None:
+                 min_bytes: int = FIELDS["dedup_min_tensor_bytes"][0]) -> None:
         self.storage = storage
         self.algo = algo
         self.min_bytes = min_bytes  # smaller tensors stay in the snapshot's safetensors file

@@ -34,7 +34,7 @@ import uuid
 import weakref
 from typing import Callable, Iterable
 
-from .errors import CommitConflictError, StorageError
+from .errors import CommitConflictError, StorageError, UnsafePathError
 from .storage import LocalStorage, Storage
 
 OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "stat", "remove", "remove_tree",
@@ -575,7 +575,7 @@ def _safe(path: str) -> bool:
 
     try:
         check_relpath(path)
-    except Exception:
+    except UnsafePathError:
         return False
     return True
 

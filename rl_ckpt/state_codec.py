@@ -41,8 +41,12 @@ class EncodedState:
 
     @property
     def nbytes(self) -> int:
-        total = sum(int(a.nbytes) if isinstance(a, np.ndarray) else a.numel() * a.element_size() for a in self.arrays.values())
-        return total + sum(int(t.nbytes) for t in self.tables.values())
+        return sum(array_nbytes(a) for a in self.arrays.values()) + sum(int(t.nbytes) for t in self.tables.values())
+
+
+def array_nbytes(a: Any) -> int:
+    """Bytes of a tensor or ndarray's data."""
+    return int(a.nbytes) if isinstance(a, np.ndarray) else a.numel() * a.element_size()
 
 
 def _pyarrow():

@@ -16,7 +16,7 @@ from .checksum import new_hasher
 from .commit import Attempt
 from .errors import CorruptSnapshotError
 from .manifest import FileEntry
-from .state_codec import EncodedState
+from .state_codec import EncodedState, array_nbytes
 from .storage import Storage
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def write_component(
         # Tensors below dedup_min_tensor_bytes (norms, biases, step counters: ~0.1 % of the bytes, most
         # of the tensors) go to the snapshot's own safetensors file: one object each would cost a file
         # and an fsync apiece, for nothing worth deduplicating.
-        big = {k: v for k, v in enc.arrays.items() if _nbytes(v) >= objects.min_bytes}
+        big = {k: v for k, v in enc.arrays.items() if array_nbytes(v) >= objects.min_bytes}
         in_file = {k: v for k, v in enc.arrays.items() if k not in big}
         if big:
             section["objects_algo"] = objects.algo
@@ -127,6 +127,3 @@ def _arrow_bytes(table):
         w.write_table(table)
     return sink.getvalue()
 
-
-def _nbytes(value) -> int:
-    return value.numel() * value.element_size() if hasattr(value, "element_size") else value.nbytes

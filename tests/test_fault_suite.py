@@ -242,18 +242,24 @@ def test_regression_dedup_rewrites_an_object_that_rotted(tmp_path):
     assert report.ok, str(report)
 
 
-def test_regression_flip_in_manifest_global_step_is_detected(tmp_path):
-    """Finding 4, reader.py:read_manifest + the manifest checksum: a wrong step is never restored."""
+def _two_saves_then_flip(tmp_path, needle: bytes, offset: int, expected: bytes) -> dict:
+    """Save steps 1 and 2, then flip the lowest bit of the byte ``offset`` past ``needle`` in step 2's manifest."""
     cfg = engine_cfg(str(tmp_path))
     engine, model, buf = build(cfg)
     for step in (1, 2):
         save_step(engine, model, buf, step)
     path = os.path.join(run_url(cfg), "step_000000002", "meta.json")
     data = bytearray(open(path, "rb").read())
-    at = data.find(b'"global_step": ') + len(b'"global_step": ')
-    assert data[at:at + 1] == b"2"
-    data[at] ^= 0x01  # "2" -> "3"
+    at = data.find(needle) + offset
+    assert data[at:at + 1] == expected
+    data[at] ^= 0x01
     open(path, "wb").write(bytes(data))
+    return cfg
+
+
+def test_regression_flip_in_manifest_global_step_is_detected(tmp_path):
+    """Finding 4, reader.py:read_manifest + the manifest checksum: a wrong step is never restored."""
+    cfg = _two_saves_then_flip(tmp_path, b'"global_step": ', len(b'"global_step": '), b"2")  # "2" -> "3"
     engine, model, buf = build(cfg)
     assert not engine.verify().ok
     result = engine.restore()
@@ -262,16 +268,7 @@ def test_regression_flip_in_manifest_global_step_is_detected(tmp_path):
 
 def test_regression_flip_in_a_manifest_key_falls_back(tmp_path):
     """Finding 4, manifest.py: a flipped key name is caught by the manifest checksum; restore falls back."""
-    cfg = engine_cfg(str(tmp_path))
-    engine, model, buf = build(cfg)
-    for step in (1, 2):
-        save_step(engine, model, buf, step)
-    path = os.path.join(run_url(cfg), "step_000000002", "meta.json")
-    data = bytearray(open(path, "rb").read())
-    at = data.find(b'"components"') + 8
-    assert data[at:at + 1] == b"n"
-    data[at] ^= 0x01  # "components" -> "componeots"
-    open(path, "wb").write(bytes(data))
+    cfg = _two_saves_then_flip(tmp_path, b'"components"', 8, b"n")  # "components" -> "componeots"
     engine, model, buf = build(cfg)
     assert not engine.verify().ok
     assert engine.restore().global_step == 1 and observed(model, buf)[0] == 1

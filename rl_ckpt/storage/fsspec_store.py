@@ -309,12 +309,13 @@ class FsspecStorage(Storage):
                 if _is_busy(exc) and attempt + 1 < _CONFLICT_RETRIES:
                     time.sleep(min(0.05 * 2**attempt, 2.0))
                     continue
-                ours = self._written_by(bucket, key, token)
+                ours, check_error = self._written_by(bucket, key, token)
                 if ours:
                     return  # an earlier try of this call landed; a retry then met our own object
                 if _is_exists(exc) and ours is False:
                     raise self._conflict(path) from exc
-                outcome = "it did not land" if ours is False else "whether it landed is unknown (the check failed too)"
+                outcome = ("it did not land" if ours is False
+                           else f"whether it landed is unknown: the check failed too ({check_error})")
                 raise StorageError(
                     f"cannot write {self.url}/{path}: {type(exc).__name__}: {exc} (create-only write; {outcome})",
                     path=path,
@@ -341,15 +342,16 @@ class FsspecStorage(Storage):
                 path=self.url,
             )
 
-    def _written_by(self, bucket: str, key: str, token: str) -> bool | None:
-        """Whether the object carries our token: True, False (absent or another writer's), None (cannot tell)."""
+    def _written_by(self, bucket: str, key: str, token: str) -> tuple[bool | None, str]:
+        """Whether the object carries our token: True, False (absent or another writer's), or None (cannot
+        tell: the second item says why; the caller puts it in the StorageError it raises)."""
         try:
             head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
         except FileNotFoundError:
-            return False
-        except Exception:
-            return None
-        return (head.get("Metadata") or {}).get(_TOKEN_META) == token
+            return False, ""
+        except Exception as exc:  # noqa: BLE001 - any failure of the check means "unknown"; it is reported, not lost
+            return None, f"{type(exc).__name__}: {exc}"
+        return (head.get("Metadata") or {}).get(_TOKEN_META) == token, ""
 
     # -- reads -------------------------------------------------------------
     def read(self, path: str, *, on_chunk=None) -> bytearray:
