@@ -1,6 +1,6 @@
 """rl_ckpt: verified, atomic snapshots of the whole RL training state.
 
-Public API (see DESIGN §2)::
+Public API (the README shows it in use)::
 
     from rl_ckpt import CheckpointEngine, CheckpointConfig, Checkpointable, RNGState, CheckpointError
 """

@@ -1,9 +1,8 @@
 """Recovery decisions: map a training failure to start fresh, restore latest, restore best or give up.
 
-Pure logic over the catalog's list of valid full snapshots (DESIGN §5, source §4.1). The only
-side effect is the optional ``record`` callback, which the engine uses to append each decision
-to ``decisions.jsonl``; :meth:`RecoveryCoordinator.from_history` rebuilds the coordinator from
-those records after the process itself died.
+Pure logic over the catalog's list of valid full snapshots. The engine records each decision
+in the run's ``decisions/`` folder; :meth:`RecoveryCoordinator.from_history` rebuilds the
+coordinator from those records after the process itself died.
 """
 
 from __future__ import annotations
@@ -175,7 +174,7 @@ class RecoveryCoordinator:
     def from_history(cls, config: CoordinatorConfig, snapshots_provider: Callable[[], list[SnapshotInfo]],
                      decisions: Iterable[Decision | dict], record: Callable[[Decision], None] | None = None,
                      ) -> "RecoveryCoordinator":
-        """Rebuild from recorded decisions (objects or their JSON dicts), e.g. read from decisions.jsonl."""
+        """Rebuild from recorded decisions (objects or their JSON dicts), e.g. read from the run's decisions/ folder."""
         coord = cls(config, snapshots_provider, record)
         for d in decisions:
             d = d if isinstance(d, Decision) else Decision.from_json(d)

@@ -1,6 +1,6 @@
 """``CheckpointEngine``: register the training state, save it, verify it, restore it.
 
-A save has two phases (DESIGN §4): *stage* takes each component's state into
+A save has two phases: *stage* takes each component's state into
 memory the trainer no longer touches (for a synchronous save the trainer
 waits anyway, so nothing is copied), then *persist* writes every file,
 verifies it, and commits the manifest through the commit strategy.

@@ -1,4 +1,4 @@
-"""Decision-table tests for RecoveryCoordinator (DESIGN §5)."""
+"""Decision-table tests for RecoveryCoordinator."""
 
 from __future__ import annotations
 
