@@ -504,7 +504,7 @@ def test_local_large_read_with_prefault_is_exact(local):
     store, _root, _ = local
     import numpy as np
 
-    from rl_ckpt.storage.base import alloc_bytes, prefault
+    from rl_ckpt.storage.buffers import alloc_bytes, prefault
 
     data = np.random.default_rng(0).integers(0, 256, size=(48 << 20) + 4097, dtype=np.uint8).tobytes()
     put(store, "snap/big.bin", [data])

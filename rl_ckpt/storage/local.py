@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterable
 
 from ..errors import CheckpointError, CommitConflictError, StorageError, UnsafePathError
-from .base import Entry, Storage, alloc_bytes, check_relpath, prefault, unique_suffix
+from .base import Entry, Storage, check_relpath, unique_suffix
+from .buffers import alloc_bytes, prefault
 
 _MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead
