@@ -19,7 +19,7 @@ import pytest
 from rl_ckpt.commit import ManifestLastCommit
 from rl_ckpt.errors import CommitConflictError, StorageError, UnsafePathError
 from rl_ckpt.manifest import MANIFEST_NAME
-from rl_ckpt.storage import FsspecStorage, LocalStorage, Storage, join, open_storage
+from rl_ckpt.storage import FsspecStorage, LocalStorage, S3Storage, Storage, join, open_storage
 
 
 # --------------------------------------------------------------------------- backends
@@ -34,7 +34,7 @@ class Backend:
     def reopen(self, **extra) -> Storage:
         """A second, independent client of the same root (another process, in effect)."""
         if self.name == "s3":
-            return FsspecStorage(self.url, {**self.options, "skip_instance_cache": True, **extra})
+            return S3Storage(self.url, {**self.options, "skip_instance_cache": True, **extra})
         return open_storage(self.url, self.options)
 
 
@@ -679,7 +679,7 @@ def _spy_put_object(monkeypatch, store, before=None, after=None):
 def test_s3_create_only_is_a_conditional_put(s3_url, monkeypatch):
     """The conflict comes from S3's 412 on ``If-None-Match: *``, not from a check-then-write in our code."""
     url, options = s3_url
-    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
     calls = _spy_put_object(monkeypatch, store)
     store.write("m/meta.json", [b"one"], create_only=True)
     with pytest.raises(CommitConflictError) as info:
@@ -695,7 +695,7 @@ def test_s3_create_only_is_a_conditional_put(s3_url, monkeypatch):
 def test_s3_create_only_retry_of_own_landed_put_is_success(s3_url, monkeypatch):
     """A PUT that landed but whose response was lost is retried and meets its own object: not a conflict."""
     url, options = s3_url
-    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
     lost = []
 
     def lose_first_response(kw):
@@ -716,7 +716,7 @@ def test_s3_conditional_write_in_flight_is_retried(s3_url, monkeypatch):
     from botocore.exceptions import ClientError
 
     url, options = s3_url
-    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
 
     def busy_once(kw):
         if len(calls) == 1:
@@ -732,7 +732,7 @@ def test_s3_conditional_write_in_flight_is_retried(s3_url, monkeypatch):
 
 def test_s3_create_only_refused_without_if_none_match_support(s3_url, monkeypatch):
     url, options = s3_url
-    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
     store._conditional_put = False  # as with a botocore whose PutObject model lacks IfNoneMatch
     with pytest.raises(StorageError, match="If-None-Match") as info:
         store.write("n/meta.json", [b"x"], create_only=True)
@@ -742,21 +742,21 @@ def test_s3_create_only_refused_without_if_none_match_support(s3_url, monkeypatc
 
 def test_s3_client_defaults(s3_url):
     url, options = s3_url
-    store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
     assert store.fs.dircache.use_listings_cache is False  # no listing cache to go stale
     assert store.fs.s3.meta.config.retries["mode"] == "standard"
     assert store.fs.s3.meta.config.s3["addressing_style"] == "path"  # caller's config_kwargs kept
     store._check_conditional_put()
     assert store._conditional_put is True  # this botocore can send If-None-Match on PutObject
-    mine = FsspecStorage(url, {**options, "skip_instance_cache": True,
+    mine = S3Storage(url, {**options, "skip_instance_cache": True,
                                "config_kwargs": {"retries": {"max_attempts": 2, "mode": "legacy"}}})
     assert mine.fs.s3.meta.config.retries["mode"] == "legacy"  # caller's retry config wins
 
 
 def test_s3_user_enabled_listings_cache_is_not_served_stale(s3_url):
     url, options = s3_url
-    a = FsspecStorage(url, {**options, "use_listings_cache": True, "skip_instance_cache": True})
-    b = FsspecStorage(url, {**options, "skip_instance_cache": True})
+    a = S3Storage(url, {**options, "use_listings_cache": True, "skip_instance_cache": True})
+    b = S3Storage(url, {**options, "skip_instance_cache": True})
     a.write("d/x", [b"1"])
     assert set(_names(a.list("d"))) == {"x"} and a.exists("d/x")
     b.write("d/y", [b"2"])
@@ -774,7 +774,7 @@ def test_s3_manifest_last_commit_race_has_one_winner(s3_url):
 
     def saver(i):
         # each saver has its own client, like separate processes
-        store = FsspecStorage(url, {**options, "skip_instance_cache": True})
+        store = S3Storage(url, {**options, "skip_instance_cache": True})
         strategy = ManifestLastCommit(store)
         try:
             attempt = strategy.begin("step_000100")

@@ -22,7 +22,7 @@ import threading
 import uuid
 from typing import BinaryIO, Callable, Iterable
 
-from ..errors import UnsafePathError
+from ..errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
 
 _BAD_PART = re.compile(r"[\x00\\]")
 
@@ -54,6 +54,38 @@ def unique_suffix() -> str:
     return f"{_HOST}-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:8]}"
 
 
+def check_max_bytes(max_bytes: int | None) -> None:
+    """Refuse a ``max_bytes`` that is not None or a non-negative int."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise StorageArgumentError(f"max_bytes must be None or an int >= 0, not {max_bytes!r}",
+                                   name="max_bytes", value=max_bytes)
+
+
+def too_large(path: str, size: int, max_bytes: int) -> FileTooLargeError:
+    """The error for a file over the caller's cap (raised before reading it)."""
+    return FileTooLargeError(
+        f"refused to read {path}: it is {size} bytes, more than the {max_bytes} bytes allowed for it. Nothing was "
+        "read; rl_ckpt never writes a file that large there, so it is damaged or was planted: inspect and remove it",
+        path=path, size=size, max_bytes=max_bytes,
+    )
+
+
+def check_range(start: int, length: int) -> None:
+    """Refuse a ranged read whose ``start`` or ``length`` is not a non-negative int."""
+    for name, value in (("start", start), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StorageArgumentError(f"read_range: {name} must be an int >= 0, not {value!r}", name=name, value=value)
+
+
+def range_past_end(path: str, start: int, length: int, size: int) -> ReadRangeError:
+    """The error for a ranged read that reaches past the end of the file."""
+    return ReadRangeError(
+        f"cannot read bytes {start}..{start + length} of {path}: the file has only {size} bytes "
+        "(it is shorter than its manifest says: damaged or truncated)",
+        path=path, start=start, length=length, size=size,
+    )
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 
@@ -71,7 +103,8 @@ class Entry:
 
 
 class Storage(abc.ABC):
-    """Minimal storage interface. Implementations: ``LocalStorage``, ``FsspecStorage``."""
+    """Minimal storage interface. Implementations: ``LocalStorage``, ``FsspecStorage`` and its ``S3Storage``,
+    ``MemoryStorage``; ``open_storage`` picks one by URL protocol (``rl_ckpt.storage.registry``)."""
 
     url: str
     #: True when directories can be renamed atomically (local disks, NFS).
@@ -100,14 +133,41 @@ class Storage(abc.ABC):
             self.write_atomic(path, data)
 
     @abc.abstractmethod
-    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None):
+    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
+             max_bytes: int | None = None):
         """Read a whole regular file (links refused) into a writable bytes-like buffer.
 
         ``on_chunk`` is called with consecutive pieces of the buffer as they
         are filled (the reader hashes there, while each piece is still in the
         CPU cache and the next one is being read ahead); a backend that reads
         in one piece calls it once.
+        ``max_bytes``: refuse a file larger than this with ``FileTooLargeError``
+        before any buffer is allocated (the size is taken first, and no more
+        than the cap is ever read, even if the file grows meanwhile).
         """
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of a regular file from offset ``start``.
+
+        The whole range must lie inside the file: a range past its end raises
+        ``ReadRangeError`` (nothing is allocated for it), negative or non-integer
+        arguments ``StorageArgumentError``. This default seeks an ``open_read``
+        stream; backends override it with a positioned or ranged read.
+        """
+        check_range(start, length)
+        with self.open_read(path) as f:
+            size = f.seek(0, os.SEEK_END)
+            if start + length > size:
+                raise range_past_end(path, start, length, size)
+            f.seek(start)
+            parts, got = [], 0
+            while got < length:
+                part = f.read(length - got)
+                if not part:
+                    raise range_past_end(path, start, length, start + got)  # the file shrank meanwhile
+                parts.append(part)
+                got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:
@@ -150,6 +210,15 @@ class Storage(abc.ABC):
     def free_bytes(self) -> int | None:
         """Free space at the root, or None when the backend cannot tell."""
         return None
+
+    def abort_incomplete_uploads(self, older_than_seconds: float) -> list[str]:
+        """Abort multipart uploads under the root started more than ``older_than_seconds`` ago; return their keys.
+
+        Only object stores have such uploads (a writer killed mid-upload leaves
+        invisible, billed parts). Every other backend has nothing to abort: this
+        default does nothing and returns an empty list.
+        """
+        return []
 
     def close(self) -> None:
         """Release resources (connections, thread pools)."""
