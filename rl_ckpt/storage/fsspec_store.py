@@ -149,7 +149,8 @@ class FsspecStorage(Storage):
 
     def _create_only(self, full: str, path: str, data: bytes) -> None:
         """Write ``data`` unless ``full`` exists (``CommitConflictError``): the backend's own
-        ``mode="create"``, atomic where the backend makes it so."""
+        ``mode="create"``. Only as atomic as the backend makes it (fsspec's default checks, then
+        writes): a protocol whose writers may race gets a class of its own in the registry."""
         try:
             self.fs.pipe_file(full, data, mode="create")
         except Exception as exc:
@@ -175,16 +176,17 @@ class FsspecStorage(Storage):
         return data
 
     def _read_capped(self, full: str, path: str, max_bytes: int) -> bytearray:
-        """Size first, then a read of at most ``max_bytes + 1`` bytes (an object replaced by a larger one
-        between the two is still caught, and never read whole)."""
+        """Size first, then a read of exactly that many bytes (as a local read: an object that grows
+        meanwhile is never read past the size that passed the check)."""
         size = self._file_size(full)
         if size > max_bytes:
             raise too_large(path, size, max_bytes)
         if size == 0:
             return bytearray()  # a ranged read of an empty object is refused by S3 (416)
-        data = bytearray(self.fs.cat_file(full, start=0, end=max_bytes + 1))
-        if len(data) > max_bytes:
-            raise too_large(path, len(data), max_bytes)
+        data = bytearray(self.fs.cat_file(full, start=0, end=size))
+        if len(data) != size:
+            raise StorageError(f"short read of {path}: {len(data)} of {size} bytes (file changed while reading?)",
+                               path=path)
         return data
 
     def _file_size(self, full: str) -> int:
@@ -196,28 +198,22 @@ class FsspecStorage(Storage):
         return int(info.get("size") or 0)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        """One ranged read (``cat_file(path, start, end)``; a ranged GET on object stores)."""
+        """Size first (some backends allocate the whole requested range before reading), then one
+        ``cat_file(path, start, end)``."""
         check_range(start, length)
         full = self._abs(path)
-        self._fresh(full)
-        data = b""
         try:
+            size = self._file_size(full)
+            if start + length > size:
+                raise range_past_end(path, start, length, size)
             data = self.fs.cat_file(full, start=start, end=start + length) if length else b""
-            if len(data) == length and length:
-                return bytes(data)
-            size = self._file_size(full)  # short, or empty: is the range inside the file?
+        except StorageError:
+            raise
         except Exception as exc:
-            if _client_error(exc)[0] != "InvalidRange":  # S3 416: the range starts past the end
-                raise self._error(exc, "cannot read", path) from exc
-            try:
-                size = self._file_size(full)
-            except Exception as exc2:
-                raise self._error(exc2, "cannot read", path) from exc2
-        if start + length > size:
-            raise range_past_end(path, start, length, size)
-        if length:  # inside the file yet short: the object changed between the two calls
+            raise self._error(exc, "cannot read", path) from exc
+        if len(data) != length:  # the file shrank between the two calls
             raise range_past_end(path, start, length, start + len(data))
-        return b""
+        return bytes(data)
 
     def open_read(self, path: str) -> BinaryIO:
         full = self._abs(path)
