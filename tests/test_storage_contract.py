@@ -18,10 +18,12 @@ import uuid
 import pytest
 
 from rl_ckpt.commit import ManifestLastCommit
-from rl_ckpt.errors import (CommitConflictError, FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError,
+from rl_ckpt.errors import (CommitConflictError, ConfigError, FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError,
                             StoragePermissionError, UnsafePathError)
 from rl_ckpt.manifest import MANIFEST_NAME
-from rl_ckpt.storage import FsspecStorage, LocalStorage, S3Storage, Storage, join, open_storage
+from rl_ckpt.storage import (FsspecStorage, LocalStorage, MemoryStorage, S3Storage, Storage, join, open_storage,
+                             register_storage, storage_class)
+from rl_ckpt.storage.registry import registry as storage_registry
 
 
 # --------------------------------------------------------------------------- backends
@@ -415,6 +417,22 @@ def test_read_with_max_bytes(store):
         store.read("snap/sub", max_bytes=10)
 
 
+def test_abort_incomplete_uploads_is_declared_everywhere(backend, store):
+    """Declared in the interface: callers use it directly; backends without multipart uploads abort nothing."""
+    put(store, "snap/f.bin", [b"x"])
+    assert store.abort_incomplete_uploads(0) == []
+    if backend.name == "s3":
+        bucket = backend.url[len("s3://"):].split("/", 1)[0]
+        store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key="runs/r1/step_000000003/big.bin")
+        store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key="runs/r1-neighbour/big.bin")  # not ours
+        # (moto lists every upload as initiated in 2010, so the age filter cannot be told apart here)
+        assert store.abort_incomplete_uploads(0) == ["runs/r1/step_000000003/big.bin"]
+        left = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+        assert [u["Key"] for u in left] == ["runs/r1-neighbour/big.bin"]
+        store.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=left[0]["Key"], UploadId=left[0]["UploadId"])
+    assert bytes(store.read("snap/f.bin")) == b"x"
+
+
 def test_remove(store):
     put(store, "r/f.bin", [b"x"])
     put(store, "r/g.bin", [b"y"])
@@ -633,7 +651,232 @@ def test_local_large_read_with_prefault_is_exact(local):
 def test_local_open_storage_kinds(tmp_path):
     assert isinstance(open_storage(str(tmp_path)), LocalStorage)
     assert isinstance(open_storage(f"file://{tmp_path}"), LocalStorage)
+    assert open_storage(f"file://{tmp_path}").root == open_storage(str(tmp_path)).root == str(tmp_path)
     assert isinstance(open_storage("memory://x/y"), FsspecStorage)
+
+
+def test_registry_picks_the_class_by_protocol(tmp_path):
+    assert type(open_storage(str(tmp_path))) is LocalStorage
+    assert type(open_storage("relative/run")) is LocalStorage
+    assert type(open_storage("memory://x/y")) is MemoryStorage
+    for url in ("s3://bucket/run", "s3a://bucket/run", "S3://bucket/run"):
+        assert storage_class(url) is S3Storage, url
+    # any other fsspec protocol: the generic class (chained URLs are named by their outer protocol)
+    assert type(open_storage(f"local://{tmp_path}")) is FsspecStorage
+    for url in ("gcs://bucket/run", "abfs://c/run", "simplecache::s3://bucket/run"):
+        assert storage_class(url) is FsspecStorage, url
+
+
+def test_register_storage_adds_and_guards_protocols():
+    class Mine(MemoryStorage):
+        pass
+
+    try:
+        register_storage("rlckpt-test", Mine)
+        assert storage_class("rlckpt-test://x/y") is Mine and storage_class("RLCKPT-TEST://x") is Mine
+        register_storage("rlckpt-test", Mine)  # the same class again is fine
+        with pytest.raises(ConfigError, match="already served by Mine"):
+            register_storage("rlckpt-test", MemoryStorage)
+        assert storage_class("rlckpt-test://x") is Mine
+        register_storage("rlckpt-test", MemoryStorage, clobber=True)
+        assert storage_class("rlckpt-test://x") is MemoryStorage
+        with pytest.raises(ConfigError, match="not a Storage subclass"):
+            register_storage("rlckpt-other", dict)
+        with pytest.raises(ConfigError, match="already served"):
+            register_storage("s3", MemoryStorage)
+    finally:
+        storage_registry.pop("rlckpt-test", None)
+    assert storage_class("s3://b/k") is S3Storage
+
+
+def test_local_sparse_huge_files_refused_before_allocating(local, monkeypatch):
+    """A 1 GiB and a 64 GiB sparse meta.json: refused from the open file's size, nothing allocated or read."""
+    import rl_ckpt.storage.local as local_mod
+
+    store, root, _ = local
+    (root / "snap").mkdir()
+
+    def no_allocation(size):
+        raise AssertionError(f"a buffer of {size} bytes was allocated for a file over the cap")
+
+    monkeypatch.setattr(local_mod, "alloc_bytes", no_allocation)
+    for size in (1 << 30, 64 << 30):
+        with open(root / "snap" / "meta.json", "wb") as f:
+            f.truncate(size)
+        with pytest.raises(FileTooLargeError) as info:
+            store.read("snap/meta.json", max_bytes=64 << 20, on_chunk=lambda v: pytest.fail("read anyway"))
+        assert (info.value.size, info.value.max_bytes, info.value.path) == (size, 64 << 20, "snap/meta.json")
+        # ranged reads check the size first too: a hostile length allocates nothing
+        with pytest.raises(ReadRangeError):
+            store.read_range("snap/meta.json", size - 8, 1 << 40)
+        assert store.read_range("snap/meta.json", size - 8, 8) == bytes(8)
+
+
+def test_local_read_without_memory_is_a_storage_error(local, monkeypatch):
+    """Without a cap, a file too large for memory still ends in a StorageError naming it (not a raw ENOMEM)."""
+    import errno
+
+    import rl_ckpt.storage.local as local_mod
+
+    store, _root, _ = local
+    put(store, "snap/meta.json", [b"{}"])
+
+    def enomem(size):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(local_mod, "alloc_bytes", enomem)
+    with pytest.raises(StorageError, match="cannot read snap/meta.json: no memory for its 2 bytes") as info:
+        store.read("snap/meta.json")
+    assert info.value.path == "snap/meta.json"
+
+
+def test_os_errors_map_to_storage_errors_that_say_what_to_do():
+    import errno
+
+    from rl_ckpt.storage.local import _storage_error
+
+    for code in (errno.EACCES, errno.EPERM):
+        err = _storage_error(PermissionError(code, os.strerror(code)), "cannot open", "step_000000002/meta.json")
+        assert isinstance(err, StoragePermissionError) and isinstance(err, StorageError)
+        assert (err.path, err.errno) == ("step_000000002/meta.json", code)
+        assert "cannot open step_000000002/meta.json" in str(err) and "chmod" in str(err)
+    err = _storage_error(OSError(errno.EROFS, os.strerror(errno.EROFS)), "cannot create", "x")
+    assert type(err) is StorageError and "read-only file system" in str(err)
+    err = _storage_error(OSError(errno.EIO, os.strerror(errno.EIO)), "cannot read", "x")
+    assert type(err) is StorageError and err.errno == errno.EIO
+    store = open_storage("memory://rlckpt-perm/run")
+    err = store._error(PermissionError("Access Denied"), "cannot read", "step_000000002/meta.json")
+    assert isinstance(err, StoragePermissionError) and "credentials" in str(err) and err.path == "step_000000002/meta.json"
+
+
+_PERMISSION_CHILD = r"""
+import json, sys
+from rl_ckpt.storage import open_storage
+
+store = open_storage(sys.argv[1])
+calls = {
+    "read": lambda: store.read("snap/meta.json"),
+    "read_capped": lambda: store.read("snap/meta.json", max_bytes=1 << 20),
+    "read_range": lambda: store.read_range("snap/meta.json", 0, 1),
+    "open_read": lambda: store.open_read("snap/meta.json"),
+    "list": lambda: store.list("locked"),
+    "exists": lambda: store.exists("locked/f.bin"),
+    "size": lambda: store.size("locked/f.bin"),
+    "stat": lambda: store.stat("locked/f.bin"),
+    "read_in_locked": lambda: store.read("locked/f.bin"),
+    "write": lambda: store.write("readonly/new.bin", [b"x"]),
+    "write_create_only": lambda: store.write("readonly/new.bin", [b"x"], create_only=True),
+    "write_atomic": lambda: store.write_atomic("readonly/new.bin", b"x"),
+    "makedirs": lambda: store.makedirs("readonly/sub"),
+    "remove": lambda: store.remove("readonly/old.bin"),
+    "remove_tree": lambda: store.remove_tree("locked"),
+}
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = ["ok", ""]
+    except BaseException as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+"""
+
+
+def test_local_permission_denied_is_a_storage_error_on_every_operation(tmp_path):
+    """Real permission errors (root drops the capabilities that let it read anything): each operation raises
+    StoragePermissionError naming the path and what to do, never a raw PermissionError."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import rl_ckpt
+
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root and setpriv is missing: root ignores file permissions")
+        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+    else:
+        prefix = []
+    root = tmp_path / "run"
+    (root / "snap").mkdir(parents=True)
+    (root / "snap" / "meta.json").write_bytes(b"{}")
+    (root / "locked").mkdir()
+    (root / "locked" / "f.bin").write_bytes(b"x")
+    (root / "readonly").mkdir()
+    (root / "readonly" / "old.bin").write_bytes(b"x")
+    os.chmod(root / "snap" / "meta.json", 0)
+    os.chmod(root / "locked", 0)
+    os.chmod(root / "readonly", 0o555)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rl_ckpt.__file__))}
+    try:
+        done = subprocess.run(prefix + [sys.executable, "-c", _PERMISSION_CHILD, str(root)], env=env,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        for p, mode in ((root / "snap" / "meta.json", 0o644), (root / "locked", 0o755), (root / "readonly", 0o755)):
+            os.chmod(p, mode)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 15
+    for name, (kind, message) in results.items():
+        assert kind == "StoragePermissionError", (name, kind, message)
+        assert "Permission denied" in message and "chmod" in message, (name, message)
+        assert ("snap/meta.json" in message or "locked" in message or "readonly/" in message), (name, message)
+    # nothing was lost or changed by the refused calls
+    assert (root / "snap" / "meta.json").read_bytes() == b"{}" and (root / "locked" / "f.bin").read_bytes() == b"x"
+    assert sorted(os.listdir(root / "readonly")) == ["old.bin"]
+
+
+_RESTORE_CHILD = r"""
+import sys
+import torch
+from rl_ckpt import CheckpointEngine
+
+base, run = sys.argv[1], sys.argv[2]
+engine = CheckpointEngine(base_dir=base, run_name=run)
+engine.register("policy", torch.nn.Linear(3, 3))
+try:
+    engine.restore()
+    print("restored")
+except BaseException as exc:
+    print("raised", type(exc).__name__, "|", exc)
+"""
+
+
+def test_local_restore_from_a_run_folder_the_user_may_not_read(tmp_path):
+    """The case as reported: restore on a run folder the user may not read ends in a StoragePermissionError
+    that names the folder and what to do, not a raw PermissionError."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    import rl_ckpt
+    from rl_ckpt import CheckpointEngine
+
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root and setpriv is missing: root ignores file permissions")
+        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+    else:
+        prefix = []
+    engine = CheckpointEngine(base_dir=str(tmp_path), run_name="run")
+    engine.register("policy", torch.nn.Linear(3, 3))
+    engine.save(1)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rl_ckpt.__file__))}
+    os.chmod(tmp_path / "run", 0)
+    try:
+        done = subprocess.run(prefix + [sys.executable, "-c", _RESTORE_CHILD, str(tmp_path), "run"], env=env,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        os.chmod(tmp_path / "run", 0o755)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("raised StoragePermissionError |"), last
+    assert "Permission denied" in last and "chmod" in last and str(tmp_path / "run") in last
 
 
 def test_local_rename_dir_refuses_existing_target(local):
@@ -766,6 +1009,45 @@ def _spy_put_object(monkeypatch, store, before=None, after=None):
 
     monkeypatch.setattr(store.fs, "call_s3", spy)
     return calls
+
+
+def _spy_requests(monkeypatch, store) -> list:
+    """Every S3 request the client sends: ``(method, kwargs)``."""
+    real = store.fs._call_s3
+    sent = []
+
+    async def spy(method, *args, **kw):
+        sent.append((method, kw))
+        return await real(method, *args, **kw)
+
+    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    return sent
+
+
+def test_s3_read_range_is_one_ranged_get(s3_url, monkeypatch):
+    url, options = s3_url
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
+    store.write("snap/r.bin", [RANGE_DATA])
+    sent = _spy_requests(monkeypatch, store)
+    assert store.read_range("snap/r.bin", 5, 10) == RANGE_DATA[5:15]
+    assert [(m, kw.get("Range")) for m, kw in sent] == [("get_object", "bytes=5-14")]
+    sent.clear()
+    with pytest.raises(ReadRangeError):
+        store.read_range("snap/r.bin", 1020, 1 << 40)  # the server sends the 4 bytes there are; a HEAD tells why
+    assert [m for m, _ in sent] == ["get_object", "head_object"]
+
+
+def test_s3_capped_read_of_a_large_object_gets_nothing(s3_url, monkeypatch):
+    url, options = s3_url
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
+    store.write("snap/meta.json", [b"x" * (1 << 20)])
+    sent = _spy_requests(monkeypatch, store)
+    with pytest.raises(FileTooLargeError):
+        store.read("snap/meta.json", max_bytes=1000)
+    assert [m for m, _ in sent] == ["head_object"]
+    sent.clear()
+    assert bytes(store.read("snap/meta.json", max_bytes=1 << 20)) == b"x" * (1 << 20)
+    assert [(m, kw.get("Range")) for m, kw in sent] == [("head_object", None), ("get_object", f"bytes=0-{(1 << 20) - 1}")]
 
 
 def test_s3_create_only_is_a_conditional_put(s3_url, monkeypatch):

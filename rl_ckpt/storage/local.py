@@ -173,8 +173,9 @@ def _storage_error(exc: OSError, what: str, path: str) -> StorageError:
         hint = " (quota exceeded on the checkpoint volume)"
     elif exc.errno in (errno.EACCES, errno.EPERM):
         cls = StoragePermissionError
-        hint = (f" (permission denied for user id {os.geteuid()}: give that user read access to the run folder, and "
-                "write access to save, e.g. with chown/chmod, or run as the folder's owner)")
+        where = f" on {exc.filename}" if isinstance(exc.filename, str) else ""
+        hint = (f" (permission denied{where} for user id {os.geteuid()}: give that user read access to the run "
+                "folder, and write access to save, e.g. with chown/chmod, or run as the folder's owner)")
     elif exc.errno == errno.EROFS:
         hint = " (read-only file system: remount it writable or save to another base_dir)"
     msg = f"{what} {path}: {exc.strerror or exc}{hint}"
@@ -459,14 +460,16 @@ class LocalStorage(Storage):
         return True
 
     def size(self, path: str) -> int:
+        full = self._abs(path)  # its own errors already say what happened: not wrapped again below
         try:
-            return os.lstat(self._abs(path)).st_size
+            return os.lstat(full).st_size
         except OSError as exc:
             raise _storage_error(exc, "cannot stat", path) from exc
 
     def stat(self, path: str) -> Entry | None:
+        full = self._abs(path)
         try:
-            st = os.lstat(self._abs(path))
+            st = os.lstat(full)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -479,8 +482,9 @@ class LocalStorage(Storage):
         return os.path.islink(self._abs(path, check_links=False))
 
     def remove(self, path: str) -> None:
+        full = self._abs(path, last_may_be_link=True)
         try:
-            os.unlink(self._abs(path, last_may_be_link=True))
+            os.unlink(full)
         except FileNotFoundError:
             pass
         except OSError as exc:
