@@ -1,5 +1,11 @@
 """The storage boundary: a handful of methods every backend implements.
 
+Abstract methods are what every backend must do. Optional operations are
+declared here too, with a default that says what it does where a backend has
+no better way (``read_range`` seeks a stream, ``abort_incomplete_uploads``
+aborts nothing, ``rename_dir`` refuses): callers use them directly, never
+``getattr``.
+
 Paths are ``/``-separated and relative to the storage root (a run folder).
 Every method checks its path with :func:`check_relpath` first, so nothing
 outside the root is ever opened, listed or deleted.
