@@ -879,6 +879,29 @@ def test_local_restore_from_a_run_folder_the_user_may_not_read(tmp_path):
     assert "Permission denied" in last and "chmod" in last and str(tmp_path / "run") in last
 
 
+def test_local_list_skips_an_entry_removed_while_listing(local, monkeypatch):
+    """A file deleted between reading the folder and stat-ing the entry (another engine's retention) is left
+    out; the rest of the folder is still listed."""
+    import contextlib
+
+    import rl_ckpt.storage.local as local_mod
+
+    store, root, _ = local
+    for name in ("a.bin", "b.bin", "c.bin"):
+        put(store, f"snap/{name}", [name.encode()])
+    real_scandir = os.scandir
+
+    @contextlib.contextmanager
+    def racing_scandir(path):
+        with real_scandir(path) as it:
+            entries = list(it)
+        os.unlink(os.path.join(path, "b.bin"))  # gone after the folder was read, before its entry is stat-ed
+        yield iter(entries)
+
+    monkeypatch.setattr(local_mod.os, "scandir", racing_scandir)
+    assert sorted(_names(store.list("snap"))) == ["a.bin", "c.bin"]
+
+
 def test_local_rename_dir_refuses_existing_target(local):
     store, root, _ = local
     put(store, "staging/a/f", [b"new"])

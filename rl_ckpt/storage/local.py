@@ -413,7 +413,7 @@ class LocalStorage(Storage):
                 raise range_past_end(path, start, length, size)
             parts, got = [], 0
             while got < length:
-                part = os.pread(fd, min(length - got, _MAX_WRITE), start + got)
+                part = os.pread(fd, min(length - got, _MAX_WRITE), start + got)  # one call: same ~2 GiB cap
                 if not part:
                     raise range_past_end(path, start, length, start + got)  # the file shrank meanwhile
                 parts.append(part)
