@@ -902,6 +902,27 @@ def test_local_list_skips_an_entry_removed_while_listing(local, monkeypatch):
     assert sorted(_names(store.list("snap"))) == ["a.bin", "c.bin"]
 
 
+def test_fault_injecting_wrappers_keep_the_interface(local):
+    """The test storages pass the new arguments and operations through (and a cut power stops ranged reads)."""
+    from rl_ckpt.faults import FaultyStorage, PowerCut, PowerLossStorage
+
+    store, root, _ = local
+    put(store, "snap/meta.json", [b"x" * 100])
+    faulty = FaultyStorage(store)
+    with pytest.raises(FileTooLargeError):
+        faulty.read("snap/meta.json", max_bytes=10)
+    assert bytes(faulty.read("snap/meta.json", max_bytes=100)) == b"x" * 100
+    assert faulty.read_range("snap/meta.json", 98, 2) == b"xx" and faulty.count("open_read") == 1
+    assert faulty.abort_incomplete_uploads(0) == []
+    power = PowerLossStorage(str(root))
+    assert power.read_range("snap/meta.json", 0, 3) == b"xxx"
+    with pytest.raises(FileTooLargeError):
+        power.read("snap/meta.json", max_bytes=99)
+    power.power_cut()
+    with pytest.raises(PowerCut):
+        power.read_range("snap/meta.json", 0, 3)
+
+
 def test_local_rename_dir_refuses_existing_target(local):
     store, root, _ = local
     put(store, "staging/a/f", [b"new"])
