@@ -249,9 +249,8 @@ def cmd_gc(args) -> int:
     if refusal:
         print(f"objects: {refusal}", file=sys.stderr)
     debris += objects
-    abort = getattr(storage, "abort_incomplete_uploads", None)
-    if abort is not None and not args.dry_run:
-        for key in abort(args.grace):
+    if not args.dry_run:
+        for key in storage.abort_incomplete_uploads(args.grace):
             print(f"aborted incomplete multipart upload {key}")
     for d in debris:
         print(f"{'would remove' if args.dry_run else 'removing'} {d.path}{'/' if d.is_dir else ''}  ({d.reason})")

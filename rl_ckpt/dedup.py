@@ -139,7 +139,7 @@ def read_tensor_bytes(storage: Storage, algo: str, chunks: list):
     """Reassemble one tensor's bytes from its verified chunks (into a buffer that is not zero-filled first)."""
     import numpy as np
 
-    from .storage.base import alloc_bytes
+    from .storage.buffers import alloc_bytes
 
     total = sum(size for _digest, size in chunks)
     out = alloc_bytes(total)

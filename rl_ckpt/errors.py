@@ -75,3 +75,19 @@ class RestoreError(CheckpointError):
 
 class SaveInProgressError(CheckpointError):
     """A save was requested while another one is still running."""
+
+
+class StoragePermissionError(StorageError):
+    """The storage refused access to a path (``path``, ``errno``): permissions, ownership or credentials."""
+
+
+class FileTooLargeError(StorageError):
+    """A file is larger than the caller's cap, found before anything was read (``path``, ``size``, ``max_bytes``)."""
+
+
+class ReadRangeError(StorageError):
+    """A ranged read asked for bytes past the end of a file (``path``, ``start``, ``length``, ``size``)."""
+
+
+class StorageArgumentError(CheckpointError, ValueError):
+    """A storage call got an argument it cannot honour, e.g. a negative offset (``name``, ``value``)."""

@@ -63,6 +63,7 @@ import torch
 
 from .checksum import digest_bytes
 from .errors import CheckpointError, CommitConflictError, StorageError
+from .testing.s3_endpoint import serialize_conditional_writes
 
 SCENARIOS = ("sigkill", "power", "corruption", "errors", "s3", "concurrent", "malicious")
 VALUE_BASE = 1000  # every saved value is step * VALUE_BASE + writer: a mixed or partial snapshot shows
@@ -552,21 +553,6 @@ def run_gc(storage) -> int:
 LOOPBACK = "127.0.0.1"
 
 
-class _SerializeConditionalWrites:
-    """WSGI middleware: requests with ``If-None-Match`` one at a time (moto's check-then-store is not
-    atomic across its threads; real S3's is). All other requests stay concurrent."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.lock = threading.Lock()
-
-    def __call__(self, environ, start_response):
-        if "HTTP_IF_NONE_MATCH" in environ and environ.get("REQUEST_METHOD") in ("PUT", "POST"):
-            with self.lock:
-                return list(self.app(environ, start_response))
-        return self.app(environ, start_response)
-
-
 def _serve_s3(conn) -> None:
     """Child: run moto's S3 server on 127.0.0.1 (free port), send ("ok", port), serve until killed."""
     try:
@@ -578,9 +564,7 @@ def _serve_s3(conn) -> None:
         host, port = server.get_host_and_port()
         if host != LOOPBACK or not port:
             raise RuntimeError(f"bound to {host}:{port}")
-        wsgi = getattr(server, "_server", None)
-        if wsgi is not None and hasattr(wsgi, "app"):
-            wsgi.app = _SerializeConditionalWrites(wsgi.app)
+        serialize_conditional_writes(server)  # create-only PUTs atomic, as on real S3
         conn.send(("ok", int(port)))
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

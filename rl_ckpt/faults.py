@@ -125,8 +125,8 @@ class FaultyStorage(Storage):
     def write_atomic(self, path, data, *, create_only=False):
         return self._call("write_atomic", path, lambda: self.inner.write_atomic(path, data, create_only=create_only))
 
-    def read(self, path, *, on_chunk=None):
-        return self._call("read", path, lambda: self.inner.read(path, on_chunk=on_chunk))
+    def read(self, path, *, on_chunk=None, max_bytes=None):
+        return self._call("read", path, lambda: self.inner.read(path, on_chunk=on_chunk, max_bytes=max_bytes))
 
     def open_read(self, path):
         return self._call("open_read", path, lambda: self.inner.open_read(path))
@@ -160,6 +160,9 @@ class FaultyStorage(Storage):
 
     def free_bytes(self):
         return self.inner.free_bytes()
+
+    def abort_incomplete_uploads(self, older_than_seconds):
+        return self.inner.abort_incomplete_uploads(older_than_seconds)
 
     def close(self):
         self.inner.close()
@@ -483,9 +486,13 @@ class PowerLossStorage(LocalStorage):
             self._drop(e)
 
     # -- reads -------------------------------------------------------------------
-    def read(self, path: str, *, on_chunk=None) -> bytearray:
+    def read(self, path: str, *, on_chunk=None, max_bytes=None) -> bytearray:
         self._alive()
-        return super().read(path, on_chunk=on_chunk)
+        return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        self._alive()
+        return super().read_range(path, start, length)
 
     def open_read(self, path: str):
         self._alive()

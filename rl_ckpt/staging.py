@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .state_codec import EncodedState
-from .storage.base import alloc_bytes
+from .storage.buffers import alloc_bytes
 
 
 class StagingArea:

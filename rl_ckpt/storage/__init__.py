@@ -1,8 +1,9 @@
 """Storage backends behind one small interface (:class:`Storage`).
 
-``open_storage(url)`` picks the backend: plain paths and ``file://`` go to
-:class:`LocalStorage` (real fsync, atomic rename: local disks and NFS); every
-other scheme goes to :class:`FsspecStorage` (``memory://``, ``s3://``, ...).
+``open_storage(url)`` picks the backend by URL protocol (``registry.py``):
+plain paths and ``file://`` go to :class:`LocalStorage` (real fsync, atomic
+rename: local disks and NFS), ``s3://`` to :class:`S3Storage`, ``memory://`` to
+:class:`MemoryStorage`, every other protocol to :class:`FsspecStorage`.
 """
 
 from __future__ import annotations
@@ -10,15 +11,9 @@ from __future__ import annotations
 from .base import Entry, Storage, check_relpath, join
 from .fsspec_store import FsspecStorage
 from .local import LocalStorage
+from .memory import MemoryStorage
+from .registry import open_storage, register_storage, storage_class
+from .s3 import S3Storage
 
-
-def open_storage(url: str, storage_options: dict | None = None) -> Storage:
-    """Open the storage rooted at ``url`` (a run folder)."""
-    if url.startswith("file://"):
-        return LocalStorage(url[len("file://"):])
-    if "://" not in url:
-        return LocalStorage(url)
-    return FsspecStorage(url, storage_options)
-
-
-__all__ = ["Entry", "Storage", "LocalStorage", "FsspecStorage", "open_storage", "check_relpath", "join"]
+__all__ = ["Entry", "Storage", "LocalStorage", "FsspecStorage", "S3Storage", "MemoryStorage", "open_storage",
+           "register_storage", "storage_class", "check_relpath", "join"]

@@ -1,5 +1,11 @@
 """The storage boundary: a handful of methods every backend implements.
 
+Abstract methods are what every backend must do. Optional operations are
+declared here too, with a default that says what it does where a backend has
+no better way (``read_range`` seeks a stream, ``abort_incomplete_uploads``
+aborts nothing, ``rename_dir`` refuses): callers use them directly, never
+``getattr``.
+
 Paths are ``/``-separated and relative to the storage root (a run folder).
 Every method checks its path with :func:`check_relpath` first, so nothing
 outside the root is ever opened, listed or deleted.
@@ -14,9 +20,7 @@ no reader trusts, see ``rl_ckpt.commit``)::
 from __future__ import annotations
 
 import abc
-import ctypes
 import dataclasses
-import mmap
 import os
 import re
 import socket
@@ -24,9 +28,7 @@ import threading
 import uuid
 from typing import BinaryIO, Callable, Iterable
 
-import numpy as np
-
-from ..errors import UnsafePathError
+from ..errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
 
 _BAD_PART = re.compile(r"[\x00\\]")
 
@@ -58,67 +60,36 @@ def unique_suffix() -> str:
     return f"{_HOST}-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:8]}"
 
 
-_SMALL = 4 * 1024 * 1024  # NumPy advises huge pages from here on
-_MAPPED = 32 * 1024 * 1024  # glibc maps allocations this large fresh from the kernel anyway
+def check_max_bytes(max_bytes: int | None) -> None:
+    """Refuse a ``max_bytes`` that is not None or a non-negative int."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise StorageArgumentError(f"max_bytes must be None or an int >= 0, not {max_bytes!r}",
+                                   name="max_bytes", value=max_bytes)
 
 
-def alloc_bytes(size: int) -> np.ndarray:
-    """A writable uint8 array of ``size`` bytes, not zero-filled, for reads and staging buffers.
-
-    Never ``np.empty`` for 4 MiB and more: NumPy advises huge pages there, and
-    on kernels with transparent huge pages in ``madvise`` mode (the common
-    default) the first touch of such memory can stall on memory compaction.
-    Measured on the development VM, reading 1 GiB into a fresh buffer: 0.61 s
-    with plain pages, 0.51-2.48 s (median 0.88 s) with NumPy's advice.
-    Medium buffers come from the C allocator (through torch, which gives no
-    advice), whose heap reuses memory already touched; large ones are page
-    aligned anonymous mappings (O_DIRECT reads need the alignment).
-    """
-    if size < _SMALL:
-        return np.empty(size, dtype=np.uint8)
-    if size < _MAPPED:
-        import torch
-
-        return torch.empty(size, dtype=torch.uint8).numpy()
-    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+def too_large(path: str, size: int, max_bytes: int) -> FileTooLargeError:
+    """The error for a file over the caller's cap (raised before reading it)."""
+    return FileTooLargeError(
+        f"refused to read {path}: it is {size} bytes, more than the {max_bytes} bytes allowed for it. Nothing was "
+        "read; rl_ckpt never writes a file that large there, so it is damaged or was planted: inspect and remove it",
+        path=path, size=size, max_bytes=max_bytes,
+    )
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_PREFAULT_STEP = 8 * 1024 * 1024
-try:
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL around the call
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # pragma: no cover - no libc madvise
-    _madvise = None
+def check_range(start: int, length: int) -> None:
+    """Refuse a ranged read whose ``start`` or ``length`` is not a non-negative int."""
+    for name, value in (("start", start), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StorageArgumentError(f"read_range: {name} must be an int >= 0, not {value!r}", name=name, value=value)
 
 
-def prefault(buf: np.ndarray) -> Callable[[], None]:
-    """Fault in ``buf``'s pages on a helper thread, ahead of a read into it; returns ``stop()`` (joins).
-
-    A read into fresh memory pays a page fault per 4 KiB page inside the read
-    call, serially with the disk. Populating the pages from a second thread
-    overlaps that cost with the I/O: on the development VM a cold 1 GiB read
-    went from 0.55 s to 0.46 s. Where the kernel lacks MADV_POPULATE_WRITE the
-    helper stops at once and the read faults pages in itself, as before.
-    """
-    if _madvise is None or buf.nbytes < 4 * _PREFAULT_STEP:
-        return lambda: None
-    base, size = buf.ctypes.data, buf.nbytes
-    stopped = threading.Event()
-
-    def run() -> None:
-        for start in range(0, size, _PREFAULT_STEP):
-            if stopped.is_set() or _madvise(base + start, min(_PREFAULT_STEP, size - start), _MADV_POPULATE_WRITE):
-                return
-
-    helper = threading.Thread(target=run, name="rl_ckpt-prefault", daemon=True)
-    helper.start()
-
-    def stop() -> None:
-        stopped.set()
-        helper.join()
-
-    return stop
+def range_past_end(path: str, start: int, length: int, size: int) -> ReadRangeError:
+    """The error for a ranged read that reaches past the end of the file."""
+    return ReadRangeError(
+        f"cannot read bytes {start}..{start + length} of {path}: the file has only {size} bytes "
+        "(it is shorter than its manifest says: damaged or truncated)",
+        path=path, start=start, length=length, size=size,
+    )
 
 
 def join(*parts: str) -> str:
@@ -138,7 +109,8 @@ class Entry:
 
 
 class Storage(abc.ABC):
-    """Minimal storage interface. Implementations: ``LocalStorage``, ``FsspecStorage``."""
+    """Minimal storage interface. Implementations: ``LocalStorage``, ``FsspecStorage`` and its ``S3Storage``,
+    ``MemoryStorage``; ``open_storage`` picks one by URL protocol (``rl_ckpt.storage.registry``)."""
 
     url: str
     #: True when directories can be renamed atomically (local disks, NFS).
@@ -167,14 +139,41 @@ class Storage(abc.ABC):
             self.write_atomic(path, data)
 
     @abc.abstractmethod
-    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None):
+    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
+             max_bytes: int | None = None):
         """Read a whole regular file (links refused) into a writable bytes-like buffer.
 
         ``on_chunk`` is called with consecutive pieces of the buffer as they
         are filled (the reader hashes there, while each piece is still in the
         CPU cache and the next one is being read ahead); a backend that reads
         in one piece calls it once.
+        ``max_bytes``: refuse a file larger than this with ``FileTooLargeError``
+        before any buffer is allocated (the size is taken first, and no more
+        than the cap is ever read, even if the file grows meanwhile).
         """
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of a regular file from offset ``start``.
+
+        The whole range must lie inside the file: a range past its end raises
+        ``ReadRangeError`` (nothing is allocated for it), negative or non-integer
+        arguments ``StorageArgumentError``. This default seeks an ``open_read``
+        stream; backends override it with a positioned or ranged read.
+        """
+        check_range(start, length)
+        with self.open_read(path) as f:
+            size = f.seek(0, os.SEEK_END)
+            if start + length > size:
+                raise range_past_end(path, start, length, size)
+            f.seek(start)
+            parts, got = [], 0
+            while got < length:
+                part = f.read(length - got)
+                if not part:
+                    raise range_past_end(path, start, length, start + got)  # the file shrank meanwhile
+                parts.append(part)
+                got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:
@@ -217,6 +216,15 @@ class Storage(abc.ABC):
     def free_bytes(self) -> int | None:
         """Free space at the root, or None when the backend cannot tell."""
         return None
+
+    def abort_incomplete_uploads(self, older_than_seconds: float) -> list[str]:
+        """Abort multipart uploads under the root started more than ``older_than_seconds`` ago; return their keys.
+
+        Only object stores have such uploads (a writer killed mid-upload leaves
+        invisible, billed parts). Every other backend has nothing to abort: this
+        default does nothing and returns an empty list.
+        """
+        return []
 
     def close(self) -> None:
         """Release resources (connections, thread pools)."""

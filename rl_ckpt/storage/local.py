@@ -27,8 +27,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterable
 
-from ..errors import CheckpointError, CommitConflictError, StorageError, UnsafePathError
-from .base import Entry, Storage, alloc_bytes, check_relpath, prefault, unique_suffix
+from ..errors import CheckpointError, CommitConflictError, StorageError, StoragePermissionError, UnsafePathError
+from .base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large,
+                   unique_suffix)
+from .buffers import alloc_bytes, prefault
 
 _MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead
@@ -162,19 +164,32 @@ def _set_direct(fd: int, on: bool) -> bool:
 
 
 def _storage_error(exc: OSError, what: str, path: str) -> StorageError:
+    """The StorageError for an OSError of ``what`` on ``path``: every OS error leaves the storage layer this way."""
     hint = ""
+    cls = StorageError
     if exc.errno == errno.ENOSPC:
         hint = " (disk full: free space on the checkpoint volume; nothing was committed by this save)"
     elif exc.errno == errno.EDQUOT:
         hint = " (quota exceeded on the checkpoint volume)"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        cls = StoragePermissionError
+        where = f" on {exc.filename}" if isinstance(exc.filename, str) else ""
+        hint = (f" (permission denied{where} for user id {os.geteuid()}: give that user read access to the run "
+                "folder, and write access to save, e.g. with chown/chmod, or run as the folder's owner)")
+    elif exc.errno == errno.EROFS:
+        hint = " (read-only file system: remount it writable or save to another base_dir)"
     msg = f"{what} {path}: {exc.strerror or exc}{hint}"
-    return StorageError(msg, path=path, errno=exc.errno)
+    return cls(msg, path=path, errno=exc.errno)
 
 
 class LocalStorage(Storage):
     supports_rename = True
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, storage_options: dict | None = None) -> None:
+        """``root``: a path or ``file://`` URL. ``storage_options`` exist for the registry's uniform
+        ``cls(url, options)`` call; local folders take none (fsspec-only options are ignored)."""
+        if root.startswith("file://"):
+            root = root[len("file://"):]
         self.root = os.path.realpath(os.path.expanduser(root))
         self.url = self.root
 
@@ -197,8 +212,10 @@ class LocalStorage(Storage):
                 cur = os.path.join(cur, part)
                 try:
                     st = os.lstat(cur)
-                except FileNotFoundError:
-                    break
+                except (FileNotFoundError, NotADirectoryError):
+                    break  # the operation itself reports (or tolerates) a missing path
+                except OSError as exc:
+                    raise _storage_error(exc, "cannot access", path) from exc
                 if stat.S_ISLNK(st.st_mode) and not (last_may_be_link and i == len(parts) - 1):
                     raise UnsafePathError(
                         f"refused {path!r}: {os.path.relpath(cur, self.root)!r} is a symbolic link; "
@@ -334,13 +351,17 @@ class LocalStorage(Storage):
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError(f"refused {path!r}: it is a symbolic link", path=path) from exc
             raise _storage_error(exc, "cannot open", path) from exc
-        st = os.fstat(fd)
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise _storage_error(exc, "cannot stat", path) from exc
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise UnsafePathError(f"refused {path!r}: not a regular file", path=path)
         return fd, st.st_size
 
-    def read(self, path: str, *, on_chunk=None):
+    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
         """The whole file in a fresh, writable buffer (not zero-filled first: that alone costs a pass).
 
         Large files that are not in the page cache are read with O_DIRECT into
@@ -349,10 +370,21 @@ class LocalStorage(Storage):
         first-touch faults and the hashing overlap the disk. Cached files (a
         restore right after a save) and filesystems without O_DIRECT use
         ordinary reads (the kernel reads ahead).
+        ``max_bytes`` is checked against the open file's size before anything
+        is allocated; the reads never go past that size.
         """
+        check_max_bytes(max_bytes)
         fd, size = self._open_regular(path)
+        if max_bytes is not None and size > max_bytes:
+            os.close(fd)
+            raise too_large(path, size, max_bytes)
         direct = size >= DIRECT_MIN_BYTES and not _mostly_cached(fd, size) and _set_direct(fd, True)
-        buf = alloc_bytes(_round_up(size, _DIRECT_ALIGN) if direct else size)
+        try:
+            buf = alloc_bytes(_round_up(size, _DIRECT_ALIGN) if direct else size)
+        except (OSError, MemoryError) as exc:  # e.g. ENOMEM for a huge (or sparse) file read without a cap
+            os.close(fd)
+            raise StorageError(f"cannot read {path}: no memory for its {size} bytes ({exc}); pass max_bytes to refuse "
+                               "files this large, or free memory", path=path, size=size) from exc
         if direct and buf.ctypes.data % _DIRECT_ALIGN:  # large buffers are page-aligned mappings; be sure
             direct = _set_direct(fd, False)
         view = memoryview(buf).cast("B")
@@ -372,6 +404,28 @@ class LocalStorage(Storage):
             raise StorageError(f"short read of {path}: {got} of {size} bytes (file changed while reading?)", path=path)
         return buf[:size] if buf.nbytes != size else buf
 
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """Positioned reads (``pread``) of one range; checked against the file's size before allocating."""
+        check_range(start, length)
+        fd, size = self._open_regular(path)
+        try:
+            if start + length > size:
+                raise range_past_end(path, start, length, size)
+            parts, got = [], 0
+            while got < length:
+                part = os.pread(fd, min(length - got, _MAX_WRITE), start + got)  # one call: same ~2 GiB cap
+                if not part:
+                    raise range_past_end(path, start, length, start + got)  # the file shrank meanwhile
+                parts.append(part)
+                got += len(part)
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise _storage_error(exc, "cannot read", path) from exc
+        finally:
+            os.close(fd)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def open_read(self, path: str) -> BinaryIO:
         fd, _size = self._open_regular(path)
         return os.fdopen(fd, "rb", buffering=0)
@@ -383,8 +437,11 @@ class LocalStorage(Storage):
             with os.scandir(full) as it:
                 out = []
                 for e in it:
-                    st = e.stat(follow_symlinks=False)
-                    out.append(Entry(e.name, e.is_dir(follow_symlinks=False), st.st_size, st.st_mtime))
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed since the folder was read: not listed (not the whole folder lost)
+                    out.append(Entry(e.name, stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime))
                 return out
         except FileNotFoundError:
             return []
@@ -394,17 +451,25 @@ class LocalStorage(Storage):
             raise _storage_error(exc, "cannot list", path or ".") from exc
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(self._abs(path, check_links=False, allow_root=True))
+        try:
+            os.lstat(self._abs(path, check_links=False, allow_root=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:  # e.g. a folder on the way may not be searched: "no" would be a lie
+            raise _storage_error(exc, "cannot check", path or ".") from exc
+        return True
 
     def size(self, path: str) -> int:
+        full = self._abs(path)  # its own errors already say what happened: not wrapped again below
         try:
-            return os.lstat(self._abs(path)).st_size
+            return os.lstat(full).st_size
         except OSError as exc:
             raise _storage_error(exc, "cannot stat", path) from exc
 
     def stat(self, path: str) -> Entry | None:
+        full = self._abs(path)
         try:
-            st = os.lstat(self._abs(path))
+            st = os.lstat(full)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -417,8 +482,9 @@ class LocalStorage(Storage):
         return os.path.islink(self._abs(path, check_links=False))
 
     def remove(self, path: str) -> None:
+        full = self._abs(path, last_may_be_link=True)
         try:
-            os.unlink(self._abs(path, last_may_be_link=True))
+            os.unlink(full)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -502,5 +568,8 @@ class LocalStorage(Storage):
         probe = self.root
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
-        st = os.statvfs(probe)
+        try:
+            st = os.statvfs(probe)
+        except OSError as exc:
+            raise _storage_error(exc, "cannot query free space of", probe) from exc
         return st.f_bavail * st.f_frsize

@@ -1,0 +1,76 @@
+"""Memory for reads and staging buffers: allocation that avoids huge-page stalls, and page prefaulting.
+
+Kept apart from the storage interface: these are about memory, not storage;
+``LocalStorage.read``, the staging copy and dedup's packing use them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+from typing import Callable
+
+import numpy as np
+
+_SMALL = 4 * 1024 * 1024  # NumPy advises huge pages from here on
+_MAPPED = 32 * 1024 * 1024  # glibc maps allocations this large fresh from the kernel anyway
+
+
+def alloc_bytes(size: int) -> np.ndarray:
+    """A writable uint8 array of ``size`` bytes, not zero-filled, for reads and staging buffers.
+
+    Never ``np.empty`` for 4 MiB and more: NumPy advises huge pages there, and
+    on kernels with transparent huge pages in ``madvise`` mode (the common
+    default) the first touch of such memory can stall on memory compaction.
+    Measured on the development VM, reading 1 GiB into a fresh buffer: 0.61 s
+    with plain pages, 0.51-2.48 s (median 0.88 s) with NumPy's advice.
+    Medium buffers come from the C allocator (through torch, which gives no
+    advice), whose heap reuses memory already touched; large ones are page
+    aligned anonymous mappings (O_DIRECT reads need the alignment).
+    """
+    if size < _SMALL:
+        return np.empty(size, dtype=np.uint8)
+    if size < _MAPPED:
+        import torch
+
+        return torch.empty(size, dtype=torch.uint8).numpy()
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_PREFAULT_STEP = 8 * 1024 * 1024
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL around the call
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # pragma: no cover - no libc madvise
+    _madvise = None
+
+
+def prefault(buf: np.ndarray) -> Callable[[], None]:
+    """Fault in ``buf``'s pages on a helper thread, ahead of a read into it; returns ``stop()`` (joins).
+
+    A read into fresh memory pays a page fault per 4 KiB page inside the read
+    call, serially with the disk. Populating the pages from a second thread
+    overlaps that cost with the I/O: on the development VM a cold 1 GiB read
+    went from 0.55 s to 0.46 s. Where the kernel lacks MADV_POPULATE_WRITE the
+    helper stops at once and the read faults pages in itself, as before.
+    """
+    if _madvise is None or buf.nbytes < 4 * _PREFAULT_STEP:
+        return lambda: None
+    base, size = buf.ctypes.data, buf.nbytes
+    stopped = threading.Event()
+
+    def run() -> None:
+        for start in range(0, size, _PREFAULT_STEP):
+            if stopped.is_set() or _madvise(base + start, min(_PREFAULT_STEP, size - start), _MADV_POPULATE_WRITE):
+                return
+
+    helper = threading.Thread(target=run, name="rl_ckpt-prefault", daemon=True)
+    helper.start()
+
+    def stop() -> None:
+        stopped.set()
+        helper.join()
+
+    return stop
