@@ -455,7 +455,8 @@ class _Decoder:
                 od._metadata = self.dec(val["meta"], depth + 1)
             return od
         if tag == "$ddict":
-            if not (isinstance(val, list) and len(val) == 2) or not (val[0] is None or val[0] in _FACTORIES):
+            if not (isinstance(val, list) and len(val) == 2) or not (val[0] is None or (isinstance(val[0], str)
+                                                                                       and val[0] in _FACTORIES)):
                 raise self.fail(f"$ddict must hold [factory, pairs] with a factory among {sorted(_FACTORIES)}")
             return collections.defaultdict(_FACTORIES[val[0]] if val[0] else None, self.pairs(val[1], depth))
         if tag == "$size":
@@ -503,7 +504,11 @@ class _Decoder:
             info = np.iinfo(dtype)
             if not info.min <= inner <= info.max:
                 raise self.fail(f"$np {val[0]} value {inner} is out of range")
-        return dtype.type(inner)
+        try:
+            with np.errstate(over="raise", invalid="raise"):
+                return dtype.type(inner)
+        except (FloatingPointError, OverflowError):
+            raise self.fail(f"$np {val[0]} value {inner!r:.40} is out of range") from None
 
     def view(self, val: Any) -> torch.Tensor:
         if not (isinstance(val, list) and len(val) == 4):
