@@ -8,7 +8,8 @@ carry exactly are tagged with a one-key object whose key starts with ``$``:
     {"$tuple": [...]}  {"$dict": [[key, value], ...]}  (non-str keys, or keys starting with "$")
     {"$float": "nan"|"inf"|"-inf"}  {"$np": [dtype, value]}  {"$bytes": base64}
 
-and, since format 2 (a reader of format 1 files needs none of them):
+and tags added later (files written before them never hold them; an older rl_ckpt refuses
+them as unknown tags, so it skips such a snapshot rather than misreading it):
 
     {"$odict": {"items": [[key, value], ...], "meta": ...}}   OrderedDict (+ its ``_metadata``)
     {"$ddict": [factory, [[key, value], ...]]}                  defaultdict of a builtin factory
@@ -58,6 +59,9 @@ _FACTORIES["OrderedDict"] = collections.OrderedDict
 _NP_SCALARS = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                "float16", "float32", "float64", "complex64", "complex128"}
 _HEX = re.compile(r"-?[0-9a-f]+")
+# vars(), not getattr(): torch's module __getattr__ imports submodules by name, and a name read from a file
+# must never import anything.
+_TORCH_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 @dataclasses.dataclass
@@ -466,8 +470,8 @@ class _Decoder:
                 raise self.fail("$device must hold a device name")
             return torch.device(val)
         if tag == "$dtype":
-            dtype = getattr(torch, val, None) if isinstance(val, str) and val.isidentifier() else None
-            if not isinstance(dtype, torch.dtype):
+            dtype = _TORCH_DTYPES.get(val) if isinstance(val, str) else None
+            if dtype is None:
                 raise self.fail(f"unknown torch dtype {val!r}")
             return dtype
         if tag == "$param":
@@ -561,7 +565,7 @@ class _Decoder:
         tensors, others = {}, {}
         for k, v in val["items"]:
             if isinstance(v, dict) and len(v) == 1 and "$ntd" in v:
-                others[k] = self.dec(v["$ntd"], depth + 2)
+                others[k] = self.dec(v["$ntd"], depth + 1)
                 continue
             got = self.dec(v, depth + 1)
             if not isinstance(got, (torch.Tensor, tensordict.TensorDict)):

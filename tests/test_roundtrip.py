@@ -258,3 +258,18 @@ def test_a_state_that_contains_itself_is_refused(cfg):
     with pytest.raises(SerializationError, match="contains itself") as err:
         engine.save(1)
     assert err.value.key == "loop/self"
+
+
+def test_the_deepest_allowed_nesting_round_trips(cfg):
+    from collections import OrderedDict
+
+    from rl_ckpt.state_codec import MAX_DEPTH
+
+    node: object = torch.ones(1)
+    for depth in range(MAX_DEPTH - 1):  # the component's own dict is the first level
+        node = [node] if depth % 3 == 0 else (node,) if depth % 3 == 1 else OrderedDict([(f"${depth}", node)])
+    got = round_trip(cfg, {"deep": node})["deep"]
+    for depth in reversed(range(MAX_DEPTH - 1)):
+        assert type(got) is (list if depth % 3 == 0 else tuple if depth % 3 == 1 else OrderedDict)
+        got = got[0] if depth % 3 != 2 else got[f"${depth}"]
+    assert torch.equal(got, torch.ones(1))
