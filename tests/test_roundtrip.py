@@ -273,3 +273,20 @@ def test_the_deepest_allowed_nesting_round_trips(cfg):
         assert type(got) is (list if depth % 3 == 0 else tuple if depth % 3 == 1 else OrderedDict)
         got = got[0] if depth % 3 != 2 else got[f"${depth}"]
     assert torch.equal(got, torch.ones(1))
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "save_async"])
+def test_a_state_dict_that_raises_is_named(cfg, use_async):
+    class Broken:
+        def state_dict(self):
+            raise KeyError("episode_stats")
+
+        def load_state_dict(self, state):
+            pass
+
+    engine = CheckpointEngine(**cfg)
+    engine.register("env", Broken())
+    with pytest.raises(SerializationError, match="component 'env': state_dict\\(\\) raised KeyError") as err:
+        (engine.save_async if use_async else engine.save)(1)
+    assert err.value.component == "env" and isinstance(err.value.__cause__, KeyError)
+    engine.close()
