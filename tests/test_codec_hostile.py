@@ -70,6 +70,21 @@ def test_hostile_tree_decodes_or_is_a_clean_error(label, tree):
         assert isinstance(exc, CorruptSnapshotError) and "step_000000001/bag.json" in str(exc), label
 
 
+@pytest.mark.parametrize("tree,why", [
+    (nested(600, "dict"), "nested more than"),           # was a RecursionError
+    ({"$np": ["int8", 100000]}, "out of range"),          # was an OverflowError
+    ({"$np": ["float16", 1e308]}, "out of range"),        # was a silent inf
+    ({"$dict": [[[1, 2], "v"]]}, "key must be str or int"),  # was a TypeError (unhashable list)
+    ({"$int": "12g"}, "hex"),
+    ({"$view": ["t", 1, [4], [1]]}, "runs past"),
+    ({"$dtype": "_dynamo"}, "unknown torch dtype"),      # never imported by name
+], ids=["deep", "np-overflow", "np-float-overflow", "list-key", "int-not-hex", "view-past-end", "dtype-name"])
+def test_issue_cases_get_a_specific_reason(tree, why):
+    with pytest.raises(CorruptSnapshotError, match=why) as err:
+        decode_state({"x": tree}, ARRAYS, {}, where="step_000000001/bag.json")
+    assert str(err.value).startswith("step_000000001/bag.json: ")
+
+
 @pytest.mark.parametrize("label,tree", [
     ("deep-600", nested(600, "dict")),
     ("np-int8-overflow", {"$np": ["int8", 100000]}),

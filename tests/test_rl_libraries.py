@@ -152,11 +152,13 @@ def test_gpt2_tied_weights_written_once_and_still_tied_after_restore(tmp_path):
         assert torch.equal(fresh(ids).logits, model(ids).logits)
 
 
-def test_names_sharing_storage_in_a_plain_dict_share_it_again(tmp_path):
+@pytest.mark.parametrize("how", ["save", "save_async", "dedup"])
+def test_names_sharing_storage_in_a_plain_dict_share_it_again(tmp_path, how):
     buf = torch.arange(20.0)
     w = torch.randn(4, 3)
     state = {"w": w, "w_again": w, "w_t": w.t(), "head": buf[:8], "tail": buf[6:20:2], "own": buf[3:5].clone()}
-    got = save_and_load(tmp_path, state)
+    got = save_and_load(tmp_path, state, use_async=how == "save_async",
+                        **({"dedup": True, "dedup_min_tensor_bytes": 16} if how == "dedup" else {}))
     for k in state:
         assert torch.equal(got[k], state[k]), k
     assert got["w"].data_ptr() == got["w_again"].data_ptr() == got["w_t"].data_ptr()
@@ -167,7 +169,7 @@ def test_names_sharing_storage_in_a_plain_dict_share_it_again(tmp_path):
     assert got["tail"][0] == -1.0  # views of one storage again, as they were when saved
 
 
-def save_and_load(tmp_path, state: dict) -> dict:
+def save_and_load(tmp_path, state: dict, use_async: bool = False, **cfg) -> dict:
     class Bag:
         def __init__(self, s=None):
             self.state = s
@@ -179,11 +181,12 @@ def save_and_load(tmp_path, state: dict) -> dict:
             self.state = s
 
     sub = tmp_path / f"bag{len(os.listdir(tmp_path))}"
-    eng = CheckpointEngine(base_dir=str(sub), run_name="run")
+    eng = CheckpointEngine(base_dir=str(sub), run_name="run", **cfg)
     eng.register("bag", Bag(state))
-    eng.save(1)
+    eng.save_async(1).wait() if use_async else eng.save(1)
+    eng.close()
     out = Bag()
-    e2 = CheckpointEngine(base_dir=str(sub), run_name="run")
+    e2 = CheckpointEngine(base_dir=str(sub), run_name="run", **cfg)
     e2.register("bag", out)
     e2.restore()
     return out.state
