@@ -156,8 +156,9 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
         if value.device.type == "meta":
             raise _bad(component, path, value, "a meta tensor has no data")
         if value.dtype != torch.complex128 and value.dtype not in safetensors_io.TORCH_TO_CODE:
+            names = sorted(str(d).removeprefix("torch.") for d in safetensors_io.TORCH_TO_CODE)
             raise _bad(component, path, value, f"dtype {value.dtype} has no safetensors encoding; convert it "
-                       f"(supported: {', '.join(sorted(str(d).removeprefix('torch.') for d in safetensors_io.TORCH_TO_CODE))}, complex128)")
+                       f"(supported: {', '.join(names)}, complex128)")
         node: dict = {}
         tensors.append((path, value.detach(), node))
         return node
@@ -174,7 +175,7 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             return _float_node(value)
         if kind is complex:
             return {"$complex": [_float_node(value.real), _float_node(value.imag)]}
-        if isinstance(value, np.generic):  # before float: np.float64 is a float subclass
+        if isinstance(value, np.generic):  # np.float64 subclasses float: kept as itself, not as a float
             if value.dtype.name not in _NP_SCALARS or not value.dtype.isnative:
                 raise _bad(component, path, value, "only numeric NumPy scalars are supported")
             item = value.item()
@@ -197,21 +198,17 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             arr = value
             if host and not arr.flags.c_contiguous:
                 arr = arr.copy(order="C")  # not ascontiguousarray: that makes a 0-d array 1-d
-            node = {"$ndarray": None}
+            restore_as = None  # the dtype to convert back to, when what is stored differs
             if not arr.dtype.isnative and arr.dtype.itemsize > 1:
-                node = {"$nd": [None, arr.dtype.str]}
+                restore_as = arr.dtype.str
                 arr = arr.astype(arr.dtype.newbyteorder("="))
-            if arr.dtype.name == "complex128":
-                node = {"$nd": [None, value.dtype.str]}
-                arr = arr.view(np.float64).reshape(arr.shape + (2,)) if arr.flags.c_contiguous else \
-                    np.stack([arr.real, arr.imag], axis=-1)
+            if arr.dtype.name == "complex128":  # safetensors has no C128: float64 (real, imag) pairs
+                restore_as = value.dtype.str
+                arr = (arr.view(np.float64).reshape(arr.shape + (2,)) if arr.flags.c_contiguous
+                       else np.stack([arr.real, arr.imag], axis=-1))
             name = name_for(path)
             out.arrays[name] = arr
-            if "$ndarray" in node:
-                node["$ndarray"] = name
-            else:
-                node["$nd"][0] = name
-            return node
+            return {"$ndarray": name} if restore_as is None else {"$nd": [name, restore_as]}
         if kind in (bytes, bytearray):
             return {"$bytes" if kind is bytes else "$bytearray": base64.b64encode(bytes(value)).decode()}
         if pa is not None and kind in (pa.Table, pa.RecordBatch):
