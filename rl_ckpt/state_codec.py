@@ -13,6 +13,7 @@ them as unknown tags, so it skips such a snapshot rather than misreading it):
 
     {"$odict": {"items": [[key, value], ...], "meta": ...}}   OrderedDict (+ its ``_metadata``)
     {"$ddict": [factory, [[key, value], ...]]}                  defaultdict of a builtin factory
+    {"$counter": [[key, value], ...]}                           collections.Counter (MultiStepLR milestones)
     {"$td": {"batch_size": [...], "device": str|None, "names": [...]?, "items": [[key, value], ...]}}
     {"$ntd": value}                                             non-tensor entry of a TensorDict
     {"$view": [name, offset, shape, stride]}                    tensor sharing storage with others
@@ -46,7 +47,7 @@ from .errors import CheckpointError, CorruptSnapshotError, SerializationError
 
 _ALLOWED = (
     "tensors (torch.Tensor, nn.Parameter), NumPy arrays and scalars, pyarrow tables, TensorDicts, and plain data "
-    "(str, int, float, complex, bool, None, bytes, bytearray, list, tuple, dict/OrderedDict/defaultdict with str/int "
+    "(str, int, float, complex, bool, None, bytes, bytearray, list, tuple, dict/OrderedDict/defaultdict/Counter with str/int "
     "keys, torch.Size, torch.device, torch.dtype)"
 )
 MAX_DEPTH = 100  # real state dicts nest < 20 deep; the limit keeps hostile files off Python's recursion limit
@@ -56,6 +57,7 @@ SMALL_INT_BITS = 64  # larger ints are stored as hex: exact in any JSON reader, 
 # defaultdict factories that can be rebuilt without importing anything.
 _FACTORIES: dict[str, Any] = {f.__name__: f for f in (list, dict, set, frozenset, int, float, complex, str, bytes, bool, tuple)}
 _FACTORIES["OrderedDict"] = collections.OrderedDict
+_CONTAINERS = (tuple, list, dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 _NP_SCALARS = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                "float16", "float32", "float64", "complex64", "complex128"}
 _HEX = re.compile(r"-?[0-9a-f]+")
@@ -221,7 +223,7 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             return {"$device": str(value)}
         if kind is torch.dtype:
             return {"$dtype": str(value).removeprefix("torch.")}
-        if kind in (tuple, list, dict, collections.OrderedDict, collections.defaultdict) or _tensordict_type(value):
+        if kind in _CONTAINERS or _tensordict_type(value):
             if id(value) in active:
                 raise _bad(component, path, value, "the value contains itself (a reference cycle)")
             active.add(id(value))
@@ -256,6 +258,8 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
                 raise _bad(component, path, value, f"a defaultdict whose default_factory is {factory!r}: only None and "
                            f"{', '.join(sorted(_FACTORIES))} can be restored without importing code; convert it to a dict")
             return {"$ddict": [name if factory is not None else None, pairs(value, path, depth)]}
+        if kind is collections.Counter:
+            return {"$counter": pairs(value, path, depth)}
         return tensordict(value, path, depth)
 
     def tensordict(value: Any, path: tuple, depth: int) -> Any:
@@ -460,6 +464,8 @@ class _Decoder:
                                                                                        and val[0] in _FACTORIES)):
                 raise self.fail(f"$ddict must hold [factory, pairs] with a factory among {sorted(_FACTORIES)}")
             return collections.defaultdict(_FACTORIES[val[0]] if val[0] else None, self.pairs(val[1], depth))
+        if tag == "$counter":
+            return collections.Counter(dict(self.pairs(val, depth)))
         if tag == "$size":
             return torch.Size(self.ints(val, "$size"))
         if tag == "$device":

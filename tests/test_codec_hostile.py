@@ -24,7 +24,7 @@ from rl_ckpt.errors import CorruptSnapshotError
 from rl_ckpt.manifest import Manifest
 from rl_ckpt.state_codec import MAX_DEPTH, decode_state
 
-TAGS = ("$tensor", "$ndarray", "$table", "$tuple", "$dict", "$float", "$np", "$bytes", "$odict", "$ddict", "$td",
+TAGS = ("$tensor", "$ndarray", "$table", "$tuple", "$dict", "$float", "$np", "$bytes", "$odict", "$ddict", "$counter", "$td",
         "$ntd", "$view", "$param", "$c128", "$nd", "$size", "$device", "$dtype", "$complex", "$int", "$bytearray",
         "$unknown")
 JSON_VALUES: tuple = (None, True, 0, -1, 2**70, 1.5, float("inf"), "", "t", "x" * 100, [], {}, [1], ["t"], [[1, 2]],

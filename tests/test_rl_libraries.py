@@ -264,3 +264,93 @@ def test_module_state_dict_keeps_ordered_dict_and_its_metadata(tmp_path):
     got = save_and_load(tmp_path, state)["net"]
     assert type(got) is collections.OrderedDict and list(got) == list(state["net"])
     assert got._metadata == state["net"]._metadata and got._metadata["1"]["version"] == 2
+
+
+# -- every optimizer and LR scheduler in torch ----------------------------------------------------------
+
+def optimizers(params) -> dict:
+    opt = torch.optim
+    return {
+        "SGD": opt.SGD(params(), lr=0.1, momentum=0.9, nesterov=True), "Adam": opt.Adam(params(), amsgrad=True),
+        "AdamW": opt.AdamW(params()), "Adamax": opt.Adamax(params()), "Adadelta": opt.Adadelta(params()),
+        "Adagrad": opt.Adagrad(params()), "ASGD": opt.ASGD(params()), "NAdam": opt.NAdam(params()),
+        "RAdam": opt.RAdam(params()), "RMSprop": opt.RMSprop(params(), centered=True, momentum=0.5),
+        "Rprop": opt.Rprop(params()), "LBFGS": opt.LBFGS(params(), history_size=3),
+        "Adafactor": opt.Adafactor(params()),
+    }  # (SparseAdam needs sparse gradients; its state is Adam's)
+
+
+def schedulers(make_opt) -> dict:
+    s = torch.optim.lr_scheduler
+    out = {
+        "StepLR": lambda o: s.StepLR(o, 2), "MultiStepLR": lambda o: s.MultiStepLR(o, [1, 3]),
+        "ConstantLR": lambda o: s.ConstantLR(o), "LinearLR": lambda o: s.LinearLR(o), "ExponentialLR": lambda o: s.ExponentialLR(o, 0.9),
+        "PolynomialLR": lambda o: s.PolynomialLR(o), "CosineAnnealingLR": lambda o: s.CosineAnnealingLR(o, 5),
+        "CosineAnnealingWarmRestarts": lambda o: s.CosineAnnealingWarmRestarts(o, 2),
+        "CyclicLR": lambda o: s.CyclicLR(o, 0.01, 0.1, step_size_up=2),
+        "OneCycleLR": lambda o: s.OneCycleLR(o, 0.1, total_steps=20),
+        "ReduceLROnPlateau": lambda o: s.ReduceLROnPlateau(o, patience=0),
+        "LambdaLR": lambda o: s.LambdaLR(o, lambda e: 0.9 ** e),
+        "MultiplicativeLR": lambda o: s.MultiplicativeLR(o, lambda e: 0.95),
+        "SequentialLR": lambda o: s.SequentialLR(o, [s.ConstantLR(o, total_iters=2), s.ExponentialLR(o, 0.9)], [2]),
+        "ChainedScheduler": lambda o: s.ChainedScheduler([s.ConstantLR(o, total_iters=2), s.ExponentialLR(o, 0.9)]),
+    }
+    return {name: (lambda f=f: f(make_opt())) for name, f in out.items()}
+
+
+def test_every_torch_optimizer_and_scheduler_state_comes_back_equal(tmp_path):
+    def run(seed: int):
+        torch.manual_seed(seed)
+        net = torch.nn.Linear(3, 2)
+        opts = optimizers(lambda: [torch.nn.Parameter(p.detach().clone()) for p in net.parameters()])
+        scheds = {k: f() for k, f in schedulers(lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.05,
+                                                                      momentum=0.9)).items()}
+        return opts, scheds
+
+    opts, scheds = run(0)
+    x = torch.randn(4, 3)
+    for opt in opts.values():
+        for _ in range(3):
+            def closure(opt=opt):
+                opt.zero_grad()
+                loss = sum((x @ p.reshape(-1, 3).T if p.dim() == 2 else p).square().sum() for g in opt.param_groups
+                           for p in g["params"])
+                loss.backward()
+                return loss
+            opt.step(closure)
+    for sched in scheds.values():
+        for _ in range(3):
+            sched.optimizer.step() if hasattr(sched, "optimizer") else None
+            sched.step(1.0) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+    eng = engine(tmp_path, post_load_check=False)
+    for name, obj in {**opts, **scheds}.items():
+        eng.register(name, obj, kind="other")
+    eng.save(1)
+
+    opts2, scheds2 = run(1)
+    e2 = engine(tmp_path, post_load_check=False)
+    for name, obj in {**opts2, **scheds2}.items():
+        e2.register(name, obj, kind="other")
+    e2.restore()
+    for name in opts:
+        assert_same(opts[name].state_dict(), opts2[name].state_dict(), name)
+    for name in scheds:
+        assert_same(scheds[name].state_dict(), scheds2[name].state_dict(), name)
+
+
+def assert_same(a, b, where: str) -> None:
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, where
+    else:
+        assert a == b, where
