@@ -26,7 +26,7 @@ class Checkpointable(Protocol):
 
     ``state_dict`` may return tensors, NumPy arrays and scalars, pyarrow tables,
     TensorDicts and plain data (str, int, float, complex, bool, None, bytes,
-    list, tuple, dict/OrderedDict/defaultdict, torch.Size/device/dtype); each
+    list, tuple, dict/OrderedDict/defaultdict/Counter, torch.Size/device/dtype); each
     comes back with its exact type, anything else is refused at save (the
     README's table has the details).
     """
