@@ -24,8 +24,11 @@ KINDS = ("module", "optimizer", "scheduler", "rng", "buffer", "progress", "other
 class Checkpointable(Protocol):
     """Anything with ``state_dict()`` and ``load_state_dict(state)``.
 
-    ``state_dict`` may return tensors, NumPy arrays, pyarrow tables and plain
-    data (str, int, float, bool, None, bytes, list, tuple, dict); nothing else.
+    ``state_dict`` may return tensors, NumPy arrays and scalars, pyarrow tables,
+    TensorDicts and plain data (str, int, float, complex, bool, None, bytes,
+    list, tuple, dict/OrderedDict/defaultdict/Counter, torch.Size/device/dtype); each
+    comes back with its exact type, anything else is refused at save (the
+    README's table has the details).
     """
 
     def state_dict(self) -> dict: ...

@@ -30,6 +30,7 @@ from .errors import (
     CorruptSnapshotError,
     NoValidSnapshotError,
     RestoreError,
+    SerializationError,
     StateMismatchError,
 )
 from .managed import REPLICATED_KINDS
@@ -235,7 +236,7 @@ class CheckpointEngine:
         """Phase 1: every saved component's state, split into tensors/tables/JSON."""
         staged = {}
         for reg in self._saved_components(kind):
-            staged[reg.name] = encode_state(reg.name, reg.obj.state_dict())
+            staged[reg.name] = encode_state(reg.name, _state_of(reg))
         if not staged:
             raise CheckpointError(
                 f"nothing to save in a {kind} snapshot: register components first"
@@ -272,7 +273,7 @@ class CheckpointEngine:
         probes = self._probes(kind)
         staged = {}
         for reg in self._saved_components(kind):
-            enc = encode_state(reg.name, reg.obj.state_dict(), host=False)
+            enc = encode_state(reg.name, _state_of(reg), host=False)
             staged[reg.name] = self._staging.stage(reg.name, enc)
         if not staged:
             self.stage(kind)  # raises the "nothing to save" error
@@ -754,6 +755,17 @@ def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: 
             if name in outputs and compare(ref, outputs[name], rtol=cfg.probe_rtol, atol=cfg.probe_atol):
                 return f"rank {r} computes a different {name!r} than rank 0 after loading", None
     return None, None
+
+
+def _state_of(reg: Registered) -> Any:
+    """``reg.obj.state_dict()``; an exception it raises becomes a SerializationError naming the component."""
+    try:
+        return reg.obj.state_dict()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the user's own code: name the component, keep the cause chained
+        raise SerializationError(f"component {reg.name!r}: state_dict() raised {type(exc).__name__}: {exc}; "
+                                 "nothing was saved", component=reg.name, key="") from exc
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
