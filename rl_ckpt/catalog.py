@@ -38,6 +38,8 @@ class SnapshotInfo:
     branch: int = 0
     manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
     quarantined: str | None = None  # why, when a check found it bad after commit
+    # Housekeeping after this process committed it (alias, retention) that failed; the snapshot is committed.
+    warnings: list[str] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> "SnapshotInfo":

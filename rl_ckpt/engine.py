@@ -46,10 +46,10 @@ from .writer import write_component
 
 log = logging.getLogger("rl_ckpt")
 
-# Config keys that change what training does or what a snapshot holds: a
-# difference between the snapshot and the running job is worth a warning.
 DECISIONS = "decisions"
 RETIRED = "history/retired"
+# Config keys that change what training does or what a snapshot holds: a
+# difference between the snapshot and the running job is worth a warning.
 DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
 
 
@@ -156,8 +156,8 @@ class CheckpointEngine:
             self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor())
         self.last_save_time = time.monotonic()
         self.last_retention: RetentionDecision | None = None
-        self.sweep_in_gc_only = False
-        self._best_cache: tuple[int, dict | None] = (-1, None)  # set by the manager: participants may be reusing chunks right now
+        self.sweep_in_gc_only = False  # set by the manager: participants may be reusing chunks right now
+        self._best_cache: tuple[int, dict | None] = (-1, None)  # (catalog version, best ids and ids seen then)
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
         self._patrol = None
@@ -274,6 +274,7 @@ class CheckpointEngine:
         for reg in self._saved_components(kind):
             enc = encode_state(reg.name, reg.obj.state_dict(), host=False)
             staged[reg.name] = self._staging.stage(reg.name, enc)
+        self._staging.release_unused({(name, key) for name, enc in staged.items() for key in enc.arrays})
         if not staged:
             self.stage(kind)  # raises the "nothing to save" error
         blocked = time.perf_counter() - started
@@ -357,7 +358,7 @@ class CheckpointEngine:
         self.last_save_time = time.monotonic()
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
         if self.manager is None:
-            self._after_commit()
+            info.warnings = self._after_commit()
         return info
 
     def beat(self, global_step: int) -> None:
@@ -383,28 +384,56 @@ class CheckpointEngine:
         return ObjectWriter(self.storage, self.config.checksum_algo, committed,
                             min_bytes=self.config.dedup_min_tensor_bytes)
 
-    def _after_commit(self) -> None:
-        """Best aliases first, deletions last: a crash in between only leaves extra snapshots."""
-        snapshots = self.catalog.snapshots()
+    def _after_commit(self) -> list[str]:
+        """Best aliases first, deletions last: a crash in between only leaves extra snapshots.
+
+        Runs after the commit point, so nothing here may fail the save: each step's error is
+        logged and returned as a warning, and the pass goes on. A snapshot found gone (deleted
+        by hand, or by another engine on the run) just leaves the catalog.
+        """
+        problems: list[str] = []
+
+        def guarded(what: str, fn, *args) -> Any:
+            try:
+                return fn(*args)
+            except Exception as exc:  # the snapshot is committed whatever happens here
+                msg = f"{what}: {post_commit_text(exc)}"
+                log.warning("after committing: %s", msg)
+                problems.append(msg)
+                return None
+
         cfg = self.config
         if cfg.keep_best > 0:
-            self._write_best_aliases(snapshots)
+            guarded("best-snapshot alias not updated", self._write_best_aliases, self.catalog.snapshots())
         if self.retention is None:
-            return
+            return problems
         # Quarantined snapshots are neither kept-counted nor deleted: a person decides.
-        decision = plan_retention([i for i in snapshots if not i.quarantined], self.retention)
+        decision = plan_retention([i for i in self.catalog.snapshots() if not i.quarantined], self.retention)
         self.last_retention = decision
         freed: dict[str, tuple[str, int]] = {}
         for sid in decision.delete:
             info = self.catalog.get(sid)
+            if guarded(f"retention could not check {sid}", self._vanished, sid):
+                continue
+            guarded(f"retention: no tombstone for {sid}", self._tombstone, info, decision)
+            retired = guarded(f"retention could not delete {sid}", retire_snapshot, self.storage, sid)
+            if retired is None:
+                continue  # still there: the next pass tries again
             if info is not None and info.manifest is not None:
                 freed.update(manifest_objects(info.manifest))
-            self._tombstone(info, decision)
-            retire_snapshot(self.storage, sid)
             self.catalog.discard([sid])
-            log.info("retention: deleted %s", sid)
+            log.info("retention: deleted %s" if retired else "retention: %s was already gone", sid)
         if freed and not self.sweep_in_gc_only:
-            self._sweep_objects(freed)
+            guarded("retention could not sweep unused objects", self._sweep_objects, freed)
+        return problems
+
+    def _vanished(self, sid: str) -> bool:
+        """True (and the catalog forgets it) when a listed snapshot's manifest is gone from storage."""
+        if self.storage.exists(f"{sid}/meta.json"):
+            return False
+        log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it", sid, self.storage.url)
+        self.catalog.discard([sid])
+        return True
 
     def _tombstone(self, info: SnapshotInfo | None, decision: RetentionDecision) -> None:
         """A note of what retention deleted (for the timeline and for people), written before deleting."""
@@ -445,6 +474,9 @@ class CheckpointEngine:
         else:
             pool = snapshots
         best = best_per_metric(pool, metrics, modes)
+        gone = [sid for sid in set(best.values()) if self._vanished(sid)]
+        if gone:  # a best snapshot deleted outside this engine: rank again without it
+            return self._write_best_aliases(self.catalog.snapshots())
         self._best_cache = (self.catalog.version, {**best, "_seen": {i.snapshot_id for i in snapshots}})
         for metric, sid in best.items():
             info = self.catalog.get(sid)
@@ -775,6 +807,11 @@ def _current_actor() -> Any:
     except (ImportError, RuntimeError):  # not inside a Ray actor: nothing to hand over
         return None
     return None
+
+
+def post_commit_text(exc: BaseException) -> str:
+    """An error's text as seen after the commit point: a storage hint that nothing was committed is untrue here."""
+    return str(exc).replace("; nothing was committed by this save", "")
 
 
 def _safe_metric(metric: str) -> str:

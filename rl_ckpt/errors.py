@@ -73,5 +73,8 @@ class RestoreError(CheckpointError):
     """Loading a verified snapshot into the registered objects failed (``snapshot_id``)."""
 
 
-class SaveInProgressError(CheckpointError):
-    """A save was requested while another one is still running."""
+class PostCommitError(CheckpointError):
+    """Housekeeping after a commit failed (best alias, retention): the snapshot itself is committed.
+
+    Never raised by a save; carried on the returned ``SnapshotInfo.warnings`` and handed
+    to the scheduler's ``on_error`` (``snapshot_id``, ``problems``)."""
