@@ -91,8 +91,8 @@ class Catalog:
 
     def refresh(self) -> None:
         """Re-list storage. Manifests unchanged since the last look (same ``Storage.stat`` version) are not
-        re-read, so a refresh costs one listing plus one stat per snapshot; restore and verification always
-        read the manifest they use afresh, so this cache decides only what is listed."""
+        re-read, so a refresh costs one listing plus one stat per snapshot. A recovery plan refreshes first and
+        then uses the manifests held here (each parsed once per restore); verification reads its own afresh."""
         with self._lock:
             known, known_versions = dict(self._infos or {}), dict(self._versions)
         infos, bad, versions = {}, {}, {}

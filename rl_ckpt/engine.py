@@ -617,8 +617,13 @@ class CheckpointEngine:
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
 
+    def _manifest(self, sid: str) -> Manifest:
+        """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""
+        info = self.catalog.get(sid)
+        return info.manifest if info is not None and info.manifest is not None else read_manifest(self.storage, sid)
+
     def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
-        manifest = read_manifest(self.storage, sid)
+        manifest = self._manifest(sid)
         self._check_schema(manifest)
         warnings = self._config_warnings(manifest)
         states: dict[str, Any] = {}
@@ -678,7 +683,7 @@ class CheckpointEngine:
             if info.base_snapshot_id != full.snapshot_id or info.global_step < full.global_step:
                 continue
             try:
-                manifest = read_manifest(self.storage, info.snapshot_id)
+                manifest = info.manifest if info.manifest is not None else read_manifest(self.storage, info.snapshot_id)
                 self._check_schema(manifest)
                 light_states = {}
                 for name in self._components:
