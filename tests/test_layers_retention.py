@@ -254,3 +254,26 @@ def test_scheduler_reports_a_post_commit_error_through_on_error_not_as_a_failed_
     (exc, step), = errors
     assert isinstance(exc, PostCommitError) and step == 2 and exc.snapshot_id == "step_000000002"
     assert "is committed" in str(exc) and "nothing was committed" not in str(exc)
+
+
+def test_real_disk_full_while_writing_the_best_alias_does_not_claim_nothing_was_committed(tmp_path, monkeypatch):
+    """The local storage's own ENOSPC error (not an injected one), raised only for files under best/."""
+    import errno as _errno
+
+    s = PPOState()
+    e = s.register(CheckpointEngine(base_dir=str(tmp_path), keep_latest=10, keep_best=1))
+    real = os.write
+    best = str(tmp_path / "run" / "best")
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(best):
+            raise OSError(_errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    info = e.save(1, metrics={"avg_reward": 1.0})
+    monkeypatch.setattr(os, "write", real)
+    assert len(info.warnings) == 1 and "disk full" in info.warnings[0]
+    assert "nothing was committed" not in info.warnings[0]
+    assert CheckpointEngine(base_dir=str(tmp_path)).verify().ok
+    assert [i.global_step for i in CheckpointEngine(base_dir=str(tmp_path)).snapshots()] == [1]
