@@ -341,12 +341,15 @@ class CheckpointEngine:
             merged = self.commit.commit(attempt, manifest.to_bytes())
             if merged is not None:  # a sharded save: the manager committed the merged manifest
                 manifest = merged
-        except BaseException:
+        except BaseException as exc:
             if self._landed(attempt):
                 # The manifest is there and names this attempt (the error came after it landed, e.g. a
                 # lost response or a failed folder fsync): the save is not acknowledged, but its data
                 # now belongs to a committed snapshot and must not be deleted.
                 log.error("save of %s failed after its manifest landed; keeping its data", sid)
+                if isinstance(exc, CheckpointError):
+                    exc.message = f"{post_commit_text(exc)} (after {sid}'s manifest landed: it may be committed)"
+                    exc.args = (exc.message,)
                 raise
             try:
                 self.commit.abort(attempt)
