@@ -897,7 +897,8 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
     params = sum(p.numel() for p in model.parameters())
     state = {"bytes": total, "tensors": len(tensors), "param_bytes": nbytes(model.state_dict().values()),
              "mix": size_mix(tensors), "model": args.model, "parameters": params}
-    log(f"bench: {params / 1e6:.0f}M parameters, state {human(total)} in {len(tensors)} tensors; {args.repeat} repeat(s)")
+    log(f"bench: {params / 1e6:.0f}M parameters, state {human(total)} in {len(tensors)} tensors; "
+        f"{args.repeat} repeat(s)")
     sm = Samples()
     step = iter(range(1, 10**9))
     engines = {}
@@ -957,7 +958,8 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
     m = sm.median
     ratios = {"save_vs_torch_save": m("rl_save") / m("torch_save"),
               "restore_vs_torch_load": m("rl_restore") / m("torch_load"),
-              "save_vs_raw_write": m("rl_save") / m("raw_write"), "restore_vs_raw_read": m("rl_restore") / m("raw_read"),
+              "save_vs_raw_write": m("rl_save") / m("raw_write"),
+              "restore_vs_raw_read": m("rl_restore") / m("raw_read"),
               "noprobe_vs_torch_save": m("rl_save_noprobe") / m("torch_save")}
     goals = [
         {"name": "save_vs_torch_save", "value": ratios["save_vs_torch_save"], "limit": 1.0,
@@ -991,7 +993,8 @@ def format_model(out: dict) -> str:
         r = res[key]
         spread = f"  [{min(r['samples_s']):.3f}..{max(r['samples_s']):.3f}]" if len(r["samples_s"]) > 1 else ""
         lines.append(f"{labels[key]:<44} {_f(r['median_s']):>8} {_f(r['gbps'], '{:.2f}'):>7}{spread}")
-    lines += ["", f"probe record in the manifest: {out['probe_record_bytes']} bytes", "", "goals (medians of this run):"]
+    lines += ["", f"probe record in the manifest: {out['probe_record_bytes']} bytes", "",
+              "goals (medians of this run):"]
     for g in out["goals"]:
         lines.append(f"  {'MET   ' if g['met'] else 'MISSED'} {g['text']}: {g['value']:.3f} (limit {g['limit']})")
     lines.append(f"{out['goals_met']}/{out['goals_total']} goals met")

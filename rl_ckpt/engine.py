@@ -434,7 +434,8 @@ class CheckpointEngine:
         """True (and the catalog forgets it) when a listed snapshot's manifest is gone from storage."""
         if self.storage.exists(f"{sid}/meta.json"):
             return False
-        log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it", sid, self.storage.url)
+        log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it",
+                    sid, self.storage.url)
         self.catalog.discard([sid])
         return True
 

@@ -184,7 +184,7 @@ def _legacy(reference: dict) -> dict:
 
 
 def compare(reference: dict, got: dict | None, *, rtol: float, atol: float) -> str | None:
-    """None when the outputs match within ``allclose(rtol, atol)`` as far as the fingerprints can tell; else what differs.
+    """None when the outputs match within ``allclose(rtol, atol)`` as far as the fingerprints tell; else what differs.
 
     Every bound is what element-wise ``allclose`` implies for a sum: ``atol``
     per element plus ``rtol`` times the recorded sum of absolute values.

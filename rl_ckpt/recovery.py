@@ -266,7 +266,8 @@ def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, lig
         plan.actions.append(LoadAction(name, kind, source.snapshot_id, len(files), sum(f.size for f in files) + obj_bytes))
         if name in probes and engine.config.post_load_check:
             cfg = engine.config
-            plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, allclose(rtol={cfg.probe_rtol}, "
+            plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
+                               f"allclose(rtol={cfg.probe_rtol}, "
                                f"atol={cfg.probe_atol})")
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
