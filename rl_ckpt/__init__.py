@@ -15,6 +15,7 @@ from .errors import (
     ConfigError,
     CorruptSnapshotError,
     NoValidSnapshotError,
+    PostCommitError,
     RestoreError,
     SchemaVersionError,
     SerializationError,
@@ -30,5 +31,5 @@ __all__ = [
     "CheckpointEngine", "CheckpointConfig", "Checkpointable", "RNGState", "TrainingProgress", "SnapshotInfo",
     "RestoreResult", "VerifyReport", "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError",
     "NoValidSnapshotError", "RestoreError", "SchemaVersionError", "SerializationError", "StateMismatchError",
-    "StorageError", "UnsafePathError",
+    "StorageError", "UnsafePathError", "PostCommitError",
 ]

@@ -2,7 +2,8 @@
 
 ``SaveHandle`` is what ``engine.save_async`` returns: ``done()``, ``wait()``
 (returns the committed ``SnapshotInfo`` or re-raises the save's error) and
-``add_done_callback``. A failed background save is also logged, so an error is
+``add_done_callback``; ``warnings`` lists housekeeping after the commit that
+failed (the save itself succeeded). A failed background save is also logged, so an error is
 never lost even if nobody waits on the handle.
 """
 
@@ -35,6 +36,15 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What failed after the commit point (best alias, retention); the snapshot itself is committed.
+
+        Empty while the save runs or when it failed (then ``exception()`` says why)."""
+        if not self._future.done() or self._future.exception() is not None:
+            return []
+        return list(self._future.result().warnings)
 
     def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))

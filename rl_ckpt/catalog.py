@@ -38,6 +38,8 @@ class SnapshotInfo:
     branch: int = 0
     manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
     quarantined: str | None = None  # why, when a check found it bad after commit
+    # Housekeeping after this process committed it (alias, retention) that failed; the snapshot is committed.
+    warnings: list[str] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> "SnapshotInfo":
@@ -89,8 +91,8 @@ class Catalog:
 
     def refresh(self) -> None:
         """Re-list storage. Manifests unchanged since the last look (same ``Storage.stat`` version) are not
-        re-read, so a refresh costs one listing plus one stat per snapshot; restore and verification always
-        read the manifest they use afresh, so this cache decides only what is listed."""
+        re-read, so a refresh costs one listing plus one stat per snapshot. A recovery plan refreshes first and
+        then uses the manifests held here (each parsed once per restore); verification reads its own afresh."""
         with self._lock:
             known, known_versions = dict(self._infos or {}), dict(self._versions)
         infos, bad, versions = {}, {}, {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-from .errors import CommitConflictError
+from .errors import CommitConflictError, StorageError
 from .manifest import MANIFEST_NAME
 from .storage import Storage, join
 from .storage.base import unique_suffix
@@ -121,20 +121,32 @@ def strategy_for(storage: Storage, atomic_write: bool = True) -> CommitStrategy:
     return ManifestLastCommit(storage)
 
 
-def retire_snapshot(storage: Storage, snapshot_id: str) -> None:
+def retire_snapshot(storage: Storage, snapshot_id: str) -> bool:
     """Delete a committed snapshot so that it is either fully listed or not listed at all.
 
     With rename: move the folder into ``.trash/`` (one atomic step), then
     delete it. Without: remove the manifest first (the snapshot is no longer
     committed), then its data. A crash in between leaves debris for ``gc``,
     never a listed snapshot with missing files.
+
+    Returns False when the snapshot was already gone (deleted by hand, or by
+    another engine on the same run): retiring it again is not an error.
     """
     if storage.supports_rename:
+        if not storage.exists(snapshot_id):
+            return False
         trash = join(TRASH, f"{snapshot_id}.{unique_suffix()}")
         storage.makedirs(TRASH)
-        storage.rename_dir(snapshot_id, trash)
+        try:
+            storage.rename_dir(snapshot_id, trash)
+        except StorageError:
+            if not storage.exists(snapshot_id):
+                return False  # someone else retired it between the check and the rename
+            raise
         storage.sync_dir("")
         storage.remove_tree(trash)
-    else:
-        storage.remove(join(snapshot_id, MANIFEST_NAME))
-        storage.remove_tree(snapshot_id)
+        return True
+    gone = not storage.exists(join(snapshot_id, MANIFEST_NAME))
+    storage.remove(join(snapshot_id, MANIFEST_NAME))
+    storage.remove_tree(snapshot_id)
+    return not gone

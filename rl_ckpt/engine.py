@@ -47,10 +47,10 @@ from .writer import write_component
 
 log = logging.getLogger("rl_ckpt")
 
-# Config keys that change what training does or what a snapshot holds: a
-# difference between the snapshot and the running job is worth a warning.
 DECISIONS = "decisions"
 RETIRED = "history/retired"
+# Config keys that change what training does or what a snapshot holds: a
+# difference between the snapshot and the running job is worth a warning.
 DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
 
 
@@ -157,8 +157,8 @@ class CheckpointEngine:
             self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor())
         self.last_save_time = time.monotonic()
         self.last_retention: RetentionDecision | None = None
-        self.sweep_in_gc_only = False
-        self._best_cache: tuple[int, dict | None] = (-1, None)  # set by the manager: participants may be reusing chunks right now
+        self.sweep_in_gc_only = False  # set by the manager: participants may be reusing chunks right now
+        self._best_cache: tuple[int, dict | None] = (-1, None)  # (catalog version, best ids and ids seen then)
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
         self._patrol = None
@@ -275,6 +275,7 @@ class CheckpointEngine:
         for reg in self._saved_components(kind):
             enc = encode_state(reg.name, _state_of(reg), host=False)
             staged[reg.name] = self._staging.stage(reg.name, enc)
+        self._staging.release_unused({(name, key) for name, enc in staged.items() for key in enc.arrays})
         if not staged:
             self.stage(kind)  # raises the "nothing to save" error
         blocked = time.perf_counter() - started
@@ -341,12 +342,15 @@ class CheckpointEngine:
             merged = self.commit.commit(attempt, manifest.to_bytes())
             if merged is not None:  # a sharded save: the manager committed the merged manifest
                 manifest = merged
-        except BaseException:
+        except BaseException as exc:
             if self._landed(attempt):
                 # The manifest is there and names this attempt (the error came after it landed, e.g. a
                 # lost response or a failed folder fsync): the save is not acknowledged, but its data
                 # now belongs to a committed snapshot and must not be deleted.
                 log.error("save of %s failed after its manifest landed; keeping its data", sid)
+                if isinstance(exc, CheckpointError):
+                    exc.message = f"{post_commit_text(exc)} (after {sid}'s manifest landed: it may be committed)"
+                    exc.args = (exc.message,)
                 raise
             try:
                 self.commit.abort(attempt)
@@ -358,7 +362,7 @@ class CheckpointEngine:
         self.last_save_time = time.monotonic()
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
         if self.manager is None:
-            self._after_commit()
+            info.warnings = self._after_commit()
         return info
 
     def beat(self, global_step: int) -> None:
@@ -384,28 +388,57 @@ class CheckpointEngine:
         return ObjectWriter(self.storage, self.config.checksum_algo, committed,
                             min_bytes=self.config.dedup_min_tensor_bytes)
 
-    def _after_commit(self) -> None:
-        """Best aliases first, deletions last: a crash in between only leaves extra snapshots."""
-        snapshots = self.catalog.snapshots()
+    def _after_commit(self) -> list[str]:
+        """Best aliases first, deletions last: a crash in between only leaves extra snapshots.
+
+        Runs after the commit point, so nothing here may fail the save: each step's error is
+        logged and returned as a warning, and the pass goes on. A snapshot found gone (deleted
+        by hand, or by another engine on the run) just leaves the catalog.
+        """
+        problems: list[str] = []
+
+        def guarded(what: str, fn, *args) -> Any:
+            try:
+                return fn(*args)
+            except Exception as exc:  # the snapshot is committed whatever happens here
+                msg = f"{what}: {post_commit_text(exc)}"
+                log.warning("after committing: %s", msg)
+                problems.append(msg)
+                return None
+
         cfg = self.config
         if cfg.keep_best > 0:
-            self._write_best_aliases(snapshots)
+            guarded("best-snapshot alias not updated", self._write_best_aliases, self.catalog.snapshots())
         if self.retention is None:
-            return
+            return problems
         # Quarantined snapshots are neither kept-counted nor deleted: a person decides.
-        decision = plan_retention([i for i in snapshots if not i.quarantined], self.retention)
+        decision = plan_retention([i for i in self.catalog.snapshots() if not i.quarantined], self.retention)
         self.last_retention = decision
         freed: dict[str, tuple[str, int]] = {}
         for sid in decision.delete:
             info = self.catalog.get(sid)
+            if guarded(f"retention could not check {sid}", self._vanished, sid):
+                continue
+            guarded(f"retention: no tombstone for {sid}", self._tombstone, info, decision)
+            retired = guarded(f"retention could not delete {sid}", retire_snapshot, self.storage, sid)
+            if retired is None:
+                continue  # still there: the next pass tries again
             if info is not None and info.manifest is not None:
                 freed.update(manifest_objects(info.manifest))
-            self._tombstone(info, decision)
-            retire_snapshot(self.storage, sid)
             self.catalog.discard([sid])
-            log.info("retention: deleted %s", sid)
+            log.info("retention: deleted %s" if retired else "retention: %s was already gone", sid)
         if freed and not self.sweep_in_gc_only:
-            self._sweep_objects(freed)
+            guarded("retention could not sweep unused objects", self._sweep_objects, freed)
+        return problems
+
+    def _vanished(self, sid: str) -> bool:
+        """True (and the catalog forgets it) when a listed snapshot's manifest is gone from storage."""
+        if self.storage.exists(f"{sid}/meta.json"):
+            return False
+        log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it",
+                    sid, self.storage.url)
+        self.catalog.discard([sid])
+        return True
 
     def _tombstone(self, info: SnapshotInfo | None, decision: RetentionDecision) -> None:
         """A note of what retention deleted (for the timeline and for people), written before deleting."""
@@ -446,6 +479,9 @@ class CheckpointEngine:
         else:
             pool = snapshots
         best = best_per_metric(pool, metrics, modes)
+        gone = [sid for sid in set(best.values()) if self._vanished(sid)]
+        if gone:  # a best snapshot deleted outside this engine: rank again without it
+            return self._write_best_aliases(self.catalog.snapshots())
         self._best_cache = (self.catalog.version, {**best, "_seen": {i.snapshot_id for i in snapshots}})
         for metric, sid in best.items():
             info = self.catalog.get(sid)
@@ -586,8 +622,13 @@ class CheckpointEngine:
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
 
+    def _manifest(self, sid: str) -> Manifest:
+        """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""
+        info = self.catalog.get(sid)
+        return info.manifest if info is not None and info.manifest is not None else read_manifest(self.storage, sid)
+
     def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
-        manifest = read_manifest(self.storage, sid)
+        manifest = self._manifest(sid)
         self._check_schema(manifest)
         warnings = self._config_warnings(manifest)
         states: dict[str, Any] = {}
@@ -647,7 +688,7 @@ class CheckpointEngine:
             if info.base_snapshot_id != full.snapshot_id or info.global_step < full.global_step:
                 continue
             try:
-                manifest = read_manifest(self.storage, info.snapshot_id)
+                manifest = info.manifest if info.manifest is not None else read_manifest(self.storage, info.snapshot_id)
                 self._check_schema(manifest)
                 light_states = {}
                 for name in self._components:
@@ -787,6 +828,11 @@ def _current_actor() -> Any:
     except (ImportError, RuntimeError):  # not inside a Ray actor: nothing to hand over
         return None
     return None
+
+
+def post_commit_text(exc: BaseException) -> str:
+    """An error's text as seen after the commit point: a storage hint that nothing was committed is untrue here."""
+    return str(exc).replace("; nothing was committed by this save", "")
 
 
 def _safe_metric(metric: str) -> str:

@@ -73,10 +73,6 @@ class RestoreError(CheckpointError):
     """Loading a verified snapshot into the registered objects failed (``snapshot_id``)."""
 
 
-class SaveInProgressError(CheckpointError):
-    """A save was requested while another one is still running."""
-
-
 class StoragePermissionError(StorageError):
     """The storage refused access to a path (``path``, ``errno``): permissions, ownership or credentials."""
 
@@ -91,3 +87,10 @@ class ReadRangeError(StorageError):
 
 class StorageArgumentError(CheckpointError, ValueError):
     """A storage call got an argument it cannot honour, e.g. a negative offset (``name``, ``value``)."""
+
+
+class PostCommitError(CheckpointError):
+    """Housekeeping after a commit failed (best alias, retention): the snapshot itself is committed.
+
+    Never raised by a save; carried on the returned ``SnapshotInfo.warnings`` and handed
+    to the scheduler's ``on_error`` (``snapshot_id``, ``problems``)."""

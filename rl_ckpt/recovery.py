@@ -121,9 +121,13 @@ def coordinator_config(cfg) -> CoordinatorConfig:
                              divergence_threshold=cfg.divergence_threshold, best_metric=metric, best_mode=mode)
 
 
-def _check(engine: "CheckpointEngine", sid: str, deep: bool) -> Manifest:
-    """The snapshot's manifest if it is usable, else CheckpointError saying why."""
-    manifest = read_manifest(engine.storage, sid)
+def _check(engine: "CheckpointEngine", info: SnapshotInfo, deep: bool) -> Manifest:
+    """The snapshot's manifest if it is usable, else CheckpointError saying why.
+
+    The manifest is the one the catalog parsed (or re-validated by its stat version) in the
+    refresh that starts every plan, so a restore parses each manifest once."""
+    sid = info.snapshot_id
+    manifest = info.manifest if info.manifest is not None else read_manifest(engine.storage, sid)
     engine._check_schema(manifest)
     if deep:
         report = verify_snapshot(engine.storage, sid)
@@ -170,7 +174,7 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
             return False
         if info.snapshot_id not in manifests:
             try:
-                manifests[info.snapshot_id] = _check(engine, info.snapshot_id, deep)
+                manifests[info.snapshot_id] = _check(engine, info, deep)
             except CheckpointError as exc:
                 invalid[info.snapshot_id] = str(exc)
                 return False
@@ -235,7 +239,7 @@ def _choose_light(engine: "CheckpointEngine", plan: RecoveryPlan, target: Snapsh
         if info.base_snapshot_id != target.snapshot_id or info.global_step < target.global_step:
             continue
         try:
-            m = _check(engine, info.snapshot_id, deep)
+            m = _check(engine, info, deep)
         except (CheckpointError, SchemaVersionError) as exc:
             plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "skipped", str(exc)))
             continue
@@ -262,7 +266,8 @@ def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, lig
         plan.actions.append(LoadAction(name, kind, source.snapshot_id, len(files), sum(f.size for f in files) + obj_bytes))
         if name in probes and engine.config.post_load_check:
             cfg = engine.config
-            plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, allclose(rtol={cfg.probe_rtol}, "
+            plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
+                               f"allclose(rtol={cfg.probe_rtol}, "
                                f"atol={cfg.probe_atol})")
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")

@@ -5,17 +5,21 @@ due every ``save_interval_steps`` OR ``save_interval_seconds``, whichever comes
 first; a light one every ``light_interval_steps`` in between. Saves run in the
 background (``engine.save_async``). When the previous save is still running, a
 due save is *skipped*, not queued, so saving never piles up behind a slow disk.
-A failed save is logged and handed to ``on_error``; training goes on.
+A failed save is logged and handed to ``on_error``; training goes on. So is a
+failure after the commit point (``PostCommitError``: the snapshot is
+committed, an alias or a retention step is not) and an error raised by
+``on_commit``; those are counted in ``warnings``, not ``failures``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Mapping
 
 from .async_save import SaveHandle
-from .errors import CheckpointError
+from .errors import CheckpointError, PostCommitError
 
 log = logging.getLogger("rl_ckpt")
 
@@ -25,7 +29,9 @@ class CheckpointScheduler:
 
     Args:
         engine: the CheckpointEngine to save with.
-        on_error: called with ``(exception, global_step)`` when a save fails.
+        on_error: called with ``(exception, global_step)`` when a save fails, and also, with a
+            :class:`PostCommitError`, when housekeeping after a commit failed (the snapshot is
+            committed), or with the exception ``on_commit`` raised. Called from the training thread.
         on_commit: called with the committed ``SnapshotInfo`` (from the writer thread).
         clock: a monotonic clock in seconds (tests pass a fake one).
         start_step: the step training (re)starts from; the first interval counts from it.
@@ -49,7 +55,11 @@ class CheckpointScheduler:
         self.saves_started = 0
         self.skipped = 0
         self.failures = 0
+        self.warnings = 0  # errors after a commit (housekeeping, on_commit): the save itself succeeded
         self.last_error: BaseException | None = None
+        self._handle_finished = threading.Event()
+        self._lock = threading.Lock()
+        self._callback_errors: list[tuple[BaseException, int]] = []
 
     def due(self, global_step: int) -> str | None:
         """``"full"``, ``"light"`` or None: what this step would save."""
@@ -88,23 +98,55 @@ class CheckpointScheduler:
             self._last_full_step = global_step
             self._last_full_time = self.clock()
         self._last_light_step = global_step
-        if self.on_commit is not None:
-            handle.add_done_callback(lambda h: h.exception() is None and self.on_commit(h.wait()))
-        self._handle = handle
+        self._watch(handle)
         return handle
+
+    def _watch(self, handle: SaveHandle) -> None:
+        """Track ``handle``: ``on_commit`` runs on the writer thread when it commits; its error is kept for
+        ``on_error`` (a pool's done-callback would swallow it)."""
+        finished = threading.Event()
+
+        def after(h: SaveHandle) -> None:
+            try:
+                if self.on_commit is not None and h.exception() is None:
+                    self.on_commit(h.wait())
+            except Exception as exc:  # the user's callback: report it, never lose it
+                with self._lock:
+                    self._callback_errors.append((exc, h.global_step))
+            finally:
+                finished.set()
+
+        self._handle, self._handle_finished = handle, finished
+        handle.add_done_callback(after)
 
     def _collect(self) -> None:
         handle = self._handle
         if handle is not None and handle.done():
             self._handle = None
+            self._handle_finished.wait()  # the done-callback runs just after done(); wait for on_commit
             exc = handle.exception()
             if exc is not None:
                 self._report(exc, handle.global_step)
+            elif handle.warnings:
+                info = handle.wait()
+                err = PostCommitError(f"{info.snapshot_id} is committed, but housekeeping after it failed: "
+                                      + "; ".join(handle.warnings), snapshot_id=info.snapshot_id,
+                                      problems=handle.warnings)
+                self._report(err, handle.global_step, failed=False)
+        with self._lock:
+            errors, self._callback_errors = self._callback_errors, []
+        for exc, step in errors:
+            self._report(exc, step, failed=False, what="on_commit callback")
 
-    def _report(self, exc: BaseException, global_step: int) -> None:
-        self.failures += 1
+    def _report(self, exc: BaseException, global_step: int, *, failed: bool = True, what: str = "") -> None:
+        """Log ``exc`` and hand it to ``on_error``; ``failed`` counts it as a failed save (else the save committed)."""
         self.last_error = exc
-        log.error("checkpoint save at step %d failed: %s", global_step, exc)
+        if failed:
+            self.failures += 1
+            log.error("checkpoint save at step %d failed: %s", global_step, exc)
+        else:
+            self.warnings += 1
+            log.warning("checkpoint at step %d: %s%s", global_step, f"{what} failed: " if what else "", exc)
         if self.on_error is not None:
             self.on_error(exc, global_step)
 

@@ -54,6 +54,9 @@ class StagingArea:
         return EncodedState(tree=enc.tree, arrays=staged, tables=dict(enc.tables))
 
     def release_unused(self, live: set[tuple[str, str]]) -> None:
+        """Free the buffers of ``(component, key)`` pairs not in ``live`` (a key or component that is gone).
+
+        Called after each staging round, when no save is using the previous round's buffers."""
         for key in list(self._buffers):
             if key not in live:
                 del self._buffers[key]

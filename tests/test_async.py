@@ -159,3 +159,37 @@ def test_background_writer_runs_at_the_configured_lower_priority(tmp_path, nice)
     assert seen["writer"] == min(19, base + nice)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
     engine.close()
+
+
+def test_an_error_raised_by_on_commit_reaches_on_error(tmp_path):
+    s = PPOState()
+    engine, _ = _engine(tmp_path, save_interval_steps=1, save_interval_seconds=None, keep_latest=10)
+    s.register(engine)
+    errors = []
+
+    def on_commit(info):
+        raise ValueError(f"dashboard down for {info.snapshot_id}")
+
+    sched = engine.scheduler(on_error=lambda exc, step: errors.append((exc, step)), on_commit=on_commit)
+    sched.step(0)
+    sched.step(1).wait(timeout=60)
+    sched.close()  # collects the finished save and the callback's error, without another step
+    (exc, step), = errors
+    assert isinstance(exc, ValueError) and "step_000000001" in str(exc) and step == 1
+    assert sched.failures == 0 and sched.warnings == 1
+    assert [i.global_step for i in engine.snapshots()] == [1]
+
+
+def test_staging_frees_the_buffers_of_keys_that_are_gone(tmp_path):
+    engine, _ = _engine(tmp_path, keep_latest=10)
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    head = torch.nn.Linear(8, 3)
+    engine.register("policy", policy)
+    engine.register("head", head)
+    engine.save_async(1).wait()
+    keys = set(engine._staging._buffers)
+    assert {k for k in keys if k[0] == "head"} == {("head", "weight"), ("head", "bias")}
+    del policy[1]  # a key vanishes from the policy's state dict
+    engine._components.pop("head")  # and a component is no longer saved
+    engine.save_async(2).wait()
+    assert set(engine._staging._buffers) == {("policy", "0.weight"), ("policy", "0.bias")}

@@ -140,3 +140,23 @@ def test_async_benchmark_script_runs_and_reports_every_goal(tmp_path):
     import os
 
     assert os.listdir(tmp_path) == []  # its work folder is gone
+
+
+def test_bench_model_mode_on_a_tiny_gpt2(tmp_path):
+    """``--model``: a real transformers GPT-2 + AdamW; every documented key is there (no timing assertions)."""
+    proc = run_cli(str(tmp_path / "b"), "--model", "gpt2-tiny", "--repeat", "1", "--json", "--cache", "fadvise")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mode"] == "model" and out["state"]["model"] == "gpt2-tiny" and out["state"]["parameters"] > 10**6
+    for key in bench.MODEL_KEYS:
+        assert out["results"][key]["median_s"] > 0, key
+    assert {g["name"] for g in out["goals"]} == {"save_vs_torch_save", "restore_vs_torch_load"}
+    assert out["goals_total"] == 2 and all(isinstance(g["met"], bool) for g in out["goals"])
+    assert 0 < out["probe_record_bytes"] < 16 * 1024  # a fingerprint of 402k logits, not the logits
+    table = run_cli(str(tmp_path / "b"), "--model", "gpt2-tiny", "--repeat", "1", "--cache", "fadvise")
+    assert table.returncode == 0 and "torch.load + load_state_dict" in table.stdout and "goals met" in table.stdout
+
+
+def test_docstring_documents_the_model_mode():
+    for key in (*bench.MODEL_KEYS, "probe_record_bytes", "parameters", "gpt2-small"):
+        assert key in bench.__doc__, key

@@ -55,6 +55,7 @@ def test_disk_full_names_the_file_and_says_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(StorageError) as err:
         engine.save(1)
     assert "disk full" in str(err.value) and ".safetensors" in str(err.value)
+    assert "nothing was committed" in str(err.value)  # true here: the save failed before its commit point
     monkeypatch.setattr(os, "write", real)
     assert CheckpointEngine(base_dir=str(tmp_path)).snapshots() == []
 
@@ -140,3 +141,23 @@ def test_register_checks(tmp_path):
     e.close()
     with pytest.raises(Exception, match="closed"):
         e.save(1)
+
+
+def test_an_error_after_the_manifest_landed_does_not_claim_nothing_was_committed(tmp_path):
+    """A failed run-folder fsync right after the commit rename: the save is not acknowledged, but its
+    error must not say that nothing was committed (the snapshot is there, and verifies)."""
+    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.storage import open_storage
+
+    storage = FaultyStorage(open_storage(str(tmp_path / "run")))
+    engine = CheckpointEngine(base_dir=str(tmp_path), storage=storage)
+    engine.register("policy", torch.nn.Linear(4, 2))
+    storage.fail("sync_dir", nth=2, error=StorageError(
+        "cannot sync .: No space left on device (disk full: free space on the checkpoint volume; nothing was "
+        "committed by this save)", path="."))
+    with pytest.raises(StorageError) as err:
+        engine.save(1)
+    assert "nothing was committed" not in str(err.value) and "manifest landed" in str(err.value)
+    assert [op for op, _ in storage.ops][-3:] == ["rename_dir", "sync_dir", "read"]  # failed after the rename
+    fresh = CheckpointEngine(base_dir=str(tmp_path))
+    assert [i.global_step for i in fresh.snapshots()] == [1] and fresh.verify().ok

@@ -154,3 +154,107 @@ def test_cli_plan(tmp_path):
     os.remove(tmp_path / "run" / "step_000000010" / "meta.json")
     os.remove(tmp_path / "run" / "step_000000020" / "meta.json")
     assert cli(["plan", url]) == 1  # snapshots exist but none is valid: gives up rather than starting fresh
+
+
+# -- the post-load probe: deterministic, small, sensitive ------------------------------------------------------
+def _rng_states():
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+
+def test_probe_of_a_sampling_sb3_policy_passes_after_the_global_rng_moved(tmp_path):
+    """SB3's ActorCriticPolicy samples its actions in forward(): the probe must seed what it draws from."""
+    import random
+
+    import numpy as np
+    from stable_baselines3 import PPO
+
+    from rl_ckpt.probe import run_probe
+
+    cfg = {"base_dir": str(tmp_path), "retention": False}
+    torch.manual_seed(0)
+    saved = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0).policy
+    e = CheckpointEngine(**cfg)
+    e.register("policy", saved)
+    e.register("optimizer", saved.optimizer)
+    e.save(1)
+    before = _rng_states()
+    run_probe(saved)
+    after = _rng_states()
+    assert torch.equal(before[0], after[0]) and (before[1] == after[1]).all() and before[2] == after[2]
+
+    torch.manual_seed(12345)  # a real restart starts from other RNG states
+    np.random.seed(6789)
+    random.seed(4321)
+    fresh = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=7).policy
+    e2 = CheckpointEngine(**cfg)
+    e2.register("policy", fresh)
+    e2.register("optimizer", fresh.optimizer)
+    result = e2.restore()
+    assert result.snapshot_id == "step_000000001" and not result.skipped
+    assert not (tmp_path / "run" / "quarantine").exists()
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_probe_record_is_bounded_for_a_large_output(tmp_path):
+    """A GPT-2 shaped model (full 50257-token vocabulary) keeps meta.json small: a fingerprint, not the logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16))
+    e = CheckpointEngine(base_dir=str(tmp_path), retention=False)
+    e.register("model", model)
+    e.save(1)
+    meta = tmp_path / "run" / "step_000000001" / "meta.json"
+    probe = json.loads(meta.read_text())["extra"]["probes"]["model"]
+    assert probe["shapes"][0] == [2, 4, 50257]  # 402k logits recorded as ...
+    assert len(json.dumps(probe)) < 16 * 1024  # ... a few KiB
+    assert meta.stat().st_size < 64 * 1024
+    fresh = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16))
+    e2 = CheckpointEngine(base_dir=str(tmp_path), retention=False)
+    e2.register("model", fresh)
+    assert e2.restore().snapshot_id == "step_000000001"
+
+
+@pytest.mark.parametrize("delta", [1e-2, 1e-4])
+def test_fingerprint_catches_one_perturbed_weight_and_passes_a_correct_restore(delta):
+    from rl_ckpt.probe import compare, run_probe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1000))
+    reference = run_probe(model)
+    copy = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1000))
+    copy.load_state_dict(model.state_dict())
+    assert compare(reference, run_probe(copy), rtol=1e-5, atol=1e-6) is None
+    with torch.no_grad():
+        copy[0].weight[17, 5] += delta  # one weight of 16k in the first layer
+    problem = compare(reference, run_probe(copy), rtol=1e-5, atol=1e-6)
+    assert problem is not None and "differ" in problem
+
+
+def test_probe_recorded_in_full_by_an_older_version_still_compares():
+    from rl_ckpt.probe import compare, run_probe
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    x = torch.randn(2, 8)
+    old = {"outputs": [model(x).detach().double().reshape(-1).tolist()], "shapes": [[2, 3]]}
+    assert compare(old, run_probe(model, fn=lambda m: m(x)), rtol=1e-5, atol=1e-6) is None
+    with torch.no_grad():
+        model.weight[0, 0] += 0.1
+    assert compare(old, run_probe(model, fn=lambda m: m(x)), rtol=1e-5, atol=1e-6) is not None
+
+
+def test_a_restore_parses_each_manifest_once(tmp_path):
+    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.storage import open_storage
+
+    cfg, _ = _run(tmp_path, [(10, 1.0), (20, 2.0)])
+    storage = FaultyStorage(open_storage(str(tmp_path / "run")))
+    e = PPOState().register(CheckpointEngine(**cfg, storage=storage))
+    assert e.restore().snapshot_id == "step_000000020"
+    reads = [p for op, p in storage.ops if op in ("read", "open_read") and p.endswith("meta.json")]
+    assert sorted(reads) == ["step_000000010/meta.json", "step_000000020/meta.json"]  # the listing's reads only
