@@ -49,7 +49,9 @@ def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: i
         metrics = trainer.train_step()
         step = trainer.progress.global_step
         scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
-        report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]), "avg_reward": metrics["avg_reward"]})
+        newest = engine.snapshots()
+        report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]), "avg_reward": metrics["avg_reward"],
+                "committed": newest[-1].global_step if newest else None})
     scheduler.close()
     engine.close()
     report({"event": "done", "step": trainer.progress.global_step, "digest": param_digest(trainer.model),
@@ -96,7 +98,10 @@ def run_process(ctx, cfg: dict, until_step: int, *, seed: int = 0, resume: bool 
             if msg["event"] == "step":
                 log.losses[msg["step"]] = msg["loss"]
                 log.rewards[msg["step"]] = msg["avg_reward"]
-                if kill_at_step is not None and msg["step"] >= kill_at_step:
+                # Kill at the chosen step, but only once a snapshot is committed: on a loaded machine
+                # every due save may still be in flight (skipped, not queued), and a crash before the
+                # first commit would only show a fresh start.
+                if kill_at_step is not None and msg["step"] >= kill_at_step and msg.get("committed") is not None:
                     os.kill(proc.pid, signal.SIGKILL)
                     log.killed_at = msg["step"]
                     break
