@@ -37,6 +37,7 @@ from .manifest import Manifest, now_iso, snapshot_id
 from .probe import compare, run_probe
 from .quarantine import quarantine
 from .reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
+from .untrusted import read_json
 from .recovery import RecoveryPlan, build_plan
 from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from .staging import StagingArea
@@ -522,8 +523,14 @@ class CheckpointEngine:
             if not entry.name.endswith(".json"):
                 continue
             try:
-                out.append(Decision.from_json(json.loads(bytes(self.storage.read(f"{DECISIONS}/{entry.name}")))))
-            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+                decision = Decision.from_json(read_json(self.storage, f"{DECISIONS}/{entry.name}"))
+                ids = (decision.snapshot_id, decision.charged_to, *(s for s, _n in decision.considered))
+                steps = (decision.global_step, decision.failure.step, decision.attempt)
+                if not (all(i is None or isinstance(i, str) for i in ids)
+                        and all(n is None or type(n) is int for n in steps)):
+                    raise TypeError("fields of the wrong type")  # e.g. a list as snapshot id: unhashable later
+                out.append(decision)
+            except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a planted record
                 log.warning("ignoring unreadable decision record %s: %s", entry.name, exc)
         return out
 

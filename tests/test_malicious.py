@@ -17,6 +17,7 @@ import torch
 
 from rl_ckpt import CheckpointEngine, CheckpointError, NoValidSnapshotError, SchemaVersionError, UnsafePathError
 from rl_ckpt.checksum import digest_bytes
+from rl_ckpt.manifest import manifest_checksum
 from rl_ckpt.reader import read_manifest
 from rl_ckpt.storage import open_storage
 
@@ -48,7 +49,8 @@ def _setup(tmp_path):
 def _rewrite_manifest(snap, mutate) -> None:
     meta = json.loads((snap / "meta.json").read_text())
     mutate(meta)
-    meta.pop("manifest_checksum", None)  # an attacker drops it (it is a corruption check, not a signature)
+    meta.pop("manifest_checksum", None)
+    meta["manifest_checksum"] = manifest_checksum(meta)  # an attacker recomputes it (a damage check, not a signature)
     (snap / "meta.json").write_text(json.dumps(meta))
 
 
