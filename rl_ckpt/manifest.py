@@ -222,7 +222,7 @@ def _check_section(where: str, field: str, section: Any) -> None:
         _need_str(where, f"{field}.kind", section["kind"])
     for key, meta in _need_object(where, f"{field}.tensors", section.get("tensors", {})).items():
         _need_object(where, f"{field}.tensors.{key}", meta)
-        if meta.get("dtype") not in ITEMSIZE:
+        if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in ITEMSIZE:
             raise _wrong(where, f"{field}.tensors.{key}.dtype", "a safetensors dtype code", meta.get("dtype"))
         problem = check_shape(meta.get("shape"))
         if problem:

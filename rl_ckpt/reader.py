@@ -215,10 +215,16 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
     entry = next((f for f in manifest.files_of(name) if f.role == "tensors"), None)
     if entry is not None:
         raw = read_verified(storage, sid, entry)
+        listed = section.get("tensors") or {}
         for key, (code, shape, view) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items():
             if key in arrays:
                 raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r} is both in {entry.path} and in objects/",
                                            snapshot_id=sid, problems=["tensor stored twice"])
+            if key in listed and (listed[key].get("dtype"), listed[key].get("shape")) != (code, shape):
+                raise CorruptSnapshotError(
+                    f"{sid}/{entry.path}: tensor {key!r} is {code} {shape} in the file but "
+                    f"{listed[key].get('dtype')} {listed[key].get('shape')} in the manifest", snapshot_id=sid,
+                    path=entry.path, problems=["tensor meta mismatch"])
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
 
