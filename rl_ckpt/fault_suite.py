@@ -2021,7 +2021,7 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
         if result.snapshot_id not in ("step_000000001", NEWEST) or parsed is None or parsed[0] != step:
             res.violate(variant, label, "corrupt_load", f"restored {result.snapshot_id!r} holding step {step}")
         elif result.snapshot_id == NEWEST and case.must_refuse:
-            res.violate(variant, label, "corrupt_load", "restore accepted the hostile snapshot")
+            res.violate(variant, label, "not_refused", "restore loaded a snapshot it had to refuse")
         else:
             res.note("refused: restore fell back to step 1" if step == 1 else "harmless: step 2 loaded exactly")
     except Mixed as exc:
@@ -2032,11 +2032,14 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
         res.violate(variant, label, "not_a_checkpoint_error", f"restore: {type(exc).__name__}: {exc}")
     finally:
         engine.close()
+    manifest_refused = True
     try:
         read_manifest(target.storage(), NEWEST)
         manifest_refused = False
     except CheckpointError:
-        manifest_refused = True
+        pass
+    except Exception as exc:
+        res.violate(variant, label, "not_a_checkpoint_error", f"read_manifest: {type(exc).__name__}: {exc}")
     export = os.path.join(target.parent, "export.safetensors")
     for argv in (["ls", target.run], ["ls", target.run, "--deep"], ["verify", target.run], ["plan", target.run],
                  ["inspect", target.run, NEWEST], ["export", target.run, NEWEST, "model", "-o", export]):

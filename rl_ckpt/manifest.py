@@ -13,6 +13,7 @@ import json
 import re
 from typing import Any
 
+from .config import CHECKSUM_ALGOS
 from .errors import CorruptSnapshotError, SchemaVersionError
 from .storage.base import check_relpath
 from .untrusted import parse_json
@@ -71,6 +72,8 @@ class FileEntry:
         check_relpath(d["path"])  # UnsafePathError (a non-empty string, no escape) before anything is opened
         for name in ("checksum", "algo", "component", "role"):
             _need_str(where, f"{field}.{name}", d[name], empty=False)
+        if d["algo"] not in CHECKSUM_ALGOS:
+            raise _wrong(where, f"{field}.algo", f"one of {CHECKSUM_ALGOS}", d["algo"])
         _need_int(where, f"{field}.size", d["size"])
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
@@ -241,7 +244,8 @@ def _check_section(where: str, field: str, section: Any) -> None:
                     raise _wrong(where, f"{field}.objects.{key}[]", "a [digest, size] pair", chunk)
                 _need_str(where, f"{field}.objects.{key}[].digest", chunk[0], empty=False)
                 _need_int(where, f"{field}.objects.{key}[].size", chunk[1])
-        _need_str(where, f"{field}.objects_algo", section.get("objects_algo"), empty=False)
+        if section.get("objects_algo") not in CHECKSUM_ALGOS:
+            raise _wrong(where, f"{field}.objects_algo", f"one of {CHECKSUM_ALGOS}", section.get("objects_algo"))
 
 
 def _show(value: Any) -> str:
