@@ -205,7 +205,8 @@ def _check_fields(d: dict, where: str) -> None:
     if "attempt" in d.get("writer", {}):
         _need_str(where, "writer.attempt", d["writer"]["attempt"])
     if "probes" in d.get("extra", {}):
-        _need_object(where, "extra.probes", d["extra"]["probes"])
+        for name, probe in _need_object(where, "extra.probes", d["extra"]["probes"]).items():
+            _need_object(where, f"extra.probes.{name}", probe)  # what is inside is the probe's to check
     if not isinstance(d.get("files", []), list):
         raise _wrong(where, "files", "a list", d["files"])
     for name, section in d.get("components", {}).items():

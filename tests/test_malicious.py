@@ -311,6 +311,7 @@ MANIFEST_CASES = {
     "a component that is not an object": (lambda m: m["components"].update(policy=[1]), None, "components.policy"),
     "a file whose role is a list": (lambda m: m["files"][0].update(role=["json"]), None, "files[0].role"),
     "a file size of -1": (lambda m: m["files"][0].update(size=-1), None, "files[0].size"),
+    "a probe that is not an object": (lambda m: m["extra"]["probes"].update(policy=5), None, "extra.probes.policy"),
     "an unknown checksum algorithm": (lambda m: m["files"][0].update(algo="md5"), None, "files[0].algo"),
     "a tensor dtype that is an object": (lambda m: m["components"]["policy"]["tensors"]["weight"].update(dtype={}),
                                          None, "dtype"),
