@@ -37,12 +37,12 @@ from .manifest import Manifest, now_iso, snapshot_id
 from .probe import compare, run_probe
 from .quarantine import quarantine
 from .reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
-from .untrusted import read_json
 from .recovery import RecoveryPlan, build_plan
 from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from .staging import StagingArea
 from .state_codec import EncodedState, encode_state
 from .storage import Storage, open_storage
+from .untrusted import read_json
 from .writer import write_component
 
 log = logging.getLogger("rl_ckpt")
