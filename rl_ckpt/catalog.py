@@ -78,6 +78,21 @@ def lost_manifest(storage: Storage, snapshot_id: str) -> bool:
     return any(not e.is_dir and not e.name.startswith(".tmp-") for e in storage.list(snapshot_id))
 
 
+def foreign_names(storage: Storage) -> list[str]:
+    """Top-level folders named like snapshots but not in the canonical form ``snapshot_id()`` writes
+    (other digits, padding, ``.b0``, a trailing newline...). They are no snapshots: never listed, restored
+    or deleted by gc; ``rl-ckpt ls --deep`` shows them so a person can look."""
+    import unicodedata
+
+    out = []
+    for entry in storage.list(""):
+        if parse_snapshot_id(entry.name) is not None or entry.name in (STAGING, TRASH):
+            continue
+        if unicodedata.normalize("NFKC", entry.name).strip().lower().startswith("step"):
+            out.append(entry.name)
+    return sorted(out)
+
+
 class Catalog:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
@@ -115,7 +130,7 @@ class Catalog:
                 infos[entry.name], versions[entry.name] = cached, meta.version
                 continue
             try:
-                infos[entry.name] = SnapshotInfo.from_manifest(read_manifest(self.storage, entry.name))
+                infos[entry.name] = SnapshotInfo.from_manifest(read_manifest(self.storage, entry.name, size=meta.size))
                 versions[entry.name] = meta.version
                 self.manifest_reads += 1
             except CheckpointError as exc:

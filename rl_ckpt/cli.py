@@ -65,6 +65,17 @@ def _check_is_run(storage, url: str) -> None:
         raise UsageError(f"{url} holds runs, not snapshots: {', '.join(sorted(runs))}. Pass {url.rstrip('/')}/<run>.")
 
 
+def _snapshot_arg(storage, args) -> str:
+    """The snapshot id given on the command line, if it names a committed snapshot (else UsageError)."""
+    sid = args.snapshot_id
+    if parse_snapshot_id(sid) is None:
+        raise UsageError(f"{sid!r} is not a snapshot id (they look like step_000000500 or step_000000500.light); "
+                         f"`rl-ckpt ls {args.url}` lists them")
+    if not storage.exists(f"{sid}/meta.json"):
+        raise UsageError(f"no committed snapshot {sid!r} in {args.url}")
+    return sid
+
+
 def _catalog(storage):
     from .catalog import Catalog
 
@@ -119,6 +130,13 @@ def cmd_ls(args) -> int:
     for u in cat.unreadable():
         bad += 1
         rows.append((u.snapshot_id, "?", "?", "?", "", f"NO: {u.reason}"))
+    if args.deep:
+        from .catalog import foreign_names
+
+        for name in foreign_names(storage):
+            bad += 1
+            rows.append((ascii(name), "?", "?", "?", "", "FOREIGN: named like a snapshot but not one rl_ckpt writes; "
+                                                        "ignored by restore and gc"))
     if args.json:
         print(json.dumps([dict(zip(("id", "step", "kind", "size", "metrics", "valid"), r)) for r in rows], indent=1))
     elif rows:
@@ -139,9 +157,7 @@ def cmd_verify(args) -> int:
     storage = _storage(args)
     cat = _catalog(storage)
     if args.snapshot_id:
-        if not storage.exists(f"{args.snapshot_id}/meta.json"):
-            raise UsageError(f"no committed snapshot {args.snapshot_id!r} in {args.url}")
-        ids = [args.snapshot_id]
+        ids = [_snapshot_arg(storage, args)]
     else:
         ids = [i.snapshot_id for i in cat.snapshots()]
     total = 0
@@ -169,9 +185,7 @@ def cmd_inspect(args) -> int:
     from .reader import read_manifest
 
     storage = _storage(args)
-    if not storage.exists(f"{args.snapshot_id}/meta.json"):
-        raise UsageError(f"no committed snapshot {args.snapshot_id!r} in {args.url}")
-    m = read_manifest(storage, args.snapshot_id)
+    m = read_manifest(storage, _snapshot_arg(storage, args))
     if args.json:
         print(json.dumps(m.to_json(), indent=1, sort_keys=True))
         return EXIT_OK
@@ -199,12 +213,22 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .config import CheckpointConfig
     from .coordinator import FailureInfo
     from .engine import CheckpointEngine
 
     storage = _storage(args)
     base, _, run = args.url.rstrip("/").rpartition("/")
-    engine = CheckpointEngine(base_dir=base or ".", run_name=run, storage=storage)
+    where = {"base_dir": base or ".", "run_name": run}  # the URL names the run, whatever the config says
+    if args.config:
+        config = CheckpointConfig.from_yaml(args.config).replace(**where)
+    else:
+        # No job config: plan as the job that wrote the run would, with the newest snapshot's state schema
+        # version (the default, 1, would refuse every snapshot of a run saved with schema_version 3).
+        usable = _catalog(storage).snapshots("full", usable=True)
+        config = CheckpointConfig(**where, **({"schema_version": usable[-1].manifest.state_schema_version}
+                                               if usable and usable[-1].manifest is not None else {}))
+    engine = CheckpointEngine(config, storage=storage)
     failure = None
     if args.failure:
         failure = FailureInfo(kind=args.failure, step=args.step, message="given on the command line")
@@ -265,9 +289,7 @@ def cmd_export(args) -> int:
     from .reader import read_manifest
 
     storage = _storage(args)
-    if not storage.exists(f"{args.snapshot_id}/meta.json"):
-        raise UsageError(f"no committed snapshot {args.snapshot_id!r} in {args.url}")
-    manifest = read_manifest(storage, args.snapshot_id)
+    manifest = read_manifest(storage, _snapshot_arg(storage, args))
     if args.component not in manifest.components:
         raise UsageError(f"{args.snapshot_id} has no component {args.component!r}; it has: {', '.join(sorted(manifest.components))}")
     meta = export_component(storage, manifest, args.component, args.output)
@@ -349,11 +371,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, ConfigError) as exc:
-        print(f"rl-ckpt {args.command}: {exc}", file=sys.stderr)
+        print(f"rl-ckpt {args.command}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except CheckpointError as exc:
-        print(f"rl-ckpt {args.command}: {exc}", file=sys.stderr)
+        print(f"rl-ckpt {args.command}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_PROBLEM
+
+
+def _one_line(exc: Exception) -> str:
+    """An error as one line: scripts read the first line of stderr, and a forged name may hold newlines."""
+    return "; ".join(part.strip() for part in str(exc).splitlines() if part.strip())
 
 
 if __name__ == "__main__":

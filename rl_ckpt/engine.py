@@ -43,6 +43,7 @@ from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan
 from .staging import StagingArea
 from .state_codec import EncodedState, encode_state
 from .storage import Storage, open_storage
+from .untrusted import read_json
 from .writer import write_component
 
 log = logging.getLogger("rl_ckpt")
@@ -559,8 +560,14 @@ class CheckpointEngine:
             if not entry.name.endswith(".json"):
                 continue
             try:
-                out.append(Decision.from_json(json.loads(bytes(self.storage.read(f"{DECISIONS}/{entry.name}")))))
-            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+                decision = Decision.from_json(read_json(self.storage, f"{DECISIONS}/{entry.name}"))
+                ids = (decision.snapshot_id, decision.charged_to, *(s for s, _n in decision.considered))
+                steps = (decision.global_step, decision.failure.step, decision.attempt)
+                if not (all(i is None or isinstance(i, str) for i in ids)
+                        and all(n is None or type(n) is int for n in steps)):
+                    raise TypeError("fields of the wrong type")  # e.g. a list as snapshot id: unhashable later
+                out.append(decision)
+            except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a planted record
                 log.warning("ignoring unreadable decision record %s: %s", entry.name, exc)
         return out
 

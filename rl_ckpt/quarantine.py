@@ -14,6 +14,7 @@ import json
 from .errors import CheckpointError
 from .manifest import now_iso, parse_snapshot_id
 from .storage import Storage
+from .untrusted import read_json
 
 QUARANTINE = "quarantine"
 
@@ -34,9 +35,11 @@ def quarantined(storage: Storage) -> dict[str, str]:
         if not sid or parse_snapshot_id(sid) is None:
             continue
         try:
-            out[sid] = str(json.loads(bytes(storage.read(f"{QUARANTINE}/{entry.name}"))).get("reason", "quarantined"))
-        except (CheckpointError, ValueError):
-            out[sid] = "quarantined (record unreadable)"
+            record = read_json(storage, f"{QUARANTINE}/{entry.name}")
+        except CheckpointError:
+            record = None
+        reason = record.get("reason") if isinstance(record, dict) else None
+        out[sid] = reason[:1000] if isinstance(reason, str) else "quarantined (record unreadable)"
     return out
 
 

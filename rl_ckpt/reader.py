@@ -7,16 +7,16 @@ file is read once into memory, hashed, compared, and only then parsed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any
 
 from . import safetensors_io
 from .checksum import new_hasher
 from .errors import CheckpointError, CorruptSnapshotError, StorageError, UnsafePathError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, parse_snapshot_id
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, parse_snapshot_id
 from .state_codec import decode_state
 from .storage import Storage, join
+from .untrusted import parse_json
 from .writer import hash_file
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
@@ -56,10 +56,19 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def read_manifest(storage: Storage, snapshot_id: str) -> Manifest:
-    """Read and check ``<id>/meta.json``; CorruptSnapshotError / SchemaVersionError / UnsafePathError."""
+def read_manifest(storage: Storage, snapshot_id: str, *, size: int | None = None) -> Manifest:
+    """Read and check ``<id>/meta.json``; CorruptSnapshotError / SchemaVersionError / UnsafePathError.
+
+    The size (``size`` when the caller has just listed it, else a stat) is checked before reading, so a
+    sparse 1 GiB or a 64 GiB manifest is refused without being read.
+    """
     path = join(snapshot_id, MANIFEST_NAME)
     try:
+        size = storage.size(path) if size is None else size
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptSnapshotError(
+                f"{snapshot_id}: {MANIFEST_NAME} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may "
+                "have; refusing to read it", snapshot_id=snapshot_id, problems=["manifest too large"])
         data = storage.read(path)
     except StorageError as exc:
         raise CorruptSnapshotError(f"{snapshot_id}: cannot read manifest ({exc})", snapshot_id=snapshot_id,
@@ -169,13 +178,18 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     if "json" not in entries:
         raise CorruptSnapshotError(f"{sid}: component {name!r} has no JSON structure file", snapshot_id=sid,
                                    problems=["json missing"])
-    raw_json = read_verified(storage, sid, entries["json"])
+    where = f"{sid}/{entries['json'].path}"
+    tree = parse_json(read_verified(storage, sid, entries["json"]), where, error=CorruptSnapshotError,
+                      snapshot_id=sid, problems=["bad json"])
     try:
-        tree = json.loads(bytes(raw_json))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptSnapshotError(f"{sid}/{entries['json'].path}: not valid JSON ({exc})", snapshot_id=sid,
-                                   problems=["bad json"]) from None
-    return decode_state(tree, arrays, tables, where=f"{sid}/{entries['json'].path}")
+        return decode_state(tree, arrays, tables, where=where)
+    except CheckpointError:
+        raise
+    except (RecursionError, ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
+        # The codec's own checks name the key; this net makes sure a forged structure they did not foresee
+        # still reads as a bad snapshot (recovery falls back) and never as a crash.
+        raise CorruptSnapshotError(f"{where}: cannot decode the state structure ({type(exc).__name__}: "
+                                   f"{str(exc)[:200]})", snapshot_id=sid, problems=["bad state structure"]) from None
 
 
 def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
@@ -201,10 +215,16 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
     entry = next((f for f in manifest.files_of(name) if f.role == "tensors"), None)
     if entry is not None:
         raw = read_verified(storage, sid, entry)
+        listed = section.get("tensors") or {}
         for key, (code, shape, view) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items():
             if key in arrays:
                 raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r} is both in {entry.path} and in objects/",
                                            snapshot_id=sid, problems=["tensor stored twice"])
+            if key in listed and (listed[key].get("dtype"), listed[key].get("shape")) != (code, shape):
+                raise CorruptSnapshotError(
+                    f"{sid}/{entry.path}: tensor {key!r} is {code} {shape} in the file but "
+                    f"{listed[key].get('dtype')} {listed[key].get('shape')} in the manifest", snapshot_id=sid,
+                    path=entry.path, problems=["tensor meta mismatch"])
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
 

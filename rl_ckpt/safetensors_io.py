@@ -104,8 +104,8 @@ def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryvie
         raise bad(f"header length {n} runs past the end of the file ({view.nbytes} bytes)")
     try:
         header = json.loads(bytes(view[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"header is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a 5000-digit number, deep nesting
+        raise bad(f"header is not valid JSON ({'nested too deep' if isinstance(exc, RecursionError) else exc})") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     data = view[8 + n:]
@@ -119,8 +119,9 @@ def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryvie
         code, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
         if code not in ITEMSIZE:
             raise bad(f"tensor {name!r}: unknown dtype {code!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise bad(f"tensor {name!r}: shape must be a list of non-negative integers")
+        problem = check_shape(shape)
+        if problem:
+            raise bad(f"tensor {name!r}: {problem}")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
@@ -140,8 +141,30 @@ def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryvie
     return out
 
 
+MAX_NUMEL = 2**63 - 1  # torch's element count is an int64
+
+
+def check_shape(shape) -> str | None:
+    """What is wrong with a shape read from a file (None if nothing): it must be a list of at most 64
+    non-negative integers whose product (zero dimensions aside) fits torch's int64 element count, else
+    ``torch.empty`` raises a raw TypeError/RuntimeError instead of a CheckpointError."""
+    if not isinstance(shape, list) or len(shape) > 64:
+        return "shape must be a list of at most 64 non-negative integers"
+    numel = 1
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= MAX_NUMEL:
+            return "shape must be a list of non-negative integers below 2**63"
+        numel *= max(d, 1)
+        if numel > MAX_NUMEL:
+            return f"shape {shape} holds more than 2**63 elements"
+    return None
+
+
 def to_torch(code: str, shape: list[int], view: memoryview) -> torch.Tensor:
     """A tensor over ``view`` without copying (copied only when misaligned)."""
+    problem = check_shape(shape)
+    if problem:
+        raise CorruptSnapshotError(f"tensor of shape {shape!r}: {problem}", problems=[problem])
     dtype = CODE_TO_TORCH[code]
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)

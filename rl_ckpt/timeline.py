@@ -9,12 +9,12 @@ Everything comes from the run folder: manifests, ``history/retired/``,
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .catalog import Catalog
 from .errors import CheckpointError
 from .storage import Storage
+from .untrusted import read_json
 
 
 def _records(storage: Storage, folder: str) -> list[dict]:
@@ -22,10 +22,17 @@ def _records(storage: Storage, folder: str) -> list[dict]:
     for entry in sorted(storage.list(folder), key=lambda e: e.name):
         if entry.name.endswith(".json"):
             try:
-                out.append(json.loads(bytes(storage.read(f"{folder}/{entry.name}"))))
-            except (CheckpointError, ValueError):
+                record = read_json(storage, f"{folder}/{entry.name}")
+            except CheckpointError:
                 continue
+            if isinstance(record, dict):  # anything else was planted or damaged: not drawn
+                out.append(record)
     return out
+
+
+def _step(v: Any) -> int | None:
+    """A step read from a record, or None when the record holds something else there."""
+    return v if type(v) is int else None
 
 
 def _num(v: Any) -> float | None:
@@ -45,14 +52,18 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
               "state": "quarantined" if i.quarantined else "kept"} for i in cat.snapshots()]
     listed = {s["id"] for s in snaps}
     for r in _records(storage, "history/retired"):
+        if not (isinstance(r.get("snapshot_id"), str) and _step(r.get("global_step")) is not None
+                and r.get("kind") in ("full", "light") and isinstance(r.get("metrics", {}), dict)):
+            continue  # a damaged note: the snapshot is gone either way
         if r["snapshot_id"] in listed:
             continue  # the note is written before the deletion: a crash in between leaves it listed
         snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
                       "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
-    best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best")}
-    failures = [{"step": r.get("step"), "kind": r.get("kind")} for r in _records(storage, "failures")]
-    decisions = [{"step": r.get("failure", {}).get("step"), "action": r.get("action"), "to": r.get("global_step"),
-                  "snapshot": r.get("snapshot_id")} for r in _records(storage, "decisions")]
+    best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best") if isinstance(r.get("metric"), str)}
+    failures = [{"step": _step(r.get("step")), "kind": str(r.get("kind"))} for r in _records(storage, "failures")]
+    decisions = [{"step": _step(r["failure"].get("step") if isinstance(r.get("failure"), dict) else None),
+                  "action": r.get("action"), "to": _step(r.get("global_step")), "snapshot": r.get("snapshot_id")}
+                 for r in _records(storage, "decisions")]
     return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
             "decisions": decisions, "metric": metric}
 

@@ -138,3 +138,20 @@ def test_a_planted_link_in_place_of_a_manifest_is_listed_unreadable(tmp_path):
     assert _steps(catalog) == [1]
     assert [u.snapshot_id for u in catalog.unreadable()] == ["step_000000002"]
     assert "link" in catalog.unreadable()[0].reason
+
+
+def test_look_alike_folders_are_foreign_not_snapshots(tmp_path):
+    from rl_ckpt.catalog import foreign_names
+
+    e = _engine(str(tmp_path))
+    e.save(20)
+    run = tmp_path / "run"
+    look_alikes = ["step_0000000020", "step_" + "\u0660" * 7 + "\u0662\u0660", "step_000000020\n", "step_000000020.b0"]
+    for name in look_alikes:
+        shutil.copytree(run / "step_000000020", run / name)
+    (run / "objects").mkdir()
+    cat = Catalog(open_storage(str(run)))
+    cat.refresh()
+    assert [i.snapshot_id for i in cat.snapshots()] == ["step_000000020"] and cat.unreadable() == []
+    assert cat.manifest_reads == 1  # the look-alikes' manifests are never read
+    assert foreign_names(cat.storage) == sorted(look_alikes)

@@ -105,3 +105,32 @@ def test_timeline_draws_kept_deleted_best_and_failures(tmp_path):
     out = tmp_path / "t.png"
     assert run("timeline", str(tmp_path / "run"), "-o", str(out)).returncode == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plan_uses_the_config_and_the_runs_schema_version(tmp_path):
+    s = PPOState()
+    e = s.register(CheckpointEngine(base_dir=str(tmp_path), schema_version=3))
+    e.save(1, metrics={"avg_reward": 1.0})
+    e.close()
+    url = str(tmp_path / "run")
+    plan = run("plan", url)  # no config: the run's own schema version (3), not the default (1)
+    assert plan.returncode == 0 and "target:    step_000000001" in plan.stdout, plan.stdout + plan.stderr
+    config = tmp_path / "job.yaml"
+    config.write_text("base_dir: /elsewhere\nrun_name: other\nschema_version: 3\n")  # the URL names the run
+    plan = run("plan", url, "--config", str(config), "--failure", "exception", "--step", "2")
+    assert plan.returncode == 0 and "target:    step_000000001" in plan.stdout, plan.stdout + plan.stderr
+    config.write_text("schema_version: 1\n")  # the job says the layout changed: nothing may load
+    plan = run("plan", url, "--config", str(config))
+    assert plan.returncode == 1 and "schema_version 3" in plan.stdout
+
+
+def test_hostile_manifest_is_one_line_not_a_traceback(tmp_path):
+    _, url = _run_dir(tmp_path)
+    meta_path = tmp_path / "run" / "step_000000002" / "meta.json"
+    meta_path.write_text(meta_path.read_text().replace('"global_step": 2', '"global_step": ' + "9" * 5000))
+    for args, code in ((("ls", url), 1), (("verify", url), 1), (("inspect", url, "step_000000002"), 1),
+                       (("export", url, "step_000000002", "policy", "-o", str(tmp_path / "x")), 1), (("plan", url), 0)):
+        out = run(*args)
+        assert out.returncode == code, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert len([line for line in out.stderr.splitlines() if line.startswith("rl-ckpt ")]) == (code == 1 and args[0] in ("inspect", "export"))

@@ -178,6 +178,9 @@ def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly
     e.storage.makedirs(object_path(sec["objects_algo"], digest).rsplit("/", 1)[0])
     e.storage.write_atomic(object_path(sec["objects_algo"], digest), data)  # a valid object of that tensor
     meta["components"]["policy"]["objects"][small_key] = [[digest, len(data)]]
+    from rl_ckpt.manifest import manifest_checksum
+
+    meta["manifest_checksum"] = manifest_checksum(meta)  # forged consistently: only the contradiction is left
     meta_path.write_text(json.dumps(meta))
     e3 = CheckpointEngine(base_dir=str(tmp_path), dedup=True, retention=False)
     e3.register("policy", torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 8)))

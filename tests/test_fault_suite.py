@@ -147,8 +147,27 @@ def test_quick_suite_concurrent_writers_exactly_one_commits(quick):
 def test_quick_suite_malicious_inputs_all_refused(quick):
     s = _scenario(quick, "malicious")
     assert s["ok"], s["violations"][:5]
-    assert s["tried"] == len(MALICIOUS)
     assert s["notes"].get("refused with a CheckpointError", 0) + s["notes"].get("refused: never listed", 0) == len(MALICIOUS)
+    generated = s["tried"] - len(MALICIOUS)
+    for family in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"):
+        assert s["injected"][family] > 0, family
+    assert generated == sum(s["injected"][f] for f in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"))
+    # every generated case either made restore fall back or was loaded exactly (a field the core ignores)
+    assert s["notes"]["refused: restore fell back to step 1"] + s["notes"]["harmless: step 2 loaded exactly"] == generated
+    assert s["notes"]["refused: restore fell back to step 1"] > generated / 2
+
+
+def test_hostile_cases_cover_every_manifest_field():
+    from rl_ckpt.fault_suite import HOSTILE_TYPES, hostile_cases, json_paths
+
+    meta = {"global_step": 2, "tags": {"a": "b"}, "files": [{"size": 1, "role": "json"}]}
+    every = [c for c in hostile_cases({False: meta}, None) if c.family == "wrong JSON type" and "/" not in c.name]
+    fields = {c.name.split(" = ")[0] for c in every}
+    assert fields == {"global_step", "tags", "tags.a", "files", "files[0]", "files[0].size", "files[0].role"}
+    assert len(json_paths(meta)) == len(fields)
+    assert sum(c.name.startswith("global_step = ") for c in every) == len(HOSTILE_TYPES) - 1  # all but the in-range int 7
+    rotated = [c for c in hostile_cases({False: meta}, 2) if c.family == "wrong JSON type" and "/" not in c.name]
+    assert len(rotated) == 2 * len(fields)
 
 
 def test_cli_exit_status_and_table(tmp_path, capsys):

@@ -14,6 +14,7 @@ from rl_ckpt import CheckpointEngine, NoValidSnapshotError
 from rl_ckpt.checksum import digest_bytes
 from rl_ckpt.cli import main as cli
 from rl_ckpt.coordinator import FailureInfo
+from rl_ckpt.manifest import manifest_checksum
 
 
 def _tree(path) -> dict:
@@ -65,7 +66,8 @@ def test_restore_falls_back_when_the_post_load_probe_disagrees(tmp_path):
     for f in meta["files"]:
         if f["path"] == "policy.safetensors":
             f["checksum"] = digest_bytes(f["algo"], bytes(data))
-    meta.pop("manifest_checksum", None)  # the tamperer drops the manifest's own checksum too
+    meta.pop("manifest_checksum", None)
+    meta["manifest_checksum"] = manifest_checksum(meta)  # the tamperer recomputes the manifest's own checksum too
     meta_path.write_text(json.dumps(meta))
     assert CheckpointEngine(**cfg).verify().ok  # checksums alone see nothing wrong
 
