@@ -496,9 +496,11 @@ class CheckpointEngine:
     def _best_alias(self, metric: str) -> str | None:
         path = f"best/{_safe_metric(metric)}.json"
         try:
-            return json.loads(bytes(self.storage.read(path))).get("snapshot_id") if self.storage.exists(path) else None
-        except (CheckpointError, ValueError):
+            record = read_json(self.storage, path) if self.storage.exists(path) else None
+        except CheckpointError:  # unreadable or planted: the alias is rewritten from the catalog
             return None
+        sid = record.get("snapshot_id") if isinstance(record, dict) else None
+        return sid if isinstance(sid, str) else None
 
     def best(self, metric: str | None = None) -> SnapshotInfo | None:
         """The best committed snapshot by ``metric`` (default: the first of best_metric)."""

@@ -443,3 +443,18 @@ def test_untrusted_json_helpers():
     assert parse_json(b'{"a": [1]}', "x") == {"a": [1]}
     assert depth({"a": [1, {"b": []}]}) == 4 and depth(5) == 0
     assert depth(json.loads("[" * 500 + "]" * 500)) == 65  # stops counting past the limit
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'{"snapshot_id": 5}', b"[" * 5000, b"1" * 5000])
+def test_planted_best_alias_never_fails_a_save(tmp_path, body):
+    """A best/ pointer someone else wrote is only a hint: saves go on and the alias is rewritten."""
+    eng = CheckpointEngine(base_dir=str(tmp_path), run_name="r", keep_best=1, keep_latest=1, post_load_check=False)
+    w = torch.nn.Linear(2, 2)
+    eng.register("model", w)
+    eng.save(1, metrics={"avg_reward": 1.0})
+    (tmp_path / "r" / "best" / "avg_reward.json").write_bytes(body)
+    info = eng.save(2, metrics={"avg_reward": 2.0})
+    assert not info.warnings
+    assert eng.best().global_step == 2
+    assert json.loads((tmp_path / "r" / "best" / "avg_reward.json").read_bytes())["snapshot_id"] == info.snapshot_id
+    eng.close()
