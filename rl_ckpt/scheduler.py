@@ -5,6 +5,8 @@ due every ``save_interval_steps`` OR ``save_interval_seconds``, whichever comes
 first; a light one every ``light_interval_steps`` in between. Saves run in the
 background (``engine.save_async``). When the previous save is still running, a
 due save is *skipped*, not queued, so saving never piles up behind a slow disk.
+With a ``CheckpointManager`` the skip is decided once for all participants of
+the snapshot (``engine.agree_to_save``), so ranks never save different steps.
 A failed save is logged and handed to ``on_error``; training goes on.
 """
 
@@ -74,9 +76,10 @@ class CheckpointScheduler:
         kind = self.due(global_step)
         if kind is None:
             return None
-        if self.engine.saving:
+        if not self.engine.agree_to_save(global_step, kind):
+            # With a manager this is one decision for every participant of the snapshot.
             self.skipped += 1
-            log.info("step %d: %s save due but the previous save is still running; skipped", global_step, kind)
+            log.info("step %d: %s save due but a previous save is still running; skipped", global_step, kind)
             return None
         try:
             handle = self.engine.save_async(global_step, metrics, kind=kind)
