@@ -111,6 +111,8 @@ class CheckpointManager:
         self.started_at = now_iso()
         self.refused: dict[str, Refusal] = {}
         self.save_decisions: dict[str, tuple[str, str]] = {}  # snapshot id -> ("save" | "skip", who decided)
+        self.abort_errors: dict[str, SnapshotAbortedError] = {}  # attempt id -> why (late reports hear it)
+        self.unregistered: set[str] = set()  # finished cleanly: their liveness thread stops, not re-registers
         self._metrics = _Metrics()  # before anything that may commit
         # Whatever storage holds, the constructor must not raise: Ray never restarts an actor whose
         # constructor raised, and every later save would fail against a dead manager.
@@ -223,6 +225,8 @@ class CheckpointManager:
             if done is not None:
                 return done
             pending = self.pending.get(snapshot_id)
+            if attempt_id in self.abort_errors and (pending is None or pending.attempt.attempt_id != attempt_id):
+                raise self.abort_errors[attempt_id]
             if pending is None or pending.attempt.attempt_id != attempt_id:
                 raise CheckpointError(f"{snapshot_id}: attempt {attempt_id} is not pending (aborted or superseded)",
                                       snapshot_id=snapshot_id)
@@ -344,6 +348,9 @@ class CheckpointManager:
 
     def _abort(self, snapshot_id: str, pending: Pending, reason: str, by: str | None = None) -> None:
         pending.error = self._abort_error(snapshot_id, reason, by)
+        self.abort_errors[pending.attempt.attempt_id] = pending.error
+        while len(self.abort_errors) > 256:
+            del self.abort_errors[next(iter(self.abort_errors))]
         if by is not None:  # participants that have not begun yet hear it at begin, not after the timeout
             waiting = set(pending.expected) - pending.begun - {by}
             if waiting:
@@ -493,17 +500,24 @@ class CheckpointManager:
                 known.meta, known.handle = {**known.meta, **meta}, handle or known.handle
                 return
             self.participants[participant] = Participant(meta, handle, time.monotonic())
+            self.unregistered.discard(participant)
 
     def unregister(self, participant: str) -> None:
+        """A participant finished cleanly: it is no longer expected to beat (nor lost when silent)."""
         with self._lock:
             self.participants.pop(participant, None)
+            self.unregistered.add(participant)
 
-    def heartbeat(self, participant: str, step: int | None, last_snapshot: str | None) -> bool:
-        """A participant is alive (and at ``step``; None: alive only). False: it is not registered."""
+    def heartbeat(self, participant: str, step: int | None, last_snapshot: str | None) -> bool | None:
+        """A participant is alive (and at ``step``; None: alive only).
+
+        False: it is not registered (it registers again, e.g. after a manager
+        restart); None: it unregistered (its liveness thread stops).
+        """
         with self._lock:
             p = self.participants.get(participant)
             if p is None:
-                return False
+                return None if participant in self.unregistered else False
             p.last_beat, p.lost = time.monotonic(), False
             p.beats += 1
             if step is not None:

@@ -181,6 +181,8 @@ class Heartbeat:
                 # for a participant whose group is restarting.
                 known = _ray_get(self.manager.heartbeat.remote(self.participant, None, None),
                                  timeout=max(10.0, 4 * self.alive_interval), name=self.name)
+                if known is None:  # unregistered (finished): nothing more to say
+                    return
                 if known is False and not self._stop.is_set():
                     self.register()
             except CheckpointError as exc:  # the manager restarting: keep trying at the interval

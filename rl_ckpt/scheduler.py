@@ -76,7 +76,12 @@ class CheckpointScheduler:
         kind = self.due(global_step)
         if kind is None:
             return None
-        if not self.engine.agree_to_save(global_step, kind):
+        try:
+            go = self.engine.agree_to_save(global_step, kind)
+        except CheckpointError as exc:  # e.g. the manager is unreachable: report, keep training
+            self._report(exc, global_step)
+            return None
+        if not go:
             # With a manager this is one decision for every participant of the snapshot.
             self.skipped += 1
             log.info("step %d: %s save due but a previous save is still running; skipped", global_step, kind)

@@ -180,18 +180,21 @@ class Rank:
 
     def save_async(self, step: int) -> None:
         self.failed_at = None
+        self.ended = threading.Event()
         self.handle = self.engine.save_async(step, metrics={"avg_reward": float(step)})
 
         def ended(h) -> None:
             if h.exception() is not None:
                 self.failed_at = time.monotonic()
+            self.ended.set()
 
         self.handle.add_done_callback(ended)
 
     def wait(self) -> tuple:
         try:
-            return self.handle.wait().snapshot_id, None, self.failed_at
+            return self.handle.wait().snapshot_id, None, None
         except Exception as exc:
+            self.ended.wait()  # the callback that took the time runs after waiters wake
             return None, f"{type(exc).__name__}: {exc}", self.failed_at
 
     def sched_step(self, step: int) -> bool:

@@ -59,7 +59,7 @@ def _committed(ray, mgr) -> list[str]:
 def test_one_rank_fails_to_encode_the_other_fails_within_2s_nothing_committed_next_commits(cluster):
     ray, run_dir, manager, ranks = cluster
     mgr = manager(commit_timeout_seconds=120.0)
-    r0, r1 = ranks(mgr, cfg={"commit_timeout_seconds": 120.0})
+    r0, r1 = ranks(mgr, cfg={"commit_timeout_seconds": 120.0}, concurrency=2)
     assert [x[0] for x in ray.get([r0.save.remote(1), r1.save.remote(1)])] == ["step_000000001"] * 2
 
     # Rank 1 has written its part and waits in report when rank 0 fails to encode its optimizer state.
@@ -78,11 +78,20 @@ def test_one_rank_fails_to_encode_the_other_fails_within_2s_nothing_committed_ne
     assert sid0 is None and sid1 is None
     assert "learner-0" in err1 and "Unsaveable" in err1 and failed1 - failed0 < 2.0
 
+    # Rank 1 began, then its disk stalled while rank 0 failed: its late report hears why at once.
+    ray.get(r1.close_gate.remote())
+    ray.get(r1.save_async.remote(4))
+    assert ray.get(r1.wait_held.remote())
+    sid0, err0, _ = ray.get(r0.save.remote(4))
+    ray.get(r1.open_gate.remote())
+    sid1, err1, _ = ray.get(r1.wait.remote())
+    assert sid0 is None and sid1 is None and "learner-0" in err1 and "Unsaveable" in err1
+
     assert _committed(ray, mgr) == ["step_000000001"]
     assert ray.get(mgr.stats.remote())["pending"] == []
     ray.get(r0.poison.remote(False))
-    assert [x[0] for x in ray.get([r0.save.remote(4), r1.save.remote(4)])] == ["step_000000004"] * 2
-    assert _committed(ray, mgr) == ["step_000000001", "step_000000004"]
+    assert [x[0] for x in ray.get([r0.save.remote(5), r1.save.remote(5)])] == ["step_000000005"] * 2
+    assert _committed(ray, mgr) == ["step_000000001", "step_000000005"]
 
 
 def test_a_rank_with_only_replicated_state_reports_an_empty_part(cluster):
@@ -162,13 +171,18 @@ def test_heartbeats_go_on_while_a_rank_waits_and_a_clean_close_unregisters(clust
 
 def test_dead_manager_is_a_checkpoint_error_naming_it(cluster):
     ray, run_dir, manager, ranks = cluster
-    mgr = manager()
-    r0, r1 = ranks(mgr)
+    cfg = {"save_interval_steps": 1, "save_interval_seconds": None}
+    mgr = manager(**cfg)
+    r0, r1 = ranks(mgr, cfg=cfg)
     assert [x[0] for x in ray.get([r0.save.remote(1), r1.save.remote(1)])] == ["step_000000001"] * 2
     ray.kill(mgr, no_restart=True)
     sid, err, _ = ray.get(r0.save.remote(2))
     assert sid is None and err.startswith("ManagerUnavailableError")
     assert "rl_ckpt:" in err and "get_or_create" in err
+    # The scheduler reports it like any failed save, and training goes on.
+    assert ray.get(r1.sched_step.remote(3)) is False
+    outcome = ray.get(r1.sched_wait.remote())
+    assert outcome["failures"] == 1 and "dead or unreachable" in outcome["error"]
 
 
 def test_begin_report_abort_are_bound_to_registered_participants(cluster):
