@@ -360,6 +360,10 @@ class CheckpointManager:
         self.aborted += 1
         self._metrics.aborted()
         log.warning("manager aborted %s: %s", snapshot_id, reason)
+        try:  # a restarted manager must not resume (and commit) what was aborted, should every report land
+            self.storage.remove(join(pending.attempt.data_prefix, "attempt.json"))
+        except CheckpointError as exc:
+            log.warning("could not remove attempt.json of aborted %s (gc removes it): %s", snapshot_id, exc)
 
     def _forget_before(self, step: int) -> None:
         """Once a step committed, every participant is past the older ones: drop their decisions and refusals."""

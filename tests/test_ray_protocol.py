@@ -201,3 +201,24 @@ def test_begin_report_abort_are_bound_to_registered_participants(cluster):
         assert "intruder" in str(info.value)
     assert ray.get(mgr.stats.remote())["pending"] == []
     assert [x[0] for x in ray.get([r0.save.remote(9), r1.save.remote(9)])] == ["step_000000009"] * 2
+
+
+@pytest.mark.slow
+def test_clean_ray_train_run_with_1s_heartbeats_records_no_lost_heartbeat(ray_cluster, tmp_path):
+    """The PPO demo (TorchTrainer learners blocking in ray.train.report and scheduler.close(), idle rollout
+    workers) run cleanly with heartbeat_interval_seconds=1: no heartbeat_lost, and nobody left registered."""
+    import ray
+
+    from rl_ckpt.demo.ray_ppo import run
+
+    result = run(base_dir=str(tmp_path), run_name=f"hb-{uuid.uuid4().hex[:6]}", steps=24,
+                 engine_cfg={"heartbeat_interval_seconds": 1.0, "save_interval_steps": 5, "keep_latest": 2})
+    try:
+        assert result.done is not None and len(result.attempts) == 1
+        assert [f for f in ray.get(result.manager.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
+        _until(lambda: ray.get(result.manager.health.remote())["participants"] == {}, "every participant to unregister")
+        steps = [s["global_step"] for s in ray.get(result.manager.snapshots.remote())]
+        assert steps[-1] == 20 and all(step % 5 == 0 for step in steps)
+        assert ray.get(result.manager.stats.remote())["aborted"] == 0
+    finally:
+        ray.kill(result.manager)
