@@ -222,3 +222,26 @@ def test_clean_ray_train_run_with_1s_heartbeats_records_no_lost_heartbeat(ray_cl
         assert ray.get(result.manager.stats.remote())["aborted"] == 0
     finally:
         ray.kill(result.manager)
+
+
+def test_manager_starts_whatever_the_staging_folder_holds(cluster):
+    """Unreadable or unfinishable pending commits are logged and left to gc; the constructor never raises."""
+    import json
+
+    ray, run_dir, manager, ranks = cluster
+    staging = os.path.join(run_dir, ".staging")
+    for name, attempt, report in (
+            ("step_000000007.a", b"{not json", None),
+            ("step_000000008.b", json.dumps({"expected": ["learner-0"]}).encode(), b'{"schema_version": 1, "files": 5}'),
+            ("step_000000009.c", json.dumps({"expected": 7}).encode(), None)):
+        os.makedirs(os.path.join(staging, name))
+        with open(os.path.join(staging, name, "attempt.json"), "wb") as f:
+            f.write(attempt)
+        if report is not None:
+            with open(os.path.join(staging, name, "learner-0.report.json"), "wb") as f:
+                f.write(report)
+    mgr = manager()
+    assert ray.get(mgr.ping.remote(), timeout=120) == "ok"
+    assert ray.get(mgr.stats.remote())["pending"] == []
+    r0, r1 = ranks(mgr)
+    assert [x[0] for x in ray.get([r0.save.remote(8), r1.save.remote(8)])] == ["step_000000008"] * 2
