@@ -10,7 +10,16 @@ It holds no state that storage does not. The catalog is rebuilt from
 committed manifests; a pending commit is rebuilt from the ``attempt.json``
 and ``<participant>.report.json`` files the attempt folder holds; failures and
 decisions are files in the run folder. After a restart (``max_restarts=-1``)
-retried calls find everything again, and every call is idempotent.
+retried calls find everything again, and every call is idempotent. The
+constructor never raises because of what storage holds: a pending commit it
+cannot finish is logged and aborted (its files are debris for gc), since an
+actor whose constructor raised is never restarted.
+
+``begin``/``report``/``abort``/``decide`` are bound to registered participants
+(engines register on construction and again after a manager restart). That
+catches a stale or misconfigured process, not an attacker: any code that can
+call actors on the cluster can also register, so the cluster itself (Ray's
+token authentication, its network) is the trust boundary.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.coordinator import FailureInfo
 from rl_ckpt.engine import CheckpointEngine
 from rl_ckpt.errors import CheckpointError, CommitConflictError
+from rl_ckpt.managed import SnapshotAbortedError, SnapshotSkippedError, UnknownParticipantError
 from rl_ckpt.manifest import MANIFEST_NAME, Manifest, now_iso, parse_snapshot_id
 from rl_ckpt.reader import read_manifest
 from rl_ckpt.storage import join, open_storage
@@ -37,6 +47,9 @@ from .healthz import HealthzServer
 
 log = logging.getLogger("rl_ckpt")
 FAILURES = "failures"
+# Test hook: with this set to a folder, the manager pauses where ``<folder>/pause-<point>-<snapshot id>``
+# exists (after writing ``paused-<point>-<snapshot id>`` there) until that file is removed.
+PAUSE_DIR_ENV = "RL_CKPT_TEST_PAUSE_DIR"
 
 
 @dataclasses.dataclass
@@ -49,6 +62,16 @@ class Pending:
     error: CheckpointError | None = None
     manifest: bytes | None = None
     bytes_received: int = 0
+    begun: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class Refusal:
+    """A snapshot a participant failed: the others are told at ``begin`` instead of waiting out the timeout."""
+
+    error: SnapshotAbortedError
+    by: str
+    waiting: set | None  # participants still to be told; None: every participant but ``by``
 
 
 @dataclasses.dataclass
@@ -59,6 +82,7 @@ class Participant:
     step: int | None = None
     last_snapshot: str | None = None
     lost: bool = False
+    beats: int = 0
 
 
 class CheckpointManager:
@@ -85,9 +109,22 @@ class CheckpointManager:
         self._last_metrics: dict = {}
         self._last_loss_record = float("-inf")
         self.started_at = now_iso()
-        self.engine.catalog.refresh()
-        self._rebuild_pending()
-        self._metrics = _Metrics()
+        self.refused: dict[str, Refusal] = {}
+        self.save_decisions: dict[str, tuple[str, str]] = {}  # snapshot id -> ("save" | "skip", who decided)
+        self.abort_errors: dict[str, SnapshotAbortedError] = {}  # attempt id -> why (late reports hear it)
+        self.unregistered: set[str] = set()  # finished cleanly: their liveness thread stops, not re-registers
+        self._metrics = _Metrics()  # before anything that may commit
+        # Whatever storage holds, the constructor must not raise: Ray never restarts an actor whose
+        # constructor raised, and every later save would fail against a dead manager.
+        try:
+            self.engine.catalog.refresh()
+        except Exception as exc:
+            log.error("manager could not read the catalog of %s (it is read again later): %s", self.storage.url, exc)
+        try:
+            self._rebuild_pending()
+        except Exception as exc:
+            log.error("manager could not resume pending commits (aborted; their files are debris for gc): %s", exc)
+            self.pending.clear()
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="rl_ckpt-manager-monitor", daemon=True)
         self._monitor.start()
@@ -99,7 +136,8 @@ class CheckpointManager:
     def get_or_create(run_name: str = "run", base_dir: str = "./checkpoints", storage_options: dict | None = None,
                       namespace: str = "rl_ckpt", config: CheckpointConfig | dict | None = None,
                       healthz_port: int | None = 0, kill_hung: bool = False,
-                      patrol_interval_seconds: float | None = None, **overrides: Any):
+                      patrol_interval_seconds: float | None = None, runtime_env: dict | None = None,
+                      **overrides: Any):
         """The run's manager actor handle, created (detached, restartable) or attached to.
 
         Args:
@@ -108,6 +146,7 @@ class CheckpointManager:
             config: other CheckpointConfig keys (retention, checksums, timeouts...).
             healthz_port: serve /healthz on 127.0.0.1 at this port (0: any free port; None: off).
             kill_hung: stop participants whose heartbeats stopped, so Ray restarts them.
+            runtime_env: the actor's Ray runtime environment (e.g. ``{"env_vars": {...}}``).
         """
         import ray
 
@@ -118,30 +157,76 @@ class CheckpointManager:
         CheckpointConfig(**values)  # fail here, in the caller, on a bad key
         actor = ray.remote(CheckpointManager).options(
             name=f"rl_ckpt:{run_name}", namespace=namespace, lifetime="detached", max_restarts=-1,
-            max_task_retries=-1, get_if_exists=True, num_cpus=0, max_concurrency=64)
+            max_task_retries=-1, get_if_exists=True, num_cpus=0, max_concurrency=64,
+            **({"runtime_env": runtime_env} if runtime_env else {}))
         return actor.remote(values, healthz_port, "127.0.0.1", kill_hung, patrol_interval_seconds)
 
     # -- two-phase commit ------------------------------------------------------
-    def begin(self, snapshot_id: str, expected: list[str]) -> dict:
-        """The attempt every participant of ``snapshot_id`` writes into (the same one for all)."""
+    def begin(self, snapshot_id: str, expected: list[str], participant: str) -> dict:
+        """The attempt every participant of ``snapshot_id`` writes into (the same one for all).
+
+        Raises the abort error at once when another participant already failed
+        this snapshot, or the participants decided to skip it.
+        """
         with self._lock:
+            self._check_participant(participant)
+            decision = self.save_decisions.get(snapshot_id)
+            if decision is not None and decision[0] == "skip":
+                raise SnapshotSkippedError(
+                    f"snapshot {snapshot_id} was skipped by every participant: {decision[1]}'s previous save was "
+                    "still running when it was due", snapshot_id=snapshot_id, participant=decision[1])
+            refusal = self.refused.get(snapshot_id)
+            if refusal is not None:
+                if participant == refusal.by:  # the failed participant tries again: a new attempt for everyone
+                    del self.refused[snapshot_id]
+                elif refusal.waiting is None or participant in refusal.waiting:
+                    if refusal.waiting is not None:
+                        refusal.waiting.discard(participant)
+                        if not refusal.waiting:
+                            del self.refused[snapshot_id]
+                    raise refusal.error
             pending = self.pending.get(snapshot_id)
             if pending is not None and pending.error is None and not pending.done.is_set():
+                pending.begun.add(participant)
                 return dataclasses.asdict(pending.attempt)
             attempt = self.strategy.begin(snapshot_id)
             body = {"expected": sorted(set(expected)), "created_at": now_iso()}
             self.storage.write_atomic(join(attempt.data_prefix, "attempt.json"), json.dumps(body).encode())
-            self.pending[snapshot_id] = Pending(attempt, body["expected"], time.monotonic() + self.config.commit_timeout_seconds)
+            pending = Pending(attempt, body["expected"], time.monotonic() + self.config.commit_timeout_seconds)
+            pending.begun.add(participant)
+            self.pending[snapshot_id] = pending
             return dataclasses.asdict(attempt)
+
+    def decide(self, snapshot_id: str, participant: str, busy: bool) -> str:
+        """``"save"`` or ``"skip"``: one decision for every participant of a due snapshot.
+
+        The first participant to ask decides: ``"skip"`` when its previous save
+        is still running, else ``"save"``; every later participant gets the same
+        answer (a busy one told to save waits for its previous save first).
+        """
+        with self._lock:
+            self._check_participant(participant)
+            decision = self.save_decisions.get(snapshot_id)
+            if decision is None:
+                started = snapshot_id in self.pending or self.storage.exists(join(snapshot_id, MANIFEST_NAME))
+                decision = ("skip" if busy and not started else "save", participant)
+                self.save_decisions[snapshot_id] = decision
+                if decision[0] == "skip":
+                    log.info("%s: skipped by every participant (%s's previous save is still running)", snapshot_id,
+                             participant)
+            return decision[0]
 
     def report(self, snapshot_id: str, attempt_id: str, participant: str, part: bytes) -> bytes:
         """A participant's part (metadata only); returns the merged manifest once committed."""
         with self._lock:
+            self._check_participant(participant)
             self.bytes_received[snapshot_id] = self.bytes_received.get(snapshot_id, 0) + len(part)
             done = self._committed_manifest(snapshot_id, attempt_id)
             if done is not None:
                 return done
             pending = self.pending.get(snapshot_id)
+            if attempt_id in self.abort_errors and (pending is None or pending.attempt.attempt_id != attempt_id):
+                raise self.abort_errors[attempt_id]
             if pending is None or pending.attempt.attempt_id != attempt_id:
                 raise CheckpointError(f"{snapshot_id}: attempt {attempt_id} is not pending (aborted or superseded)",
                                       snapshot_id=snapshot_id)
@@ -154,6 +239,7 @@ class CheckpointManager:
             self._check_files(pending, participant, manifest)
             pending.reports[participant] = manifest
             if set(pending.reports) >= set(pending.expected):
+                _pause_point("before-commit", snapshot_id)
                 self._commit(snapshot_id, pending)
         wait = max(0.0, pending.deadline - time.monotonic()) + 5.0
         if not pending.done.wait(wait):
@@ -162,11 +248,30 @@ class CheckpointManager:
             raise pending.error
         return pending.manifest
 
-    def abort(self, snapshot_id: str, attempt_id: str, participant: str, reason: str) -> None:
+    def abort(self, snapshot_id: str, attempt_id: str | None, participant: str, reason: str) -> None:
+        """``participant``'s save of ``snapshot_id`` failed: abort the snapshot for every participant.
+
+        ``attempt_id`` is None when it failed before ``begin``: participants
+        that begin the snapshot later are refused at once.
+        """
         with self._lock:
+            self._check_participant(participant)
             pending = self.pending.get(snapshot_id)
-            if pending is not None and pending.attempt.attempt_id == attempt_id and not pending.done.is_set():
-                self._abort(snapshot_id, pending, f"{participant}: {reason}")
+            if pending is not None and not pending.done.is_set() and attempt_id in (None, pending.attempt.attempt_id):
+                self._abort(snapshot_id, pending, f"{participant} failed: {reason}", by=participant)
+            elif attempt_id is None and not self.storage.exists(join(snapshot_id, MANIFEST_NAME)):
+                error = self._abort_error(snapshot_id, f"{participant} failed: {reason}", participant)
+                self.refused[snapshot_id] = Refusal(error, participant, None)
+                self.aborted += 1
+                self._metrics.aborted()
+                log.warning("manager aborted %s before it began: %s failed: %s", snapshot_id, participant, reason)
+
+    def _check_participant(self, participant: str) -> None:
+        if participant not in self.participants:
+            raise UnknownParticipantError(
+                f"participant {participant!r} is not registered with the manager of run {self.config.run_name!r}: "
+                "only registered participants (a CheckpointEngine built with manager=...) may begin, report or "
+                f"abort snapshots. Registered: {sorted(self.participants)}.", participant=participant)
 
     def _check_files(self, pending: Pending, participant: str, part: Manifest) -> None:
         attempt = pending.attempt
@@ -214,7 +319,11 @@ class CheckpointManager:
         self._tidy(snapshot_id, pending)
         info = SnapshotInfo.from_manifest(merged)
         self.engine.catalog.add(info)
-        self.engine._after_commit()
+        try:
+            self.engine._after_commit()
+        except CheckpointError as exc:  # committed: aliases and retention must not fail the save
+            log.warning("%s committed, but housekeeping after the commit failed: %s", snapshot_id, exc)
+        self._forget_before(info.global_step)
         pending.manifest = data
         pending.done.set()
         del self.pending[snapshot_id]
@@ -232,14 +341,35 @@ class CheckpointManager:
             except CheckpointError as exc:
                 log.warning("could not remove %s/%s: %s", folder, name, exc)
 
-    def _abort(self, snapshot_id: str, pending: Pending, reason: str) -> None:
-        pending.error = CheckpointError(f"snapshot {snapshot_id} aborted, not committed: {reason}. Its files are "
-                                        "debris for `rl-ckpt gc`.", snapshot_id=snapshot_id)
+    @staticmethod
+    def _abort_error(snapshot_id: str, reason: str, by: str | None) -> SnapshotAbortedError:
+        return SnapshotAbortedError(f"snapshot {snapshot_id} aborted, not committed: {reason}. Its files are "
+                                    "debris for `rl-ckpt gc`.", snapshot_id=snapshot_id, participant=by, reason=reason)
+
+    def _abort(self, snapshot_id: str, pending: Pending, reason: str, by: str | None = None) -> None:
+        pending.error = self._abort_error(snapshot_id, reason, by)
+        self.abort_errors[pending.attempt.attempt_id] = pending.error
+        while len(self.abort_errors) > 256:
+            del self.abort_errors[next(iter(self.abort_errors))]
+        if by is not None:  # participants that have not begun yet hear it at begin, not after the timeout
+            waiting = set(pending.expected) - pending.begun - {by}
+            if waiting:
+                self.refused[snapshot_id] = Refusal(pending.error, by, waiting)
         pending.done.set()
         self.pending.pop(snapshot_id, None)
         self.aborted += 1
         self._metrics.aborted()
         log.warning("manager aborted %s: %s", snapshot_id, reason)
+        try:  # a restarted manager must not resume (and commit) what was aborted, should every report land
+            self.storage.remove(join(pending.attempt.data_prefix, "attempt.json"))
+        except CheckpointError as exc:
+            log.warning("could not remove attempt.json of aborted %s (gc removes it): %s", snapshot_id, exc)
+
+    def _forget_before(self, step: int) -> None:
+        """Once a step committed, every participant is past the older ones: drop their decisions and refusals."""
+        for table in (self.save_decisions, self.refused):
+            for sid in [sid for sid in table if (parse_snapshot_id(sid) or (step,))[0] < step]:
+                del table[sid]
 
     def _committed_manifest(self, snapshot_id: str, attempt_id: str) -> bytes | None:
         if not self.storage.exists(join(snapshot_id, MANIFEST_NAME)):
@@ -268,23 +398,30 @@ class CheckpointManager:
                     if inner.is_dir:
                         folders.append((entry.name, inner.name, join(entry.name, inner.name), inner.name + "/"))
         for sid, attempt_id, prefix, file_prefix in folders:
-            if not self.storage.exists(join(prefix, "attempt.json")):
-                continue
+            # One folder that cannot be resumed is aborted (debris for gc); the others still are.
             try:
+                if not self.storage.exists(join(prefix, "attempt.json")):
+                    continue
                 body = json.loads(bytes(self.storage.read(join(prefix, "attempt.json"))))
-                pending = Pending(Attempt(sid, attempt_id, prefix, file_prefix), body["expected"],
+                pending = Pending(Attempt(sid, attempt_id, prefix, file_prefix), list(body["expected"]),
                                   time.monotonic() + self.config.commit_timeout_seconds)
-                for p in body["expected"]:
+                for p in pending.expected:
                     path = join(prefix, f"{p}.report.json")
                     if self.storage.exists(path):
-                        pending.reports[p] = Manifest.from_bytes(self.storage.read(path), sid)
-            except (CheckpointError, ValueError, KeyError) as exc:
-                log.warning("cannot resume pending commit in %s: %s", prefix, exc)
+                        report = Manifest.from_bytes(self.storage.read(path), sid)
+                        self._check_files(pending, p, report)
+                        pending.reports[p] = report
+            except Exception as exc:
+                log.warning("cannot resume pending commit in %s (aborted; debris for gc): %s", prefix, exc)
                 continue
             self.pending[sid] = pending
+            self.save_decisions[sid] = ("save", "a commit resumed after a manager restart")
             log.info("resumed pending commit of %s (%d of %d reports)", sid, len(pending.reports), len(pending.expected))
             if set(pending.reports) >= set(pending.expected):
-                self._commit(sid, pending)
+                try:
+                    self._commit(sid, pending)
+                except Exception as exc:
+                    self._abort(sid, pending, f"could not finish the commit after a manager restart: {exc}")
 
     # -- catalog, failures, plans ---------------------------------------------
     def snapshots(self) -> list[dict]:
@@ -292,7 +429,8 @@ class CheckpointManager:
 
     def stats(self) -> dict:
         return {"committed": self.committed, "aborted": self.aborted, "pending": sorted(self.pending),
-                "bytes_received": dict(self.bytes_received), "started_at": self.started_at}
+                "bytes_received": dict(self.bytes_received), "started_at": self.started_at, "pid": os.getpid(),
+                "beats": {n: p.beats for n, p in self.participants.items()}}
 
     def record_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Metrics reported to Ray Train (after_report), kept for health and the coordinator."""
@@ -342,6 +480,8 @@ class CheckpointManager:
             # restarted participants' reports would mix two timelines in one snapshot.
             for sid, pending in list(self.pending.items()):
                 self._abort(sid, pending, "a recovery plan was made; this save belongs to the run that failed")
+            self.refused.clear()  # training goes on from the plan's snapshot: its steps are saved anew
+            self.save_decisions.clear()
             failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
             plan = self.engine.plan_recovery(failure, deep=True)
             if plan.decision is not None:
@@ -364,15 +504,29 @@ class CheckpointManager:
                 known.meta, known.handle = {**known.meta, **meta}, handle or known.handle
                 return
             self.participants[participant] = Participant(meta, handle, time.monotonic())
+            self.unregistered.discard(participant)
 
     def unregister(self, participant: str) -> None:
+        """A participant finished cleanly: it is no longer expected to beat (nor lost when silent)."""
         with self._lock:
             self.participants.pop(participant, None)
+            self.unregistered.add(participant)
 
-    def heartbeat(self, participant: str, step: int, last_snapshot: str | None) -> None:
+    def heartbeat(self, participant: str, step: int | None, last_snapshot: str | None) -> bool | None:
+        """A participant is alive (and at ``step``; None: alive only).
+
+        False: it is not registered (it registers again, e.g. after a manager
+        restart); None: it unregistered (its liveness thread stops).
+        """
         with self._lock:
-            p = self.participants.setdefault(participant, Participant({}))
-            p.last_beat, p.step, p.last_snapshot, p.lost = time.monotonic(), step, last_snapshot, False
+            p = self.participants.get(participant)
+            if p is None:
+                return None if participant in self.unregistered else False
+            p.last_beat, p.lost = time.monotonic(), False
+            p.beats += 1
+            if step is not None:
+                p.step, p.last_snapshot = step, last_snapshot
+            return True
 
     def _watch(self) -> None:
         interval = self.config.heartbeat_interval_seconds
@@ -466,3 +620,18 @@ class _Metrics:
     def aborted(self) -> None:
         if self._commits is not None:
             self._aborts.inc()
+
+
+def _pause_point(point: str, snapshot_id: str) -> None:
+    """The test hook (``RL_CKPT_TEST_PAUSE_DIR``): hold here while the test's pause file exists."""
+    folder = os.environ.get(PAUSE_DIR_ENV)
+    if not folder:
+        return
+    gate = os.path.join(folder, f"pause-{point}-{snapshot_id}")
+    if not os.path.exists(gate):
+        return
+    with open(os.path.join(folder, f"paused-{point}-{snapshot_id}"), "w") as f:
+        f.write(str(os.getpid()))
+    log.warning("test hook: paused at %s of %s", point, snapshot_id)
+    while os.path.exists(gate):
+        time.sleep(0.05)

@@ -152,10 +152,13 @@ class CheckpointEngine:
 
             self.participant = participant_name(role, self.rank)
             expected = participants or [participant_name(role, r) for r in range(self.world_size)]
+            label = f"CheckpointManager 'rl_ckpt:{config.run_name}'"
+            self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor(),
+                                       name=label)
             self.commit = ManagedCommit(self.storage, manager, self.participant, expected,
-                                        commit_timeout=config.commit_timeout_seconds)
+                                        commit_timeout=config.commit_timeout_seconds, heartbeat=self.heartbeat,
+                                        name=label)
             self.retention = None  # the manager applies retention once per committed snapshot
-            self.heartbeat = Heartbeat(manager, self.participant, config.heartbeat_interval_seconds, _current_actor())
         self.last_save_time = time.monotonic()
         self.last_retention: RetentionDecision | None = None
         self.sweep_in_gc_only = False  # set by the manager: participants may be reusing chunks right now
@@ -238,7 +241,8 @@ class CheckpointEngine:
         staged = {}
         for reg in self._saved_components(kind):
             staged[reg.name] = encode_state(reg.name, _state_of(reg))
-        if not staged:
+        if not staged and not (self.manager is not None and self._components):
+            # A participant whose state is all replicated (written by rank 0) contributes an empty part.
             raise CheckpointError(
                 f"nothing to save in a {kind} snapshot: register components first"
                 + (" (or list them in light_components)" if kind == "light" else ""),
@@ -252,9 +256,13 @@ class CheckpointEngine:
         self._check_open()
         _check_step(global_step)
         self.wait()  # one save at a time, in order
-        base = self._base_for(kind)
-        probes = self._probes(kind)
-        staged = self.stage(kind)
+        try:
+            base = self._base_for(kind)
+            probes = self._probes(kind)
+            staged = self.stage(kind)
+        except BaseException as exc:
+            self._tell_manager(global_step, kind, exc)
+            raise
         return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes)
 
     def save_async(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
@@ -269,20 +277,24 @@ class CheckpointEngine:
         self._check_open()
         _check_step(global_step)
         self.wait()
-        base = self._base_for(kind)
         started = time.perf_counter()
-        probes = self._probes(kind)
-        staged = {}
-        for reg in self._saved_components(kind):
-            enc = encode_state(reg.name, _state_of(reg), host=False)
-            staged[reg.name] = self._staging.stage(reg.name, enc)
-        self._staging.release_unused({(name, key) for name, enc in staged.items() for key in enc.arrays})
-        if not staged:
-            self.stage(kind)  # raises the "nothing to save" error
+        try:
+            base = self._base_for(kind)
+            probes = self._probes(kind)
+            staged = {}
+            for reg in self._saved_components(kind):
+                enc = encode_state(reg.name, _state_of(reg), host=False)
+                staged[reg.name] = self._staging.stage(reg.name, enc)
+            self._staging.release_unused({(name, key) for name, enc in staged.items() for key in enc.arrays})
+            if not staged:
+                self.stage(kind)  # raises the "nothing to save" error (a participant may save an empty part)
+            metrics = clean_metrics(metrics)
+        except BaseException as exc:
+            self._tell_manager(global_step, kind, exc)
+            raise
         blocked = time.perf_counter() - started
         if self._writer is None:
             self._writer = BackgroundWriter(nice=self.config.writer_nice)
-        metrics = clean_metrics(metrics)
         return self._writer.submit(
             lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes),
             global_step, kind, blocked,
@@ -293,6 +305,25 @@ class CheckpointEngine:
         from .scheduler import CheckpointScheduler
 
         return CheckpointScheduler(self, **kwargs)
+
+    def _tell_manager(self, global_step: int, kind: str, error: BaseException) -> None:
+        """A sharded save failed before it began: the manager aborts that snapshot for every participant."""
+        if self.manager is not None and kind in ("full", "light"):
+            self.commit.fail(snapshot_id(global_step, kind), None, error)
+
+    def agree_to_save(self, global_step: int, kind: str = "full") -> bool:
+        """Whether a due save of ``global_step`` goes ahead (the scheduler asks).
+
+        Alone: unless a save is still in flight. With a manager, one decision
+        for every participant of the snapshot: the first participant to ask
+        decides (skip if its previous save is still running, else save), so
+        ranks never split into half-snapshots; a participant told to save
+        while busy waits for its previous save first.
+        """
+        busy = self.saving
+        if self.manager is None:
+            return not busy
+        return self.commit.decide(snapshot_id(global_step, kind), busy)
 
     @property
     def saving(self) -> bool:
@@ -320,8 +351,8 @@ class CheckpointEngine:
         cfg = self.config
         sid = snapshot_id(global_step, kind)
         attempt = self.commit.begin(sid)
-        objects = self._object_writer() if cfg.dedup else None
         try:
+            objects = self._object_writer() if cfg.dedup else None
             files, sections = [], {}
             for name, enc in staged.items():
                 key = self._key(name)
@@ -354,7 +385,10 @@ class CheckpointEngine:
                     exc.args = (exc.message,)
                 raise
             try:
-                self.commit.abort(attempt)
+                if self.manager is not None:  # with the reason: the manager aborts it for every participant
+                    self.commit.fail(sid, attempt, exc)
+                else:
+                    self.commit.abort(attempt)
             except CheckpointError as cleanup_error:  # the original error matters more; gc cleans up
                 log.warning("could not clean up failed save of %s: %s", sid, cleanup_error)
             raise
@@ -550,9 +584,10 @@ class CheckpointEngine:
             from .managed import _ray_get
 
             if failure is not None:
-                _ray_get(self.manager.record_failure.remote(failure.to_json()), timeout=60)
+                _ray_get(self.manager.record_failure.remote(failure.to_json()), timeout=60, name=self.commit.name)
             # One plan for every participant: the manager computes it (and records the decision) once.
-            return RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds))
+            return RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds,
+                                                   name=self.commit.name))
         return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
 
     def decisions(self) -> list[Decision]:
@@ -772,6 +807,8 @@ class CheckpointEngine:
                 self._patrol.stop()
             if self._writer is not None:
                 self._writer.close()
+            if self.heartbeat is not None:
+                self.heartbeat.close()
             if self.manager is not None and self.participant is not None:
                 self.manager.unregister.remote(self.participant)  # a clean exit is not a lost heartbeat
             self._closed = True

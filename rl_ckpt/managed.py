@@ -30,20 +30,46 @@ log = logging.getLogger("rl_ckpt")
 REPLICATED_KINDS = ("module", "optimizer", "scheduler", "progress")
 
 
+class SnapshotAbortedError(CheckpointError):
+    """The manager aborted a sharded snapshot for every participant (``snapshot_id``, ``participant``, ``reason``)."""
+
+
+class SnapshotSkippedError(SnapshotAbortedError):
+    """The participants of a snapshot decided to skip it (a participant's previous save was still running)."""
+
+
+class ManagerUnavailableError(CheckpointError):
+    """The run's ``CheckpointManager`` actor is dead or does not answer (``manager``)."""
+
+
+class UnknownParticipantError(CheckpointError):
+    """A begin/report/abort call named a participant the manager has no registration for (``participant``)."""
+
+
 def participant_name(role: str, rank: int) -> str:
     return f"{role}-{rank}"
 
 
-def _ray_get(ref, timeout: float | None = None):
+def _ray_get(ref, timeout: float | None = None, name: str = "the checkpoint manager"):
+    """``ray.get`` on a manager call; every failure comes back as a ``CheckpointError``."""
     import ray
 
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:  # unwrap our own errors raised inside the manager
+        cause = getattr(exc, "cause", None)  # the error itself, without Ray's traceback text around it
+        if isinstance(cause, CheckpointError):
+            raise cause from None
         cause = exc.as_instanceof_cause()
         if isinstance(cause, CheckpointError):
             raise cause from None
         raise CheckpointError(f"checkpoint manager call failed: {exc}") from exc
+    except ray.exceptions.RayActorError as exc:  # died, unreachable, or its constructor raised
+        raise ManagerUnavailableError(
+            f"{name} is dead or unreachable ({type(exc).__name__}): nothing more can be committed through it. "
+            "Check it with `ray list actors --detail` and its log; recreate it with "
+            "CheckpointManager.get_or_create(...) (committed snapshots are on storage and are found again), "
+            "then restart the participants.", manager=name) from None
     except ray.exceptions.GetTimeoutError as exc:
         raise CheckpointError(f"checkpoint manager did not answer within {timeout} s") from exc
 
@@ -52,53 +78,93 @@ class ManagedCommit:
     """A commit strategy whose commit point is the manager (same interface as ``rl_ckpt.commit``)."""
 
     def __init__(self, storage: Storage, manager, participant: str, expected: list[str], *,
-                 commit_timeout: float = 300.0) -> None:
+                 commit_timeout: float = 300.0, heartbeat: "Heartbeat | None" = None,
+                 name: str = "the checkpoint manager") -> None:
         self.storage = storage
+        self.name = name
         self.manager = manager
         self.participant = participant
         self.expected = list(expected)
         self.commit_timeout = commit_timeout
+        self.heartbeat = heartbeat
         self.bytes_sent = 0
 
+    def _call(self, method: str, *args: Any, timeout: float | None) -> Any:
+        """A bound manager call; after a manager restart (registrations are not kept) register again, once."""
+        try:
+            return _ray_get(getattr(self.manager, method).remote(*args), timeout=timeout, name=self.name)
+        except UnknownParticipantError:
+            if self.heartbeat is None:
+                raise
+            self.heartbeat.register()
+            return _ray_get(getattr(self.manager, method).remote(*args), timeout=timeout, name=self.name)
+
     def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
-        got = _ray_get(self.manager.begin.remote(snapshot_id, self.expected), timeout=self.commit_timeout)
+        got = self._call("begin", snapshot_id, self.expected, self.participant, timeout=self.commit_timeout)
         return Attempt(**got)
+
+    def decide(self, snapshot_id: str, busy: bool) -> bool:
+        """Whether every participant saves ``snapshot_id``: the first to ask decides for all."""
+        return self._call("decide", snapshot_id, self.participant, busy, timeout=self.commit_timeout) == "save"
 
     def commit(self, attempt: Attempt, manifest: bytes) -> Manifest:
         """Report this participant's part; returns the merged manifest once the manager committed it."""
         self.storage.write(join(attempt.data_prefix, f"{self.participant}.report.json"), [manifest], durable=True)
         self.bytes_sent += len(manifest)
-        final = _ray_get(self.manager.report.remote(attempt.snapshot_id, attempt.attempt_id, self.participant, manifest),
-                         timeout=self.commit_timeout + 30)
+        final = self._call("report", attempt.snapshot_id, attempt.attempt_id, self.participant, manifest,
+                           timeout=self.commit_timeout + 30)
         return Manifest.from_bytes(final, attempt.snapshot_id)
 
-    def abort(self, attempt: Attempt) -> None:
+    def fail(self, snapshot_id: str, attempt: Attempt | None, error: BaseException) -> None:
+        """Tell the manager this participant's save of ``snapshot_id`` failed, so it aborts it for everyone.
+
+        ``attempt`` is None when the save failed before ``begin`` (e.g. staging):
+        the manager then refuses the snapshot to the participants that begin it later.
+        """
         # Other participants' files live in the same attempt: the manager aborts the snapshot and
         # leaves the debris to gc, rather than each participant deleting pieces of it.
+        reason = f"{type(error).__name__}: {error}"
         try:
-            _ray_get(self.manager.abort.remote(attempt.snapshot_id, attempt.attempt_id, self.participant,
-                                               "a participant's save failed"), timeout=30)
+            self._call("abort", snapshot_id, attempt.attempt_id if attempt else None, self.participant, reason[:2000],
+                       timeout=30)
         except CheckpointError as exc:
-            log.warning("could not tell the manager to abort %s: %s", attempt.snapshot_id, exc)
+            log.warning("could not tell the manager to abort %s: %s", snapshot_id, exc)
+
+    def abort(self, attempt: Attempt) -> None:
+        self.fail(attempt.snapshot_id, attempt, CheckpointError("a participant's save failed"))
 
 
 class Heartbeat:
-    """Sends (step, last committed snapshot) to the manager, at most ten times a second.
+    """Tells the manager this participant is alive and at which step.
 
-    The manager calls a participant lost after 2 x ``interval`` seconds of
-    silence; sending more often than that keeps its view of the step current
-    (a failure is recorded at about the right step) for the cost of one small
-    fire-and-forget call per 100 ms.
+    ``beat`` (from the training loop, at most ten times a second) sends the
+    step; the manager calls a participant lost after 2 x ``interval`` seconds
+    of silence once it has sent one. A daemon thread also sends a liveness
+    beat every ``interval / 2`` seconds while the process lives, so a rank
+    blocked in a collective, ``ray.train.report`` or a long save is not
+    counted as lost; a frozen or dead process is. It stops on ``close``.
     """
 
-    def __init__(self, manager, participant: str, interval: float, actor_handle: Any = None) -> None:
+    def __init__(self, manager, participant: str, interval: float, actor_handle: Any = None,
+                 name: str = "the checkpoint manager") -> None:
         self.manager = manager
+        self.name = name
         self.participant = participant
         self.interval = min(interval, 0.1)
+        self.alive_interval = interval / 2
+        self.actor_handle = actor_handle
         self._last = 0.0
         self._lock = threading.Lock()
-        node = os.uname().nodename
-        manager.register.remote(participant, {"pid": os.getpid(), "node": node}, actor_handle)
+        self._stop = threading.Event()
+        # Synchronous: the manager binds begin/report/abort to registered participants.
+        self.register()
+        self._thread = threading.Thread(target=self._run, name=f"rl_ckpt-heartbeat-{participant}", daemon=True)
+        self._thread.start()
+
+    def register(self) -> None:
+        """Announce this process to the manager (again after a manager restart)."""
+        meta = {"pid": os.getpid(), "node": os.uname().nodename}
+        _ray_get(self.manager.register.remote(self.participant, meta, self.actor_handle), timeout=60, name=self.name)
 
     def beat(self, step: int, last_snapshot: str | None, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -108,3 +174,22 @@ class Heartbeat:
             self._last = now
         self.manager.heartbeat.remote(self.participant, step, last_snapshot)  # fire and forget
 
+    def _run(self) -> None:
+        while not self._stop.wait(self.alive_interval):
+            try:
+                # A step of None only says "alive": it neither moves the step nor re-arms loss detection
+                # for a participant whose group is restarting.
+                known = _ray_get(self.manager.heartbeat.remote(self.participant, None, None),
+                                 timeout=max(10.0, 4 * self.alive_interval), name=self.name)
+                if known is None:  # unregistered (finished): nothing more to say
+                    return
+                if known is False and not self._stop.is_set():
+                    self.register()
+            except CheckpointError as exc:  # the manager restarting: keep trying at the interval
+                log.debug("heartbeat of %s not delivered: %s", self.participant, exc)
+
+    def close(self) -> None:
+        """Stop the liveness thread (before unregistering, so no beat follows the unregistration)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)

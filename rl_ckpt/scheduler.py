@@ -5,6 +5,8 @@ due every ``save_interval_steps`` OR ``save_interval_seconds``, whichever comes
 first; a light one every ``light_interval_steps`` in between. Saves run in the
 background (``engine.save_async``). When the previous save is still running, a
 due save is *skipped*, not queued, so saving never piles up behind a slow disk.
+With a ``CheckpointManager`` the skip is decided once for all participants of
+the snapshot (``engine.agree_to_save``), so ranks never save different steps.
 A failed save is logged and handed to ``on_error``; training goes on. So is a
 failure after the commit point (``PostCommitError``: the snapshot is
 committed, an alias or a retention step is not) and an error raised by
@@ -84,9 +86,15 @@ class CheckpointScheduler:
         kind = self.due(global_step)
         if kind is None:
             return None
-        if self.engine.saving:
+        try:
+            go = self.engine.agree_to_save(global_step, kind)
+        except CheckpointError as exc:  # e.g. the manager is unreachable: report, keep training
+            self._report(exc, global_step)
+            return None
+        if not go:
+            # With a manager this is one decision for every participant of the snapshot.
             self.skipped += 1
-            log.info("step %d: %s save due but the previous save is still running; skipped", global_step, kind)
+            log.info("step %d: %s save due but a previous save is still running; skipped", global_step, kind)
             return None
         try:
             handle = self.engine.save_async(global_step, metrics, kind=kind)

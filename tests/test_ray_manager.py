@@ -3,6 +3,7 @@ heartbeats, /healthz."""
 
 from __future__ import annotations
 
+import glob
 import json
 import time
 import urllib.error
@@ -99,7 +100,10 @@ def test_manager_killed_mid_run_restarts_and_loses_nothing(ray_cluster, run):
         ray.get([p.save.remote(step) for p in group])
     # Kill it in the middle of a commit: two of four participants have reported.
     first = [p.save.remote(3) for p in group[:2]]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while len(glob.glob(f"{base}/{name}/.staging/step_000000003.*/learner-*.report.json")) < 2:
+        assert time.monotonic() < deadline, "the two learners never wrote their reports"
+        time.sleep(0.05)
     ray.kill(mgr, no_restart=False)
     rest = [p.save.remote(3) for p in group[2:]]
     assert ray.get(first + rest, timeout=120) == ["step_000000003"] * 4
