@@ -172,8 +172,9 @@ def resume_job(rank: int, world: int, port: int, run: str, out: str) -> None:
     engine.register("policy", model)
     engine.register("optim", optim)
     train(model, optim, range(0, 3), rank)
-    engine.save(3)
+    handle = engine.save_async(3)  # stages copies of the local shards; training goes on while they are written
     train(model, optim, range(3, 6), rank)
+    assert handle.wait().snapshot_id == "step_000000003"
     uninterrupted = full_state(model, optim)
     engine.close()
 

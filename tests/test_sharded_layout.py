@@ -56,3 +56,14 @@ def test_layout_refuses_paths_outside_the_snapshot():
     bad["tensors"]["w"]["chunks"][0]["file"] = "../../etc/passwd"
     with pytest.raises(UnsafePathError):
         Layout.from_json(bad, "step_000000001/p")
+
+
+def test_a_missing_rank_part_is_caught():
+    only_rank_0 = Layout.from_json(part(0)["p"]["layout"], "s/p")
+    with pytest.raises(CorruptSnapshotError, match="cover 12 of 24 elements"):
+        only_rank_0.check_complete("step_000000001/p")
+    both = Layout.from_json(merge_components(merge_components({}, part(0)), part(1))["p"]["layout"], "s/p")
+    both.check_complete("step_000000001/p")
+    both.tensors["w"].chunks.append(both.tensors["w"].chunks[0])
+    with pytest.raises(CorruptSnapshotError, match="overlap"):
+        both.check_complete("step_000000001/p")

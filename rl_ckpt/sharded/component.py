@@ -120,6 +120,7 @@ def chunk_reader(storage: Storage, manifest: Manifest, key: str) -> ChunkReader:
         raise CorruptSnapshotError(f"{sid}: component {key!r} is not a sharded component", snapshot_id=sid,
                                    problems=[f"no layout for {key}"])
     layout = Layout.from_json(section["layout"], f"{sid}/{key}")
+    layout.check_complete(f"{sid}/{key}")
     return ChunkReader(storage, sid, layout, {f.path: f for f in manifest.files_of(key)})
 
 

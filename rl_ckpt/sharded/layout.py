@@ -93,6 +93,22 @@ class Layout:
             out.tensors[fqn] = tl
         return out
 
+    def check_complete(self, where: str) -> None:
+        """Every tensor's chunks cover it exactly (no rank's part missing); CorruptSnapshotError otherwise."""
+        for fqn, t in self.tensors.items():
+            covered = sum(math.prod(c.sizes) for c in t.chunks)
+            overlap = any(_overlaps(a, b) for i, a in enumerate(t.chunks) for b in t.chunks[i + 1:])
+            if covered != math.prod(t.shape) or overlap:
+                raise CorruptSnapshotError(
+                    f"{where}: sharded layout: the chunks of tensor {fqn!r} cover {covered} of {math.prod(t.shape)} "
+                    f"elements{' and overlap' if overlap else ''}: a rank's part is missing or duplicated",
+                    snapshot_id=where.split("/")[0], problems=[f"incomplete tensor {fqn}"])
+
+
+def _overlaps(a: Chunk, b: Chunk) -> bool:
+    return all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes)) \
+        and math.prod(a.sizes) > 0 and math.prod(b.sizes) > 0
+
 
 def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
