@@ -253,3 +253,30 @@ def corrupt_job(rank: int, world: int, port: int, run: str, out: str) -> None:
         assert torch.equal(got[k], v), f"rank {rank}: {k} differs from step 1"
     engine2.close()
     dist.destroy_process_group()
+
+
+class ManagedFSDPLearner:
+    """A Ray actor: one FSDP2 rank in a gloo group, checkpointing through the CheckpointManager."""
+
+    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world: int, init_method: str, seed: int) -> None:
+        from rl_ckpt import CheckpointEngine
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        self.rank = rank
+        self.model = shard(make_model(seed), (world,))
+        self.optim = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, rank=rank,
+                                       world_size=world, retention=False)
+        self.engine.register("policy", self.model)
+        self.engine.register("optim", self.optim)
+
+    def train_and_save(self, steps: int, step: int) -> str:
+        train(self.model, self.optim, range(steps), self.rank)
+        return self.engine.save(step).snapshot_id
+
+    def restore(self) -> str:
+        return self.engine.restore().snapshot_id
+
+    def full_state(self) -> dict:
+        return {k: v.numpy() for k, v in full_state(self.model, self.optim).items()}
