@@ -280,3 +280,42 @@ class ManagedFSDPLearner:
 
     def full_state(self) -> dict:
         return {k: v.numpy() for k, v in full_state(self.model, self.optim).items()}
+
+
+def global_batch_loss(model, step: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of one global batch: the averaged gradient does not depend on the number of ranks."""
+    rows = batch(step, 0)
+    per = rows.shape[0] // world
+    return model(rows[rank * per:(rank + 1) * per]).pow(2).mean()
+
+
+def ray_train_loop(config: dict) -> None:
+    """A Ray Train worker: FSDP2 over all workers, restore from the run (any earlier world size), train, save."""
+    import ray.train
+    from safetensors.torch import save_file
+
+    from rl_ckpt import CheckpointEngine
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model = shard(make_model(config["seed"]), (world,))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
+                              retention=False)
+    engine.register("policy", model)
+    engine.register("optim", optim)
+    start = engine.restore().global_step
+    for step in range(start + 1, config["steps"] + 1):
+        if step == config.get("die_at") and rank == world - 1:
+            os.kill(os.getpid(), 9)  # a lost node: this worker vanishes mid-run
+        optim.zero_grad()
+        global_batch_loss(model, step, rank, world).backward()
+        optim.step()
+        if step in config["save_at"]:
+            engine.save(step)
+    full = full_state(model, optim)
+    if rank == 0:
+        save_file(full, config["out"])
+        Path(config["out"] + ".json").write_text(json.dumps({"world": world, "restored_from": start}))
+    engine.close()
