@@ -367,7 +367,8 @@ class CheckpointEngine:
                     from .sharded import write_shards
 
                     entries, section = write_shards(self.storage, attempt, key, enc, self.rank, algo=cfg.checksum_algo,
-                                                    verify=cfg.verify_after_write, block_bytes=reg.sharded.block_bytes)
+                                                    verify=cfg.verify_after_write, block_bytes=reg.sharded.block_bytes,
+                                                    min_block_bytes=reg.sharded.min_block_bytes)
                 else:
                     entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
                                                        verify=cfg.verify_after_write, objects=objects)

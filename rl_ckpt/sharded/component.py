@@ -23,22 +23,25 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError, CorruptSnapshotError, StateMismatchError
 from ..manifest import Manifest
 from ..storage import Storage
-from .dcp_storage import DEFAULT_BLOCK_BYTES, ChunkReader, StagedShards, load_shards, stage_shards
+from .dcp_storage import DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, load_shards, stage_shards
 from .layout import Layout
 
 
 class ShardedState:
     """A model (or its optimizer, with ``optimizer=``) saved and restored shard by shard.
 
-    Register it directly to choose ``block_bytes`` (checksum granularity);
-    registering an FSDP2 module or its optimizer wraps it automatically.
+    Register it directly to choose the checksum blocks (``block_bytes`` at
+    most, ``min_block_bytes`` at least, else >= 32 blocks per chunk: a
+    resharding rank reads at most one block too many at each end of what it
+    needs); registering an FSDP2 module or its optimizer wraps it automatically.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
         self.model = model
         self.optimizer = optimizer
         self.block_bytes = int(block_bytes)
+        self.min_block_bytes = int(min_block_bytes)
         self.checkpoint_kind = "optimizer" if optimizer is not None else "module"
 
     @property
@@ -74,20 +77,22 @@ def _owner_module(optimizer: torch.optim.Optimizer, objects: list[Any]) -> torch
     return next((o for o in objects if isinstance(o, torch.nn.Module) and ids <= {id(p) for p in o.parameters()}), None)
 
 
-def sharded_view(name: str, obj: Any, objects: list[Any], *, block_bytes: int | None = None) -> ShardedState:
-    """``obj`` (module, optimizer or ShardedState) as a ShardedState; an optimizer needs its model among ``objects``."""
+def sharded_view(name: str, obj: Any, objects: list[Any]) -> ShardedState:
+    """``obj`` (module, optimizer or ShardedState) as a ShardedState; an optimizer needs its model among ``objects``
+    (and takes that model's checksum block sizes when it was registered as a ShardedState)."""
     if isinstance(obj, ShardedState):
         return obj
-    bb = block_bytes or DEFAULT_BLOCK_BYTES
     if isinstance(obj, torch.nn.Module):
-        return ShardedState(obj, block_bytes=bb)
+        return ShardedState(obj)
     if isinstance(obj, torch.optim.Optimizer):
         model = _owner_module(obj, [o.model if isinstance(o, ShardedState) else o for o in objects])
         if model is None:
             raise ConfigError(f"component {name!r}: a sharded optimizer is saved by parameter name, so its model must be "
                               "registered first (register the model, then the optimizer), or register "
                               "ShardedState(model, optimizer)", key=name)
-        return ShardedState(model, obj, block_bytes=bb)
+        like = next((o for o in objects if isinstance(o, ShardedState) and o.model is model), None)
+        sizes = {"block_bytes": like.block_bytes, "min_block_bytes": like.min_block_bytes} if like else {}
+        return ShardedState(model, obj, **sizes)
     raise ConfigError(f"component {name!r}: {type(obj).__name__} is neither a module nor an optimizer; sharded state "
                       "is saved for those (or a ShardedState)", key=name)
 

@@ -44,6 +44,7 @@ from ..writer import verify_written, write_hashed
 from .layout import Chunk, Layout, TensorLayout
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
+MIN_BLOCK_BYTES = 64 * 1024  # smaller blocks cost more manifest than the bytes they save a resharding read
 BLOCKS_PER_CHUNK = 32  # at least this many checksum blocks per chunk: a resharding read overshoots by <= 2/32 of a chunk
 
 
@@ -124,20 +125,22 @@ def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict) -> 
     return StagedShards(planner, metadata, saved_by)
 
 
-def _block_rows(chunk_sizes, itemsize: int, block_bytes: int) -> int:
+def _block_rows(chunk_sizes, itemsize: int, block_bytes: int, min_block_bytes: int) -> int:
+    """Rows per checksum block: >= BLOCKS_PER_CHUNK blocks of <= block_bytes, but none under min_block_bytes."""
     rows = chunk_sizes[0] if chunk_sizes else 1
-    row_bytes = math.prod(chunk_sizes[1:]) * itemsize if chunk_sizes else itemsize
-    return max(1, min(max(1, block_bytes // max(1, row_bytes)), math.ceil(rows / BLOCKS_PER_CHUNK)))
+    row_bytes = max(1, math.prod(chunk_sizes[1:]) * itemsize if chunk_sizes else itemsize)
+    target = min(max(1, block_bytes // row_bytes), math.ceil(rows / BLOCKS_PER_CHUNK))
+    return max(1, target, min(rows, math.ceil(min_block_bytes / row_bytes)))
 
 
 class RlckptStorageWriter(StorageWriter):
     """Writes one rank's chunks of one component as ``<key>.rank<r>.safetensors`` inside the attempt."""
 
     def __init__(self, storage: Storage, attempt: Attempt, key: str, rank: int, *, algo: str, verify: bool,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
         super().__init__()
         self.storage, self.attempt, self.key, self.rank = storage, attempt, key, rank
-        self.algo, self.verify, self.block_bytes = algo, verify, block_bytes
+        self.algo, self.verify, self.block_bytes, self.min_block_bytes = algo, verify, block_bytes, min_block_bytes
         self.files: list[FileEntry] = []
         self.layout: Layout | None = None
         self.values: dict[str, Any] = {}
@@ -184,7 +187,7 @@ class RlckptStorageWriter(StorageWriter):
                 t = arrays[name]
                 view = safetensors_io.byte_view(t)
                 sizes = tuple(item.tensor_data.chunk.sizes)
-                br = _block_rows(sizes, t.element_size(), self.block_bytes)
+                br = _block_rows(sizes, t.element_size(), self.block_bytes, self.min_block_bytes)
                 step = br * (view.nbytes // (sizes[0] if sizes else 1) if view.nbytes else 0)
                 sums = tuple(digest_bytes(self.algo, view[s:s + step]) for s in range(0, view.nbytes, step)) if step else ()
                 chunk = Chunk(tuple(item.tensor_data.chunk.offsets), sizes, entry.path,
@@ -213,9 +216,11 @@ class RlckptStorageWriter(StorageWriter):
 
 
 def write_shards(storage: Storage, attempt: Attempt, key: str, staged: StagedShards, rank: int, *, algo: str,
-                 verify: bool, block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[list[FileEntry], dict]:
+                 verify: bool, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 min_block_bytes: int = MIN_BLOCK_BYTES) -> tuple[list[FileEntry], dict]:
     """Write this rank's part; returns its file entries and its manifest section (with its part of the layout)."""
-    writer = RlckptStorageWriter(storage, attempt, key, rank, algo=algo, verify=verify, block_bytes=block_bytes)
+    writer = RlckptStorageWriter(storage, attempt, key, rank, algo=algo, verify=verify, block_bytes=block_bytes,
+                                 min_block_bytes=min_block_bytes)
     writer.set_up_storage_writer(rank == 0)
     results = writer.write_data(staged.planner.plan, staged.planner).wait()
     writer.finish(staged.metadata, [results])

@@ -16,7 +16,8 @@ import dataclasses
 import math
 from typing import Any
 
-from ..errors import CorruptSnapshotError
+from ..checksum import digest_bytes
+from ..errors import CheckpointError, CorruptSnapshotError
 from ..safetensors_io import ITEMSIZE
 from ..storage.base import check_relpath
 
@@ -32,7 +33,7 @@ class Chunk:
     file: str  # relative to the snapshot folder
     start: int  # byte offset of the chunk's data in the file
     block_rows: int  # rows (dim 0) per checksum block; 0-d chunks count as one row
-    checksums: tuple[str, ...]
+    checksums: tuple[str, ...]  # one hex digest per block; one concatenated string in JSON (compact, fast)
 
     @property
     def rows(self) -> int:
@@ -43,7 +44,7 @@ class Chunk:
 
     def to_json(self) -> dict:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file, "start": self.start,
-                "block_rows": self.block_rows, "checksums": list(self.checksums)}
+                "block_rows": self.block_rows, "checksums": "".join(self.checksums)}
 
 
 @dataclasses.dataclass
@@ -82,6 +83,10 @@ class Layout:
                 or not isinstance(d.get("values", {}), dict) or not isinstance(d.get("saved_by", {}), dict):
             raise bad("algo/tensors/values/saved_by malformed")
         out = cls(d["algo"], values=dict(d.get("values", {})), saved_by=dict(d.get("saved_by", {})))
+        try:
+            width = len(digest_bytes(d["algo"], b""))
+        except CheckpointError:
+            raise bad(f"unknown checksum algorithm {d['algo']!r}") from None
         for fqn, t in d["tensors"].items():
             if not isinstance(t, dict) or t.get("dtype") not in ITEMSIZE or not _ints(t.get("shape")) \
                     or not isinstance(t.get("chunks"), list):
@@ -89,7 +94,7 @@ class Layout:
             shape = tuple(t["shape"])
             tl = TensorLayout(t["dtype"], shape)
             for c in t["chunks"]:
-                tl.chunks.append(_chunk(c, fqn, tl, bad))
+                tl.chunks.append(_chunk(c, fqn, tl, width, bad))
             out.tensors[fqn] = tl
         return out
 
@@ -114,7 +119,7 @@ def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
 
-def _chunk(c: Any, fqn: str, tl: TensorLayout, bad) -> Chunk:
+def _chunk(c: Any, fqn: str, tl: TensorLayout, width: int, bad) -> Chunk:
     keys = {"offsets", "sizes", "file", "start", "block_rows", "checksums"}
     if not isinstance(c, dict) or set(c) != keys:
         raise bad(f"tensor {fqn!r}: a chunk must have exactly {sorted(keys)}")
@@ -124,10 +129,11 @@ def _chunk(c: Any, fqn: str, tl: TensorLayout, bad) -> Chunk:
         raise bad(f"tensor {fqn!r}: chunk at {c['offsets']} of {c['sizes']} runs past shape {list(tl.shape)}")
     if not isinstance(c["file"], str) or not isinstance(c["start"], int) or isinstance(c["start"], bool) \
             or c["start"] < 0 or not isinstance(c["block_rows"], int) or c["block_rows"] < 1 \
-            or not isinstance(c["checksums"], list) or not all(isinstance(h, str) for h in c["checksums"]):
+            or not isinstance(c["checksums"], str) or len(c["checksums"]) % width:
         raise bad(f"tensor {fqn!r}: chunk file/start/block_rows/checksums malformed")
     check_relpath(c["file"])
-    chunk = Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["start"], c["block_rows"], tuple(c["checksums"]))
+    sums = tuple(c["checksums"][i:i + width] for i in range(0, len(c["checksums"]), width))
+    chunk = Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["start"], c["block_rows"], sums)
     if len(chunk.checksums) != math.ceil(chunk.rows / chunk.block_rows):
         raise bad(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} has {len(chunk.checksums)} block checksums, "
                   f"expected {math.ceil(chunk.rows / chunk.block_rows)}")
