@@ -83,7 +83,11 @@ def _local_bytes(model, optim) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in ts)
 
 
-def save_job(rank: int, world: int, port: int, size: int, work: str, out: str) -> None:
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def save_job(rank: int, world: int, port: int, size: int, work: str, out: str, repeat: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -93,13 +97,13 @@ def save_job(rank: int, world: int, port: int, size: int, work: str, out: str) -
     engine = CheckpointEngine(base_dir=work, run_name=f"rl_{world}", retention=False, rank=rank, world_size=world)
     engine.register("policy", model)
     engine.register("optim", optim)
-    t_rl = _timed(lambda: engine.save(1))
+    t_rl = _median([_timed(lambda s=s: engine.save(s)) for s in range(1, repeat + 1)])
 
-    def dcp_save() -> None:
+    def dcp_save(i: int) -> None:
         msd, osd = get_state_dict(model, optim)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(f"{work}/dcp_{world}"))
+        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(f"{work}/dcp_{world}_{i}"))
 
-    t_dcp = _timed(dcp_save)
+    t_dcp = _median([_timed(lambda i=i: dcp_save(i)) for i in range(1, repeat + 1)])
     share = _gather({"share": _local_bytes(model, optim)})
     if rank == 0:
         Path(out).write_text(json.dumps({"ranks": world, "rl_ckpt_s": t_rl, "dcp_s": t_dcp,
@@ -108,7 +112,7 @@ def save_job(rank: int, world: int, port: int, size: int, work: str, out: str) -
     dist.destroy_process_group()
 
 
-def restore_job(rank: int, world: int, port: int, size: int, work: str, saved: int, out: str) -> None:
+def restore_job(rank: int, world: int, port: int, size: int, work: str, saved: int, out: str, repeat: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -129,11 +133,13 @@ def restore_job(rank: int, world: int, port: int, size: int, work: str, saved: i
 
     st.read_range = counting
     share = _local_bytes(model, optim)
-    engine.restore()  # warm-up: imports and first-touch costs out of the timing below
+    engine.restore(snapshot_id="step_000000001")  # warm-up: imports and first-touch costs out of the timing below
     counted["range"] = 0
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    t_rl = _timed(lambda: engine.restore())
+    t_rl = _timed(lambda: engine.restore(snapshot_id="step_000000001"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    read = counted["range"]
+    t_rl = _median([t_rl] + [_timed(lambda: engine.restore(snapshot_id="step_000000001")) for _ in range(repeat - 1)])
     meta = json.loads((Path(work) / f"rl_{saved}" / "step_000000001" / "meta.json").read_text())
     chunk = max(math_prod(c["sizes"]) * 4 for sec in meta["components"].values()
                 for t in sec["layout"]["tensors"].values() for c in t["chunks"])
@@ -141,12 +147,12 @@ def restore_job(rank: int, world: int, port: int, size: int, work: str, saved: i
     def dcp_load() -> None:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(f"{work}/dcp_{saved}"))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(f"{work}/dcp_{saved}_1"))
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     dcp_load()  # warm-up, as above
-    t_dcp = _timed(dcp_load)
-    ranks = _gather({"read": counted["range"], "share": share, "peak_rss_growth": max(0, peak), "chunk": chunk})
+    t_dcp = _median([_timed(dcp_load) for _ in range(repeat)])
+    ranks = _gather({"read": read, "share": share, "peak_rss_growth": max(0, peak), "chunk": chunk})
     if rank == 0:
         Path(out).write_text(json.dumps({"saved_on": saved, "restored_on": world, "rl_ckpt_s": t_rl, "dcp_s": t_dcp,
                                          "per_rank": ranks}))
@@ -161,7 +167,7 @@ def math_prod(xs) -> int:
     return n
 
 
-def run(workdir: str, ranks: list[int], size: int) -> dict:
+def run(workdir: str, ranks: list[int], size: int, repeat: int = 3) -> dict:
     """Every save on N ranks and restore on M ranks for N, M in ``ranks``; returns the figures."""
     import torch.multiprocessing as mp
 
@@ -170,12 +176,12 @@ def run(workdir: str, ranks: list[int], size: int) -> dict:
     try:
         for n in ranks:
             out = f"{work}/save_{n}.json"
-            mp.spawn(save_job, args=(n, _port(), size, work, out), nprocs=n)
+            mp.spawn(save_job, args=(n, _port(), size, work, out, repeat), nprocs=n)
             saves.append(json.loads(Path(out).read_text()))
         for n in ranks:
             for m in ranks:
                 out = f"{work}/restore_{n}_{m}.json"
-                mp.spawn(restore_job, args=(m, _port(), size, work, n, out), nprocs=m)
+                mp.spawn(restore_job, args=(m, _port(), size, work, n, out, repeat), nprocs=m)
                 restores.append(json.loads(Path(out).read_text()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -184,7 +190,8 @@ def run(workdir: str, ranks: list[int], size: int) -> dict:
 
 def format_report(out: dict) -> str:
     mib = 1024 * 1024
-    lines = [f"sharded bench: FSDP2 + Adam, {out['saves'][0]['state_bytes'] / mib:.1f} MiB of state, CPU/gloo",
+    lines = [f"sharded bench: FSDP2 + Adam, {out['saves'][0]['state_bytes'] / mib:.1f} MiB of state, CPU/gloo, "
+             "medians; rl_ckpt saves hash, fsync, verify after write and commit",
              "save              rl_ckpt     DCP    ratio (goal <= 1.0)"]
     for s in out["saves"]:
         lines.append(f"  on {s['ranks']} ranks       {s['rl_ckpt_s']:7.3f}s {s['dcp_s']:7.3f}s  {s['rl_ckpt_s'] / s['dcp_s']:.2f}x")
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("url", help="local folder to write into")
     p.add_argument("--ranks", default="2,4", help="world sizes, e.g. 2,4 (default)")
     p.add_argument("--size", default="64MiB", help="model + Adam state size (default 64MiB)")
+    p.add_argument("--repeat", type=int, default=3, help="repeats per measurement; medians are reported (default 3)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     return main_args(args)
@@ -213,7 +221,8 @@ def main_args(args) -> int:
     from ..bench import local_path, parse_size
 
     os.makedirs(local_path(args.url), exist_ok=True)
-    out = run(local_path(args.url), [int(x) for x in str(args.ranks).split(",") if x], parse_size(args.size))
+    out = run(local_path(args.url), [int(x) for x in str(args.ranks).split(",") if x], parse_size(args.size),
+              max(1, int(getattr(args, "repeat", 3))))
     print(json.dumps(out, indent=1) if args.json else format_report(out))
     return 0
 
