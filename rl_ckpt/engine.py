@@ -284,8 +284,13 @@ class CheckpointEngine:
         _check_step(global_step)
         self.wait()  # one save at a time, in order
         base = self._base_for(kind)
-        probes = self._probes(kind)
-        staged = self.stage(kind)
+        try:
+            probes = self._probes(kind)
+            staged = self.stage(kind)
+        except Exception as exc:
+            if self._distributed:
+                self.commit.fail_begin(exc)  # the other ranks are about to begin this save: they fail with us
+            raise
         return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes)
 
     def save_async(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
@@ -302,18 +307,23 @@ class CheckpointEngine:
         self.wait()
         base = self._base_for(kind)
         started = time.perf_counter()
-        probes = self._probes(kind)
-        staged = {}
-        for reg in self._saved_components(kind):
-            if reg.sharded is not None:
-                from .sharded import stage_sharded
+        try:
+            probes = self._probes(kind)
+            staged = {}
+            for reg in self._saved_components(kind):
+                if reg.sharded is not None:
+                    from .sharded import stage_sharded
 
-                staged[reg.name] = stage_sharded(reg.sharded, self.rank, copy=True)
-                continue
-            enc = encode_state(reg.name, reg.obj.state_dict(), host=False)
-            staged[reg.name] = self._staging.stage(reg.name, enc)
-        if not staged:
-            self.stage(kind)  # raises the "nothing to save" error
+                    staged[reg.name] = stage_sharded(reg.sharded, self.rank, copy=True)
+                    continue
+                enc = encode_state(reg.name, reg.obj.state_dict(), host=False)
+                staged[reg.name] = self._staging.stage(reg.name, enc)
+            if not staged:
+                self.stage(kind)  # raises the "nothing to save" error
+        except Exception as exc:
+            if self._distributed:
+                self.commit.fail_begin(exc)
+            raise
         blocked = time.perf_counter() - started
         if self._writer is None:
             self._writer = BackgroundWriter(nice=self.config.writer_nice)

@@ -230,6 +230,26 @@ def corrupt_job(rank: int, world: int, port: int, run: str, out: str) -> None:
         dist.all_gather_object(msgs, str(exc))
         assert "injected write failure" in msgs[0] and len(set(msgs[1:])) == 1, msgs
     assert not (Path(run) / "step_000000003").exists()
+    if rank == 1:
+        engine.storage.write = write
+
+    # A rank whose state cannot even be staged: the others do not wait for it forever; all fail alike.
+    class Unsaveable:
+        def state_dict(self):
+            return {"ids": {1, 2}}  # a set has no encoding
+
+        def load_state_dict(self, state):
+            pass
+
+    if rank == 1:
+        engine.register("extra", Unsaveable())
+    try:
+        engine.save(3)
+        raise AssertionError("save(3) should have failed on every rank")
+    except CheckpointError as exc:
+        msgs = [None] * world
+        dist.all_gather_object(msgs, str(exc))
+        assert len(set(msgs)) == 1 and "rank 1: SerializationError" in msgs[0], msgs
     engine.close()
 
     dist.barrier()

@@ -94,6 +94,7 @@ class DistributedCommit:
         self._settled: set[str] = set()
 
     def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
+        self._ready(b"\x01")
         payload = None
         if self.rank == 0:
             try:
@@ -104,6 +105,15 @@ class DistributedCommit:
         if not outcome.pop("ok"):
             _raise(outcome)
         return Attempt(**outcome)
+
+    def fail_begin(self, exc: BaseException) -> None:
+        """Called instead of ``begin`` by a rank that could not stage its state: every rank raises the same error."""
+        self._ready(b"\x00" + f"rank {self.rank}: {type(exc).__name__}: {exc}".encode())
+
+    def _ready(self, mine: bytes) -> None:
+        failed = [p[1:].decode(errors="replace") for p in _all_gather_bytes(mine, self.group) if p[:1] != b"\x01"]
+        if failed:
+            raise CheckpointError("save not started: a rank could not stage its state (" + "; ".join(failed) + ")")
 
     def commit(self, attempt: Attempt, manifest: bytes) -> Manifest:
         """Send this rank's part; returns the merged manifest that rank 0 committed (or raises its error on all)."""
