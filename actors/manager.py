@@ -42,6 +42,7 @@ from rl_ckpt.managed import SnapshotAbortedError, SnapshotSkippedError, UnknownP
 from rl_ckpt.manifest import MANIFEST_NAME, Manifest, now_iso, parse_snapshot_id
 from rl_ckpt.reader import read_manifest
 from rl_ckpt.storage import join, open_storage
+from rl_ckpt.sharded.layout import merge_components
 
 from .healthz import HealthzServer
 
@@ -294,7 +295,7 @@ class CheckpointManager:
         files, components, probes, metrics, tags = [], {}, {}, {}, {}
         for m in parts:
             files += m.files
-            components.update(m.components)
+            merge_components(components, m.components)  # sharded layouts of one component: unioned
             probes.update((m.extra or {}).get("probes") or {})
             tags.update(m.tags)
         reported = self._last_metrics  # from Ray Train's reports (after_report), when the engine had none

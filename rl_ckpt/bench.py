@@ -1378,10 +1378,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.save+fsync and torch.load+load_state_dict; gpt2-small = GPT2Config() defaults (124M)")
     p.add_argument("--keep", action="store_true", help="keep the files written")
     p.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a goal is missed")
+    p.add_argument("--sharded", action="store_true",
+                   help="instead: FSDP2 save and resharding restore on --ranks gloo processes, next to DCP's save/load")
+    p.add_argument("--ranks", default="2,4", help="with --sharded: world sizes to save and restore on (default 2,4)")
 
 
 def main_args(args) -> int:
     """Run the bench for parsed ``args``; prints the table (or JSON); returns the exit code."""
+    if getattr(args, "sharded", False):
+        from .sharded.bench import main_args as sharded_main
+
+        return sharded_main(args)
     try:
         out = run(args)
     except BenchUsageError as exc:

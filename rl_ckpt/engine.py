@@ -62,6 +62,7 @@ class Registered:
     kind: str
     probe: Any = None  # a user probe function obj -> output, for the post-load check
     replicated: bool = False  # sharded saves: the same on every learner rank, written once by rank 0
+    sharded: Any = None  # a rl_ckpt.sharded.ShardedState: every rank writes its own shards of it
 
 
 @dataclasses.dataclass
@@ -168,6 +169,7 @@ class CheckpointEngine:
         self._patrol = None
         self._probe_outputs: dict = {}
         self._closed = False
+        self._distributed = False  # manager-less multi-rank saves (set when sharded state is registered)
 
     # -- registration --------------------------------------------------------
     def register(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None,
@@ -190,15 +192,39 @@ class CheckpointEngine:
         if name in self._components and self._components[name].obj is not obj:
             raise ConfigError(f"component {name!r} is already registered with another object", key=name)
         reg = Registered(name, obj, kind or classify(name, obj), probe)
+        from .sharded import as_sharded
+
+        reg.sharded = as_sharded(name, obj, [r.sharded or r.obj for r in self._components.values()])
+        if reg.sharded is not None:
+            reg.kind = kind or reg.sharded.checkpoint_kind
+            self._enable_distributed()
         if replicated is None:
-            replicated = self.manager is not None and self.role == "learner" and reg.kind in REPLICATED_KINDS
-        reg.replicated = bool(replicated)
+            replicated = (self.manager is not None or self._distributed) and self.role == "learner" \
+                and reg.kind in REPLICATED_KINDS
+        reg.replicated = bool(replicated) and reg.sharded is None
         self._components[name] = reg
         return obj
 
+    def _enable_distributed(self) -> None:
+        """Sharded state without a manager: ranks commit together over torch.distributed (rank 0 commits)."""
+        if self.manager is not None or self._distributed or self.world_size == 1:
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(f"sharded state on rank {self.rank} of {self.world_size}: initialise torch.distributed "
+                              "before registering it (the ranks commit each snapshot together), or pass a manager",
+                              key="world_size")
+        from .managed import participant_name
+        from .sharded.dist_commit import DistributedCommit
+
+        names = [participant_name(self.role, r) for r in range(self.world_size)]
+        self.commit = DistributedCommit(self.commit, self.rank, self.world_size, names)
+        self.participant = names[self.rank]
+        self._distributed = True
+
     def _key(self, name: str) -> str:
         """Where a component lives in a manifest: its name, or ``<scope>/<name>`` in a sharded save."""
-        if self.participant is None:
+        if self.participant is None or self._components[name].sharded is not None:
             return name
         return f"shared/{name}" if self._components[name].replicated else f"{self.participant}/{name}"
 
@@ -230,6 +256,8 @@ class CheckpointEngine:
             return {}
         out = {}
         for reg in self._saved_components(kind):
+            if reg.sharded is not None:
+                continue  # a probe forward of a sharded module is a collective; its chunks carry checksums
             shape = self.config.probe_shapes.get(reg.name)
             result = run_probe(reg.obj, fn=reg.probe, shape=shape)
             if result is not None:
@@ -240,6 +268,11 @@ class CheckpointEngine:
         """Phase 1: every saved component's state, split into tensors/tables/JSON."""
         staged = {}
         for reg in self._saved_components(kind):
+            if reg.sharded is not None:
+                from .sharded import stage_sharded
+
+                staged[reg.name] = stage_sharded(reg.sharded, self.rank, copy=False)
+                continue
             staged[reg.name] = encode_state(reg.name, _state_of(reg))
         if not staged and not (self.manager is not None and self._components):
             # A participant whose state is all replicated (written by rank 0) contributes an empty part.
@@ -261,7 +294,7 @@ class CheckpointEngine:
             probes = self._probes(kind)
             staged = self.stage(kind)
         except BaseException as exc:
-            self._tell_manager(global_step, kind, exc)
+            self._failed_before_begin(global_step, kind, exc)
             raise
         return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes)
 
@@ -283,6 +316,11 @@ class CheckpointEngine:
             probes = self._probes(kind)
             staged = {}
             for reg in self._saved_components(kind):
+                if reg.sharded is not None:
+                    from .sharded import stage_sharded
+
+                    staged[reg.name] = stage_sharded(reg.sharded, self.rank, copy=True)
+                    continue
                 enc = encode_state(reg.name, _state_of(reg), host=False)
                 staged[reg.name] = self._staging.stage(reg.name, enc)
             self._staging.release_unused({(name, key) for name, enc in staged.items() for key in enc.arrays})
@@ -290,7 +328,7 @@ class CheckpointEngine:
                 self.stage(kind)  # raises the "nothing to save" error (a participant may save an empty part)
             metrics = clean_metrics(metrics)
         except BaseException as exc:
-            self._tell_manager(global_step, kind, exc)
+            self._failed_before_begin(global_step, kind, exc)
             raise
         blocked = time.perf_counter() - started
         if self._writer is None:
@@ -306,10 +344,16 @@ class CheckpointEngine:
 
         return CheckpointScheduler(self, **kwargs)
 
-    def _tell_manager(self, global_step: int, kind: str, error: BaseException) -> None:
-        """A sharded save failed before it began: the manager aborts that snapshot for every participant."""
+    def _failed_before_begin(self, global_step: int, kind: str, error: BaseException) -> None:
+        """A multi-participant save failed before it began: the others must fail with it, at once.
+
+        With a manager, it aborts that snapshot for every participant; without one (ranks of a
+        torch.distributed group), the ranks about to begin this save are told through the group.
+        """
         if self.manager is not None and kind in ("full", "light"):
             self.commit.fail(snapshot_id(global_step, kind), None, error)
+        elif self._distributed and isinstance(error, Exception):
+            self.commit.fail_begin(error)
 
     def agree_to_save(self, global_step: int, kind: str = "full") -> bool:
         """Whether a due save of ``global_step`` goes ahead (the scheduler asks).
@@ -358,8 +402,16 @@ class CheckpointEngine:
                 key = self._key(name)
                 if "/" in key:
                     self.storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
-                entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
-                                                   verify=cfg.verify_after_write, objects=objects)
+                reg = self._components.get(name)
+                if reg is not None and reg.sharded is not None:
+                    from .sharded import write_shards
+
+                    entries, section = write_shards(self.storage, attempt, key, enc, self.rank, algo=cfg.checksum_algo,
+                                                    verify=cfg.verify_after_write, block_bytes=reg.sharded.block_bytes,
+                                                    min_block_bytes=reg.sharded.min_block_bytes)
+                else:
+                    entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
+                                                       verify=cfg.verify_after_write, objects=objects)
                 section["kind"] = self._components[name].kind if name in self._components else "other"
                 files += entries
                 sections[key] = section
@@ -396,7 +448,7 @@ class CheckpointEngine:
         self.catalog.add(info)
         self.last_save_time = time.monotonic()
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
-        if self.manager is None:
+        if self.manager is None and (not self._distributed or self.rank == 0):
             info.warnings = self._after_commit()
         return info
 
@@ -627,7 +679,7 @@ class CheckpointEngine:
         self.wait()
         if plan is None:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
-        if plan.decision is not None and self.manager is None:  # the manager records its own decisions
+        if plan.decision is not None and self.manager is None and self.rank == 0:  # the manager records its own
             self.record_decision(plan.decision)
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
         if plan.action == "start_fresh":
@@ -677,10 +729,14 @@ class CheckpointEngine:
         warnings = self._config_warnings(manifest)
         states: dict[str, Any] = {}
         missing = []
+        sharded: dict[str, str] = {}
         for reg in self._components.values():
             key = self._stored_key(manifest, reg.name)
             if key is None:
                 missing.append(reg.name)
+                continue
+            if reg.sharded is not None or "layout" in (manifest.components.get(key) or {}):
+                sharded[reg.name] = key  # loaded in place below, after every other check
                 continue
             states[reg.name] = load_component(self.storage, manifest, key)
         if missing:
@@ -692,6 +748,7 @@ class CheckpointEngine:
         top = self._apply_light(manifest, states, skipped) if light else None
         for name, state in states.items():
             check_fits(name, self._components[name].obj, state, sid)
+        self._load_sharded(manifest, sharded)
         for name, state in states.items():
             try:
                 self._components[name].obj.load_state_dict(state)
@@ -703,8 +760,42 @@ class CheckpointEngine:
             log.warning(w)
         last = top or manifest
         log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
-        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, list(states), dict(skipped),
+        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, [*states, *sharded], dict(skipped),
                              warnings, decode_metrics(last.metrics))
+
+    def _load_sharded(self, manifest: Manifest, keys: dict[str, str]) -> None:
+        """Each sharded component: this rank reads and verifies only the byte ranges of its own shards."""
+        from .sharded import is_sharded_section, load_sharded, sharded_view
+
+        objects = [r.sharded or r.obj for r in self._components.values()]
+        for name, key in keys.items():
+            reg = self._components[name]
+            if not is_sharded_section(manifest.components[key]):
+                raise StateMismatchError(f"{manifest.snapshot_id}: component {name!r} holds sharded state here but was "
+                                         "saved unsharded; register it as it was saved", component=name,
+                                         mismatches=[name], snapshot_id=manifest.snapshot_id)
+            load_sharded(self.storage, manifest, key, reg.sharded or sharded_view(name, reg.obj, objects), name)
+
+    def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
+        """Load sharded component ``name`` whole into an ordinary ``module`` (rollout workers: no process group).
+
+        Streams chunk by chunk and verifies every block; uses the newest
+        committed snapshot holding ``name`` unless ``snapshot_id`` is given.
+        Returns the snapshot id loaded.
+        """
+        from .sharded import load_full_weights
+
+        self._check_open()
+        self.catalog.refresh()
+        candidates = [snapshot_id] if snapshot_id else [i.snapshot_id for i in reversed(self.catalog.snapshots("full"))
+                                                        if not i.quarantined]
+        for sid in candidates:
+            manifest = read_manifest(self.storage, sid)
+            if name in manifest.components:
+                load_full_weights(self.storage, manifest, name, module)
+                return sid
+        raise NoValidSnapshotError(f"no committed snapshot in {self.storage.url} holds component {name!r}"
+                                   + (f" (looked in {snapshot_id})" if snapshot_id else ""), reasons={})
 
     def _post_load_check(self, manifest: Manifest) -> None:
         """Re-run the probes recorded at save; a mismatch quarantines the snapshot (then recovery falls back)."""
@@ -750,12 +841,12 @@ class CheckpointEngine:
     def _collective(self) -> bool:
         """Restores agree across learner ranks when they form a torch.distributed group."""
         dist = torch.distributed
-        return (self.manager is not None and self.role == "learner" and self.world_size > 1
+        return ((self.manager is not None or self._distributed) and self.role == "learner" and self.world_size > 1
                 and dist.is_available() and dist.is_initialized())
 
     def _stored_key(self, manifest: Manifest, name: str) -> str | None:
         """The manifest key holding component ``name`` for this participant (own scope first)."""
-        keys = [name] if self.participant is None else [f"{self.participant}/{name}", f"shared/{name}"]
+        keys = [name] if self.participant is None else [f"{self.participant}/{name}", f"shared/{name}", name]
         return next((k for k in keys if k in manifest.components), None)
 
     def _excluded(self, reg: Registered) -> bool:

@@ -1,0 +1,14 @@
+"""Sharded training state (FSDP2 / DTensor): every rank saves its own shards, any layout restores.
+
+See ``component`` (what is saved), ``layout`` (the manifest's global layout),
+``dcp_storage`` (torch.distributed.checkpoint plugins), ``dist_commit``
+(manager-less multi-rank commit) and ``full_weights`` (rollout workers).
+"""
+
+from .component import ShardedState, as_sharded, is_sharded_section, load_sharded, sharded_view, stage_sharded
+from .dcp_storage import StagedShards, write_shards
+from .full_weights import load_full_weights
+from .layout import Layout, merge_components
+
+__all__ = ["ShardedState", "Layout", "StagedShards", "as_sharded", "is_sharded_section", "load_full_weights",
+           "load_sharded", "merge_components", "sharded_view", "stage_sharded", "write_shards"]
