@@ -323,7 +323,8 @@ class CheckpointEngine:
                     continue
                 enc = encode_state(reg.name, _state_of(reg), host=False)
                 staged[reg.name] = self._staging.stage(reg.name, enc)
-            self._staging.release_unused({(name, key) for name, enc in staged.items() for key in enc.arrays})
+            self._staging.release_unused({(name, key) for name, enc in staged.items()
+                                          if isinstance(enc, EncodedState) for key in enc.arrays})
             if not staged:
                 self.stage(kind)  # raises the "nothing to save" error (a participant may save an empty part)
             metrics = clean_metrics(metrics)
