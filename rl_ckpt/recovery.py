@@ -267,3 +267,19 @@ def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, lig
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
 
+
+
+def without_light(engine: "CheckpointEngine", plan: RecoveryPlan) -> RecoveryPlan:
+    """``plan`` as followed by a caller that applies no light layer (``restore(light=False)``).
+
+    The plan may come from the run's manager, made for every participant with
+    the light layer: what this caller reports (continue step, load actions)
+    must be what it does, so training resumes after the full snapshot's step.
+    """
+    full = read_manifest(engine.storage, plan.target)
+    out = dataclasses.replace(plan, light=None, continue_from_step=full.global_step, actions=[], checks=[],
+                              candidates=[c for c in plan.candidates if c.status != "light"],
+                              warnings=list(plan.warnings))
+    _actions(engine, out, full, None)
+    out.warnings = list(dict.fromkeys(out.warnings))
+    return out

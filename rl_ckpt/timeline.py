@@ -50,9 +50,12 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
         snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
                       "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
     best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best")}
-    failures = [{"step": r.get("step"), "kind": r.get("kind")} for r in _records(storage, "failures")]
+    failures = [{"step": r.get("step"), "kind": r.get("kind"), "participant": r.get("participant")}
+                for r in _records(storage, "failures")]
     decisions = [{"step": r.get("failure", {}).get("step"), "action": r.get("action"), "to": r.get("global_step"),
-                  "snapshot": r.get("snapshot_id")} for r in _records(storage, "decisions")]
+                  "snapshot": r.get("snapshot_id"),
+                  "failure": {k: r.get("failure", {}).get(k) for k in ("step", "kind", "participant")}}
+                 for r in _records(storage, "decisions")]
     return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
             "decisions": decisions, "metric": metric}
 

@@ -1,7 +1,9 @@
 """PPO on CartPole-v1 on Ray: TorchTrainer learner ranks + rollout-worker actors, one run, one manager.
 
 - Rollout workers (plain Ray actors) own the envs and the action-sampling RNG;
-  each is a checkpoint participant ``rollout-i`` (env state + RNG).
+  each is a checkpoint participant ``rollout-i`` (env state, RNG, and the copy of
+  the policy it acts with: the same bytes as the learners' policy, which dedup
+  stores once).
 - Learner ranks (Ray Train v2 ``TorchTrainer``, gloo) send the policy weights to
   their workers, keep the rollout buffer, and run the PPO update with
   gradients all-reduced across ranks, so the model/optimizer/scheduler are
@@ -61,6 +63,7 @@ class RolloutWorker:
         self.model = ActorCritic(tuple(cfg.hidden_sizes))
         self.engine = CheckpointEngine(**engine_cfg, manager=manager, rank=index, world_size=1, role="rollout",
                                        participants=participants)
+        self.engine.register("policy", self.model)  # the weights it acts with
         self.engine.register("env", self.envs)
         self.engine.register("rng", RNGState())
         self.pending = None
@@ -111,8 +114,30 @@ class RolloutWorker:
         self.ready = True
         return result.snapshot_id, result.global_step
 
-    def die(self) -> None:
+    def die(self, step: int) -> None:
+        """The crash drill: SIGKILL this worker at ``step`` (the manager knows the step first)."""
+        _last_beat(self.engine, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
+        if self.pending is not None:
+            self.pending.wait()
+        self.engine.close()
+
+
+def _last_beat(engine: CheckpointEngine, step: int) -> None:
+    """Tell the manager, and wait until it knows, that this participant reached ``step``.
+
+    A crash drill calls this right before its SIGKILL: the failure the manager then
+    records carries this participant's last step, which is exactly the crash step
+    (an ordinary heartbeat is rate-limited and fire-and-forget, so it may lag).
+    """
+    import ray
+
+    newest = engine.catalog.snapshots()
+    ray.get(engine.manager.heartbeat.remote(engine.participant, step, newest[-1].snapshot_id if newest else None),
+            timeout=60)
 
 
 class Learner(PPOTrainer):
@@ -192,8 +217,9 @@ def learner_loop(config: dict) -> None:
             if crash["target"] == "rollout":
                 # Wait for the kill to land (the actor may first finish a queued save): the call fails with
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
-                ray.get(workers[0].die.remote())
+                ray.get(workers[0].die.remote(step))
             else:
+                _last_beat(engine, step)
                 os.kill(os.getpid(), signal.SIGKILL)
         handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
         if handle is not None:  # the workers join the same snapshot: same step, same kind
@@ -255,7 +281,8 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
     engine_cfg = {"base_dir": base_dir, "run_name": run_name, "save_interval_steps": 10, "save_interval_seconds": None,
                   "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1, "commit_timeout_seconds": 20.0,
                   **(engine_cfg or {})}
-    ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=1)), **(ppo or {})}
+    # Per learner: 4 envs and minibatches of 128; the two ranks' gradients are averaged (256 per update step).
+    ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=4, minibatch_size=128)), **(ppo or {})}
     ppo["hidden_sizes"] = list(ppo["hidden_sizes"])
     manager = CheckpointManager.get_or_create(run_name=run_name, base_dir=base_dir,
                                               config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
@@ -281,8 +308,8 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
                              callbacks=[CheckpointCallback(run_name=run_name)]),
     )
     trainer.fit()
-    for i, w in enumerate(workers):
-        manager.unregister.remote(f"rollout-{i}")  # finished, not lost
+    ray.get([w.close.remote() for w in workers])  # finished, not lost
+    for w in workers:
         ray.kill(w)
     with open(log_path) as f:
         log = [json.loads(line) for line in f]
