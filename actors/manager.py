@@ -315,11 +315,12 @@ class CheckpointManager:
             failed = self._participant_of(dead or []) or info.participant
             info.participant = failed
             p = self.participants.get(failed) if failed else None
-            if info.step is None:
-                if p is not None and p.step is not None:
-                    info.step = p.step
-                else:  # nobody identified: the furthest any participant got
-                    info.step = max((q.step for q in self.participants.values() if q.step is not None), default=None)
+            if info.step is None and p is not None:
+                # None if it was restarted already (the new process has reported no step): unknown is honest,
+                # a survivor's step would be wrong.
+                info.step = p.step
+            elif info.step is None:  # nobody identified: the furthest any participant got
+                info.step = max((q.step for q in self.participants.values() if q.step is not None), default=None)
             if p is not None:
                 p.lost = True
             _Metrics.lost(sum(q.lost for q in self.participants.values()))

@@ -120,6 +120,23 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     group["learner-1"] = actor.remote(str(tmp_path), name, mgr, 1, 2, "learner", PARTS, 4096)
     _until(lambda: _get(url)[0] == 200, "/healthz back to 200 after the learner restart")
 
+    # Restarted before the failure is recorded: the new process has no step yet, so the record says
+    # "unknown" rather than borrowing a survivor's later step.
+    from ray.exceptions import RayActorError
+
+    restartable = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0)(Participant)
+    group["rollout-1"] = restartable.remote(str(tmp_path), name, mgr, 1, 2, "rollout", PARTS, 4096)
+    old_pid = ray.get(group["rollout-1"].pid.remote(), timeout=60)
+    _until(lambda: ray.get(mgr.health.remote())["participants"]["rollout-1"]["pid"] == old_pid, "registration")
+    ray.get(mgr.heartbeat.remote("rollout-1", 40, None))
+    with pytest.raises(RayActorError) as info:
+        ray.get(group["rollout-1"].die.remote(), timeout=60)  # Ray restarts it: same actor, new process
+    died = info.value
+    _until(lambda: ray.get(mgr.health.remote())["participants"]["rollout-1"]["pid"] != old_pid, "re-registration")
+    seen = {1: UserExceptionWithTraceback(died, "Traceback ...")}
+    stored = ray.get(mgr.record_failure.remote(failure_from_exceptions(seen).to_json(), dead_processes(seen)))
+    assert stored["participant"] == "rollout-1" and stored["step"] is None
+
 
 @pytest.mark.ray
 def test_healthz_degraded_while_a_heartbeat_is_lost(ray_cluster, manager, tmp_path):
@@ -169,3 +186,22 @@ def test_report_pointer_is_per_engine(tmp_path, monkeypatch):
     assert sent[3:] == ["step_000000020", None]
     for e in engines:
         e.close()
+
+
+def test_a_rank_can_name_the_failed_participant_and_its_step():
+    """A rank whose rollout worker died raises ParticipantFailedError: after Ray Train's wrapping and
+    pickling, the failure names that worker and its step, not the rank and not another rank's gloo error."""
+    import pickle
+
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from rl_ckpt.errors import CheckpointError
+    from rl_ckpt.integrations.ray_train import ParticipantFailedError, failure_from_exceptions
+
+    told = ParticipantFailedError("rollout-3 died after step 24: ActorDiedError", participant="rollout-3", step=24,
+                                  kind="process_killed")
+    assert isinstance(told, CheckpointError)
+    seen = pickle.loads(pickle.dumps({0: RuntimeError("[gloo] Connection closed by peer"),
+                                      1: UserExceptionWithTraceback(told, "Traceback ...")}))
+    failure = failure_from_exceptions(seen)
+    assert (failure.kind.value, failure.participant, failure.step) == ("process_killed", "rollout-3", 24)

@@ -143,9 +143,10 @@ def _last_beat(engine: CheckpointEngine, step: int) -> None:
 class Learner(PPOTrainer):
     """A PPOTrainer whose experience comes from rollout workers and whose gradients are all-reduced."""
 
-    def __init__(self, cfg: PPOConfig, workers: list) -> None:
+    def __init__(self, cfg: PPOConfig, workers: list, worker_names: list[str]) -> None:
         super().__init__(cfg)
         self.workers = workers
+        self.worker_names = worker_names
         self.env_state = ObsState(cfg.num_envs)  # replaces the local envs: the workers own them
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -158,6 +159,22 @@ class Learner(PPOTrainer):
             for p in self.model.parameters():
                 p.register_post_accumulate_grad_hook(average)
 
+    def call_workers(self, refs: list, step: int) -> list:
+        """``ray.get`` on calls to this learner's workers; a dead worker fails the attempt naming it and the
+        last step it completed (the manager may already see its restarted process)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from ..integrations.ray_train import ParticipantFailedError
+
+        try:
+            return ray.get(refs)
+        except RayActorError as exc:
+            ids = [w._actor_id.hex() for w in self.workers]
+            name = self.worker_names[ids.index(exc.actor_id)] if exc.actor_id in ids else "a rollout worker"
+            raise ParticipantFailedError(f"{name} died after step {step}: {type(exc).__name__}: {exc}",
+                                         participant=name, step=step, kind="process_killed") from exc
+
     def components(self) -> dict[str, Any]:
         parts = super().components()
         parts["env"] = self.env_state
@@ -168,7 +185,8 @@ class Learner(PPOTrainer):
 
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         step = self.progress.global_step
-        batches = ray.get([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers])
+        batches = self.call_workers([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers],
+                                    step)
         for t in range(self.cfg.steps_per_train_step):
             self.buffer.add(**{k: np.concatenate([b[k][t] for b in batches]) for k in
                                ("obs", "actions", "logprobs", "rewards", "dones", "values")})
@@ -191,7 +209,7 @@ def learner_loop(config: dict) -> None:
     k = config["workers_per_learner"]
     workers = config["workers"][rank * k:(rank + 1) * k]
     ppo = PPOConfig(**{**config["ppo"], "num_envs": config["ppo"]["num_envs"] * k})
-    learner = Learner(ppo, workers)
+    learner = Learner(ppo, workers, [f"rollout-{i}" for i in range(rank * k, (rank + 1) * k)])
     engine = CheckpointEngine(**config["engine"], manager=config["manager"], participants=config["participants"],
                               train_config={k2: v for k2, v in config["ppo"].items() if k2 != "seed"})
     for name, component in learner.components().items():
@@ -217,7 +235,7 @@ def learner_loop(config: dict) -> None:
             if crash["target"] == "rollout":
                 # Wait for the kill to land (the actor may first finish a queued save): the call fails with
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
-                ray.get(workers[0].die.remote(step))
+                learner.call_workers([workers[0].die.remote(step)], step)
             else:
                 _last_beat(engine, step)
                 os.kill(os.getpid(), signal.SIGKILL)

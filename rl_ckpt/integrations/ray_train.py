@@ -36,8 +36,15 @@ import ray
 from ray.train import UserCallback
 
 from ..coordinator import FailureInfo
+from ..errors import CheckpointError
 
 log = logging.getLogger("rl_ckpt")
+
+
+class ParticipantFailedError(CheckpointError):
+    """Raise it from the train function when a participant this rank drives (e.g. a rollout worker
+    actor) failed: ``participant`` is its name, ``step`` the last step it completed, ``kind`` a
+    FailureInfo kind. The callback records exactly that, whatever restarted since."""
 
 
 def _causes(exc: BaseException):
@@ -88,10 +95,16 @@ def _own_death(exc: BaseException) -> bool:
 def failure_from_exceptions(worker_exceptions: Dict[int, BaseException], step: int | None = None) -> FailureInfo:
     """Classify worker exceptions (rank -> exception) as one FailureInfo.
 
-    The participant named is the rank whose own process died when there is one
-    (the others only saw their collective fail), else the lowest rank that raised;
-    the manager narrows it further to a dead rollout worker (see ``dead_processes``).
+    A ``ParticipantFailedError`` raised by a rank says it all (participant, step, kind).
+    Otherwise the participant named is the rank whose own process died when there is
+    one (the others only saw their collective fail), else the lowest rank that raised;
+    the manager narrows it further to a dead actor it knows (see ``dead_processes``).
     """
+    for r, e in sorted(worker_exceptions.items()):
+        told = next((c for c in _causes(e) if isinstance(c, ParticipantFailedError)), None)
+        if told is not None:  # the rank said which participant failed and at which step
+            return FailureInfo(kind=getattr(told, "kind", "exception"), step=getattr(told, "step", step),
+                               message=str(told)[:2000], participant=getattr(told, "participant", f"learner-{r}"))
     died = sorted(r for r, e in worker_exceptions.items() if _own_death(e))
     rank = died[0] if died else min(worker_exceptions)
     exc = worker_exceptions[rank]
