@@ -205,3 +205,26 @@ def test_a_rank_can_name_the_failed_participant_and_its_step():
                                       1: UserExceptionWithTraceback(told, "Traceback ...")}))
     failure = failure_from_exceptions(seen)
     assert (failure.kind.value, failure.participant, failure.step) == ("process_killed", "rollout-3", 24)
+
+
+def test_restore_without_light_reports_the_plan_it_follows(tmp_path):
+    """A plan made with a light layer (as the manager makes it for everyone), followed by restore(light=False):
+    the plan returned says what was done: no light, resume after the full snapshot, every load from it."""
+    import torch
+
+    from rl_ckpt import CheckpointEngine, TrainingProgress
+
+    engine = CheckpointEngine(base_dir=str(tmp_path), run_name="r", light_components=["progress"])
+    progress = TrainingProgress()
+    engine.register("policy", torch.nn.Linear(2, 2))
+    engine.register("progress", progress)
+    engine.save(20)
+    progress.global_step = 25
+    engine.save(25, kind="light")
+    plan = engine.plan_recovery()
+    assert plan.light == "step_000000025.light" and plan.continue_from_step == 25
+    result = engine.restore(plan, light=False)
+    assert result.global_step == 20 and result.plan.light is None and result.plan.continue_from_step == 20
+    assert {a.snapshot_id for a in result.plan.actions} == {"step_000000020"}
+    assert "training resumes after step 20" in str(result.plan)
+    engine.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -32,7 +33,10 @@ import numpy as np
 import torch
 
 from .. import CheckpointEngine, RNGState
+from ..errors import CheckpointError
 from .ppo import PPOConfig, PPOTrainer, EnvState
+
+log = logging.getLogger("rl_ckpt")
 
 
 class ObsState:
@@ -71,8 +75,6 @@ class RolloutWorker:
 
     def _check_ready(self) -> None:
         if not self.ready:
-            from ..errors import CheckpointError
-
             raise CheckpointError(f"rollout worker {self.index} was restarted and has not restored its state; "
                                   "the learners must restore it first (the attempt fails and Ray Train recovers)")
 
@@ -104,9 +106,18 @@ class RolloutWorker:
     def save(self, step: int, kind: str = "full") -> None:
         """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
         self._check_ready()
-        if self.pending is not None:
-            self.pending.wait()  # one in flight; its error surfaces here
+        self._settle()  # one in flight
         self.pending = self.engine.save_async(step, kind=kind)
+
+    def _settle(self) -> None:
+        """Wait for the save in flight. Its failure is the snapshot's (the manager aborted it for every
+        participant and the learners' schedulers report it): logged here, it must not stop later saves."""
+        if self.pending is not None:
+            try:
+                self.pending.wait()
+            except CheckpointError as exc:
+                log.warning("rollout worker %d: save failed: %s", self.index, exc)
+            self.pending = None
 
     def restore(self, light: bool = False) -> tuple:
         self.pending = None
@@ -121,8 +132,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
-        if self.pending is not None:
-            self.pending.wait()
+        self._settle()
         self.engine.close()
 
 
