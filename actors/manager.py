@@ -308,7 +308,7 @@ class CheckpointManager:
         a step takes that participant's last reported step, i.e. where it was when
         it died (a survivor may have run on until its collective failed).
         The failed participant counts as lost (``/healthz`` degraded) until it
-        registers again or beats.
+        registers again or beats (unless its restarted process registered already).
         """
         info = FailureInfo.from_json(failure)
         with self._lock:
@@ -321,8 +321,9 @@ class CheckpointManager:
                 info.step = p.step
             elif info.step is None:  # nobody identified: the furthest any participant got
                 info.step = max((q.step for q in self.participants.values() if q.step is not None), default=None)
-            if p is not None:
-                p.lost = True
+            dead_pids = {d.get("pid") for d in dead or []} - {None}
+            if p is not None and (not dead_pids or p.meta.get("pid") in dead_pids | {None}):
+                p.lost = True  # not when the registration is already its restarted process
             _Metrics.lost(sum(q.lost for q in self.participants.values()))
             if info.kind != "heartbeat_lost":
                 for q in self.participants.values():  # the group is restarting: silence is expected now

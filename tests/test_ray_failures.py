@@ -136,6 +136,7 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     seen = {1: UserExceptionWithTraceback(died, "Traceback ...")}
     stored = ray.get(mgr.record_failure.remote(failure_from_exceptions(seen).to_json(), dead_processes(seen)))
     assert stored["participant"] == "rollout-1" and stored["step"] is None
+    assert _get(url)[0] == 200  # the registration is its restarted process: nobody is lost
 
 
 @pytest.mark.ray
@@ -196,15 +197,16 @@ def test_a_rank_can_name_the_failed_participant_and_its_step():
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     from rl_ckpt.errors import CheckpointError
-    from rl_ckpt.integrations.ray_train import ParticipantFailedError, failure_from_exceptions
+    from rl_ckpt.integrations.ray_train import ParticipantFailedError, dead_processes, failure_from_exceptions
 
     told = ParticipantFailedError("rollout-3 died after step 24: ActorDiedError", participant="rollout-3", step=24,
-                                  kind="process_killed")
+                                  kind="process_killed", actor_id="ab12", pid=4242)
     assert isinstance(told, CheckpointError)
     seen = pickle.loads(pickle.dumps({0: RuntimeError("[gloo] Connection closed by peer"),
                                       1: UserExceptionWithTraceback(told, "Traceback ...")}))
     failure = failure_from_exceptions(seen)
     assert (failure.kind.value, failure.participant, failure.step) == ("process_killed", "rollout-3", 24)
+    assert dead_processes(seen) == [{"actor_id": "ab12", "pid": 4242}]
 
 
 def test_restore_without_light_reports_the_plan_it_follows(tmp_path):

@@ -175,7 +175,7 @@ class Learner(PPOTrainer):
         import ray
         from ray.exceptions import RayActorError
 
-        from ..integrations.ray_train import ParticipantFailedError
+        from ..integrations.ray_train import ParticipantFailedError, dead_pid
 
         try:
             return ray.get(refs)
@@ -183,7 +183,8 @@ class Learner(PPOTrainer):
             ids = [w._actor_id.hex() for w in self.workers]
             name = self.worker_names[ids.index(exc.actor_id)] if exc.actor_id in ids else "a rollout worker"
             raise ParticipantFailedError(f"{name} died after step {step}: {type(exc).__name__}: {exc}",
-                                         participant=name, step=step, kind="process_killed") from exc
+                                         participant=name, step=step, kind="process_killed", actor_id=exc.actor_id,
+                                         pid=dead_pid(exc)) from exc
 
     def components(self) -> dict[str, Any]:
         parts = super().components()

@@ -44,7 +44,8 @@ log = logging.getLogger("rl_ckpt")
 class ParticipantFailedError(CheckpointError):
     """Raise it from the train function when a participant this rank drives (e.g. a rollout worker
     actor) failed: ``participant`` is its name, ``step`` the last step it completed, ``kind`` a
-    FailureInfo kind. The callback records exactly that, whatever restarted since."""
+    FailureInfo kind, optionally ``actor_id``/``pid`` of the dead process. The callback records
+    exactly that, whatever restarted since."""
 
 
 def _causes(exc: BaseException):
@@ -77,11 +78,20 @@ def dead_processes(worker_exceptions: Dict[int, BaseException]) -> List[dict]:
     for exc in worker_exceptions.values():
         for e in _causes(exc):
             if isinstance(e, RayActorError):
-                pid = re.search(r"\bpid: (\d+)", getattr(e, "error_msg", "") or str(e))
-                entry = {"actor_id": e.actor_id, "pid": int(pid.group(1)) if pid else None}
-                if entry not in out and (entry["actor_id"] or entry["pid"]):
-                    out.append(entry)
+                entry = {"actor_id": e.actor_id, "pid": dead_pid(e)}
+            elif isinstance(e, ParticipantFailedError):
+                entry = {"actor_id": getattr(e, "actor_id", None), "pid": getattr(e, "pid", None)}
+            else:
+                continue
+            if entry not in out and (entry["actor_id"] or entry["pid"]):
+                out.append(entry)
     return out
+
+
+def dead_pid(error: BaseException) -> int | None:
+    """The pid of the dead actor process a Ray ``RayActorError`` names in its message, if it does."""
+    found = re.search(r"\bpid: (\d+)", getattr(error, "error_msg", "") or str(error))
+    return int(found.group(1)) if found else None
 
 
 def _own_death(exc: BaseException) -> bool:
