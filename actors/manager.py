@@ -438,20 +438,56 @@ class CheckpointManager:
         with self._lock:
             self._last_metrics = {"step": step, **metrics}
 
-    def record_failure(self, failure: dict) -> dict:
-        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored."""
+    def record_failure(self, failure: dict, dead: list[dict] | None = None) -> dict:
+        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored.
+
+        ``dead``: processes Ray reported dead (``{"actor_id", "pid"}``, see
+        ``integrations.ray_train.dead_processes``). The participant that ran in one
+        of them is the one that failed: the record names it, and a failure without
+        a step takes that participant's last reported step, i.e. where it was when
+        it died (a survivor may have run on until its collective failed).
+        The failed participant counts as lost (``/healthz`` degraded) until it
+        registers again or beats (unless its restarted process registered already).
+        """
         info = FailureInfo.from_json(failure)
         with self._lock:
-            if info.step is None:
-                info.step = max((p.step for p in self.participants.values() if p.step is not None), default=None)
+            failed = self._participant_of(dead or []) or info.participant
+            info.participant = failed
+            p = self.participants.get(failed) if failed else None
+            if info.step is None and p is not None:
+                # None if it was restarted already (the new process has reported no step): unknown is honest,
+                # a survivor's step would be wrong.
+                info.step = p.step
+            elif info.step is None:  # nobody identified: the furthest any participant got
+                info.step = max((q.step for q in self.participants.values() if q.step is not None), default=None)
+            dead_pids = {d.get("pid") for d in dead or []} - {None}
+            if p is not None and (not dead_pids or p.meta.get("pid") in dead_pids | {None}):
+                p.lost = True  # not when the registration is already its restarted process
+            _Metrics.lost(sum(q.lost for q in self.participants.values()))
             if info.kind != "heartbeat_lost":
-                for p in self.participants.values():  # the group is restarting: silence is expected now
-                    p.step = None
+                for q in self.participants.values():  # the group is restarting: silence is expected now
+                    q.step = None
+            self._last_failure = info.to_json()
         self.storage.makedirs(FAILURES)
         name = f"{FAILURES}/{info.time.replace(':', '').replace('+', 'p')}-{info.kind}.json"
         self.storage.write_atomic(name, json.dumps(info.to_json(), allow_nan=False).encode())
-        log.warning("failure recorded: %s at step %s: %s", info.kind, info.step, info.message)
+        log.warning("failure recorded: %s of %s at step %s: %s", info.kind, info.participant, info.step, info.message)
         return info.to_json()
+
+    _last_failure: dict | None = None  # the newest failure recorded by this manager process (for /healthz)
+
+    def _participant_of(self, dead: list[dict]) -> str | None:
+        """The registered participant that ran in one of the ``dead`` processes (actor id first, then pid)."""
+        for d in dead:
+            for name, p in self.participants.items():
+                actor_id = getattr(getattr(p.handle, "_actor_id", None), "hex", lambda: None)()
+                if d.get("actor_id") and actor_id == d["actor_id"]:
+                    return name
+        for d in dead:
+            for name, p in self.participants.items():
+                if d.get("pid") is not None and p.meta.get("pid") == d["pid"]:
+                    return name
+        return None
 
     def failures(self) -> list[dict]:
         out = []
@@ -549,15 +585,20 @@ class CheckpointManager:
                 self._heartbeat_lost(lost, now)
 
     def _heartbeat_lost(self, lost: list, now: float) -> None:
-        """One failure record per incident: participants that fell silent together are listed together."""
+        """One failure record per incident: participants that fell silent together are listed together.
+
+        The record names the first of them and the step it last reported (where it stopped).
+        """
         interval = self.config.heartbeat_interval_seconds
+        with self._lock:
+            _Metrics.lost(sum(p.lost for p in self.participants.values()))
         if now - self._last_loss_record < 2 * interval:
             return  # the same incident, noticed a watch cycle later for other participants
         self._last_loss_record = now
         names = ", ".join(name for name, _ in lost)
         ages = ", ".join(f"{now - p.last_beat:.1f}" for _, p in lost)
         msg = f"{names} sent no heartbeat for {ages} s (> 2 x {self.config.heartbeat_interval_seconds} s)"
-        step = max((p.step for _, p in lost if p.step is not None), default=None)
+        step = lost[0][1].step
         try:
             self.record_failure(FailureInfo(kind="heartbeat_lost", step=step, message=msg, participant=lost[0][0]).to_json())
         except CheckpointError as exc:
@@ -571,18 +612,29 @@ class CheckpointManager:
                     ray.kill(p.handle, no_restart=False)
 
     def health(self) -> dict:
+        """The run's health: ``status`` is "degraded" (``/healthz`` answers 503) while a participant is lost
+        (dead or silent) or a snapshot is quarantined; ``failure`` is then the newest failure recorded."""
         now = time.monotonic()
         with self._lock:
             newest = self.engine.catalog.snapshots()
             parts = {n: {"heartbeat_age_s": round(now - p.last_beat, 3), "step": p.step, "lost": p.lost,
                          "last_snapshot": p.last_snapshot, **p.meta} for n, p in self.participants.items()}
             steps = [p.step for p in self.participants.values() if p.step is not None]
+            lost = sorted(n for n, p in parts.items() if p["lost"])
+            quarantined = bool(self.patrol and self.patrol.status()["quarantined"])
+            failure = None
+            if lost:
+                failure = self._last_failure
+                if failure is None:  # recorded before this manager process started
+                    recorded = self.failures()
+                    failure = recorded[-1] if recorded else None
+            _Metrics.lost(len(lost))
             return {
-                "status": "degraded" if any(p["lost"] for p in parts.values()) or (self.patrol and self.patrol.status()["quarantined"]) else "ok",
+                "status": "degraded" if lost or quarantined else "ok",
                 "run": self.config.run_name, "storage": self.storage.url,
                 "last_step": max(steps) if steps else (newest[-1].global_step if newest else None),
                 "last_committed_snapshot": newest[-1].snapshot_id if newest else None,
-                "participants": parts, "pending_commits": sorted(self.pending),
+                "participants": parts, "lost": lost, "failure": failure, "pending_commits": sorted(self.pending),
                 "storage_free_bytes": self.storage.free_bytes(),
                 "patrol": self.patrol.status() if self.patrol else {"enabled": False},
                 "committed": self.committed, "aborted": self.aborted,
@@ -622,6 +674,20 @@ class _Metrics:
         if self._commits is not None:
             self._aborts.inc()
 
+    _lost_gauge = None
+
+    @classmethod
+    def lost(cls, count: int) -> None:
+        """Participants lost right now (dead or silent); 0 when the group is healthy."""
+        try:
+            if cls._lost_gauge is None:
+                from ray.util import metrics
+
+                cls._lost_gauge = metrics.Gauge("rl_ckpt_participants_lost",
+                                                description="Participants dead or silent (healthz degraded while > 0)")
+            cls._lost_gauge.set(count)
+        except ImportError:  # pragma: no cover - the manager always runs inside Ray
+            pass
 
 def _pause_point(point: str, snapshot_id: str) -> None:
     """The test hook (``RL_CKPT_TEST_PAUSE_DIR``): hold here while the test's pause file exists."""

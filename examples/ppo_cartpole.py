@@ -5,7 +5,9 @@
     python examples/ppo_cartpole.py --crash-at 33 --crash-target rollout
     python examples/ppo_cartpole.py --storage s3://bucket/ckpt --config configs/ppo.yaml
     python examples/ppo_cartpole.py --address auto                      # attach to a running cluster (ray start --head)
-    ray job submit --working-dir . -- python examples/ppo_cartpole.py --address auto --steps 60
+    RAY_AUTH_MODE=token python examples/ppo_cartpole.py --address HOST:6379   # an explicit address needs the auth mode
+    RAY_AUTH_MODE=token RAY_ADDRESS=http://DASHBOARD_HOST:PORT ray job submit --working-dir . -- python examples/ppo_cartpole.py --address auto
+    (`ray start --head` prints the dashboard's HOST:PORT; so does `ray.init(address="auto").dashboard_url`.)
 
 Learners are Ray Train TorchTrainer ranks (gloo); rollout workers are Ray actors; all of them
 checkpoint one run through the detached CheckpointManager. After a crash, Ray Train restarts

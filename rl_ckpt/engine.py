@@ -38,7 +38,7 @@ from .manifest import Manifest, now_iso, snapshot_id
 from .probe import compare, run_probe
 from .quarantine import quarantine
 from .reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
-from .recovery import RecoveryPlan, build_plan
+from .recovery import RecoveryPlan, build_plan, without_light
 from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from .staging import StagingArea
 from .state_codec import EncodedState, encode_state
@@ -680,6 +680,8 @@ class CheckpointEngine:
         self.wait()
         if plan is None:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
+        if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
+            plan = without_light(self, plan)
         if plan.decision is not None and self.manager is None and self.rank == 0:  # the manager records its own
             self.record_decision(plan.decision)
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}

@@ -272,3 +272,24 @@ def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, lig
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
 
+
+
+def without_light(engine: "CheckpointEngine", plan: RecoveryPlan) -> RecoveryPlan:
+    """``plan`` as followed by a caller that applies no light layer (``restore(light=False)``).
+
+    The plan may come from the run's manager, made for every participant with
+    the light layer: what this caller reports (continue step, what it loads
+    from where) must be what it does, so training resumes after the full
+    snapshot's step and every component loads from it.
+    """
+    full = read_manifest(engine.storage, plan.target)
+    actions = []
+    for a in plan.actions:
+        if a.snapshot_id == plan.light and a.component in full.components:
+            files = full.files_of(a.component)
+            chunks = (full.components[a.component].get("objects") or {}).values()
+            a = LoadAction(a.component, a.kind, full.snapshot_id, len(files),
+                           sum(f.size for f in files) + sum(size for c in chunks for _d, size in c))
+        actions.append(a)
+    return dataclasses.replace(plan, light=None, continue_from_step=full.global_step, actions=actions,
+                               candidates=[c for c in plan.candidates if c.status != "light"])

@@ -35,6 +35,17 @@ def _step(v: Any) -> int | None:
     return v if type(v) is int else None
 
 
+def _str(v: Any) -> str | None:
+    """A name read from a record, or None when the record holds something else there."""
+    return v if isinstance(v, str) else None
+
+
+def _failure(record: dict) -> dict:
+    """The failure a decision record answered, or {} when the record holds something else there."""
+    failure = record.get("failure")
+    return failure if isinstance(failure, dict) else {}
+
+
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or v is None:
         return None
@@ -60,9 +71,12 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
         snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
                       "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
     best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best") if isinstance(r.get("metric"), str)}
-    failures = [{"step": _step(r.get("step")), "kind": str(r.get("kind"))} for r in _records(storage, "failures")]
-    decisions = [{"step": _step(r["failure"].get("step") if isinstance(r.get("failure"), dict) else None),
-                  "action": r.get("action"), "to": _step(r.get("global_step")), "snapshot": r.get("snapshot_id")}
+    failures = [{"step": _step(r.get("step")), "kind": str(r.get("kind")), "participant": _str(r.get("participant"))}
+                for r in _records(storage, "failures")]
+    decisions = [{"step": _step(_failure(r).get("step")), "action": r.get("action"), "to": _step(r.get("global_step")),
+                  "snapshot": r.get("snapshot_id"),
+                  "failure": {"step": _step(_failure(r).get("step")), "kind": _str(_failure(r).get("kind")),
+                              "participant": _str(_failure(r).get("participant"))}}
                  for r in _records(storage, "decisions")]
     return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
             "decisions": decisions, "metric": metric}

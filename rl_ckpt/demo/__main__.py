@@ -68,11 +68,13 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
     cat = Catalog(storage)
     cat.refresh()
     logical = sum(i.size_bytes for i in cat.snapshots())
-    from ..dedup import manifest_objects
-
-    refs = [manifest_objects(i.manifest) for i in cat.snapshots() if i.manifest is not None]
-    referenced = sum(size for r in refs for _algo, size in r.values())
-    unique = sum(size for _algo, size in {d: v for r in refs for d, v in r.items()}.values())
+    # Every tensor's chunks as the kept snapshots reference them (the rollout workers' policy copies and the
+    # learners' policy are the same bytes) against the objects actually stored for them.
+    chunks = [(digest, size) for i in cat.snapshots() if i.manifest is not None
+              for section in i.manifest.components.values()
+              for tensor in (section.get("objects") or {}).values() for digest, size in tensor]
+    referenced = sum(size for _d, size in chunks)
+    unique = sum(dict(chunks).values())
     last = {}
     for m in run.log:  # the resumed attempt re-logs the redone steps: the last value per step counts
         if m["event"] == "step":
@@ -84,10 +86,12 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
     params_equal = bool(run.done and ref.done and run.done["digest"] == ref.done["digest"])
     attempts = run.attempts
     resumed = attempts[-1] if len(attempts) > 1 else None
-    failures = data["failures"]
     decisions = data["decisions"]
+    # The failure recovery answered (the decision names it), with its step and participant as recorded.
+    decision = decisions[0] if decisions else None
+    failure = decision["failure"] if decision else (data["failures"][0] if data["failures"] else None)
     restored_step = resumed["step"] if resumed else 0
-    crash_step = failures[0]["step"] if failures and failures[0]["step"] is not None else crash_at
+    crash_step = failure["step"] if failure and failure["step"] is not None else crash_at
     t_crash = max((m["t"] for m in run.log if m["event"] == "step" and m["step"] <= crash_step and m["t"] < resumed["t"]),
                   default=None) if resumed else None
     t_back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
@@ -102,8 +106,10 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
         f"  snapshots          {len(full)} full + {len(light)} light kept, {len(deleted)} deleted by retention; "
         f"{_human(logical)} logical; tensor chunks {_human(referenced)} referenced, {_human(unique)} stored "
         f"(dedup saved {_human(referenced - unique)})",
-        f"  failure            {failures[0]['kind'] if failures else '-'} at step {crash_step} (SIGKILL)",
-        f"  decision           {decisions[0]['action'] if decisions else '-'} -> {decisions[0]['snapshot'] if decisions else '-'}",
+        f"  failure            {failure['kind'] if failure else '-'} of {failure.get('participant') if failure else '-'} "
+        f"at step {crash_step}",
+        f"  decision           {decision['action'] if decision else '-'} -> {decision['snapshot'] if decision else '-'} "
+        f"(step {decision['to'] if decision else '-'})",
         f"  restored           {resumed['restored'] if resumed else '-'} (step {restored_step}); "
         f"rollout workers: {[w[0] for w in resumed['workers']] if resumed else '-'}",
         f"  time lost          {crash_step - restored_step} steps redone; {downtime:.1f} s from the last step before the "

@@ -25,11 +25,13 @@ from .ppo import PPOConfig, PPOTrainer, param_digest
 
 
 def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: int = 0, resume: bool = True,
-          failure: dict | None = None) -> None:
+          failure: dict | None = None, settle_at: int | None = None) -> None:
     """One training process: restore (through a plan) if there is a snapshot, train, save on schedule.
 
     ``failure`` (a FailureInfo as JSON) is what killed the previous process: the
-    coordinator turns it into the decision the plan follows.
+    coordinator turns it into the decision the plan follows. ``settle_at``: the
+    step the drill kills at; the save in flight lands before that step is
+    reported, so what is restored does not depend on how fast the disk was.
     """
     trainer = PPOTrainer(PPOConfig(seed=seed))
     # The seed is left out: the resumed process is deliberately built with another one.
@@ -49,6 +51,8 @@ def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: i
         metrics = trainer.train_step()
         step = trainer.progress.global_step
         scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
+        if step == settle_at:
+            engine.wait()
         newest = engine.snapshots()
         report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]), "avg_reward": metrics["avg_reward"],
                 "committed": newest[-1].global_step if newest else None})
@@ -62,9 +66,10 @@ def _json_float(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)
 
 
-def _child(cfg: dict, until_step: int, conn, seed: int, resume: bool, failure: dict | None) -> None:
+def _child(cfg: dict, until_step: int, conn, seed: int, resume: bool, failure: dict | None,
+           settle_at: int | None) -> None:
     train(cfg, until_step, lambda msg: conn.send_bytes(json.dumps(msg).encode()), seed=seed, resume=resume,
-          failure=failure)
+          failure=failure, settle_at=settle_at)
     conn.close()
 
 
@@ -84,7 +89,7 @@ def run_process(ctx, cfg: dict, until_step: int, *, seed: int = 0, resume: bool 
     log = RunLog()
     started = time.monotonic()
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(cfg, until_step, child, seed, resume, failure), daemon=True)
+    proc = ctx.Process(target=_child, args=(cfg, until_step, child, seed, resume, failure, kill_at_step), daemon=True)
     proc.start()
     child.close()
     try:

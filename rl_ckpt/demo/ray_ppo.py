@@ -1,7 +1,9 @@
 """PPO on CartPole-v1 on Ray: TorchTrainer learner ranks + rollout-worker actors, one run, one manager.
 
 - Rollout workers (plain Ray actors) own the envs and the action-sampling RNG;
-  each is a checkpoint participant ``rollout-i`` (env state + RNG).
+  each is a checkpoint participant ``rollout-i`` (env state, RNG, and the copy of
+  the policy it acts with: the same bytes as the learners' policy, which dedup
+  stores once).
 - Learner ranks (Ray Train v2 ``TorchTrainer``, gloo) send the policy weights to
   their workers, keep the rollout buffer, and run the PPO update with
   gradients all-reduced across ranks, so the model/optimizer/scheduler are
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -30,7 +33,10 @@ import numpy as np
 import torch
 
 from .. import CheckpointEngine, RNGState
+from ..errors import CheckpointError
 from .ppo import PPOConfig, PPOTrainer, EnvState
+
+log = logging.getLogger("rl_ckpt")
 
 
 class ObsState:
@@ -61,6 +67,7 @@ class RolloutWorker:
         self.model = ActorCritic(tuple(cfg.hidden_sizes))
         self.engine = CheckpointEngine(**engine_cfg, manager=manager, rank=index, world_size=1, role="rollout",
                                        participants=participants)
+        self.engine.register("policy", self.model)  # the weights it acts with
         self.engine.register("env", self.envs)
         self.engine.register("rng", RNGState())
         self.pending = None
@@ -68,8 +75,6 @@ class RolloutWorker:
 
     def _check_ready(self) -> None:
         if not self.ready:
-            from ..errors import CheckpointError
-
             raise CheckpointError(f"rollout worker {self.index} was restarted and has not restored its state; "
                                   "the learners must restore it first (the attempt fails and Ray Train recovers)")
 
@@ -101,9 +106,18 @@ class RolloutWorker:
     def save(self, step: int, kind: str = "full") -> None:
         """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
         self._check_ready()
-        if self.pending is not None:
-            self.pending.wait()  # one in flight; its error surfaces here
+        self._settle()  # one in flight
         self.pending = self.engine.save_async(step, kind=kind)
+
+    def _settle(self) -> None:
+        """Wait for the save in flight. Its failure is the snapshot's (the manager aborted it for every
+        participant and the learners' schedulers report it): logged here, it must not stop later saves."""
+        if self.pending is not None:
+            try:
+                self.pending.wait()
+            except CheckpointError as exc:
+                log.warning("rollout worker %d: save failed: %s", self.index, exc)
+            self.pending = None
 
     def restore(self, light: bool = False) -> tuple:
         self.pending = None
@@ -111,16 +125,38 @@ class RolloutWorker:
         self.ready = True
         return result.snapshot_id, result.global_step
 
-    def die(self) -> None:
+    def die(self, step: int) -> None:
+        """The crash drill: SIGKILL this worker at ``step`` (the manager knows the step first)."""
+        _last_beat(self.engine, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
+        self._settle()
+        self.engine.close()
+
+
+def _last_beat(engine: CheckpointEngine, step: int) -> None:
+    """Tell the manager, and wait until it knows, that this participant reached ``step``.
+
+    A crash drill calls this right before its SIGKILL: the failure the manager then
+    records carries this participant's last step, which is exactly the crash step
+    (an ordinary heartbeat is rate-limited and fire-and-forget, so it may lag).
+    """
+    import ray
+
+    newest = engine.catalog.snapshots()
+    ray.get(engine.manager.heartbeat.remote(engine.participant, step, newest[-1].snapshot_id if newest else None),
+            timeout=60)
 
 
 class Learner(PPOTrainer):
     """A PPOTrainer whose experience comes from rollout workers and whose gradients are all-reduced."""
 
-    def __init__(self, cfg: PPOConfig, workers: list) -> None:
+    def __init__(self, cfg: PPOConfig, workers: list, worker_names: list[str]) -> None:
         super().__init__(cfg)
         self.workers = workers
+        self.worker_names = worker_names
         self.env_state = ObsState(cfg.num_envs)  # replaces the local envs: the workers own them
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -133,6 +169,23 @@ class Learner(PPOTrainer):
             for p in self.model.parameters():
                 p.register_post_accumulate_grad_hook(average)
 
+    def call_workers(self, refs: list, step: int) -> list:
+        """``ray.get`` on calls to this learner's workers; a dead worker fails the attempt naming it and the
+        last step it completed (the manager may already see its restarted process)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from ..integrations.ray_train import ParticipantFailedError, dead_pid
+
+        try:
+            return ray.get(refs)
+        except RayActorError as exc:
+            ids = [w._actor_id.hex() for w in self.workers]
+            name = self.worker_names[ids.index(exc.actor_id)] if exc.actor_id in ids else "a rollout worker"
+            raise ParticipantFailedError(f"{name} died after step {step}: {type(exc).__name__}: {exc}",
+                                         participant=name, step=step, kind="process_killed", actor_id=exc.actor_id,
+                                         pid=dead_pid(exc)) from exc
+
     def components(self) -> dict[str, Any]:
         parts = super().components()
         parts["env"] = self.env_state
@@ -143,7 +196,8 @@ class Learner(PPOTrainer):
 
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         step = self.progress.global_step
-        batches = ray.get([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers])
+        batches = self.call_workers([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers],
+                                    step)
         for t in range(self.cfg.steps_per_train_step):
             self.buffer.add(**{k: np.concatenate([b[k][t] for b in batches]) for k in
                                ("obs", "actions", "logprobs", "rewards", "dones", "values")})
@@ -166,7 +220,7 @@ def learner_loop(config: dict) -> None:
     k = config["workers_per_learner"]
     workers = config["workers"][rank * k:(rank + 1) * k]
     ppo = PPOConfig(**{**config["ppo"], "num_envs": config["ppo"]["num_envs"] * k})
-    learner = Learner(ppo, workers)
+    learner = Learner(ppo, workers, [f"rollout-{i}" for i in range(rank * k, (rank + 1) * k)])
     engine = CheckpointEngine(**config["engine"], manager=config["manager"], participants=config["participants"],
                               train_config={k2: v for k2, v in config["ppo"].items() if k2 != "seed"})
     for name, component in learner.components().items():
@@ -192,8 +246,9 @@ def learner_loop(config: dict) -> None:
             if crash["target"] == "rollout":
                 # Wait for the kill to land (the actor may first finish a queued save): the call fails with
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
-                ray.get(workers[0].die.remote())
+                learner.call_workers([workers[0].die.remote(step)], step)
             else:
+                _last_beat(engine, step)
                 os.kill(os.getpid(), signal.SIGKILL)
         handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
         if handle is not None:  # the workers join the same snapshot: same step, same kind
@@ -255,7 +310,8 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
     engine_cfg = {"base_dir": base_dir, "run_name": run_name, "save_interval_steps": 10, "save_interval_seconds": None,
                   "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1, "commit_timeout_seconds": 20.0,
                   **(engine_cfg or {})}
-    ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=1)), **(ppo or {})}
+    # Per learner: 4 envs and minibatches of 128; the two ranks' gradients are averaged (256 per update step).
+    ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=4, minibatch_size=128)), **(ppo or {})}
     ppo["hidden_sizes"] = list(ppo["hidden_sizes"])
     manager = CheckpointManager.get_or_create(run_name=run_name, base_dir=base_dir,
                                               config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
@@ -281,8 +337,8 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
                              callbacks=[CheckpointCallback(run_name=run_name)]),
     )
     trainer.fit()
-    for i, w in enumerate(workers):
-        manager.unregister.remote(f"rollout-{i}")  # finished, not lost
+    ray.get([w.close.remote() for w in workers])  # finished, not lost
+    for w in workers:
         ray.kill(w)
     with open(log_path) as f:
         log = [json.loads(line) for line in f]
