@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rl_ckpt import bench
+from rl_ckpt.tools import bench
 
 TOP_KEYS = ("mode", "url", "workdir", "repeat", "host", "cache", "load", "state", "results", "dedup", "ratios",
             "goals", "goals_met", "goals_total")
