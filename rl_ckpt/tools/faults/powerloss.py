@@ -202,53 +202,12 @@ class PowerLossStorage(LocalStorage):
                 e = self.journal[i]
                 if rng is not None and rng.random() < keep_probability:
                     continue  # this one happened to reach the disk
-                if self._undo(e, self.journal[:i]):
+                if _undo(e, self.journal[:i], self._full):
                     undone.append(str(e))
             for e in list(self.journal):
                 self._drop(e)
             self.halted = halt
         return undone
-
-    def _undo(self, e: Effect, earlier: list[Effect]) -> bool:
-        full = self._full(e.path)
-        if e.kind == "mkdir":
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full)
-                return True
-            return False
-        if e.kind in ("create", "overwrite", "replace"):
-            if not os.path.lexists(full):
-                return False
-            if e.kind == "create" and not e.name_durable:
-                _rmtree_or_unlink(full)
-            elif e.kind == "replace" and not e.name_durable and e.backup:
-                _rmtree_or_unlink(full)
-                shutil.copy2(e.backup, full, follow_symlinks=False)  # the old inode is what the folder still names
-            else:
-                os.truncate(full, 0)  # the name is there, the unsynced data is not
-            return True
-        if e.kind == "rename":
-            if not os.path.lexists(full):
-                return False
-            src_full = self._full(e.src)
-            if e.src_durable or os.path.lexists(src_full) or not os.path.isdir(os.path.dirname(src_full)):
-                _rmtree_or_unlink(full)  # gone from the old folder, never reached the new one
-                return True
-            os.rename(full, src_full)
-            for other in earlier:  # what was inside is back under the old name
-                other.path = _moved(other.path, e.path, e.src)
-                if other.kind == "rename":
-                    other.src = _moved(other.src, e.path, e.src)
-            return True
-        if e.kind == "remove":
-            if e.backup is None or os.path.lexists(full) or not os.path.isdir(os.path.dirname(full)):
-                return False
-            if os.path.isdir(e.backup) and not os.path.islink(e.backup):
-                shutil.copytree(e.backup, full, symlinks=True)
-            else:
-                shutil.copy2(e.backup, full, follow_symlinks=False)
-            return True
-        return False  # pragma: no cover
 
     def restart(self) -> None:
         """Power is back: calls work again (the journal is empty: everything on disk now is durable)."""
@@ -420,6 +379,50 @@ class PowerLossStorage(LocalStorage):
             if self._own_journal_dir:
                 shutil.rmtree(self.journal_dir, ignore_errors=True)
         super().close()
+
+
+def _undo(e: Effect, earlier: list[Effect], full_of: Callable[[str], str]) -> bool:
+    """Undo one pending effect on the real files (``full_of`` maps a storage path to the file); ``earlier``:
+    the effects before it, whose paths follow a rolled-back rename. Returns whether anything changed."""
+    full = full_of(e.path)
+    if e.kind == "mkdir":
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+            return True
+        return False
+    if e.kind in ("create", "overwrite", "replace"):
+        if not os.path.lexists(full):
+            return False
+        if e.kind == "create" and not e.name_durable:
+            _rmtree_or_unlink(full)
+        elif e.kind == "replace" and not e.name_durable and e.backup:
+            _rmtree_or_unlink(full)
+            shutil.copy2(e.backup, full, follow_symlinks=False)  # the old inode is what the folder still names
+        else:
+            os.truncate(full, 0)  # the name is there, the unsynced data is not
+        return True
+    if e.kind == "rename":
+        if not os.path.lexists(full):
+            return False
+        src_full = full_of(e.src)
+        if e.src_durable or os.path.lexists(src_full) or not os.path.isdir(os.path.dirname(src_full)):
+            _rmtree_or_unlink(full)  # gone from the old folder, never reached the new one
+            return True
+        os.rename(full, src_full)
+        for other in earlier:  # what was inside is back under the old name
+            other.path = _moved(other.path, e.path, e.src)
+            if other.kind == "rename":
+                other.src = _moved(other.src, e.path, e.src)
+        return True
+    if e.kind == "remove":
+        if e.backup is None or os.path.lexists(full) or not os.path.isdir(os.path.dirname(full)):
+            return False
+        if os.path.isdir(e.backup) and not os.path.islink(e.backup):
+            shutil.copytree(e.backup, full, symlinks=True)
+        else:
+            shutil.copy2(e.backup, full, follow_symlinks=False)
+        return True
+    return False  # pragma: no cover
 
 
 def _safe(path: str) -> bool:
