@@ -11,6 +11,7 @@ from .targets import S3Target
 
 
 def concurrent(suite: Suite) -> ScenarioResult:
+    """Release 2, 4 and 8 processes together to save the same step (local rename, manifest-last, S3)."""
     res = ScenarioResult("concurrent", "2, 4, 8 writers of the same step released together")
     for backend in ("local/rename", "local/manifest-last", "s3"):
         for n in suite.profile.race_writers:
@@ -18,6 +19,7 @@ def concurrent(suite: Suite) -> ScenarioResult:
                 _race(suite, res, backend, n, rnd)
         suite.progress(f"  concurrent {backend}: {len(suite.profile.race_writers) * suite.profile.race_rounds} races")
     return res
+
 
 def _race(suite: Suite, res: ScenarioResult, backend: str, n: int, rnd: int) -> None:
     label = f"{n} writers, round {rnd}"

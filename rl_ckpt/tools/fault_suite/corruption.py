@@ -19,6 +19,7 @@ SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "restore refused
 
 
 def corruption(suite: Suite) -> ScenarioResult:
+    """Flip bits in, truncate and delete every kind of file of a committed snapshot; sweep the manifest."""
     from ...dedup import manifest_objects, object_path
     from ...reader import read_manifest
     from ...storage import LocalStorage
@@ -51,6 +52,7 @@ def corruption(suite: Suite) -> ScenarioResult:
     _manifest_sweep(suite, res)
     return res
 
+
 def _corrupt_one(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, rel: str, kind: str, how: str,
                  aw: bool, seed: int) -> None:
     target = suite.case(f"corrupt-{variant}-{kind}-{how}", kw, tpl)
@@ -76,6 +78,7 @@ def _corrupt_one(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl
     ok, _ = suite.check(part, variant, label, target, must_list=set(), allowed={1, 2, 3}, acked_max=None,
                        in_flight=None, save_after=3, outside_before=before, damaged=frozenset(hit))
     suite.done(target, ok and outcome == "detected")
+
 
 def _judge_corruption(suite: Suite, res: ScenarioResult, variant: str, label: str, target, expect: int | None,
                       by_design: bool) -> str:
@@ -111,6 +114,7 @@ def _judge_corruption(suite: Suite, res: ScenarioResult, variant: str, label: st
         return "restore fell back without saying why"
     return "detected"
 
+
 def _manifest_sweep(suite: Suite, res: ScenarioResult) -> None:
     """Flip the lowest bit of manifest bytes (digit -> digit, letter -> letter: the flips that still parse).
 
@@ -145,7 +149,9 @@ def _manifest_sweep(suite: Suite, res: ScenarioResult) -> None:
         res.notes["manifest flips verify missed, by field"] = dict(sorted(missed.items(), key=lambda kv: -kv[1]))
     suite.progress(f"  corruption: manifest sweep, {res.notes['manifest bit flips']} flips")
 
-def _flip_manifest(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, original: bytes, pos: int) -> None:
+
+def _flip_manifest(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, original: bytes,
+                   pos: int) -> None:
     target = suite.case(f"manifest-flip-{variant}-{pos}", kw, tpl)
     data = bytearray(original)
     data[pos] ^= 0x01

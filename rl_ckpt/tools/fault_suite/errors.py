@@ -14,6 +14,7 @@ from .targets import run_gc
 
 
 def errors(suite: Suite) -> ScenarioResult:
+    """Fail every operation of a save (write, commit, retention) and of gc with ENOSPC, EIO and a timeout."""
     res = ScenarioResult("errors", "ENOSPC, EIO and timeouts at every operation of a save, a retention pass and gc")
     jobs = []
     kinds = suite.profile.error_kinds
@@ -34,8 +35,9 @@ def errors(suite: Suite) -> ScenarioResult:
     suite.run_jobs(res, jobs)
     return res
 
-def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, name: str, when: str,
-              mark: str) -> None:
+
+def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, name: str,
+              when: str, mark: str) -> None:
     from ..faults import FaultyStorage
     from ...storage import LocalStorage
 
@@ -54,6 +56,7 @@ def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: s
                        acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
     suite.done(target, ok)
 
+
 def _expect_error(suite: Suite, res: ScenarioResult, variant: str, label: str, fn: Callable, op: str) -> bool:
     """Run ``fn`` with a fault armed: a CheckpointError naming a path, or a fault absorbed. True if fn returned."""
     try:
@@ -68,6 +71,7 @@ def _expect_error(suite: Suite, res: ScenarioResult, variant: str, label: str, f
         return False
     res.note(f"faults absorbed (optional {op})")
     return True
+
 
 def _gc_error_jobs(suite: Suite) -> list:
     from ..faults import FaultyStorage
@@ -91,8 +95,10 @@ def _gc_error_jobs(suite: Suite) -> list:
         names = kinds if suite.profile.every_error_kind else (kinds[k % len(kinds)],)
         for name in names:
             for when in suite.profile.error_when:
-                jobs.append(lambda part, k=k, op=op, name=name, when=when: _gc_error_at(suite, part, kw, tpl, k, op, name, when))
+                jobs.append(lambda part, k=k, op=op, name=name, when=when:
+                            _gc_error_at(suite, part, kw, tpl, k, op, name, when))
     return jobs
+
 
 def _gc_error_at(suite: Suite, part: ScenarioResult, kw: dict, tpl: str, k: int, op: str, name: str, when: str) -> None:
     from ..faults import FaultyStorage

@@ -23,6 +23,7 @@ from .targets import GcRefused, LocalTarget
 
 
 def malicious(suite: Suite) -> ScenarioResult:
+    """Plant every hand-made malicious input in a committed run, then the generated hostile ones."""
     res = ScenarioResult("malicious", "hostile snapshots: traversal, links, pickles, bad headers, bad Arrow, schema")
     for name, (dedup, fn) in MALICIOUS.items():
         variant = variant_name(dedup, True)
@@ -75,6 +76,7 @@ def malicious(suite: Suite) -> ScenarioResult:
     malicious_generated(suite, res)
     return res
 
+
 def malicious_generated(suite: Suite, res: ScenarioResult) -> None:
     """The generated classes (:func:`hostile_cases`) against a run of steps 1 and 2: each must leave
     restore loading step 1, or step 2 exactly; the CLI exits 0 or 1 with at most one line of error."""
@@ -87,6 +89,7 @@ def malicious_generated(suite: Suite, res: ScenarioResult) -> None:
     suite.run_jobs(res, [_hostile_job(suite, case, templates[case.dedup]) for case in cases])
     families = collections.Counter(c.family for c in cases)
     suite.progress("  malicious: " + ", ".join(f"{n} {family}" for family, n in families.items()) + " generated")
+
 
 def _hostile_job(suite: Suite, case: HostileCase, template: str) -> Callable[[ScenarioResult], None]:
     def job(res: ScenarioResult) -> None:

@@ -11,6 +11,7 @@ from .report import ScenarioResult
 
 
 def power(suite: Suite) -> ScenarioResult:
+    """Cut power before every operation of a first and a third save, and after each returned."""
     res = ScenarioResult("power", "power cut (unsynced effects undone) before every operation of a save and after it")
     jobs = []
     for dedup, aw in VARIANTS:
@@ -29,6 +30,7 @@ def power(suite: Suite) -> ScenarioResult:
             suite.progress(f"  power {variant}: {len(ops) + 1} cut points x {1 + suite.profile.power_mixes}")
     suite.run_jobs(res, jobs)
     return res
+
 
 def _power_cut(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, step: int, k: int, n: int, op: str,
                mark: str, mix: int) -> None:

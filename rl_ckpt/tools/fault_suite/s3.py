@@ -11,6 +11,7 @@ from .targets import S3Target
 
 
 def s3_errors(suite: Suite) -> ScenarioResult:
+    """Fail every request of a save on S3 with a 5xx-like error."""
     from ..faults import FaultyStorage
     from ...storage import open_storage
 
@@ -41,6 +42,7 @@ def s3_errors(suite: Suite) -> ScenarioResult:
     for bucket in buckets:
         s3.drop_bucket(bucket)
     return res
+
 
 def _s3_error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, bucket: str, k: int, op: tuple, when: str,
                  mark: str) -> None:

@@ -13,6 +13,7 @@ from .report import ScenarioResult
 
 
 def sigkill(suite: Suite) -> ScenarioResult:
+    """Kill a saving child at every operation of a save (before/after), then at random moments of a save loop."""
     res = ScenarioResult("sigkill", "SIGKILL before/after every storage operation of a save, and at random moments")
     jobs = []
     for dedup, aw in VARIANTS:
@@ -32,6 +33,7 @@ def sigkill(suite: Suite) -> ScenarioResult:
     suite.run_jobs(res, [lambda part, v=v: _random_kills(suite, part, *v) for v in VARIANTS])
     suite.progress(f"  sigkill: {suite.profile.random_kills} random-moment kills")
     return res
+
 
 def _kill_point(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, when: str,
                 mark: str) -> None:
@@ -55,6 +57,7 @@ def _kill_point(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl:
     ok, _ = suite.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
                        acked_max=3 if acked else 2, in_flight=3, outside_before=before)
     suite.done(target, ok)
+
 
 def _random_kills(suite: Suite, res: ScenarioResult, dedup: bool, aw: bool) -> None:
     """One run folder; a child saves steps in a loop and is SIGKILLed at a random moment, over and over.
