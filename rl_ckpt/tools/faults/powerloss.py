@@ -427,7 +427,7 @@ def _undo(e: Effect, earlier: list[Effect], full_of: Callable[[str], str]) -> bo
 
 def _safe(path: str) -> bool:
     """A path the inner storage would accept (it refuses the others before touching anything)."""
-    from .storage import check_relpath
+    from ...storage import check_relpath
 
     try:
         check_relpath(path)
