@@ -14,7 +14,7 @@ from typing import Any, Callable
 from ...errors import CheckpointError
 from .common import Mixed, build, observed, variant_name
 from .report import ScenarioResult
-from .tamper import _manifest, _read, _replace_file, _snap, forge_json, reseal
+from .tamper import edit_manifest, forge_json, read_file, replace_file, reseal, snap_dir
 from .targets import LocalTarget, _CLI_LOCK
 
 
@@ -69,21 +69,21 @@ def _nested(depth: int) -> str:
 
 def _in_manifest(path: tuple, raw_text: str):
     def mutate(target: LocalTarget) -> None:
-        _manifest(target, lambda m: _set_path(m, path, "@RAW@"), NEWEST, raw={"@RAW@": raw_text})
+        edit_manifest(target, lambda m: _set_path(m, path, "@RAW@"), NEWEST, raw={"@RAW@": raw_text})
     return mutate
 
 
 def _in_model_json(raw_text: str):
     def mutate(target: LocalTarget) -> None:
-        tree = _read(target, "model.json", NEWEST).decode()
+        tree = read_file(target, "model.json", NEWEST).decode()
         assert '"s2"' in tree, "the suite model's tag is no longer in model.json"
-        _replace_file(target, "model.json", tree.replace('"s2"', raw_text, 1).encode(), sid=NEWEST)
+        replace_file(target, "model.json", tree.replace('"s2"', raw_text, 1).encode(), sid=NEWEST)
     return mutate
 
 
 def _in_safetensors_header(where: str, raw_text: str):
     def mutate(target: LocalTarget) -> None:
-        good = _read(target, "model.safetensors", NEWEST)
+        good = read_file(target, "model.safetensors", NEWEST)
         (n,) = struct.unpack("<Q", good[:8])
         header = json.loads(good[8:8 + n])
         if where == "__metadata__":
@@ -96,7 +96,7 @@ def _in_safetensors_header(where: str, raw_text: str):
             header[key][field][int(index)] = "@RAW@"
         blob = forge_json(header, {"@RAW@": raw_text}).encode()
         blob += b" " * (-(len(blob) + 8) % 8)
-        _replace_file(target, "model.safetensors", struct.pack("<Q", len(blob)) + blob + good[8 + n:], sid=NEWEST)
+        replace_file(target, "model.safetensors", struct.pack("<Q", len(blob)) + blob + good[8 + n:], sid=NEWEST)
     return mutate
 
 
@@ -115,7 +115,7 @@ def _plant_foreign(name: str):
         # a copy of step 2 whose manifest (checksum recomputed) claims the name's step: a newer snapshot
         # to anyone who reads the name carelessly
         dst = os.path.join(target.run, name)
-        shutil.copytree(_snap(target, NEWEST), dst)
+        shutil.copytree(snap_dir(target, NEWEST), dst)
         path = os.path.join(dst, "meta.json")
         with open(path) as f:
             meta = json.load(f)

@@ -18,7 +18,7 @@ from .common import build, variant_name
 from .context import Suite
 from .hostile import HostileCase, NEWEST, check_hostile, hostile_cases
 from .report import ScenarioResult
-from .tamper import _manifest, _read, _replace_file, _snap
+from .tamper import edit_manifest, read_file, replace_file, snap_dir
 from .targets import GcRefused, LocalTarget
 
 
@@ -120,13 +120,13 @@ def _secret(target: LocalTarget) -> str:
 
 def _mal_path(path_of: Callable[[LocalTarget], str]):
     def fn(target: LocalTarget, marker: str) -> str:
-        _manifest(target, lambda m: m["files"][0].update(path=path_of(target)))
+        edit_manifest(target, lambda m: m["files"][0].update(path=path_of(target)))
         return "flagged"
     return fn
 
 
 def _mal_symlink_shard(target: LocalTarget, marker: str) -> str:
-    shard = os.path.join(_snap(target), "model.safetensors")
+    shard = os.path.join(snap_dir(target), "model.safetensors")
     copy = os.path.join(target.parent, "outside", "model.safetensors")
     shutil.copy2(shard, copy)  # identical bytes: only the link itself is wrong
     os.unlink(shard)
@@ -135,7 +135,7 @@ def _mal_symlink_shard(target: LocalTarget, marker: str) -> str:
 
 
 def _mal_symlink_manifest(target: LocalTarget, marker: str) -> str:
-    meta = os.path.join(_snap(target), "meta.json")
+    meta = os.path.join(snap_dir(target), "meta.json")
     copy = os.path.join(target.parent, "outside", "meta.json")
     shutil.copy2(meta, copy)
     os.unlink(meta)
@@ -145,8 +145,8 @@ def _mal_symlink_manifest(target: LocalTarget, marker: str) -> str:
 
 def _mal_symlink_snapshot(target: LocalTarget, marker: str) -> str:
     moved = os.path.join(target.parent, "outside", "moved-snapshot")
-    os.rename(_snap(target), moved)
-    os.symlink(moved, _snap(target))
+    os.rename(snap_dir(target), moved)
+    os.symlink(moved, snap_dir(target))
     return "unlisted"  # a linked snapshot folder is never listed
 
 
@@ -162,25 +162,25 @@ def _mal_symlink_object(target: LocalTarget, marker: str) -> str:
 
 
 def _mal_pickle_shard(target: LocalTarget, marker: str) -> str:
-    _replace_file(target, "model.safetensors", pickle.dumps({"weight": Payload(marker)}))
+    replace_file(target, "model.safetensors", pickle.dumps({"weight": Payload(marker)}))
     return "refused"
 
 
 def _mal_torch_save_shard(target: LocalTarget, marker: str) -> str:
     buf = io.BytesIO()
     torch.save({"weight": Payload(marker)}, buf)  # a zip-pickle, what torch.load would execute
-    _replace_file(target, "model.safetensors", buf.getvalue())
+    replace_file(target, "model.safetensors", buf.getvalue())
     return "refused"
 
 
 def _mal_pickle_json(target: LocalTarget, marker: str) -> str:
-    _replace_file(target, "model.json", pickle.dumps(Payload(marker)))
+    replace_file(target, "model.json", pickle.dumps(Payload(marker)))
     return "refused"
 
 
 def _mal_safetensors_header(kind: str):
     def fn(target: LocalTarget, marker: str) -> str:
-        good = _read(target, "model.safetensors")
+        good = read_file(target, "model.safetensors")
         (n,) = struct.unpack("<Q", good[:8])
         header = json.loads(good[8:8 + n])
         if kind == "huge":
@@ -192,7 +192,7 @@ def _mal_safetensors_header(kind: str):
             header[key]["data_offsets"] = [0, 10**12]
             blob = json.dumps(header).encode()
             data = struct.pack("<Q", len(blob)) + blob + good[8 + n:]
-        _replace_file(target, "model.safetensors", data)
+        replace_file(target, "model.safetensors", data)
         return "refused"
     return fn
 
@@ -200,7 +200,7 @@ def _mal_safetensors_header(kind: str):
 def _mal_arrow(where: str):
     def fn(target: LocalTarget, marker: str) -> str:
         name = "replay_buffer.t0.arrow"
-        data = bytearray(_read(target, name))
+        data = bytearray(read_file(target, name))
         (footer,) = struct.unpack("<i", data[-10:-6])
         if where == "footer-length":
             data[-10:-6] = struct.pack("<i", 10**8)  # the footer "starts" before the file does
@@ -210,20 +210,20 @@ def _mal_arrow(where: str):
         else:  # the first record batch's metadata
             first = data.find(b"\xff\xff\xff\xff", 16)
             data[first + 8:first + 40] = b"\x7f" * 32
-        _replace_file(target, name, bytes(data))
+        replace_file(target, name, bytes(data))
         return "refused"
     return fn
 
 
 def _mal_schema(version: int):
     def fn(target: LocalTarget, marker: str) -> str:
-        _manifest(target, lambda m: m.update(schema_version=version))
+        edit_manifest(target, lambda m: m.update(schema_version=version))
         return "flagged"
     return fn
 
 
 def _mal_state_schema(target: LocalTarget, marker: str) -> str:
-    _manifest(target, lambda m: m.update(state_schema_version=7))
+    edit_manifest(target, lambda m: m.update(state_schema_version=7))
     return "refused"  # intact bytes (verify may pass), but restore must refuse the layout
 
 
@@ -231,7 +231,7 @@ def _mal_objects_algo(algo: str):
     def fn(target: LocalTarget, marker: str) -> str:
         def mutate(m: dict) -> None:
             m["components"]["model"]["objects_algo"] = algo
-        _manifest(target, mutate)
+        edit_manifest(target, mutate)
         return "flagged"
     return fn
 
@@ -240,34 +240,34 @@ def _mal_object_digest(target: LocalTarget, marker: str) -> str:
     def mutate(m: dict) -> None:
         chunks = m["components"]["model"]["objects"]["weight"]
         chunks[0][0] = "../../../outside/secret.txt"
-    _manifest(target, mutate)
+    edit_manifest(target, mutate)
     return "flagged"
 
 
 def _mal_nested_json(target: LocalTarget, marker: str) -> str:
-    _replace_file(target, "model.json", b"[" * 200000 + b"]" * 200000)
+    replace_file(target, "model.json", b"[" * 200000 + b"]" * 200000)
     return "refused"
 
 
 def _mal_missing_tensor(target: LocalTarget, marker: str) -> str:
-    tree = json.loads(_read(target, "model.json"))
+    tree = json.loads(read_file(target, "model.json"))
     tree_text = json.dumps(tree).replace('"weight"', '"no_such_tensor"', 1)
-    _replace_file(target, "model.json", tree_text.encode())
+    replace_file(target, "model.json", tree_text.encode())
     return "refused"
 
 
 def _mal_listed_twice(target: LocalTarget, marker: str) -> str:
-    _manifest(target, lambda m: m["files"].append(dict(m["files"][0])))
+    edit_manifest(target, lambda m: m["files"].append(dict(m["files"][0])))
     return "flagged"
 
 
 def _mal_renamed_copy(target: LocalTarget, marker: str) -> str:
-    os.rename(_snap(target), _snap(target, "step_000000005"))
+    os.rename(snap_dir(target), snap_dir(target, "step_000000005"))
     return "flagged"
 
 
 def _mal_manifest_not_json(target: LocalTarget, marker: str) -> str:
-    with open(os.path.join(_snap(target), "meta.json"), "wb") as f:
+    with open(os.path.join(snap_dir(target), "meta.json"), "wb") as f:
         f.write(pickle.dumps(Payload(marker)))
     return "flagged"
 

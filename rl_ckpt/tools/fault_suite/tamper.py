@@ -10,7 +10,8 @@ from ...checksum import digest_bytes
 from .targets import LocalTarget
 
 
-def _snap(target: LocalTarget, sid: str = "step_000000001") -> str:
+def snap_dir(target: LocalTarget, sid: str = "step_000000001") -> str:
+    """The folder of snapshot ``sid`` in the case's run."""
     return os.path.join(target.run, sid)
 
 
@@ -42,9 +43,10 @@ def reseal(text: str) -> str:
     return body + ("" if body.endswith("{") else ", ") + json.dumps("manifest_checksum") + ": " + json.dumps(checksum) + "}"
 
 
-def _manifest(target: LocalTarget, mutate: Callable[[dict], None], sid: str = "step_000000001",
-              raw: dict[str, str] | None = None) -> None:
-    path = os.path.join(_snap(target, sid), "meta.json")
+def edit_manifest(target: LocalTarget, mutate: Callable[[dict], None], sid: str = "step_000000001",
+                  raw: dict[str, str] | None = None) -> None:
+    """Rewrite a snapshot's manifest through ``mutate`` (``raw``: see :func:`forge_json`) and reseal it."""
+    path = os.path.join(snap_dir(target, sid), "meta.json")
     with open(path) as f:
         meta = json.load(f)
     meta.pop("manifest_checksum", None)
@@ -53,19 +55,20 @@ def _manifest(target: LocalTarget, mutate: Callable[[dict], None], sid: str = "s
         f.write(reseal(forge_json(meta, raw)))
 
 
-def _replace_file(target: LocalTarget, name: str, data: bytes, fix_checksum: bool = True,
-                  sid: str = "step_000000001") -> None:
+def replace_file(target: LocalTarget, name: str, data: bytes, fix_checksum: bool = True,
+                 sid: str = "step_000000001") -> None:
     """Put ``data`` in place of a snapshot file and (as an attacker would) make the manifest agree."""
-    with open(os.path.join(_snap(target, sid), name), "wb") as f:
+    with open(os.path.join(snap_dir(target, sid), name), "wb") as f:
         f.write(data)
     if fix_checksum:
         def fix(meta: dict) -> None:
             for f in meta["files"]:
                 if f["path"] == name:
                     f["size"], f["checksum"] = len(data), digest_bytes(f["algo"], data)
-        _manifest(target, fix, sid)
+        edit_manifest(target, fix, sid)
 
 
-def _read(target: LocalTarget, name: str, sid: str = "step_000000001") -> bytes:
-    with open(os.path.join(_snap(target, sid), name), "rb") as f:
+def read_file(target: LocalTarget, name: str, sid: str = "step_000000001") -> bytes:
+    """The bytes of file ``name`` of snapshot ``sid``."""
+    with open(os.path.join(snap_dir(target, sid), name), "rb") as f:
         return f.read()
