@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rl_ckpt import bench
+from rl_ckpt.tools import bench
 
 TOP_KEYS = ("mode", "url", "workdir", "repeat", "host", "cache", "load", "state", "results", "dedup", "ratios",
             "goals", "goals_met", "goals_total")
@@ -96,7 +96,7 @@ def test_remote_url_refused():
 
 
 def test_cache_drop_falls_back_to_fadvise(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "DROP_CACHES", str(tmp_path / "no" / "such" / "drop_caches"))
+    monkeypatch.setattr(bench.common, "DROP_CACHES", str(tmp_path / "no" / "such" / "drop_caches"))
     cache = bench.CacheDropper("drop")
     assert cache.method == "fadvise" and "refused" in cache.note and "POSIX_FADV_DONTNEED" in cache.note
     f = tmp_path / "x.bin"

@@ -1,4 +1,5 @@
-"""The fault-injection suite (rl_ckpt.fault_suite) and the power-loss model (rl_ckpt.faults.PowerLossStorage).
+"""The fault-injection suite (rl_ckpt.tools.fault_suite) and the power-loss model
+(rl_ckpt.tools.faults.PowerLossStorage).
 
 ``test_quick_suite_*`` run ``python -m rl_ckpt.fault_suite --quick --json`` once (in a subprocess:
 its own forkserver with its own preloads, its own moto S3 endpoint, and the real entry point) and
@@ -6,8 +7,8 @@ assert every invariant figure.
 
 The bugs the suite found (docs/reliability.md, "Findings") each have a small regression test
 below (``test_regression_*``); they were strict xfail tests until the fixes landed. If the suite
-finds a new bug, pin it the same way: a strict xfail test naming the file and function, and a
-predicate in ``KNOWN_BUGS`` so the figure tests set its violations aside until it is fixed.
+finds a new bug, pin it the same way: a strict xfail test naming the file and function; the figure
+tests below then fail until it is fixed.
 """
 
 from __future__ import annotations
@@ -23,21 +24,13 @@ import pytest
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import StorageError, UnsafePathError
-from rl_ckpt.fault_suite import (
+from rl_ckpt.tools.fault_suite import (
     MALICIOUS, PROFILES, SCENARIOS, ScenarioResult, SuiteReport, build, engine_cfg, machine_info, observed, op_phases,
     run_url, save_step,
 )
-from rl_ckpt.faults import FaultyStorage, PowerCut, PowerLossStorage
+from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
 # -- the quick suite ------------------------------------------------------------------------------
-
-
-# name -> predicate(violation dict): True when a known, not yet fixed bug caused the violation.
-KNOWN_BUGS: dict = {}  # the bugs this suite found are fixed; their tests below are regressions now
-
-
-def _known(v: dict) -> bool:
-    return any(pred(v) for pred in KNOWN_BUGS.values())
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +50,6 @@ def _scenario(report: dict, key: str) -> dict:
     return next(s for s in report["scenarios"] if s["key"] == key)
 
 
-def _unexplained(report: dict) -> list[dict]:
-    return [v for s in report["scenarios"] for v in s["violations"] if not _known(v)]
-
-
 def test_quick_suite_runs_every_scenario_and_exit_status_matches(quick):
     assert [s["key"] for s in quick["scenarios"]] == list(SCENARIOS)
     assert quick["machine"]["cpus"] == os.cpu_count()
@@ -69,21 +58,19 @@ def test_quick_suite_runs_every_scenario_and_exit_status_matches(quick):
         assert s["tried"] > 0 and s["faults_injected"] > 0, s["key"]
 
 
-def test_quick_suite_has_no_violation_but_the_known_bugs(quick):
-    unexplained = _unexplained(quick)
-    assert not unexplained, "\n".join(f"[{v['scenario']} {v['variant']}] {v['case']}: {v['kind']}: {v['message']}"
-                                      for v in unexplained[:20])
+def test_quick_suite_has_no_violation(quick):
+    violations = [v for s in quick["scenarios"] for v in s["violations"]]
+    assert not violations, "\n".join(f"[{v['scenario']} {v['variant']}] {v['case']}: {v['kind']}: {v['message']}"
+                                      for v in violations[:20])
 
 
 @pytest.mark.parametrize("figure,kind", [("corrupt_loads", "corrupt_load"), ("acked_lost", "acked_lost"),
                                          ("escapes", "escape"), ("broken_listed", "broken_listed")])
 def test_quick_suite_invariant_figures(quick, figure, kind):
-    # every increment of a figure comes with a violation of that kind: apart from the known bugs, none
+    # every increment of a figure comes with a violation of that kind: none
     for s in quick["scenarios"]:
-        known = sum(1 for v in s["violations"] if v["kind"] == kind and _known(v))
-        if known == 0:
-            assert s[figure] == 0, (s["key"], figure, s[figure])
-    assert not [v for v in _unexplained(quick) if v["kind"] == kind]
+        assert s[figure] == 0, (s["key"], figure, s[figure])
+        assert not [v for v in s["violations"] if v["kind"] == kind], (s["key"], kind)
 
 
 def test_quick_suite_sigkill_figures(quick):
@@ -158,7 +145,7 @@ def test_quick_suite_malicious_inputs_all_refused(quick):
 
 
 def test_hostile_cases_cover_every_manifest_field():
-    from rl_ckpt.fault_suite import HOSTILE_TYPES, hostile_cases, json_paths
+    from rl_ckpt.tools.fault_suite import HOSTILE_TYPES, hostile_cases, json_paths
 
     meta = {"global_step": 2, "tags": {"a": "b"}, "files": [{"size": 1, "role": "json"}]}
     every = [c for c in hostile_cases({False: meta}, None) if c.family == "wrong JSON type" and "/" not in c.name]
@@ -171,7 +158,7 @@ def test_hostile_cases_cover_every_manifest_field():
 
 
 def test_cli_exit_status_and_table(tmp_path, capsys):
-    from rl_ckpt.fault_suite import main
+    from rl_ckpt.tools.fault_suite import main
 
     assert main(["--quick", "--only", "malicious", "-q", "--base-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -206,7 +206,7 @@ def format_report(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl_ckpt.sharded.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rl_ckpt.tools.bench.sharded", description=__doc__.splitlines()[0])
     p.add_argument("url", help="local folder to write into")
     p.add_argument("--ranks", default="2,4", help="world sizes, e.g. 2,4 (default)")
     p.add_argument("--size", default="64MiB", help="model + Adam state size (default 64MiB)")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_args(args) -> int:
     """Run for parsed ``args`` (``url``, ``ranks``, ``size``, ``json``); prints the figures."""
-    from ..bench import local_path, parse_size
+    from .common import local_path, parse_size
 
     os.makedirs(local_path(args.url), exist_ok=True)
     out = run(local_path(args.url), [int(x) for x in str(args.ranks).split(",") if x], parse_size(args.size),
