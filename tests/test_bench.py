@@ -160,3 +160,16 @@ def test_bench_model_mode_on_a_tiny_gpt2(tmp_path):
 def test_docstring_documents_the_model_mode():
     for key in (*bench.MODEL_KEYS, "probe_record_bytes", "parameters", "gpt2-small"):
         assert key in bench.__doc__, key
+
+
+def test_sharded_bench_runs_on_gloo_ranks_and_reports_reads(tmp_path):
+    """`rl-ckpt bench --sharded`: real FSDP2 ranks, DCP alongside, bytes read per rank counted by the storage."""
+    out = run_cli(str(tmp_path), "--sharded", "--ranks", "2", "--size", "4MiB", "--repeat", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["mode"] == "sharded" and [s["ranks"] for s in data["saves"]] == [2]
+    assert all(s["rl_ckpt_s"] > 0 and s["dcp_s"] > 0 for s in data["saves"])
+    (restore,) = data["restores"]
+    assert (restore["saved_on"], restore["restored_on"]) == (2, 2)
+    for rank in restore["per_rank"]:
+        assert 0 < rank["read"] <= 1.25 * rank["share"]
