@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import random
 
 import numpy as np
@@ -111,3 +113,27 @@ def assert_same_state(a: PPOState, b: PPOState) -> None:
 
 def next_draws() -> tuple:
     return (random.random(), float(np.random.rand()), torch.rand(3).tolist())
+
+
+class Bag:
+    """A Checkpointable holding whatever state a test hands it."""
+
+    def __init__(self, state=None):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def wait_until(predicate, what: str, timeout: float = 120.0):
+    """Wait for an event seen through ``predicate`` (polled); fail naming ``what`` after a generous bound."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

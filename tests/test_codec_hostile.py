@@ -23,6 +23,7 @@ from rl_ckpt.checksum import digest_bytes
 from rl_ckpt.errors import CorruptSnapshotError
 from rl_ckpt.manifest import Manifest
 from rl_ckpt.state_codec import MAX_DEPTH, decode_state
+from helpers import Bag
 
 TAGS = ("$tensor", "$ndarray", "$table", "$tuple", "$dict", "$float", "$np", "$bytes", "$odict", "$ddict", "$counter", "$td",
         "$ntd", "$view", "$param", "$c128", "$nd", "$size", "$device", "$dtype", "$complex", "$int", "$bytearray",
@@ -93,16 +94,6 @@ def test_issue_cases_get_a_specific_reason(tree, why):
     ("td-bad-batch", {"$td": {"batch_size": [7], "device": None, "items": [["w", {"$tensor": "bag/w"}]]}}),
 ])
 def test_forged_component_json_makes_restore_fall_back(tmp_path, label, tree):
-    class Bag:
-        def __init__(self, state=None):
-            self.state = state
-
-        def state_dict(self):
-            return self.state
-
-        def load_state_dict(self, state):
-            self.state = state
-
     cfg = {"base_dir": str(tmp_path), "run_name": "run"}
     bag = Bag({"bag": {"w": torch.ones(3)}, "step": 1})
     eng = CheckpointEngine(**cfg)

@@ -6,7 +6,6 @@ remembered per engine."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -14,6 +13,7 @@ import uuid
 import pytest
 
 from ray_workers import Participant
+from helpers import wait_until
 
 PARTS = ["learner-0", "learner-1", "rollout-0", "rollout-1"]
 
@@ -26,15 +26,6 @@ def _get(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def _until(fn, what: str, bound: float = 60.0):
-    """Poll ``fn`` until it returns something truthy (an event), failing after a generous bound."""
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not seen within {bound:.0f} s: {what}")
 
 
 def _dead_actor_error(ray, actor):
@@ -80,7 +71,7 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(Participant)
     group = {p: actor.remote(str(tmp_path), name, mgr, int(p[-1]), 2, p.split("-")[0], PARTS, 4096)
              for p in PARTS}
-    _until(lambda: _registered(ray, mgr, PARTS), "every participant registered")
+    wait_until(lambda: _registered(ray, mgr, PARTS), "every participant registered")
     url = ray.get(mgr.healthz_url.remote())
     assert _get(url)[0] == 200
 
@@ -102,7 +93,7 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
 
     # Ray restarts it (here: a new actor in its place); once it registers the group is whole again.
     group["rollout-0"] = actor.remote(str(tmp_path), name, mgr, 0, 2, "rollout", PARTS, 4096)
-    _until(lambda: _get(url)[0] == 200, "/healthz back to 200 after the restart")
+    wait_until(lambda: _get(url)[0] == 200, "/healthz back to 200 after the restart")
 
     # A learner rank killed: Ray Train reports its health check failed with the actor's death; the other
     # rank raised a gloo error. The record names the killed rank and its step, not the rank that raised.
@@ -118,7 +109,7 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     assert _get(url)[0] == 503
     assert [f["participant"] for f in ray.get(mgr.failures.remote())] == ["rollout-0", "learner-1"]
     group["learner-1"] = actor.remote(str(tmp_path), name, mgr, 1, 2, "learner", PARTS, 4096)
-    _until(lambda: _get(url)[0] == 200, "/healthz back to 200 after the learner restart")
+    wait_until(lambda: _get(url)[0] == 200, "/healthz back to 200 after the learner restart")
 
     # Restarted before the failure is recorded: the new process has no step yet, so the record says
     # "unknown" rather than borrowing a survivor's later step.
@@ -127,19 +118,19 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     restartable = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0)(Participant)
     group["rollout-1"] = restartable.remote(str(tmp_path), name, mgr, 1, 2, "rollout", PARTS, 4096)
     old_pid = ray.get(group["rollout-1"].pid.remote(), timeout=60)
-    _until(lambda: ray.get(mgr.health.remote())["participants"]["rollout-1"]["pid"] == old_pid, "registration")
+    wait_until(lambda: ray.get(mgr.health.remote())["participants"]["rollout-1"]["pid"] == old_pid, "registration")
     ray.get(mgr.heartbeat.remote("rollout-1", 40, None))
     with pytest.raises(RayActorError) as info:
         ray.get(group["rollout-1"].die.remote(), timeout=60)  # Ray restarts it: same actor, new process
     died = info.value
-    _until(lambda: ray.get(mgr.health.remote())["participants"]["rollout-1"]["pid"] != old_pid, "re-registration")
+    wait_until(lambda: ray.get(mgr.health.remote())["participants"]["rollout-1"]["pid"] != old_pid, "re-registration")
     seen = {1: UserExceptionWithTraceback(died, "Traceback ...")}
     stored = ray.get(mgr.record_failure.remote(failure_from_exceptions(seen).to_json(), dead_processes(seen)))
     assert stored["participant"] == "rollout-1" and stored["step"] is None
     # Whether the registration is already the restarted process is known only when Ray's error names the
     # dead pid; either way the participant is back once the restarted process reports a step.
     ray.get(group["rollout-1"].beat.remote(41))
-    _until(lambda: _get(url)[0] == 200, "/healthz 200 once the restarted process beats")
+    wait_until(lambda: _get(url)[0] == 200, "/healthz 200 once the restarted process beats")
 
 
 @pytest.mark.ray
@@ -149,17 +140,17 @@ def test_healthz_degraded_while_a_heartbeat_is_lost(ray_cluster, manager, tmp_pa
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(Participant)
     cfg = {"heartbeat_interval_seconds": 0.5}
     victim = actor.remote(str(tmp_path), name, mgr, 0, 1, "learner", ["learner-0"], 4096, cfg)
-    _until(lambda: _registered(ray, mgr, ["learner-0"]), "registered")
+    wait_until(lambda: _registered(ray, mgr, ["learner-0"]), "registered")
     url = ray.get(mgr.healthz_url.remote())
     ray.get(mgr.heartbeat.remote("learner-0", 5, None))
     _dead_actor_error(ray, victim)  # SIGKILLed: it falls silent at step 5
-    status, body = _until(lambda: (lambda r: r if r[0] == 503 else None)(_get(url)), "/healthz 503 on the silence")
+    status, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(_get(url)), "/healthz 503 on the silence")
     assert body["lost"] == ["learner-0"]
     assert body["failure"]["kind"] == "heartbeat_lost" and body["failure"]["participant"] == "learner-0"
     assert body["failure"]["step"] == 5
     back = actor.remote(str(tmp_path), name, mgr, 0, 1, "learner", ["learner-0"], 4096, cfg)  # kept: a dropped handle ends the actor
     assert ray.get(back.pid.remote(), timeout=60)
-    _until(lambda: _get(url)[0] == 200, "/healthz back to 200 once the participant is back")
+    wait_until(lambda: _get(url)[0] == 200, "/healthz back to 200 once the participant is back")
 
 
 def test_report_pointer_is_per_engine(tmp_path, monkeypatch):

@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import glob
 import os
-import time
 import uuid
 
 import pytest
 
 from ray_workers import Rank
+from helpers import wait_until
 
 pytestmark = pytest.mark.ray
 
 
-def _until(predicate, what: str, timeout: float = 120.0):
-    """Wait for an event seen through ``predicate`` (polled); fail naming ``what`` after a generous bound."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -65,7 +56,7 @@ def test_one_rank_fails_to_encode_the_other_fails_within_2s_nothing_committed_ne
     # Rank 1 has written its part and waits in report when rank 0 fails to encode its optimizer state.
     ray.get(r0.poison.remote())
     ray.get(r1.save_async.remote(2))
-    _until(lambda: glob.glob(f"{run_dir}/.staging/step_000000002.*/learner-1.report.json"), "rank 1's report")
+    wait_until(lambda: glob.glob(f"{run_dir}/.staging/step_000000002.*/learner-1.report.json"), "rank 1's report")
     sid0, err0, failed0 = ray.get(r0.save.remote(2))
     sid1, err1, failed1 = ray.get(r1.wait.remote())
     assert sid0 is None and "Unsaveable" in err0
@@ -112,7 +103,7 @@ def test_manager_killed_between_last_report_and_commit_restarts_finishes_and_ser
     before = ray.get(mgr.stats.remote())
     (pause / "pause-before-commit-step_000000002").touch()
     saves = [r0.save.remote(2), r1.save.remote(2)]
-    _until(lambda: (pause / "paused-before-commit-step_000000002").exists(), "the manager to pause before the commit")
+    wait_until(lambda: (pause / "paused-before-commit-step_000000002").exists(), "the manager to pause before the commit")
     ray.kill(mgr, no_restart=False)  # both reports are on storage; the commit has not happened
     (pause / "pause-before-commit-step_000000002").unlink()
     results = ray.get(saves, timeout=180)
@@ -159,13 +150,13 @@ def test_heartbeats_go_on_while_a_rank_waits_and_a_clean_close_unregisters(clust
     # Both ranks now wait (rank 0 on its disk, rank 1 on the commit) and their loops send nothing. Let
     # the manager see eight liveness beats, 4 s at an interval of 1 s: twice its loss threshold.
     start = ray.get(mgr.stats.remote())["beats"]
-    _until(lambda: all(ray.get(mgr.stats.remote())["beats"][p] >= start[p] + 8 for p in ("learner-0", "learner-1")),
+    wait_until(lambda: all(ray.get(mgr.stats.remote())["beats"][p] >= start[p] + 8 for p in ("learner-0", "learner-1")),
            "eight liveness beats from each rank")
     assert [f for f in ray.get(mgr.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
     ray.get(r0.open_gate.remote())
     assert [x[0] for x in ray.get([r0.wait.remote(), r1.wait.remote()])] == ["step_000000002"] * 2
     ray.get([r0.close.remote(), r1.close.remote()])
-    _until(lambda: ray.get(mgr.health.remote())["participants"] == {}, "both ranks to unregister")
+    wait_until(lambda: ray.get(mgr.health.remote())["participants"] == {}, "both ranks to unregister")
     assert [f for f in ray.get(mgr.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
 
 
@@ -216,7 +207,7 @@ def test_clean_ray_train_run_with_1s_heartbeats_records_no_lost_heartbeat(ray_cl
     try:
         assert result.done is not None and len(result.attempts) == 1
         assert [f for f in ray.get(result.manager.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
-        _until(lambda: ray.get(result.manager.health.remote())["participants"] == {}, "every participant to unregister")
+        wait_until(lambda: ray.get(result.manager.health.remote())["participants"] == {}, "every participant to unregister")
         steps = [s["global_step"] for s in ray.get(result.manager.snapshots.remote())]
         assert steps[-1] == 20 and all(step % 5 == 0 for step in steps)
         assert ray.get(result.manager.stats.remote())["aborted"] == 0

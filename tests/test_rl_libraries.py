@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine
+from helpers import Bag
 
 
 def engine(tmp_path, **kw) -> CheckpointEngine:
@@ -170,16 +171,6 @@ def test_names_sharing_storage_in_a_plain_dict_share_it_again(tmp_path, how):
 
 
 def save_and_load(tmp_path, state: dict, use_async: bool = False, **cfg) -> dict:
-    class Bag:
-        def __init__(self, s=None):
-            self.state = s
-
-        def state_dict(self):
-            return self.state
-
-        def load_state_dict(self, s):
-            self.state = s
-
     sub = tmp_path / f"bag{len(os.listdir(tmp_path))}"
     eng = CheckpointEngine(base_dir=str(sub), run_name="run", **cfg)
     eng.register("bag", Bag(state))

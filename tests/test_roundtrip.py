@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import PPOState, assert_same_state, next_draws
+from helpers import Bag, PPOState, assert_same_state, next_draws
 from rl_ckpt import CheckpointEngine, CheckpointError, SerializationError
 from rl_ckpt.commit import ManifestLastCommit, StagedRenameCommit
 
@@ -98,16 +98,6 @@ def test_unsupported_value_names_component_and_key(cfg):
 
 
 def test_torch_dtypes_and_special_values_round_trip(cfg):
-    class Bag:
-        def __init__(self, state=None):
-            self.state = state
-
-        def state_dict(self):
-            return self.state
-
-        def load_state_dict(self, state):
-            self.state = state
-
     state = {
         "bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(2).half(), "i8": torch.arange(-3, 3, dtype=torch.int8),
         "bool": torch.tensor([True, False]), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
@@ -130,17 +120,6 @@ def test_torch_dtypes_and_special_values_round_trip(cfg):
     assert got["tuple"] == (1, (2, "x")) and got["intkeys"] == {3: "a", 1: "b"}
     assert got["dollar"] == {"$tensor": "not a tag"} and got["bytes"] == b"\x00\xff"
     assert type(got["np_scalar"]) is np.float32 and got["np_scalar"] == np.float32(1.25) and got["none"] is None
-
-
-class Bag:
-    def __init__(self, state=None):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def round_trip(cfg, state: dict, *, use_async: bool = False) -> dict:

@@ -192,8 +192,6 @@ class Learner(PPOTrainer):
         return parts
 
     def _collect(self) -> None:
-        import ray
-
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         step = self.progress.global_step
         batches = self.call_workers([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers],

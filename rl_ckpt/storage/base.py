@@ -179,12 +179,6 @@ class Storage(abc.ABC):
     def open_read(self, path: str) -> BinaryIO:
         """Open a regular file for streaming reads (links refused)."""
 
-    def read_range(self, path: str, start: int, length: int) -> bytes:
-        """``length`` bytes of ``path`` from byte ``start`` (fewer only at the end of the file)."""
-        with self.open_read(path) as f:
-            f.seek(start)
-            return f.read(length)
-
     @abc.abstractmethod
     def list(self, path: str = "") -> list[Entry]:
         """Entries directly under ``path`` (empty list if it does not exist)."""
