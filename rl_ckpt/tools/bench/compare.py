@@ -7,7 +7,7 @@ import statistics
 import time
 
 from .baselines import (
-    _quiet_dcp, dcp_async_save, dcp_load, dcp_save, hash_all, raw_read, raw_write, st_save, torch_save,
+    _quiet_dcp, dcp_async_save, dcp_load, dcp_save, hash_all, st_save, time_raw_floor, torch_save,
 )
 from .common import (
     CacheDropper, CpuMeter, HASH_ALGOS, RATIOS, RESULT_KEYS, Samples, human, log, parse_size, quiesce, rmtree,
@@ -73,11 +73,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
 
     def g_floor(r: int) -> None:
         path = d(f"raw-{r}.bin")
-        sm.timed("raw_write", lambda: raw_write(path, views))
-        cache.drop(path)
-        buf = sm.timed("raw_read", lambda: raw_read(path))
-        del buf
-        rmtree(path)
+        time_raw_floor(sm, cache, path, views)
         clones = sm.timed("clone", lambda: [t.clone() for t in tensors])
         del clones
 

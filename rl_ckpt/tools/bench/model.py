@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from .baselines import raw_read, raw_write, torch_save
+from .baselines import time_raw_floor, torch_save
 from .common import CacheDropper, Samples, human, log, rmtree
 from .compare import _clear_run, _engine
 from .report import _f
@@ -63,11 +63,7 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
 
     def g_floor(r: int) -> None:
         path = d(f"raw-{r}.bin")
-        sm.timed("raw_write", lambda: raw_write(path, views))
-        cache.drop(path)
-        buf = sm.timed("raw_read", lambda: raw_read(path))
-        del buf
-        rmtree(path)
+        time_raw_floor(sm, cache, path, views)
 
     def g_torch(r: int) -> None:
         path = d(f"torch-{r}.pt")

@@ -7,7 +7,7 @@ import os
 import random
 import time
 
-from .baselines import raw_read, raw_write
+from .baselines import time_raw_floor
 from .common import (
     BenchUsageError, CacheDropper, DEFAULT_COUNTS, DEFAULT_SIZES, Samples, human, log, parse_size, quiesce, rmtree,
 )
@@ -44,11 +44,7 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
     path = os.path.join(workdir, f"raw-{size}.bin")
 
     def floor() -> None:
-        sm.timed("raw_write", lambda: raw_write(path, views))
-        cache.drop(path)
-        buf = sm.timed("raw_read", lambda: raw_read(path))
-        del buf
-        rmtree(path)
+        time_raw_floor(sm, cache, path, views)
         clones = sm.timed("clone", lambda: [t.clone() for t in tensors])
         del clones
 
