@@ -32,15 +32,15 @@ import threading
 import time
 from typing import Any
 
-from rl_ckpt.catalog import SnapshotInfo
-from rl_ckpt.commit import STAGING, Attempt
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.run.commit import STAGING, Attempt
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.coordinator import FailureInfo
-from rl_ckpt.engine import CheckpointEngine
+from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt.core.engine import CheckpointEngine
 from rl_ckpt.errors import CheckpointError, CommitConflictError
-from rl_ckpt.managed import SnapshotAbortedError, SnapshotSkippedError, UnknownParticipantError
-from rl_ckpt.manifest import MANIFEST_NAME, Manifest, now_iso, parse_snapshot_id
-from rl_ckpt.reader import read_manifest
+from rl_ckpt.integrations.managed import SnapshotAbortedError, SnapshotSkippedError, UnknownParticipantError
+from rl_ckpt.format.manifest import MANIFEST_NAME, Manifest, now_iso, parse_snapshot_id
+from rl_ckpt.core.reader import read_manifest
 from rl_ckpt.storage import join, open_storage
 from rl_ckpt.sharded.layout import merge_components
 

@@ -5,11 +5,11 @@ Public API (the README shows it in use)::
     from rl_ckpt import CheckpointEngine, CheckpointConfig, Checkpointable, RNGState, CheckpointError
 """
 
-from .catalog import SnapshotInfo
-from .components import Checkpointable, RNGState, TrainingProgress
-from .config import CheckpointConfig
-from .engine import CheckpointEngine, RestoreResult
-from .errors import (
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.components import Checkpointable, RNGState, TrainingProgress
+from rl_ckpt.config import CheckpointConfig
+from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
+from rl_ckpt.errors import (
     CheckpointError,
     CommitConflictError,
     ConfigError,
@@ -23,7 +23,7 @@ from .errors import (
     StorageError,
     UnsafePathError,
 )
-from .reader import VerifyReport
+from rl_ckpt.core.reader import VerifyReport
 
 __version__ = "0.1.0"
 

@@ -4,8 +4,8 @@
 import contextlib
 import sys
 
-from .tools.bench import *  # noqa: F401,F403
-from .tools.bench import __all__, __doc__  # noqa: F401
+from rl_ckpt.tools.bench import *  # noqa: F401,F403
+from rl_ckpt.tools.bench import __all__, __doc__  # noqa: F401
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):

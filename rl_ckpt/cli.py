@@ -13,8 +13,8 @@ import logging
 import sys
 from typing import Sequence
 
-from .errors import CheckpointError, ConfigError
-from .manifest import parse_snapshot_id
+from rl_ckpt.errors import CheckpointError, ConfigError
+from rl_ckpt.format.manifest import parse_snapshot_id
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -33,11 +33,11 @@ def _human(n: int) -> str:
 
 
 def _storage(args):
-    from .storage import open_storage
+    from rl_ckpt.storage import open_storage
 
     options = {}
     if args.config:
-        from .config import CheckpointConfig
+        from rl_ckpt.config import CheckpointConfig
 
         options.update(CheckpointConfig.from_yaml(args.config).storage_options)
     for item in args.storage_option or []:
@@ -77,7 +77,7 @@ def _snapshot_arg(storage, args) -> str:
 
 
 def _catalog(storage):
-    from .catalog import Catalog
+    from rl_ckpt.run.catalog import Catalog
 
     cat = Catalog(storage)
     cat.refresh()
@@ -99,8 +99,8 @@ def _fmt_metrics(metrics: dict) -> str:
 
 
 def cmd_ls(args) -> int:
-    from .reader import read_manifest, verify_snapshot
-    from .storage import join
+    from rl_ckpt.core.reader import read_manifest, verify_snapshot
+    from rl_ckpt.storage import join
 
     storage = _storage(args)
     cat = _catalog(storage)
@@ -131,7 +131,7 @@ def cmd_ls(args) -> int:
         bad += 1
         rows.append((u.snapshot_id, "?", "?", "?", "", f"NO: {u.reason}"))
     if args.deep:
-        from .catalog import foreign_names
+        from rl_ckpt.run.catalog import foreign_names
 
         for name in foreign_names(storage):
             bad += 1
@@ -152,7 +152,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .reader import FileProblem, VerifyReport, read_manifest, verify_snapshot
+    from rl_ckpt.core.reader import FileProblem, VerifyReport, read_manifest, verify_snapshot
 
     storage = _storage(args)
     cat = _catalog(storage)
@@ -182,7 +182,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .reader import read_manifest
+    from rl_ckpt.core.reader import read_manifest
 
     storage = _storage(args)
     m = read_manifest(storage, _snapshot_arg(storage, args))
@@ -213,9 +213,9 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .config import CheckpointConfig
-    from .coordinator import FailureInfo
-    from .engine import CheckpointEngine
+    from rl_ckpt.config import CheckpointConfig
+    from rl_ckpt.recovery.coordinator import FailureInfo
+    from rl_ckpt.core.engine import CheckpointEngine
 
     storage = _storage(args)
     base, _, run = args.url.rstrip("/").rpartition("/")
@@ -238,7 +238,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_scrub(args) -> int:
-    from .patrol import scrub
+    from rl_ckpt.run.patrol import scrub
 
     storage = _storage(args)
     rate = args.rate_mib * 2**20 if args.rate_mib else None
@@ -248,7 +248,7 @@ def cmd_scrub(args) -> int:
 
 
 def cmd_timeline(args) -> int:
-    from .timeline import load, plot
+    from rl_ckpt.timeline import load, plot
 
     storage = _storage(args)
     data = load(storage, metric=args.metric)
@@ -265,7 +265,7 @@ def cmd_timeline(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .gc import find_debris, find_unreferenced_objects, remove_debris
+    from rl_ckpt.run.gc import find_debris, find_unreferenced_objects, remove_debris
 
     storage = _storage(args)
     debris = find_debris(storage, grace_seconds=args.grace)
@@ -285,8 +285,8 @@ def cmd_gc(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_component
-    from .reader import read_manifest
+    from rl_ckpt.export import export_component
+    from rl_ckpt.core.reader import read_manifest
 
     storage = _storage(args)
     manifest = read_manifest(storage, _snapshot_arg(storage, args))
@@ -298,7 +298,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main_args
+    from rl_ckpt.bench import main_args
 
     return main_args(args)
 
@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("export", cmd_export, "write one component's tensors as a plain safetensors file", needs_id=True)
     s.add_argument("component")
     s.add_argument("-o", "--output", required=True, help="output .safetensors file")
-    from .bench import add_arguments as _bench_arguments
+    from rl_ckpt.bench import add_arguments as _bench_arguments
 
     s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
                        description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)")
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo has its own flags
-        from .demo.__main__ import main as demo_main
+        from rl_ckpt.demo.__main__ import main as demo_main
 
         return demo_main(argv[1:])
     parser = build_parser()

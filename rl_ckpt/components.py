@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .errors import CheckpointError, ConfigError
+from rl_ckpt.errors import CheckpointError, ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 KINDS = ("module", "optimizer", "scheduler", "rng", "buffer", "progress", "other")

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from rl_ckpt.errors import ConfigError
 
 CHECKSUM_ALGOS = ("xxh3_128", "blake3", "sha256")
 BEST_MODES = ("max", "min")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from . import safetensors_io
-from .errors import CheckpointError, StorageError
-from .manifest import Manifest
-from .reader import load_arrays
-from .storage import Storage
+from rl_ckpt.format import safetensors_io
+from rl_ckpt.errors import CheckpointError, StorageError
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.core.reader import load_arrays
+from rl_ckpt.storage import Storage
 
 
 def export_component(storage: Storage, manifest: Manifest, component: str, out_path: str) -> dict:

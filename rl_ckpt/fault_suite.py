@@ -5,8 +5,8 @@
 
 import sys
 
-from .tools.fault_suite import *  # noqa: F401,F403
-from .tools.fault_suite import __all__  # noqa: F401
+from rl_ckpt.tools.fault_suite import *  # noqa: F401,F403
+from rl_ckpt.tools.fault_suite import __all__  # noqa: F401
 
 if __name__ == "__main__":
     # Child processes find their targets in the importable rl_ckpt.tools.fault_suite; without a spec and a file

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .catalog import Catalog
-from .errors import CheckpointError
-from .storage import Storage
-from .untrusted import read_json
+from rl_ckpt.run.catalog import Catalog
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.storage import Storage
+from rl_ckpt.format.untrusted import read_json
 
 
 def _records(storage: Storage, folder: str) -> list[dict]:

@@ -86,7 +86,7 @@ def test_gc_removes_debris_only(tmp_path):
 
 
 def test_timeline_draws_kept_deleted_best_and_failures(tmp_path):
-    from rl_ckpt.coordinator import FailureInfo
+    from rl_ckpt.recovery.coordinator import FailureInfo
     from rl_ckpt.timeline import load
 
     s = PPOState()

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from rl_ckpt.catalog import SnapshotInfo
-from rl_ckpt.coordinator import (Action, CoordinatorConfig, Decision, FailureInfo, FailureKind,
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.recovery.coordinator import (Action, CoordinatorConfig, Decision, FailureInfo, FailureKind,
                                  RecoveryCoordinator)
 from rl_ckpt.errors import CheckpointError, ConfigError
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine, CheckpointError, NoValidSnapshotError, SchemaVersionError, UnsafePathError
-from rl_ckpt.checksum import digest_bytes
-from rl_ckpt.manifest import manifest_checksum
-from rl_ckpt.reader import read_manifest
+from rl_ckpt.format.checksum import digest_bytes
+from rl_ckpt.format.manifest import manifest_checksum
+from rl_ckpt.core.reader import read_manifest
 from rl_ckpt.storage import open_storage
 
 
@@ -380,7 +380,7 @@ FOREIGN = ["step_0000000003", "step_" + "\u0660" * 8 + "\u0663", "step_" + "\uff
 
 
 def test_only_canonical_names_are_snapshots():
-    from rl_ckpt.manifest import parse_snapshot_id, snapshot_id
+    from rl_ckpt.format.manifest import parse_snapshot_id, snapshot_id
 
     for name in FOREIGN + ["step_000000003.b1.light.light", "STEP_000000003", "step_" + "9" * 5000, "step_000000003.b" + "1" * 5000]:
         assert parse_snapshot_id(name) is None, repr(name)
@@ -435,7 +435,7 @@ def test_run_records_are_parsed_as_untrusted(tmp_path, capsys, body):
 
 
 def test_untrusted_json_helpers():
-    from rl_ckpt.untrusted import depth, parse_json
+    from rl_ckpt.format.untrusted import depth, parse_json
 
     for bad in (b"[" * 100000 + b"]" * 100000, b"9" * 5000, b"\xff{", b"{"):
         with pytest.raises(CheckpointError, match="where.json: not valid JSON"):

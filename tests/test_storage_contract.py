@@ -17,10 +17,10 @@ import uuid
 
 import pytest
 
-from rl_ckpt.commit import ManifestLastCommit
+from rl_ckpt.run.commit import ManifestLastCommit
 from rl_ckpt.errors import (CommitConflictError, ConfigError, FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError,
                             StoragePermissionError, UnsafePathError)
-from rl_ckpt.manifest import MANIFEST_NAME
+from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.storage import (FsspecStorage, LocalStorage, MemoryStorage, S3Storage, Storage, join, open_storage,
                              register_storage, storage_class)
 from rl_ckpt.storage.registry import registry as storage_registry

@@ -13,9 +13,9 @@ import argparse
 import sys
 import tempfile
 
-from ..catalog import Catalog
-from ..storage import open_storage
-from .drill import crash_drill
+from rl_ckpt.run.catalog import Catalog
+from rl_ckpt.storage import open_storage
+from rl_ckpt.demo.drill import crash_drill
 
 
 def _human(n: float) -> str:
@@ -59,7 +59,7 @@ def summarize(result, cfg: dict, steps: int) -> str:
 
 def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None) -> tuple[str, bool]:
     """The summary of a Ray demo run and whether it matched the uninterrupted run."""
-    from ..timeline import load
+    from rl_ckpt.timeline import load
 
     storage = open_storage(f"{base}/{run.run_name}")
     data = load(storage)
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from ..timeline import load, plot
-    from .ray_ppo import run
+    from rl_ckpt.timeline import load, plot
+    from rl_ckpt.demo.ray_ppo import run
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     if args.address:

@@ -19,9 +19,9 @@ import signal
 import time
 from typing import Any, Callable
 
-from .. import CheckpointEngine, RNGState
-from ..coordinator import FailureInfo
-from .ppo import PPOConfig, PPOTrainer, param_digest
+from rl_ckpt import CheckpointEngine, RNGState
+from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer, param_digest
 
 
 def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: int = 0, resume: bool = True,

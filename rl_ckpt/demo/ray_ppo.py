@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import CheckpointEngine, RNGState
-from ..errors import CheckpointError
-from .ppo import PPOConfig, PPOTrainer, EnvState
+from rl_ckpt import CheckpointEngine, RNGState
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer, EnvState
 
 log = logging.getLogger("rl_ckpt")
 
@@ -62,7 +62,7 @@ class RolloutWorker:
         self.index = index
         torch.manual_seed(cfg.seed * 1000 + 17 + index)  # this worker's action-sampling stream
         self.envs = EnvState(cfg.num_envs, cfg.seed * 1000 + index)
-        from .ppo import ActorCritic
+        from rl_ckpt.demo.ppo import ActorCritic
 
         self.model = ActorCritic(tuple(cfg.hidden_sizes))
         self.engine = CheckpointEngine(**engine_cfg, manager=manager, rank=index, world_size=1, role="rollout",
@@ -175,7 +175,7 @@ class Learner(PPOTrainer):
         import ray
         from ray.exceptions import RayActorError
 
-        from ..integrations.ray_train import ParticipantFailedError, dead_pid
+        from rl_ckpt.integrations.ray_train import ParticipantFailedError, dead_pid
 
         try:
             return ray.get(refs)
@@ -211,7 +211,7 @@ def learner_loop(config: dict) -> None:
     import ray
     import ray.train
 
-    from ..integrations.ray_train import report
+    from rl_ckpt.integrations.ray_train import report
 
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
@@ -302,7 +302,7 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
 
     from actors import CheckpointManager
 
-    from ..integrations.ray_train import CheckpointCallback
+    from rl_ckpt.integrations.ray_train import CheckpointCallback
 
     started = time.monotonic()
     engine_cfg = {"base_dir": base_dir, "run_name": run_name, "save_interval_steps": 10, "save_interval_seconds": None,

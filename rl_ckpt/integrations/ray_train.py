@@ -35,8 +35,8 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.train import UserCallback
 
-from ..coordinator import FailureInfo
-from ..errors import CheckpointError
+from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt.errors import CheckpointError
 
 log = logging.getLogger("rl_ckpt")
 

@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError, CorruptSnapshotError, StateMismatchError
-from ..manifest import Manifest
-from ..storage import Storage
-from .dcp_storage import DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, load_shards, stage_shards
-from .layout import Layout
+from rl_ckpt.errors import ConfigError, CorruptSnapshotError, StateMismatchError
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.storage import Storage
+from rl_ckpt.sharded.dcp_storage import DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, load_shards, stage_shards
+from rl_ckpt.sharded.layout import Layout
 
 
 class ShardedState:

@@ -33,15 +33,15 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .. import safetensors_io
-from ..checksum import digest_bytes
-from ..commit import Attempt
-from ..errors import CorruptSnapshotError, SerializationError
-from ..manifest import FileEntry
-from ..state_codec import decode_state, encode_state
-from ..storage import Storage, join
-from ..writer import verify_written, write_hashed
-from .layout import Chunk, Layout, TensorLayout
+from rl_ckpt.format import safetensors_io
+from rl_ckpt.format.checksum import digest_bytes
+from rl_ckpt.run.commit import Attempt
+from rl_ckpt.errors import CorruptSnapshotError, SerializationError
+from rl_ckpt.format.manifest import FileEntry
+from rl_ckpt.format.state_codec import decode_state, encode_state
+from rl_ckpt.storage import Storage, join
+from rl_ckpt.core.writer import verify_written, write_hashed
+from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 MIN_BLOCK_BYTES = 64 * 1024  # smaller blocks cost more manifest than the bytes they save a resharding read

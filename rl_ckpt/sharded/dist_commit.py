@@ -17,11 +17,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import errors
-from ..commit import Attempt, CommitStrategy
-from ..errors import CheckpointError
-from ..manifest import Manifest, now_iso
-from .layout import merge_components
+from rl_ckpt import errors
+from rl_ckpt.run.commit import Attempt, CommitStrategy
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.format.manifest import Manifest, now_iso
+from rl_ckpt.sharded.layout import merge_components
 
 
 def _all_gather_bytes(data: bytes, group) -> list[bytes]:
@@ -81,7 +81,7 @@ def merge_parts(parts: list[Manifest], attempt_id: str, participants: list[str])
 
 
 class DistributedCommit:
-    """The commit strategy of a multi-rank engine without a manager (same interface as ``rl_ckpt.commit``)."""
+    """The commit strategy of a multi-rank engine without a manager (same interface as ``rl_ckpt.run.commit``)."""
 
     def __init__(self, inner: CommitStrategy, rank: int, world_size: int, participants: list[str]) -> None:
         self.inner = inner
@@ -160,7 +160,7 @@ class DistributedCommit:
             return b"E" + _error_bytes(exc)
 
     def _landed(self, attempt: Attempt) -> bool:
-        from ..reader import read_manifest
+        from rl_ckpt.core.reader import read_manifest
 
         try:
             return read_manifest(self.storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id

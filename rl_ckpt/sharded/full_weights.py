@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import StateMismatchError
-from ..manifest import Manifest
-from ..storage import Storage
-from .component import chunk_reader
+from rl_ckpt.errors import StateMismatchError
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.storage import Storage
+from rl_ckpt.sharded.component import chunk_reader
 
 
 def load_full_weights(storage: Storage, manifest: Manifest, key: str, module: torch.nn.Module) -> int:
@@ -25,7 +25,7 @@ def load_full_weights(storage: Storage, manifest: Manifest, key: str, module: to
     targets = module.state_dict(keep_vars=True)
     problems = [f"{k}: in snapshot, not in module" for k in layout.tensors if k not in targets]
     problems += [f"{k}: in module, not in snapshot" for k in targets if k not in layout.tensors]
-    from ..safetensors_io import CODE_TO_TORCH
+    from rl_ckpt.format.safetensors_io import CODE_TO_TORCH
 
     for k, t in layout.tensors.items():
         if k in targets:

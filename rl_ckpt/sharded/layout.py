@@ -16,10 +16,10 @@ import dataclasses
 import math
 from typing import Any
 
-from ..checksum import digest_bytes
-from ..errors import CheckpointError, CorruptSnapshotError
-from ..safetensors_io import ITEMSIZE
-from ..storage.base import check_relpath
+from rl_ckpt.format.checksum import digest_bytes
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError
+from rl_ckpt.format.safetensors_io import ITEMSIZE
+from rl_ckpt.storage.base import check_relpath
 
 LAYOUT_VERSION = 1
 

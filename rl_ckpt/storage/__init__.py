@@ -8,12 +8,12 @@ rename: local disks and NFS), ``s3://`` to :class:`S3Storage`, ``memory://`` to
 
 from __future__ import annotations
 
-from .base import Entry, Storage, check_relpath, join
-from .fsspec_store import FsspecStorage
-from .local import LocalStorage
-from .memory import MemoryStorage
-from .registry import open_storage, register_storage, storage_class
-from .s3 import S3Storage
+from rl_ckpt.storage.base import Entry, Storage, check_relpath, join
+from rl_ckpt.storage.fsspec_store import FsspecStorage
+from rl_ckpt.storage.local import LocalStorage
+from rl_ckpt.storage.memory import MemoryStorage
+from rl_ckpt.storage.registry import open_storage, register_storage, storage_class
+from rl_ckpt.storage.s3 import S3Storage
 
 __all__ = ["Entry", "Storage", "LocalStorage", "FsspecStorage", "S3Storage", "MemoryStorage", "open_storage",
            "register_storage", "storage_class", "check_relpath", "join"]

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from typing import BinaryIO, Iterable
 
-from ..errors import CommitConflictError, StorageError, StoragePermissionError
-from .base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large)
+from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError
+from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large)
 
 log = logging.getLogger("rl_ckpt")
 

@@ -27,10 +27,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterable
 
-from ..errors import CheckpointError, CommitConflictError, StorageError, StoragePermissionError, UnsafePathError
-from .base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large,
+from rl_ckpt.errors import CheckpointError, CommitConflictError, StorageError, StoragePermissionError, UnsafePathError
+from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large,
                    unique_suffix)
-from .buffers import alloc_bytes, prefault
+from rl_ckpt.storage.buffers import alloc_bytes, prefault
 
 _MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead

@@ -12,7 +12,7 @@ import io
 import threading
 from typing import BinaryIO
 
-from .fsspec_store import FsspecStorage
+from rl_ckpt.storage.fsspec_store import FsspecStorage
 
 _memory_lock = threading.Lock()  # memory:// is process-local: a process lock makes create-only exact
 

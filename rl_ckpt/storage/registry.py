@@ -8,12 +8,12 @@ rename), ``s3://``/``s3a://`` to :class:`S3Storage`, ``memory://`` to
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-from .base import Storage
-from .fsspec_store import FsspecStorage
-from .local import LocalStorage
-from .memory import MemoryStorage
-from .s3 import S3Storage
+from rl_ckpt.errors import ConfigError
+from rl_ckpt.storage.base import Storage
+from rl_ckpt.storage.fsspec_store import FsspecStorage
+from rl_ckpt.storage.local import LocalStorage
+from rl_ckpt.storage.memory import MemoryStorage
+from rl_ckpt.storage.s3 import S3Storage
 
 registry: dict[str, type[Storage]] = {
     "file": LocalStorage,

@@ -41,9 +41,9 @@ import time
 import uuid
 from typing import Iterable
 
-from ..errors import StorageError
-from .base import check_range, range_past_end
-from .fsspec_store import FsspecStorage, _client_error, _is_exists, log
+from rl_ckpt.errors import StorageError
+from rl_ckpt.storage.base import check_range, range_past_end
+from rl_ckpt.storage.fsspec_store import FsspecStorage, _client_error, _is_exists, log
 
 PARALLEL_UPLOAD_BYTES = 64 * 1024 * 1024  # larger S3 writes go as one multipart upload with parallel parts
 PART_BYTES = 16 * 1024 * 1024

@@ -112,17 +112,17 @@ and ``scaling`` (the runs), ``report`` (tables and plot), ``runner`` (the comman
 
 from __future__ import annotations
 
-from .baselines import hash_all, raw_read, raw_write
-from .common import (
+from rl_ckpt.tools.bench.baselines import hash_all, raw_read, raw_write
+from rl_ckpt.tools.bench.common import (
     DEFAULT_COUNTS, DEFAULT_SIZES, GIB, HASH_ALGOS, LARGE, MIB, RATIOS, RESULT_KEYS, SMALL, VARIANT_KEYS,
     BenchUsageError, CacheDropper, CpuMeter, Samples, fs_info, human, local_path, parse_size,
 )
-from .compare import evaluate_goals, run_compare
-from .model import MODEL_KEYS, MODELS, build_model, format_model, run_model
-from .report import format_compare, format_scaling, plot
-from .runner import add_arguments, main, main_args, run
-from .scaling import run_scaling
-from .state import build_state, flat_tensors, nbytes, plan_shape, size_mix, state_dict_of
+from rl_ckpt.tools.bench.compare import evaluate_goals, run_compare
+from rl_ckpt.tools.bench.model import MODEL_KEYS, MODELS, build_model, format_model, run_model
+from rl_ckpt.tools.bench.report import format_compare, format_scaling, plot
+from rl_ckpt.tools.bench.runner import add_arguments, main, main_args, run
+from rl_ckpt.tools.bench.scaling import run_scaling
+from rl_ckpt.tools.bench.state import build_state, flat_tensors, nbytes, plan_shape, size_mix, state_dict_of
 
 __all__ = [
     "DEFAULT_COUNTS", "DEFAULT_SIZES", "GIB", "HASH_ALGOS", "LARGE", "MIB", "MODELS", "MODEL_KEYS", "RATIOS",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from .common import IOV_MAX, IO_CHUNK, fsync_path, rmtree
+from rl_ckpt.tools.bench.common import IOV_MAX, IO_CHUNK, fsync_path, rmtree
 
 
 def raw_write(path: str, views: list[memoryview]) -> int:
@@ -78,7 +78,7 @@ def time_raw_floor(sm, cache, path: str, views: list[memoryview]) -> None:
 
 
 def hash_all(views: list[memoryview], algo: str) -> str:
-    from ...checksum import new_hasher
+    from rl_ckpt.format.checksum import new_hasher
 
     h = new_hasher(algo)
     for v in views:

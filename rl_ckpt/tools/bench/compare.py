@@ -6,18 +6,18 @@ import os
 import statistics
 import time
 
-from .baselines import (
+from rl_ckpt.tools.bench.baselines import (
     _quiet_dcp, dcp_async_save, dcp_load, dcp_save, hash_all, st_save, time_raw_floor, torch_save,
 )
-from .common import (
+from rl_ckpt.tools.bench.common import (
     CacheDropper, CpuMeter, HASH_ALGOS, RATIOS, RESULT_KEYS, Samples, human, log, parse_size, quiesce, rmtree,
     tree_bytes,
 )
-from .state import build_state, byte_views, flat_tensors, mutate_quarter, nbytes, size_mix, state_dict_of
+from rl_ckpt.tools.bench.state import build_state, byte_views, flat_tensors, mutate_quarter, nbytes, size_mix, state_dict_of
 
 
 def _engine(workdir: str, run: str, **kw):
-    from ...engine import CheckpointEngine
+    from rl_ckpt.core.engine import CheckpointEngine
 
     return CheckpointEngine(base_dir=workdir, run_name=run, retention=False, **kw)
 

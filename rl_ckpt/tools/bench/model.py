@@ -6,11 +6,11 @@ import json
 import os
 import time
 
-from .baselines import time_raw_floor, torch_save
-from .common import CacheDropper, Samples, human, log, rmtree
-from .compare import _clear_run, _engine
-from .report import _f
-from .state import byte_views, flat_tensors, nbytes, size_mix, state_dict_of
+from rl_ckpt.tools.bench.baselines import time_raw_floor, torch_save
+from rl_ckpt.tools.bench.common import CacheDropper, Samples, human, log, rmtree
+from rl_ckpt.tools.bench.compare import _clear_run, _engine
+from rl_ckpt.tools.bench.report import _f
+from rl_ckpt.tools.bench.state import byte_views, flat_tensors, nbytes, size_mix, state_dict_of
 
 
 MODELS = {  # name -> transformers GPT2Config overrides (random init, nothing downloaded)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import GIB, human
+from rl_ckpt.tools.bench.common import GIB, human
 
 
 LABELS = [  # (op, key, label, floor key, peer keys by column)

@@ -9,14 +9,14 @@ import platform
 import sys
 import tempfile
 
-from .common import (
+from rl_ckpt.tools.bench.common import (
     BenchUsageError, CacheDropper, DEFAULT_COUNTS, DEFAULT_SIZES, free_page_reporting, fs_info, loadavg, local_path,
     log, rmtree,
 )
-from .compare import run_compare
-from .model import MODELS, format_model, run_model
-from .report import format_compare, format_scaling, plot
-from .scaling import run_scaling
+from rl_ckpt.tools.bench.compare import run_compare
+from rl_ckpt.tools.bench.model import MODELS, format_model, run_model
+from rl_ckpt.tools.bench.report import format_compare, format_scaling, plot
+from rl_ckpt.tools.bench.scaling import run_scaling
 
 DESCRIPTION = "``rl-ckpt bench``: how fast rl_ckpt saves and restores, next to the floor and its peers, in one run."
 
@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main_args(args) -> int:
     """Run the bench for parsed ``args``; prints the table (or JSON); returns the exit code."""
     if args.sharded:
-        from .sharded import main_args as sharded_main  # spawns gloo processes: imported only when asked
+        from rl_ckpt.tools.bench.sharded import main_args as sharded_main  # spawns gloo processes: imported only when asked
 
         return sharded_main(args)
     try:

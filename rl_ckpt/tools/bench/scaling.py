@@ -7,12 +7,12 @@ import os
 import random
 import time
 
-from .baselines import time_raw_floor
-from .common import (
+from rl_ckpt.tools.bench.baselines import time_raw_floor
+from rl_ckpt.tools.bench.common import (
     BenchUsageError, CacheDropper, DEFAULT_COUNTS, DEFAULT_SIZES, Samples, human, log, parse_size, quiesce, rmtree,
 )
-from .compare import _clear_run, _engine
-from .state import build_state, byte_views, flat_tensors, nbytes
+from rl_ckpt.tools.bench.compare import _clear_run, _engine
+from rl_ckpt.tools.bench.state import build_state, byte_views, flat_tensors, nbytes
 
 
 def run_scaling(args, workdir: str, cache: CacheDropper) -> dict:
@@ -78,7 +78,7 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
 def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) -> list[dict]:
     import torch
 
-    from ...retention import plan_retention
+    from rl_ckpt.run.retention import plan_retention
 
     e = _engine(workdir, "catalog", verify_after_write=False)
     e.register("policy", torch.nn.Linear(4, 4))
@@ -126,6 +126,6 @@ def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) ->
 
 
 def _default_policy(engine):
-    from ...retention import policy_from_config
+    from rl_ckpt.run.retention import policy_from_config
 
     return policy_from_config(engine.config)

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_args(args) -> int:
     """Run for parsed ``args`` (``url``, ``ranks``, ``size``, ``json``); prints the figures."""
-    from .common import local_path, parse_size
+    from rl_ckpt.tools.bench.common import local_path, parse_size
 
     os.makedirs(local_path(args.url), exist_ok=True)
     out = run(local_path(args.url), [int(x) for x in str(args.ranks).split(",") if x], parse_size(args.size),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from .common import GIB, LARGE, SMALL
+from rl_ckpt.tools.bench.common import GIB, LARGE, SMALL
 
 
 _CLASSES: tuple | None = None

@@ -36,17 +36,17 @@ One module per scenario (``sigkill``, ``power``, ``corruption``, ``errors``, ``s
 
 from __future__ import annotations
 
-from .common import (
+from rl_ckpt.tools.fault_suite.common import (
     PROFILES, SCENARIOS, VALUE_BASE, VARIANTS, Mixed, Profile, SuiteBuffer, SuiteModel, build, engine_cfg, observed,
     op_phases, run_url, save_step, stamp, variant_name,
 )
-from .context import Suite
-from .hostile import HOSTILE_TYPES, HostileCase, check_hostile, hostile_cases, json_paths
-from .malicious import MALICIOUS
-from .report import ScenarioResult, SuiteReport, Violation
-from .runner import RUNS, machine_info, main, run_suite
-from .tamper import forge_json, reseal
-from .targets import LocalTarget, S3Endpoint, S3Target
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.hostile import HOSTILE_TYPES, HostileCase, check_hostile, hostile_cases, json_paths
+from rl_ckpt.tools.fault_suite.malicious import MALICIOUS
+from rl_ckpt.tools.fault_suite.report import ScenarioResult, SuiteReport, Violation
+from rl_ckpt.tools.fault_suite.runner import RUNS, machine_info, main, run_suite
+from rl_ckpt.tools.fault_suite.tamper import forge_json, reseal
+from rl_ckpt.tools.fault_suite.targets import LocalTarget, S3Endpoint, S3Target
 
 __all__ = [
     "HOSTILE_TYPES", "MALICIOUS", "PROFILES", "RUNS", "SCENARIOS", "VALUE_BASE", "VARIANTS", "HostileCase", "LocalTarget",

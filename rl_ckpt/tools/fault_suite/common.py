@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CommitConflictError
+from rl_ckpt.errors import CommitConflictError
 
 
 SCENARIOS = ("sigkill", "power", "corruption", "errors", "s3", "concurrent", "malicious")
@@ -165,7 +165,7 @@ def run_url(cfg: dict) -> str:
 
 def build(cfg: dict, storage=None, **kwargs: Any):
     """(engine, model, buffer): an engine with the suite's two components registered."""
-    from ...engine import CheckpointEngine
+    from rl_ckpt.core.engine import CheckpointEngine
 
     engine = CheckpointEngine(**cfg, storage=storage, **kwargs)
     model, buf = SuiteModel(), SuiteBuffer()
@@ -194,8 +194,8 @@ def _child_init(env: dict | None = None) -> None:
 def _child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, conn) -> None:
     """Save ``step``; SIGKILL ourselves right before/after the nth storage call (of any kind)."""
     _child_init()
-    from ..faults import FaultyStorage
-    from ...storage import open_storage
+    from rl_ckpt.tools.faults import FaultyStorage
+    from rl_ckpt.storage import open_storage
 
     storage = FaultyStorage(open_storage(run_url(cfg)))
     engine, model, buf = build(cfg, storage)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from .common import _child_race
-from .context import Suite
-from .report import ScenarioResult
-from .targets import S3Target
+from rl_ckpt.tools.fault_suite.common import _child_race
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
+from rl_ckpt.tools.fault_suite.targets import S3Target
 
 
 def concurrent(suite: Suite) -> ScenarioResult:

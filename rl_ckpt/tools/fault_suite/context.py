@@ -10,10 +10,10 @@ import tempfile
 import threading
 from typing import Callable
 
-from ...errors import CheckpointError
-from .common import Mixed, PROFILES, build, engine_cfg, observed, run_url, save_step
-from .report import ScenarioResult
-from .targets import LocalTarget, S3Endpoint
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.tools.fault_suite.common import Mixed, PROFILES, build, engine_cfg, observed, run_url, save_step
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
+from rl_ckpt.tools.fault_suite.targets import LocalTarget, S3Endpoint
 
 
 class Suite:
@@ -48,7 +48,7 @@ class Suite:
             ctx = mp.get_context("forkserver")
             # pandas: pyarrow imports it on the first array it builds (0.2 s in every child otherwise);
             # s3fs/botocore: every S3 writer process would import them again
-            ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "pandas", "s3fs", "rl_ckpt", "rl_ckpt.engine",
+            ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "pandas", "s3fs", "rl_ckpt", "rl_ckpt.core.engine",
                                         "rl_ckpt.tools.fault_suite"])
             self._ctx = ctx
         return self._ctx
@@ -120,8 +120,8 @@ class Suite:
 
     def record_ops(self, template: str, cfg_kwargs: dict, step: int) -> list[tuple[str, str]]:
         """The storage calls of one save of ``step`` on a copy of ``template``."""
-        from ..faults import FaultyStorage
-        from ...storage import LocalStorage
+        from rl_ckpt.tools.faults import FaultyStorage
+        from rl_ckpt.storage import LocalStorage
 
         target = self.case("record", cfg_kwargs, template)
         storage = FaultyStorage(LocalStorage(target.run))
@@ -162,7 +162,7 @@ class Suite:
         ``retention_keeps``: an acknowledged step may be gone only if at least this many newer snapshots
         are listed (retention retired it in their favour: keep_latest).
         """
-        from ...gc import find_debris, find_unreferenced_objects
+        from rl_ckpt.run.gc import find_debris, find_unreferenced_objects
 
         n_before = len(res.violations)
         restored = None

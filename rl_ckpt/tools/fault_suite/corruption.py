@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import random
 
-from ...errors import CheckpointError
-from .common import Mixed, VARIANTS, build, observed, variant_name
-from .context import Suite
-from .report import ScenarioResult
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.tools.fault_suite.common import Mixed, VARIANTS, build, observed, variant_name
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
 
 
 SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "restore refused, no fallback",
@@ -20,9 +20,9 @@ SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "restore refused
 
 def corruption(suite: Suite) -> ScenarioResult:
     """Flip bits in, truncate and delete every kind of file of a committed snapshot; sweep the manifest."""
-    from ...dedup import manifest_objects, object_path
-    from ...reader import read_manifest
-    from ...storage import LocalStorage
+    from rl_ckpt.run.dedup import manifest_objects, object_path
+    from rl_ckpt.core.reader import read_manifest
+    from rl_ckpt.storage import LocalStorage
 
     res = ScenarioResult("corruption", "bit flips, truncation, deletion in every kind of file of a snapshot")
     jobs = []

@@ -6,11 +6,11 @@ import os
 import shutil
 from typing import Callable
 
-from ...errors import CheckpointError
-from .common import ERRORS, VARIANTS, build, op_phases, save_step, variant_name
-from .context import Suite
-from .report import ScenarioResult
-from .targets import run_gc
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.tools.fault_suite.common import ERRORS, VARIANTS, build, op_phases, save_step, variant_name
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
+from rl_ckpt.tools.fault_suite.targets import run_gc
 
 
 def errors(suite: Suite) -> ScenarioResult:
@@ -38,8 +38,8 @@ def errors(suite: Suite) -> ScenarioResult:
 
 def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, name: str,
               when: str, mark: str) -> None:
-    from ..faults import FaultyStorage
-    from ...storage import LocalStorage
+    from rl_ckpt.tools.faults import FaultyStorage
+    from rl_ckpt.storage import LocalStorage
 
     target = suite.case(f"error-{variant}-{k}-{name}-{when}", kw, tpl)
     before = target.outside()
@@ -74,8 +74,8 @@ def _expect_error(suite: Suite, res: ScenarioResult, variant: str, label: str, f
 
 
 def _gc_error_jobs(suite: Suite) -> list:
-    from ..faults import FaultyStorage
-    from ...storage import LocalStorage
+    from rl_ckpt.tools.faults import FaultyStorage
+    from rl_ckpt.storage import LocalStorage
 
     kw = {"dedup": True, "atomic_write": True}
     tpl_clean = suite.template(variant_name(True, True), kw)
@@ -101,8 +101,8 @@ def _gc_error_jobs(suite: Suite) -> list:
 
 
 def _gc_error_at(suite: Suite, part: ScenarioResult, kw: dict, tpl: str, k: int, op: str, name: str, when: str) -> None:
-    from ..faults import FaultyStorage
-    from ...storage import LocalStorage
+    from rl_ckpt.tools.faults import FaultyStorage
+    from rl_ckpt.storage import LocalStorage
 
     variant = "gc/" + variant_name(True, True)
     target = suite.case(f"gc-error-{k}-{name}-{when}", kw, tpl)

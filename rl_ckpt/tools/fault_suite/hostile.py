@@ -11,11 +11,11 @@ import shutil
 import struct
 from typing import Any, Callable
 
-from ...errors import CheckpointError
-from .common import Mixed, build, observed, variant_name
-from .report import ScenarioResult
-from .tamper import edit_manifest, forge_json, read_file, replace_file, reseal, snap_dir
-from .targets import LocalTarget, _CLI_LOCK
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.tools.fault_suite.common import Mixed, build, observed, variant_name
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
+from rl_ckpt.tools.fault_suite.tamper import edit_manifest, forge_json, read_file, replace_file, reseal, snap_dir
+from rl_ckpt.tools.fault_suite.targets import LocalTarget, _CLI_LOCK
 
 
 NEWEST = "step_000000002"
@@ -128,7 +128,7 @@ def _plant_foreign(name: str):
 
 def _cli_run(argv: list[str]) -> tuple[int, str, str]:
     """``rl-ckpt ARGV`` in this process: (exit status, stdout, stderr); one at a time (stdout is process-wide)."""
-    from ...cli import main as cli
+    from rl_ckpt.cli import main as cli
 
     out, err = io.StringIO(), io.StringIO()
     with _CLI_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -139,8 +139,8 @@ def _cli_run(argv: list[str]) -> tuple[int, str, str]:
 def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -> None:
     """Restore falls back to step 1 (or loads step 2 exactly), the CLI answers with an exit status and at
     most one line of error, gc leaves foreign folders alone."""
-    from ...manifest import parse_snapshot_id
-    from ...reader import read_manifest
+    from rl_ckpt.format.manifest import parse_snapshot_id
+    from rl_ckpt.core.reader import read_manifest
 
     variant, label = variant_name(case.dedup, True), f"{case.family}: {case.name}"
     engine, model, buf = build(target.cfg, target.storage())

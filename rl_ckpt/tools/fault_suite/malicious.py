@@ -13,13 +13,13 @@ from typing import Callable
 
 import torch
 
-from ...errors import CheckpointError
-from .common import build, variant_name
-from .context import Suite
-from .hostile import HostileCase, NEWEST, check_hostile, hostile_cases
-from .report import ScenarioResult
-from .tamper import edit_manifest, read_file, replace_file, snap_dir
-from .targets import GcRefused, LocalTarget
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.tools.fault_suite.common import build, variant_name
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.hostile import HostileCase, NEWEST, check_hostile, hostile_cases
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
+from rl_ckpt.tools.fault_suite.tamper import edit_manifest, read_file, replace_file, snap_dir
+from rl_ckpt.tools.fault_suite.targets import GcRefused, LocalTarget
 
 
 def malicious(suite: Suite) -> ScenarioResult:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from ...errors import CheckpointError
-from .common import VARIANTS, build, op_phases, save_step, variant_name
-from .context import Suite
-from .report import ScenarioResult
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.tools.fault_suite.common import VARIANTS, build, op_phases, save_step, variant_name
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
 
 
 def power(suite: Suite) -> ScenarioResult:
@@ -34,7 +34,7 @@ def power(suite: Suite) -> ScenarioResult:
 
 def _power_cut(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, step: int, k: int, n: int, op: str,
                mark: str, mix: int) -> None:
-    from ..faults import FaultyStorage, PowerCut, PowerLossStorage
+    from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
     rng = random.Random(k * 1000 + mix) if mix else None
     target = suite.case(f"power-{variant}-{k}-{mix}", kw, tpl)

@@ -14,16 +14,16 @@ from typing import Callable
 
 import torch
 
-from .common import SCENARIOS
-from .concurrent import concurrent
-from .context import Suite
-from .corruption import corruption
-from .errors import errors
-from .malicious import malicious
-from .power import power
-from .report import ScenarioResult, SuiteReport
-from .s3 import s3_errors
-from .sigkill import sigkill
+from rl_ckpt.tools.fault_suite.common import SCENARIOS
+from rl_ckpt.tools.fault_suite.concurrent import concurrent
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.corruption import corruption
+from rl_ckpt.tools.fault_suite.errors import errors
+from rl_ckpt.tools.fault_suite.malicious import malicious
+from rl_ckpt.tools.fault_suite.power import power
+from rl_ckpt.tools.fault_suite.report import ScenarioResult, SuiteReport
+from rl_ckpt.tools.fault_suite.s3 import s3_errors
+from rl_ckpt.tools.fault_suite.sigkill import sigkill
 
 DESCRIPTION = "The fault-injection suite: crash, cut, corrupt, fill, break and race real storage; print the figures."
 # scenario name -> the function that runs it in the shared context

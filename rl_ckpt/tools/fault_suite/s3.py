@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from ...errors import StorageError
-from .common import build, op_phases, run_url, save_step
-from .context import Suite
-from .errors import _expect_error
-from .report import ScenarioResult
-from .targets import S3Target
+from rl_ckpt.errors import StorageError
+from rl_ckpt.tools.fault_suite.common import build, op_phases, run_url, save_step
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.errors import _expect_error
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
+from rl_ckpt.tools.fault_suite.targets import S3Target
 
 
 def s3_errors(suite: Suite) -> ScenarioResult:
     """Fail every request of a save on S3 with a 5xx-like error."""
-    from ..faults import FaultyStorage
-    from ...storage import open_storage
+    from rl_ckpt.tools.faults import FaultyStorage
+    from rl_ckpt.storage import open_storage
 
     res = ScenarioResult("s3", "5xx-like errors at every request of a save on S3 (moto on 127.0.0.1)")
     s3 = suite.s3()
@@ -46,7 +46,7 @@ def s3_errors(suite: Suite) -> ScenarioResult:
 
 def _s3_error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, bucket: str, k: int, op: tuple, when: str,
                  mark: str) -> None:
-    from ..faults import FaultyStorage
+    from rl_ckpt.tools.faults import FaultyStorage
 
     target = S3Target(suite.s3(), bucket, f"{k}-{when}", kw)
     faulty = FaultyStorage(target.storage())

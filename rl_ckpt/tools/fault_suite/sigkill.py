@@ -7,9 +7,9 @@ import random
 import signal
 import time
 
-from .common import VARIANTS, _child_kill_at, _child_save_loop, op_phases, variant_name
-from .context import Suite
-from .report import ScenarioResult
+from rl_ckpt.tools.fault_suite.common import VARIANTS, _child_kill_at, _child_save_loop, op_phases, variant_name
+from rl_ckpt.tools.fault_suite.context import Suite
+from rl_ckpt.tools.fault_suite.report import ScenarioResult
 
 
 def sigkill(suite: Suite) -> ScenarioResult:

@@ -11,8 +11,8 @@ import os
 import threading
 import uuid
 
-from ...testing.s3_endpoint import serialize_conditional_writes
-from .common import engine_cfg, run_url
+from rl_ckpt.testing.s3_endpoint import serialize_conditional_writes
+from rl_ckpt.tools.fault_suite.common import engine_cfg, run_url
 
 
 def _tree_listing(top: str, skip: str | None = None) -> dict:
@@ -58,7 +58,7 @@ class LocalTarget:
         self.cfg = engine_cfg(parent, **(cfg_kwargs or {}))
 
     def storage(self):
-        from ...storage import LocalStorage
+        from rl_ckpt.storage import LocalStorage
 
         return LocalStorage(self.run)
 
@@ -68,7 +68,7 @@ class LocalTarget:
     def gc(self) -> int:
         """``rl-ckpt gc <run> --grace 0``; returns how many entries it removed (output swallowed; one at a
         time, as stdout is process-wide)."""
-        from ...cli import main as cli
+        from rl_ckpt.cli import main as cli
 
         out, err = io.StringIO(), io.StringIO()
         with _CLI_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -94,7 +94,7 @@ class S3Target:
         self.cfg = engine_cfg(f"s3://{bucket}/{prefix}", storage_options=s3.options, **(cfg_kwargs or {}))
 
     def storage(self):
-        from ...storage import open_storage
+        from rl_ckpt.storage import open_storage
 
         return open_storage(run_url(self.cfg), self.s3.options)
 
@@ -108,7 +108,7 @@ class S3Target:
 
 def run_gc(storage) -> int:
     """What ``rl-ckpt gc --grace 0`` does, on a given storage object."""
-    from ...gc import find_debris, find_unreferenced_objects, remove_debris
+    from rl_ckpt.run.gc import find_debris, find_unreferenced_objects, remove_debris
 
     debris = find_debris(storage, grace_seconds=0)
     objects, _refusal = find_unreferenced_objects(storage, grace_seconds=0)

@@ -20,7 +20,7 @@ fsynced since) and ``power_cut()`` undoes them on the real files, as the disk
 would after losing power. See its docstring for the exact model.
 """
 
-from .faulty import ANY, OPERATIONS, FaultyStorage, Rule
-from .powerloss import Effect, PowerCut, PowerLossStorage
+from rl_ckpt.tools.faults.faulty import ANY, OPERATIONS, FaultyStorage, Rule
+from rl_ckpt.tools.faults.powerloss import Effect, PowerCut, PowerLossStorage
 
 __all__ = ["ANY", "OPERATIONS", "Effect", "FaultyStorage", "PowerCut", "PowerLossStorage", "Rule"]

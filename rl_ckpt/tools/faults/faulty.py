@@ -8,8 +8,8 @@ import os
 import threading
 from typing import Callable
 
-from ...errors import StorageError
-from ...storage import Storage
+from rl_ckpt.errors import StorageError
+from rl_ckpt.storage import Storage
 
 
 OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "stat", "remove", "remove_tree",

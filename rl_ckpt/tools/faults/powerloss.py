@@ -13,8 +13,8 @@ import uuid
 import weakref
 from typing import Callable, Iterable
 
-from ...errors import CommitConflictError, UnsafePathError
-from ...storage import LocalStorage
+from rl_ckpt.errors import CommitConflictError, UnsafePathError
+from rl_ckpt.storage import LocalStorage
 
 
 class PowerCut(BaseException):
@@ -427,7 +427,7 @@ def _undo(e: Effect, earlier: list[Effect], full_of: Callable[[str], str]) -> bo
 
 def _safe(path: str) -> bool:
     """A path the inner storage would accept (it refuses the others before touching anything)."""
-    from ...storage import check_relpath
+    from rl_ckpt.storage import check_relpath
 
     try:
         check_relpath(path)

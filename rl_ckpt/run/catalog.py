@@ -14,11 +14,11 @@ import logging
 import threading
 from typing import Iterable
 
-from .commit import STAGING, TRASH
-from .errors import CheckpointError
-from .manifest import Manifest, parse_snapshot_id
-from .reader import read_manifest
-from .storage import Storage
+from rl_ckpt.run.commit import STAGING, TRASH
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.format.manifest import Manifest, parse_snapshot_id
+from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
 
@@ -136,7 +136,7 @@ class Catalog:
             except CheckpointError as exc:
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
-        from .quarantine import quarantined
+        from rl_ckpt.run.quarantine import quarantined
 
         fenced = quarantined(self.storage)
         was = {sid: info.quarantined for sid, info in known.items()}

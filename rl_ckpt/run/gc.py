@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .catalog import lost_manifest
-from .commit import STAGING, TRASH
-from .errors import CheckpointError
-from .manifest import MANIFEST_NAME, parse_snapshot_id
-from .reader import read_manifest
-from .storage import Storage, join
+from rl_ckpt.run.catalog import lost_manifest
+from rl_ckpt.run.commit import STAGING, TRASH
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
+from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.storage import Storage, join
 
 DEFAULT_GRACE_SECONDS = 3600.0
 
@@ -110,7 +110,7 @@ def find_unreferenced_objects(storage: Storage, grace_seconds: float = DEFAULT_G
     Returns ``(debris, refusal)``. When any snapshot's manifest cannot be read,
     its references are unknown, so nothing is swept and ``refusal`` says why.
     """
-    from .dedup import OBJECTS, manifest_objects
+    from rl_ckpt.run.dedup import OBJECTS, manifest_objects
 
     now = time.time() if now is None else now
     if not storage.exists(OBJECTS):

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Callable
 
-from .catalog import SnapshotInfo
+from rl_ckpt.run.catalog import SnapshotInfo
 
 log = logging.getLogger("rl_ckpt")
 

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import safetensors_io
-from .errors import CheckpointError, CorruptSnapshotError, SerializationError
+from rl_ckpt.format import safetensors_io
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, SerializationError
 
 _ALLOWED = (
     "tensors (torch.Tensor, nn.Parameter), NumPy arrays and scalars, pyarrow tables, TensorDicts, and plain data "

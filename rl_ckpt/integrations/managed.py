@@ -20,10 +20,10 @@ import threading
 import time
 from typing import Any
 
-from .commit import Attempt
-from .errors import CheckpointError
-from .manifest import Manifest
-from .storage import Storage, join
+from rl_ckpt.run.commit import Attempt
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.storage import Storage, join
 
 log = logging.getLogger("rl_ckpt")
 
@@ -75,7 +75,7 @@ def _ray_get(ref, timeout: float | None = None, name: str = "the checkpoint mana
 
 
 class ManagedCommit:
-    """A commit strategy whose commit point is the manager (same interface as ``rl_ckpt.commit``)."""
+    """A commit strategy whose commit point is the manager (same interface as ``rl_ckpt.run.commit``)."""
 
     def __init__(self, storage: Storage, manager, participant: str, expected: list[str], *,
                  commit_timeout: float = 300.0, heartbeat: "Heartbeat | None" = None,

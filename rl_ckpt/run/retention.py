@@ -25,8 +25,8 @@ import dataclasses
 import math
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
-from .catalog import SnapshotInfo
-from .errors import ConfigError
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.errors import ConfigError
 
 _MODES = ("max", "min")
 

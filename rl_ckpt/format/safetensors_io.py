@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .errors import CorruptSnapshotError, SerializationError
+from rl_ckpt.errors import CorruptSnapshotError, SerializationError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same limit as the safetensors library
 

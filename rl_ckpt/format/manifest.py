@@ -13,10 +13,10 @@ import json
 import re
 from typing import Any
 
-from .config import CHECKSUM_ALGOS
-from .errors import CorruptSnapshotError, SchemaVersionError
-from .storage.base import check_relpath
-from .untrusted import parse_json
+from rl_ckpt.config import CHECKSUM_ALGOS
+from rl_ckpt.errors import CorruptSnapshotError, SchemaVersionError
+from rl_ckpt.storage.base import check_relpath
+from rl_ckpt.format.untrusted import parse_json
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "meta.json"
@@ -211,7 +211,7 @@ def _check_fields(d: dict, where: str) -> None:
         raise _wrong(where, "files", "a list", d["files"])
     for name, section in d.get("components", {}).items():
         _check_section(where, f"components.{name}", section)
-    from .untrusted import MAX_DEPTH, depth
+    from rl_ckpt.format.untrusted import MAX_DEPTH, depth
 
     if depth(d) > MAX_DEPTH:
         raise _corrupt(where, f"manifest is nested more than {MAX_DEPTH} levels deep; rl_ckpt never writes that")
@@ -219,7 +219,7 @@ def _check_fields(d: dict, where: str) -> None:
 
 def _check_section(where: str, field: str, section: Any) -> None:
     """The keys of a component section the core reads: kind, tensors, tables, objects, objects_algo."""
-    from .safetensors_io import check_shape, ITEMSIZE
+    from rl_ckpt.format.safetensors_io import check_shape, ITEMSIZE
 
     _need_object(where, field, section)
     if "kind" in section:
@@ -287,7 +287,7 @@ def _need_object(where: str, field: str, value: Any) -> dict:
 def manifest_checksum(d: dict) -> str:
     """The ``manifest_checksum`` of manifest JSON ``d`` (without that key): a check against damage, not a
     signature (anyone who can write the storage can recompute it; tests and the fault suite do, to forge)."""
-    from .checksum import digest_bytes
+    from rl_ckpt.format.checksum import digest_bytes
 
     canon = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     return "xxh3_128:" + digest_bytes("xxh3_128", canon)

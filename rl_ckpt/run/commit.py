@@ -21,10 +21,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-from .errors import CommitConflictError, StorageError
-from .manifest import MANIFEST_NAME
-from .storage import Storage, join
-from .storage.base import unique_suffix
+from rl_ckpt.errors import CommitConflictError, StorageError
+from rl_ckpt.format.manifest import MANIFEST_NAME
+from rl_ckpt.storage import Storage, join
+from rl_ckpt.storage.base import unique_suffix
 
 STAGING = ".staging"
 TRASH = ".trash"

@@ -14,11 +14,11 @@ import math
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .errors import CheckpointError, ConfigError
-from .manifest import now_iso
+from rl_ckpt.errors import CheckpointError, ConfigError
+from rl_ckpt.format.manifest import now_iso
 
 if TYPE_CHECKING:
-    from .catalog import SnapshotInfo
+    from rl_ckpt.run.catalog import SnapshotInfo
 
 log = logging.getLogger("rl_ckpt")
 RECORD_VERSION = 1

@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from .catalog import SnapshotInfo
-from .coordinator import Action, CoordinatorConfig, Decision, FailureInfo, RecoveryCoordinator
-from .errors import CheckpointError, SchemaVersionError
-from .manifest import Manifest, now_iso
-from .reader import read_manifest, verify_snapshot
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, RecoveryCoordinator
+from rl_ckpt.errors import CheckpointError, SchemaVersionError
+from rl_ckpt.format.manifest import Manifest, now_iso
+from rl_ckpt.core.reader import read_manifest, verify_snapshot
 
 if TYPE_CHECKING:
-    from .engine import CheckpointEngine
+    from rl_ckpt.core.engine import CheckpointEngine
 
 # Load order: weights, optimizer, scheduler, RNG, buffer, env/other, progress last.
 LOAD_ORDER = ("module", "optimizer", "scheduler", "rng", "buffer", "other", "progress")

@@ -10,14 +10,14 @@ import dataclasses
 import math
 from typing import Any
 
-from . import safetensors_io
-from .checksum import new_hasher
-from .errors import CheckpointError, CorruptSnapshotError, StorageError, UnsafePathError
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, parse_snapshot_id
-from .state_codec import decode_state
-from .storage import Storage, join
-from .untrusted import parse_json
-from .writer import hash_file
+from rl_ckpt.format import safetensors_io
+from rl_ckpt.format.checksum import new_hasher
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, StorageError, UnsafePathError
+from rl_ckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, parse_snapshot_id
+from rl_ckpt.format.state_codec import decode_state
+from rl_ckpt.storage import Storage, join
+from rl_ckpt.format.untrusted import parse_json
+from rl_ckpt.core.writer import hash_file
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
@@ -122,7 +122,7 @@ def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | N
             progress(entry.size)
         if problem:
             report.problems.append(FileProblem(snapshot_id, entry.path, problem))
-    from .dedup import check_object, manifest_objects, object_path
+    from rl_ckpt.run.dedup import check_object, manifest_objects, object_path
 
     for digest, (algo, size) in manifest_objects(manifest).items():
         try:
@@ -198,7 +198,7 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
     section = manifest.components.get(name) or {}
     arrays: dict = {}
     if section.get("objects"):
-        from .dedup import read_tensor_bytes
+        from rl_ckpt.run.dedup import read_tensor_bytes
 
         for key, chunks in section["objects"].items():
             meta = section.get("tensors", {}).get(key)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .state_codec import EncodedState
-from .storage.buffers import alloc_bytes
+from rl_ckpt.format.state_codec import EncodedState
+from rl_ckpt.storage.buffers import alloc_bytes
 
 
 class StagingArea:

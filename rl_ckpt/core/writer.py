@@ -11,16 +11,16 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from . import safetensors_io
-from .checksum import new_hasher
-from .commit import Attempt
-from .errors import CorruptSnapshotError
-from .manifest import FileEntry
-from .state_codec import EncodedState, array_nbytes
-from .storage import Storage
+from rl_ckpt.format import safetensors_io
+from rl_ckpt.format.checksum import new_hasher
+from rl_ckpt.run.commit import Attempt
+from rl_ckpt.errors import CorruptSnapshotError
+from rl_ckpt.format.manifest import FileEntry
+from rl_ckpt.format.state_codec import EncodedState, array_nbytes
+from rl_ckpt.storage import Storage
 
 if TYPE_CHECKING:
-    from .dedup import ObjectWriter
+    from rl_ckpt.run.dedup import ObjectWriter
 
 READ_CHUNK = 16 * 1024 * 1024
 HASH_SLICE = 4 * 1024 * 1024

@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from .async_save import SaveHandle
-from .errors import CheckpointError, PostCommitError
+from rl_ckpt.core.async_save import SaveHandle
+from rl_ckpt.errors import CheckpointError, PostCommitError
 
 log = logging.getLogger("rl_ckpt")
 

@@ -14,10 +14,10 @@ import logging
 import threading
 import time
 
-from .catalog import Catalog
-from .quarantine import quarantine
-from .reader import VerifyReport, verify_snapshot
-from .storage import Storage
+from rl_ckpt.run.catalog import Catalog
+from rl_ckpt.run.quarantine import quarantine
+from rl_ckpt.core.reader import VerifyReport, verify_snapshot
+from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
 

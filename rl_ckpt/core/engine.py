@@ -17,14 +17,14 @@ from typing import Any, Mapping
 
 import torch
 
-from .async_save import BackgroundWriter, SaveHandle
-from .catalog import Catalog, SnapshotInfo, decode_metrics
-from .commit import retire_snapshot, strategy_for
-from .dedup import ObjectWriter, manifest_objects, object_path
-from .components import check_component_name, classify
-from .config import CheckpointConfig, changed_keys, config_digest
-from .coordinator import Decision, FailureInfo
-from .errors import (
+from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
+from rl_ckpt.run.catalog import Catalog, SnapshotInfo, decode_metrics
+from rl_ckpt.run.commit import retire_snapshot, strategy_for
+from rl_ckpt.run.dedup import ObjectWriter, manifest_objects, object_path
+from rl_ckpt.components import check_component_name, classify
+from rl_ckpt.config import CheckpointConfig, changed_keys, config_digest
+from rl_ckpt.recovery.coordinator import Decision, FailureInfo
+from rl_ckpt.errors import (
     CheckpointError,
     ConfigError,
     CorruptSnapshotError,
@@ -33,18 +33,18 @@ from .errors import (
     SerializationError,
     StateMismatchError,
 )
-from .managed import REPLICATED_KINDS
-from .manifest import Manifest, now_iso, snapshot_id
-from .probe import compare, run_probe
-from .quarantine import quarantine
-from .reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
-from .recovery import RecoveryPlan, build_plan, without_light
-from .retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
-from .staging import StagingArea
-from .state_codec import EncodedState, encode_state
-from .storage import Storage, open_storage
-from .untrusted import read_json
-from .writer import write_component
+from rl_ckpt.integrations.managed import REPLICATED_KINDS
+from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
+from rl_ckpt.recovery.probe import compare, run_probe
+from rl_ckpt.run.quarantine import quarantine
+from rl_ckpt.core.reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, without_light
+from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
+from rl_ckpt.core.staging import StagingArea
+from rl_ckpt.format.state_codec import EncodedState, encode_state
+from rl_ckpt.storage import Storage, open_storage
+from rl_ckpt.format.untrusted import read_json
+from rl_ckpt.core.writer import write_component
 
 log = logging.getLogger("rl_ckpt")
 
@@ -149,7 +149,7 @@ class CheckpointEngine:
         self.heartbeat = None
         self.role = role
         if manager is not None:
-            from .managed import Heartbeat, ManagedCommit, participant_name
+            from rl_ckpt.integrations.managed import Heartbeat, ManagedCommit, participant_name
 
             self.participant = participant_name(role, self.rank)
             expected = participants or [participant_name(role, r) for r in range(self.world_size)]
@@ -192,7 +192,7 @@ class CheckpointEngine:
         if name in self._components and self._components[name].obj is not obj:
             raise ConfigError(f"component {name!r} is already registered with another object", key=name)
         reg = Registered(name, obj, kind or classify(name, obj), probe)
-        from .sharded import as_sharded
+        from rl_ckpt.sharded import as_sharded
 
         reg.sharded = as_sharded(name, obj, [r.sharded or r.obj for r in self._components.values()])
         if reg.sharded is not None:
@@ -214,8 +214,8 @@ class CheckpointEngine:
             raise ConfigError(f"sharded state on rank {self.rank} of {self.world_size}: initialise torch.distributed "
                               "before registering it (the ranks commit each snapshot together), or pass a manager",
                               key="world_size")
-        from .managed import participant_name
-        from .sharded.dist_commit import DistributedCommit
+        from rl_ckpt.integrations.managed import participant_name
+        from rl_ckpt.sharded.dist_commit import DistributedCommit
 
         names = [participant_name(self.role, r) for r in range(self.world_size)]
         self.commit = DistributedCommit(self.commit, self.rank, self.world_size, names)
@@ -269,7 +269,7 @@ class CheckpointEngine:
         staged = {}
         for reg in self._saved_components(kind):
             if reg.sharded is not None:
-                from .sharded import stage_sharded
+                from rl_ckpt.sharded import stage_sharded
 
                 staged[reg.name] = stage_sharded(reg.sharded, self.rank, copy=False)
                 continue
@@ -317,7 +317,7 @@ class CheckpointEngine:
             staged = {}
             for reg in self._saved_components(kind):
                 if reg.sharded is not None:
-                    from .sharded import stage_sharded
+                    from rl_ckpt.sharded import stage_sharded
 
                     staged[reg.name] = stage_sharded(reg.sharded, self.rank, copy=True)
                     continue
@@ -341,7 +341,7 @@ class CheckpointEngine:
 
     def scheduler(self, **kwargs: Any) -> "CheckpointScheduler":
         """A :class:`CheckpointScheduler` over this engine (``on_error``, ``on_commit``, ``start_step``)."""
-        from .scheduler import CheckpointScheduler
+        from rl_ckpt.core.scheduler import CheckpointScheduler
 
         return CheckpointScheduler(self, **kwargs)
 
@@ -405,7 +405,7 @@ class CheckpointEngine:
                     self.storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
                 reg = self._components.get(name)
                 if reg is not None and reg.sharded is not None:
-                    from .sharded import write_shards
+                    from rl_ckpt.sharded import write_shards
 
                     entries, section = write_shards(self.storage, attempt, key, enc, self.rank, algo=cfg.checksum_algo,
                                                     verify=cfg.verify_after_write, block_bytes=reg.sharded.block_bytes,
@@ -634,7 +634,7 @@ class CheckpointEngine:
         """
         self._check_open()
         if self.manager is not None and snapshot_id is None:
-            from .managed import _ray_get
+            from rl_ckpt.integrations.managed import _ray_get
 
             if failure is not None:
                 _ray_get(self.manager.record_failure.remote(failure.to_json()), timeout=60, name=self.commit.name)
@@ -768,7 +768,7 @@ class CheckpointEngine:
 
     def _load_sharded(self, manifest: Manifest, keys: dict[str, str]) -> None:
         """Each sharded component: this rank reads and verifies only the byte ranges of its own shards."""
-        from .sharded import is_sharded_section, load_sharded, sharded_view
+        from rl_ckpt.sharded import is_sharded_section, load_sharded, sharded_view
 
         objects = [r.sharded or r.obj for r in self._components.values()]
         for name, key in keys.items():
@@ -786,7 +786,7 @@ class CheckpointEngine:
         committed snapshot holding ``name`` unless ``snapshot_id`` is given.
         Returns the snapshot id loaded.
         """
-        from .sharded import load_full_weights
+        from rl_ckpt.sharded import load_full_weights
 
         self._check_open()
         self.catalog.refresh()
@@ -856,7 +856,7 @@ class CheckpointEngine:
         return reg not in self._saved_components("full")
 
     def _check_schema(self, manifest: Manifest) -> None:
-        from .errors import SchemaVersionError
+        from rl_ckpt.errors import SchemaVersionError
 
         if manifest.state_schema_version != self.config.schema_version:
             raise SchemaVersionError(
@@ -880,7 +880,7 @@ class CheckpointEngine:
     # -- health patrol -------------------------------------------------------
     def start_patrol(self, interval_seconds: float = 3600.0, **kwargs: Any) -> "HealthPatrol":
         """Re-hash old snapshots in the background (rate-limited); corrupt ones are quarantined."""
-        from .patrol import HealthPatrol
+        from rl_ckpt.run.patrol import HealthPatrol
 
         if self._patrol is None:
             self._patrol = HealthPatrol(self.storage, interval_seconds=interval_seconds,

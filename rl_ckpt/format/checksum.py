@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from typing import Protocol
 
-from .errors import ConfigError
+from rl_ckpt.errors import ConfigError
 
 
 class Hasher(Protocol):

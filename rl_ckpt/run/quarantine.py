@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 
-from .errors import CheckpointError
-from .manifest import now_iso, parse_snapshot_id
-from .storage import Storage
-from .untrusted import read_json
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.format.manifest import now_iso, parse_snapshot_id
+from rl_ckpt.storage import Storage
+from rl_ckpt.format.untrusted import read_json
 
 QUARANTINE = "quarantine"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import CheckpointError
-from .storage import Storage
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.storage import Storage
 
 MAX_RECORD_BYTES = 1024 * 1024  # aliases, decisions, failures, quarantine and retention notes are a few hundred bytes
 MAX_DEPTH = 64  # far deeper than anything rl_ckpt writes in its own records and manifests

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .checksum import new_hasher
-from .config import FIELDS
-from .errors import CorruptSnapshotError, StorageError
-from .manifest import Manifest
-from .storage import Storage
+from rl_ckpt.format.checksum import new_hasher
+from rl_ckpt.config import FIELDS
+from rl_ckpt.errors import CorruptSnapshotError, StorageError
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.storage import Storage
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BATCH_BYTES = 64 * 1024 * 1024  # new objects are published in batches (one sync pass each) of about this size
@@ -139,7 +139,7 @@ def read_tensor_bytes(storage: Storage, algo: str, chunks: list):
     """Reassemble one tensor's bytes from its verified chunks (into a buffer that is not zero-filled first)."""
     import numpy as np
 
-    from .storage.buffers import alloc_bytes
+    from rl_ckpt.storage.buffers import alloc_bytes
 
     total = sum(size for _digest, size in chunks)
     out = alloc_bytes(total)

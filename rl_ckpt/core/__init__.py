@@ -1,0 +1,1 @@
+"""The engine: save pipeline (staging, async writer, writer, scheduler) and restore path (reader)."""

@@ -1,0 +1,1 @@
+"""The snapshot format: manifest, state codec, safetensors reader/writer, untrusted JSON, checksums."""
