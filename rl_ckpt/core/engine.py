@@ -38,7 +38,8 @@ from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.run.quarantine import quarantine
 from rl_ckpt.core.reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
-from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, without_light
+from rl_ckpt.recovery.history import load_decisions, record_decision
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, probe_check, without_light
 from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.format.state_codec import EncodedState, encode_state
@@ -48,7 +49,6 @@ from rl_ckpt.core.writer import write_component
 
 log = logging.getLogger("rl_ckpt")
 
-DECISIONS = "decisions"
 RETIRED = "history/retired"
 # Config keys that change what training does or what a snapshot holds: a
 # difference between the snapshot and the running job is worth a warning.
@@ -641,31 +641,19 @@ class CheckpointEngine:
             # One plan for every participant: the manager computes it (and records the decision) once.
             return RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds,
                                                    name=self.commit.name))
-        return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
+        return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
+                          components={r.name: r.kind for r in self._components.values()},
+                          coordinator=coordinator_config(self.config), history=self.decisions(), failure=failure,
+                          deep=deep, snapshot_id=snapshot_id, light=light, probes=probe_check(self.config),
+                          job_config=recorded_config(self.config, self.train_config))
 
     def decisions(self) -> list[Decision]:
         """The coordinator decisions recorded in this run, oldest first."""
-        out = []
-        for entry in sorted(self.storage.list(DECISIONS), key=lambda e: e.name):
-            if not entry.name.endswith(".json"):
-                continue
-            try:
-                decision = Decision.from_json(read_json(self.storage, f"{DECISIONS}/{entry.name}"))
-                ids = (decision.snapshot_id, decision.charged_to, *(s for s, _n in decision.considered))
-                steps = (decision.global_step, decision.failure.step, decision.attempt)
-                if not (all(i is None or isinstance(i, str) for i in ids)
-                        and all(n is None or type(n) is int for n in steps)):
-                    raise TypeError("fields of the wrong type")  # e.g. a list as snapshot id: unhashable later
-                out.append(decision)
-            except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a planted record
-                log.warning("ignoring unreadable decision record %s: %s", entry.name, exc)
-        return out
+        return load_decisions(self.storage)
 
     def record_decision(self, decision: Decision) -> None:
         """Write a coordinator decision into the run folder (one file each: atomic on every backend)."""
-        self.storage.makedirs(DECISIONS)
-        name = f"{DECISIONS}/{decision.time.replace(':', '').replace('+', 'p')}-{decision.action}.json"
-        self.storage.write_atomic(name, json.dumps(decision.to_json(), allow_nan=False).encode())
+        record_decision(self.storage, decision)
 
     def restore(self, plan: RecoveryPlan | None = None, *, snapshot_id: str | None = None, strict: bool = True,
                 light: bool = True) -> RestoreResult:
@@ -681,7 +669,7 @@ class CheckpointEngine:
         if plan is None:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
         if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
-            plan = without_light(self, plan)
+            plan = without_light(self.storage, plan)
         if plan.decision is not None and self.manager is None and self.rank == 0:  # the manager records its own
             self.record_decision(plan.decision)
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
