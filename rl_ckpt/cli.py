@@ -15,6 +15,7 @@ from typing import Sequence
 
 from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt.format.manifest import parse_snapshot_id
+from rl_ckpt.run.layout import MANIFEST_NAME, manifest_path
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -71,7 +72,7 @@ def _snapshot_arg(storage, args) -> str:
     if parse_snapshot_id(sid) is None:
         raise UsageError(f"{sid!r} is not a snapshot id (they look like step_000000500 or step_000000500.light); "
                          f"`rl-ckpt ls {args.url}` lists them")
-    if not storage.exists(f"{sid}/meta.json"):
+    if not storage.exists(manifest_path(sid)):
         raise UsageError(f"no committed snapshot {sid!r} in {args.url}")
     return sid
 
@@ -176,7 +177,7 @@ def cmd_verify(args) -> int:
     if not args.snapshot_id:
         for u in cat.unreadable():
             report.checked.append(u.snapshot_id)
-            report.problems.append(FileProblem(u.snapshot_id, "meta.json", u.reason))
+            report.problems.append(FileProblem(u.snapshot_id, MANIFEST_NAME, u.reason))
     print(report)
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
