@@ -132,3 +132,8 @@ def retire_snapshot(storage: Storage, snapshot_id: str) -> bool:
     storage.remove(join(snapshot_id, MANIFEST_NAME))
     storage.remove_tree(snapshot_id)
     return not gone
+
+
+def post_commit_text(exc: BaseException) -> str:
+    """An error's text as seen after the commit point: a storage hint that nothing was committed is untrue here."""
+    return str(exc).replace("; nothing was committed by this save", "")
