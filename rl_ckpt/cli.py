@@ -15,7 +15,7 @@ from typing import Sequence
 
 from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt.format.manifest import parse_snapshot_id
-from rl_ckpt.run.layout import MANIFEST_NAME, manifest_path
+from rl_ckpt.run.layout import MANIFEST_NAME, STAGING, manifest_path
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -56,7 +56,7 @@ def _storage(args):
 
 def _check_is_run(storage, url: str) -> None:
     entries = storage.list("")
-    if not entries or any(parse_snapshot_id(e.name) or e.name == ".staging" for e in entries):
+    if not entries or any(parse_snapshot_id(e.name) or e.name == STAGING for e in entries):
         return
     runs = []
     for e in entries:
