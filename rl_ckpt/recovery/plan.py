@@ -128,7 +128,7 @@ def _check(engine: "CheckpointEngine", info: SnapshotInfo, deep: bool) -> Manife
     refresh that starts every plan, so a restore parses each manifest once."""
     sid = info.snapshot_id
     manifest = info.manifest if info.manifest is not None else read_manifest(engine.storage, sid)
-    engine._check_schema(manifest)
+    engine.restorer.check_schema(manifest)
     if deep:
         report = verify_snapshot(engine.storage, sid)
         if not report.ok:
@@ -229,8 +229,8 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
                                                  "newer, but the decision above chose an older snapshot"))
     plan.candidates.sort(key=lambda c: (-c.global_step, c.kind))
     _actions(engine, plan, manifest, light_manifest)
-    if engine._components:  # a running job: compare its config with the snapshot's (the CLI has none to compare)
-        plan.warnings += engine._config_warnings(manifest)
+    if engine.components:  # a running job: compare its config with the snapshot's (the CLI has none to compare)
+        plan.warnings += engine.restorer.config_warnings(manifest)
     return plan
 
 
@@ -251,7 +251,7 @@ def _choose_light(engine: "CheckpointEngine", plan: RecoveryPlan, target: Snapsh
 
 def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, light: Manifest | None) -> None:
     # What is registered, or (planning from the CLI, nothing registered) what the snapshot holds.
-    names = {r.name: r.kind for r in engine._components.values()} or {n: sec.get("kind", "other")
+    names = engine.registry.kinds() or {n: sec.get("kind", "other")
                                                                       for n, sec in full.components.items()}
     probes = (full.extra or {}).get("probes", {})
     for name, kind in sorted(names.items(), key=lambda nk: LOAD_ORDER.index(nk[1]) if nk[1] in LOAD_ORDER else 5):
