@@ -37,6 +37,7 @@ from rl_ckpt.run.commit import STAGING, Attempt
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.recovery.coordinator import FailureInfo
 from rl_ckpt.core.engine import CheckpointEngine
+from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.errors import CheckpointError, CommitConflictError
 from rl_ckpt.integrations.managed import SnapshotAbortedError, SnapshotSkippedError, UnknownParticipantError
 from rl_ckpt.format.manifest import MANIFEST_NAME, Manifest, now_iso, parse_snapshot_id
@@ -97,7 +98,8 @@ class CheckpointManager:
         self.engine = CheckpointEngine(self.config, storage=self.storage)  # catalog, retention, plans, decisions
         # Participants reuse dedup chunks while the manager applies retention: unreferenced chunks
         # are left to `rl-ckpt gc` and its grace period instead of an immediate sweep.
-        self.engine.sweep_in_gc_only = True
+        self.maintenance = RunMaintenance.from_config(self.storage, self.engine.catalog, self.config,
+                                                      sweep_objects=False)
         self.strategy = self.engine.commit
         self.kill_hung = kill_hung
         self._lock = threading.RLock()
@@ -321,7 +323,7 @@ class CheckpointManager:
         info = SnapshotInfo.from_manifest(merged)
         self.engine.catalog.add(info)
         try:
-            self.engine._after_commit()
+            self.maintenance.after_commit()
         except CheckpointError as exc:  # committed: aliases and retention must not fail the save
             log.warning("%s committed, but housekeeping after the commit failed: %s", snapshot_id, exc)
         self._forget_before(info.global_step)
