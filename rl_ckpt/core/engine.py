@@ -24,14 +24,15 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.async_save import SaveHandle
 from rl_ckpt.core.reader import VerifyReport
 from rl_ckpt.core.registry import ComponentRegistry
-from rl_ckpt.core.restorer import Restorer, RestoreResult, read_decisions, write_decision
-from rl_ckpt.core.save_pipeline import SavePipeline
+from rl_ckpt.core.restorer import Restorer, RestoreResult
+from rl_ckpt.core.save_pipeline import SavePipeline, recorded_config
 from rl_ckpt.core.scheduler import CheckpointScheduler
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.state_codec import EncodedState
 from rl_ckpt.integrations.managed import join_manager
 from rl_ckpt.recovery.coordinator import Decision, FailureInfo
-from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, without_light
+from rl_ckpt.recovery.history import load_decisions, record_decision
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, probe_check, without_light
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.commit import CommitStrategy, strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
@@ -223,15 +224,18 @@ class CheckpointEngine:
         if self.manager is not None and snapshot_id is None:
             # One plan for every participant: the manager computes it (and records the decision) once.
             return RecoveryPlan.from_json(self.commit.recovery_plan(failure.to_json() if failure else None))
-        return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
+        return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
+                          components=self.registry.kinds(), coordinator=coordinator_config(self.config),
+                          history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id, light=light,
+                          probes=probe_check(self.config), job_config=recorded_config(self.config, self.train_config))
 
     def decisions(self) -> list[Decision]:
         """The coordinator decisions recorded in this run, oldest first (unreadable records are skipped)."""
-        return read_decisions(self.storage)
+        return load_decisions(self.storage)
 
     def record_decision(self, decision: Decision) -> None:
         """Write a coordinator decision into the run folder (one file each: atomic on every backend)."""
-        write_decision(self.storage, decision)
+        record_decision(self.storage, decision)
 
     def restore(self, plan: RecoveryPlan | None = None, *, snapshot_id: str | None = None, strict: bool = True,
                 light: bool = True) -> RestoreResult:
@@ -247,7 +251,7 @@ class CheckpointEngine:
         if plan is None:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
         if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
-            plan = without_light(self, plan)
+            plan = without_light(self.storage, plan)
         # The manager records the decisions of its own plans.
         return self.restorer.restore(plan, strict=strict, light=light,
                                      record=self.manager is None and self.rank == 0)

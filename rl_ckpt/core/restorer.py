@@ -18,20 +18,17 @@ from typing import Any, Mapping
 
 import torch
 
-from rl_ckpt.config import CheckpointConfig, changed_keys, config_digest
+from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.reader import load_component, read_manifest
 from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.save_pipeline import recorded_config
-from rl_ckpt.errors import (CheckpointError, CorruptSnapshotError, NoValidSnapshotError, RestoreError,
-                            SchemaVersionError, StateMismatchError)
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapshotError, RestoreError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
-from rl_ckpt.recovery.coordinator import Decision
-from rl_ckpt.recovery.plan import RecoveryPlan
+from rl_ckpt.recovery.history import record_decision
+from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.run.catalog import Catalog, decode_metrics
-from rl_ckpt.run.layout import DECISIONS, timed_record_stem
 from rl_ckpt.run.quarantine import quarantine
-from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
@@ -74,7 +71,7 @@ class Restorer:
         ``record``: write the coordinator decision the plan carries into the run's decision records.
         """
         if plan.decision is not None and record:
-            write_decision(self.storage, plan.decision)
+            record_decision(self.storage, plan.decision)
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
         if plan.action == "start_fresh":
             log.info("recovery: %s", plan.reason)
@@ -120,8 +117,8 @@ class Restorer:
 
     def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
         manifest = self._manifest(sid)
-        self.check_schema(manifest)
-        warnings = self.config_warnings(manifest)
+        check_schema(manifest, self.config.schema_version)
+        warnings = config_warnings(manifest, recorded_config(self.config, self.train_config))
         states: dict[str, Any] = {}
         missing = []
         sharded: dict[str, str] = {}
@@ -198,7 +195,7 @@ class Restorer:
                 continue
             try:
                 manifest = info.manifest if info.manifest is not None else read_manifest(self.storage, info.snapshot_id)
-                self.check_schema(manifest)
+                check_schema(manifest, self.config.schema_version)
                 light_states = {}
                 for reg in self.registry:
                     key = self.registry.stored_key(manifest, reg.name)
@@ -218,28 +215,6 @@ class Restorer:
         return (reg.multi and reg.role == "learner" and reg.world_size > 1
                 and dist.is_available() and dist.is_initialized())
 
-    def check_schema(self, manifest: Manifest) -> None:
-        """SchemaVersionError unless ``manifest`` was saved with this job's schema_version."""
-        if manifest.state_schema_version != self.config.schema_version:
-            raise SchemaVersionError(
-                f"{manifest.snapshot_id}: saved with schema_version {manifest.state_schema_version}, this job declares "
-                f"{self.config.schema_version}. The state layout changed; refusing to load it. Restore with the "
-                "matching schema_version, or start a new run.",
-                snapshot_id=manifest.snapshot_id, found=manifest.state_schema_version, supported=self.config.schema_version,
-            )
-
-    def config_warnings(self, manifest: Manifest) -> list[str]:
-        """One warning naming the config keys that changed since ``manifest`` was saved (none if equal)."""
-        now = recorded_config(self.config, self.train_config)
-        if manifest.config_digest == config_digest(now):
-            return []
-        keys = changed_keys(manifest.config, now)
-        if not self.train_config:  # this process declared no hyperparameters (e.g. a rollout worker)
-            keys = [k for k in keys if not k.startswith("train.")]
-            if not keys:
-                return []
-        return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {', '.join(keys) or '(unknown keys)'}"]
-
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into ``module``; returns the snapshot id loaded."""
         from rl_ckpt.sharded import load_full_weights  # (lazy: registry.SHARDED_IMPORT)
@@ -254,27 +229,6 @@ class Restorer:
                 return sid
         raise NoValidSnapshotError(f"no committed snapshot in {self.storage.url} holds component {name!r}"
                                    + (f" (looked in {snapshot_id})" if snapshot_id else ""), reasons={})
-
-
-def read_decisions(storage: Storage) -> list[Decision]:
-    """The coordinator decisions recorded in the run, oldest first (unreadable records are skipped)."""
-    return RecordStore(storage, DECISIONS, "decision record").load(_checked_decision)
-
-
-def write_decision(storage: Storage, decision: Decision) -> None:
-    """Record a coordinator decision in the run folder (one file each: atomic on every backend)."""
-    RecordStore(storage, DECISIONS, "decision record").add(timed_record_stem(decision.time, decision.action),
-                                                           decision.to_json())
-
-
-def _checked_decision(record: dict) -> Decision:
-    """A decision record, refused (TypeError) if a field has the wrong type (e.g. a list as snapshot id)."""
-    decision = Decision.from_json(record)
-    ids = (decision.snapshot_id, decision.charged_to, *(s for s, _n in decision.considered))
-    steps = (decision.global_step, decision.failure.step, decision.attempt)
-    if not (all(i is None or isinstance(i, str) for i in ids) and all(n is None or type(n) is int for n in steps)):
-        raise TypeError("fields of the wrong type")  # e.g. a list as snapshot id: unhashable later
-    return decision
 
 
 def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: dict, cfg) -> tuple[str | None, str | None]:
@@ -327,4 +281,4 @@ def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:
         )
 
 
-__all__ = ["Restorer", "RestoreResult", "agree_across_ranks", "check_fits", "read_decisions", "write_decision"]
+__all__ = ["Restorer", "RestoreResult", "agree_across_ranks", "check_fits"]
