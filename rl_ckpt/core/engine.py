@@ -159,14 +159,7 @@ class CheckpointEngine:
         return CheckpointScheduler(self, **kwargs)
 
     def agree_to_save(self, global_step: int, kind: str = "full") -> bool:
-        """Whether a due save of ``global_step`` goes ahead (the scheduler asks).
-
-        Alone: unless a save is still in flight. With a manager, one decision
-        for every participant of the snapshot: the first participant to ask
-        decides (skip if its previous save is still running, else save), so
-        ranks never split into half-snapshots; a participant told to save
-        while busy waits for its previous save first.
-        """
+        """Whether a due save of ``global_step`` goes ahead (the scheduler asks; see ``SavePipeline.agree_to_save``)."""
         return self.pipeline.agree_to_save(global_step, kind)
 
     @property

@@ -191,7 +191,14 @@ class SavePipeline:
             self.commit.fail(snapshot_id(global_step, kind), None, error)
 
     def agree_to_save(self, global_step: int, kind: str) -> bool:
-        """Whether a due save goes ahead: alone, unless one is in flight; with a manager, one decision for all."""
+        """Whether a due save of ``global_step`` goes ahead.
+
+        Alone: unless a save is still in flight. With a manager, one decision
+        for every participant of the snapshot: the first participant to ask
+        decides (skip if its previous save is still running, else save), so
+        ranks never split into half-snapshots; a participant told to save
+        while busy waits for its previous save first.
+        """
         if not self.managed:
             return not self.saving
         return self.commit.decide(snapshot_id(global_step, kind), self.saving)
@@ -238,7 +245,7 @@ class SavePipeline:
             if merged is not None:  # several participants: the committed manifest merges every part
                 manifest = merged
         except BaseException as exc:
-            if self._landed(attempt):
+            if manifest_landed(self.storage, attempt):
                 # The manifest is there and names this attempt (the error came after it landed, e.g. a
                 # lost response or a failed folder fsync): the save is not acknowledged, but its data
                 # now belongs to a committed snapshot and must not be deleted.
@@ -284,12 +291,6 @@ class SavePipeline:
             sections[key] = section
         return files, sections
 
-    def _landed(self, attempt: Attempt) -> bool:
-        try:
-            return read_manifest(self.storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id
-        except CheckpointError:
-            return False
-
     def _object_writer(self) -> ObjectWriter:
         if self.managed:
             # The manager applies retention: see its deletions before reusing any chunk.
@@ -308,6 +309,14 @@ class SavePipeline:
         """Wait for the save in flight and stop the background writer."""
         if self._writer is not None:
             self._writer.close()
+
+
+def manifest_landed(storage: Storage, attempt: Attempt) -> bool:
+    """True when the snapshot's committed manifest names ``attempt``: its data belongs to a committed snapshot."""
+    try:
+        return read_manifest(storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id
+    except CheckpointError:
+        return False
 
 
 def _state_of(reg: Registered) -> Any:
