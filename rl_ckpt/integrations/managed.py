@@ -27,6 +27,7 @@ from rl_ckpt.storage import Storage, join
 
 log = logging.getLogger("rl_ckpt")
 
+
 class SnapshotAbortedError(CheckpointError):
     """The manager aborted a sharded snapshot for every participant (``snapshot_id``, ``participant``, ``reason``)."""
 
