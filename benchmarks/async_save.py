@@ -25,7 +25,7 @@ running every measurement once, interleaved:
 4. training step time of a separate MLP (forward/backward/Adam, calibrated to
    ``--step-ms``) (a) with no save running, (b) while a ``save_async`` persists in the
    background; ``step_slowdown = b / a`` (medians).
-5. staging reuse: ``engine._staging.allocations`` after the first save_async vs after
+5. staging reuse: ``engine.pipeline.staging.allocations`` after the first save_async vs after
    every later save.
 
 Medians over the rounds are compared with the goals:
@@ -363,9 +363,9 @@ def run(args: argparse.Namespace) -> dict:
             t2 = time.perf_counter()
             r.update(async_block_s=t1 - t0, stage_seconds=handle.stage_seconds, async_total_s=t2 - t0)
             if alloc_first is None:
-                alloc_first = engine._staging.allocations
+                alloc_first = engine.pipeline.staging.allocations
             else:
-                alloc_after.append(engine._staging.allocations)
+                alloc_after.append(engine.pipeline.staging.allocations)
 
             # 3. memory-copy floor
             t0 = time.perf_counter()
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
             r["step_slowdown"] = med(inside) / med(r["step_idle_s"]) if inside else None
             r.update(step_during_save_s=inside, steps_during_save=len(spans), busy_block_s=t1 - t0,
                      busy_total_s=end - t0)
-            alloc_after.append(engine._staging.allocations)
+            alloc_after.append(engine.pipeline.staging.allocations)
             r["other_cores"] = meter.other_cores()
             log("  sync %.3fs  async block %.3fs (stage %.3fs) total %.3fs  clone %.3fs  copy %.3fs  "
                 "step idle %.1fms  during save %.1fms (%d steps, save took %.2fs)  other load %.2f cores" % (
@@ -431,7 +431,7 @@ def run(args: argparse.Namespace) -> dict:
                                                        "async_total_s")}
         res["staging"] = {"allocations_after_first_save": alloc_first, "allocations_after_later_saves": alloc_after,
                           "reused": all(a == alloc_first for a in alloc_after),
-                          "bytes_copied": engine._staging.bytes_copied}
+                          "bytes_copied": engine.pipeline.staging.bytes_copied}
         res["goals"] = {
             "async_block_vs_sync": {"value": m["async_block_s"] / m["sync_save_s"], "limit": GOAL_BLOCK_VS_SYNC,
                                     "text": f"async_block_s <= {GOAL_BLOCK_VS_SYNC:.2f} * sync_save_s"},
@@ -446,7 +446,7 @@ def run(args: argparse.Namespace) -> dict:
 
         if args.phases:
             log("phases ...")
-            staged = [buf for buf in engine._staging._buffers.values() if isinstance(buf, torch.Tensor)]
+            staged = [buf for buf in engine.pipeline.staging.buffers.values() if isinstance(buf, torch.Tensor)]
             quiet = (lambda: wait_quiet(args.wait_quiet)) if args.wait_quiet > 0 else (lambda: None)
             res["phases"] = measure_phases(staged or tensors, args.algo, workdir, trainer, quiet)
         return res

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt.format.manifest import parse_snapshot_id
-from rl_ckpt.run.layout import MANIFEST_NAME, STAGING, manifest_path
+from rl_ckpt.run.layout import STAGING, manifest_path
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -153,31 +153,20 @@ def cmd_ls(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from rl_ckpt.core.reader import FileProblem, VerifyReport, read_manifest, verify_snapshot
+    from rl_ckpt.core.reader import read_manifest
+    from rl_ckpt.run.verify import verify_run
 
     storage = _storage(args)
     cat = _catalog(storage)
-    if args.snapshot_id:
-        ids = [_snapshot_arg(storage, args)]
-    else:
-        ids = [i.snapshot_id for i in cat.snapshots()]
+    ids = [_snapshot_arg(storage, args)] if args.snapshot_id else None
     total = 0
-    for sid in ids:
+    for sid in ids if ids is not None else [i.snapshot_id for i in cat.snapshots()]:
         try:
             total += read_manifest(storage, sid).size_bytes
         except CheckpointError:
             pass
-    report = VerifyReport()
     with _progress(total, "verify") as bar:
-        for sid in ids:
-            verify_snapshot(storage, sid, report, progress=bar.update)
-            info = cat.get(sid)
-            if info is not None and info.quarantined and sid not in report.bad_snapshots:
-                report.problems.append(FileProblem(sid, "quarantine", info.quarantined))
-    if not args.snapshot_id:
-        for u in cat.unreadable():
-            report.checked.append(u.snapshot_id)
-            report.problems.append(FileProblem(u.snapshot_id, MANIFEST_NAME, u.reason))
+        report = verify_run(cat, ids, progress=bar.update)
     print(report)
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
@@ -303,7 +292,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from rl_ckpt.bench import main_args
+    from rl_ckpt.tools.bench import main_args
 
     return main_args(args)
 
@@ -352,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("export", cmd_export, "write one component's tensors as a plain safetensors file", needs_id=True)
     s.add_argument("component")
     s.add_argument("-o", "--output", required=True, help="output .safetensors file")
-    from rl_ckpt.bench import add_arguments as _bench_arguments
+    from rl_ckpt.tools.bench import add_arguments as _bench_arguments
 
     s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
                        description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)")

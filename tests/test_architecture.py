@@ -16,9 +16,6 @@ MAX_CLASS_LINES = 250
 # Modules known to break a rule, each with who is fixing it. xfail(strict): once fixed, the test
 # passes, the xfail turns into a failure, and the entry must be removed.
 KNOWN = {
-    ("size", "rl_ckpt.core.engine"): "CheckpointEngine is being split into save pipeline, restorer and run "
-                                     "maintenance (helper 'split'); remove after that merge",
-    ("private", "rl_ckpt.core.engine"): "imports integrations.managed._ray_get (helper 'split'); remove after that merge",
     # Over the limits before this session and in no helper's files this session: still to be split.
     ("size", "rl_ckpt.format.state_codec"): "580 lines: not split yet (no owner this session)",
     ("size", "rl_ckpt.storage.local"): "575 lines: not split yet (no owner this session)",

@@ -56,12 +56,12 @@ def test_staging_buffers_are_reused(tmp_path):
     s.register(engine)
     s.train(1)  # the optimizer has its exp_avg/exp_avg_sq from here on
     engine.save_async(1).wait()
-    first = engine._staging.allocations
+    first = engine.pipeline.staging.allocations
     assert first > 0
     for step in range(2, 6):
         s.train(1)
         engine.save_async(step).wait()
-    assert engine._staging.allocations == first
+    assert engine.pipeline.staging.allocations == first
 
 
 def test_background_error_reaches_wait_and_on_error(tmp_path):
@@ -187,9 +187,9 @@ def test_staging_frees_the_buffers_of_keys_that_are_gone(tmp_path):
     engine.register("policy", policy)
     engine.register("head", head)
     engine.save_async(1).wait()
-    keys = set(engine._staging._buffers)
+    keys = set(engine.pipeline.staging.buffers)
     assert {k for k in keys if k[0] == "head"} == {("head", "weight"), ("head", "bias")}
     del policy[1]  # a key vanishes from the policy's state dict
-    engine._components.pop("head")  # and a component is no longer saved
+    engine.registry.remove("head")  # and a component is no longer saved
     engine.save_async(2).wait()
-    assert set(engine._staging._buffers) == {("policy", "0.weight"), ("policy", "0.bias")}
+    assert set(engine.pipeline.staging.buffers) == {("policy", "0.weight"), ("policy", "0.bias")}

@@ -17,6 +17,7 @@ from rl_ckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry
 from rl_ckpt.format.state_codec import decode_state
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.format.untrusted import parse_json
+from rl_ckpt.run.dedup import check_object, manifest_objects, object_path, read_tensor_bytes
 from rl_ckpt.core.writer import hash_file
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
@@ -122,8 +123,6 @@ def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | N
             progress(entry.size)
         if problem:
             report.problems.append(FileProblem(snapshot_id, entry.path, problem))
-    from rl_ckpt.run.dedup import check_object, manifest_objects, object_path
-
     for digest, (algo, size) in manifest_objects(manifest).items():
         try:
             check_object(storage, algo, digest, size)
@@ -198,8 +197,6 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
     section = manifest.components.get(name) or {}
     arrays: dict = {}
     if section.get("objects"):
-        from rl_ckpt.run.dedup import read_tensor_bytes
-
         for key, chunks in section["objects"].items():
             meta = section.get("tensors", {}).get(key)
             if not isinstance(meta, dict) or meta.get("dtype") not in safetensors_io.ITEMSIZE:

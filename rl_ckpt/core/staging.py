@@ -17,10 +17,17 @@ from rl_ckpt.storage.buffers import alloc_bytes
 
 
 class StagingArea:
+    """Reused host buffers that hold one staged copy of the state."""
+
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], object] = {}
         self.allocations = 0  # how many buffers were (re)allocated: flat after the first save
         self.bytes_copied = 0
+
+    @property
+    def buffers(self) -> dict[tuple[str, str], object]:
+        """The staging buffers by ``(component, key)`` (a copy of the mapping, not of the buffers)."""
+        return dict(self._buffers)
 
     def _buffer_like(self, key: tuple[str, str], value):
         buf = self._buffers.get(key)

@@ -20,14 +20,12 @@ import threading
 import time
 from typing import Any
 
-from rl_ckpt.run.commit import Attempt
+from rl_ckpt.run.commit import Attempt, CommitStrategy
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage, join
 
 log = logging.getLogger("rl_ckpt")
-
-REPLICATED_KINDS = ("module", "optimizer", "scheduler", "progress")
 
 
 class SnapshotAbortedError(CheckpointError):
@@ -74,13 +72,18 @@ def _ray_get(ref, timeout: float | None = None, name: str = "the checkpoint mana
         raise CheckpointError(f"checkpoint manager did not answer within {timeout} s") from exc
 
 
-class ManagedCommit:
-    """A commit strategy whose commit point is the manager (same interface as ``rl_ckpt.run.commit``)."""
+class ManagedCommit(CommitStrategy):
+    """The commit strategy of one participant of a sharded save: the manager is the commit point.
+
+    ``commit`` reports this participant's part and returns the merged manifest the
+    manager committed; ``fail`` (also before ``begin``) makes the manager abort the
+    snapshot for every participant.
+    """
 
     def __init__(self, storage: Storage, manager, participant: str, expected: list[str], *,
                  commit_timeout: float = 300.0, heartbeat: "Heartbeat | None" = None,
                  name: str = "the checkpoint manager") -> None:
-        self.storage = storage
+        super().__init__(storage)
         self.name = name
         self.manager = manager
         self.participant = participant
@@ -131,7 +134,14 @@ class ManagedCommit:
             log.warning("could not tell the manager to abort %s: %s", snapshot_id, exc)
 
     def abort(self, attempt: Attempt) -> None:
+        """Abort this participant's attempt: the manager aborts the snapshot for everyone."""
         self.fail(attempt.snapshot_id, attempt, CheckpointError("a participant's save failed"))
+
+    def recovery_plan(self, failure: dict | None) -> dict:
+        """The manager's one recovery plan for every participant (JSON), after recording ``failure`` if given."""
+        if failure is not None:
+            _ray_get(self.manager.record_failure.remote(failure), timeout=60, name=self.name)
+        return _ray_get(self.manager.plan.remote(), timeout=self.commit_timeout, name=self.name)
 
 
 class Heartbeat:
@@ -193,3 +203,19 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+
+
+def join_manager(manager, storage: Storage, config, role: str, rank: int, world_size: int,
+                 participants: list[str] | None, actor_handle: Any = None) -> tuple[str, "Heartbeat", ManagedCommit]:
+    """Register this process with ``manager`` as ``<role>-<rank>``: its name, heartbeat and commit strategy.
+
+    ``participants``: every participant a snapshot waits for (default: the
+    ``world_size`` participants of ``role``).
+    """
+    participant = participant_name(role, rank)
+    expected = participants or [participant_name(role, r) for r in range(world_size)]
+    label = f"CheckpointManager 'rl_ckpt:{config.run_name}'"
+    heartbeat = Heartbeat(manager, participant, config.heartbeat_interval_seconds, actor_handle, name=label)
+    commit = ManagedCommit(storage, manager, participant, expected, commit_timeout=config.commit_timeout_seconds,
+                           heartbeat=heartbeat, name=label)
+    return participant, heartbeat, commit

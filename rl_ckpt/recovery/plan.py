@@ -24,6 +24,7 @@ from rl_ckpt.errors import CheckpointError, SchemaVersionError
 from rl_ckpt.format.manifest import Manifest, now_iso
 from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, log_decision, make_decision
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
+from rl_ckpt.run.retention import normalize_best
 from rl_ckpt.storage import Storage
 
 # Load order: weights, optimizer, scheduler, RNG, buffer, env/other, progress last.
@@ -127,8 +128,8 @@ class ProbeCheck:
 
 def coordinator_config(cfg: Any) -> CoordinatorConfig:
     """The coordinator settings of a :class:`CheckpointConfig`."""
-    metric = cfg.best_metric[0] if isinstance(cfg.best_metric, list) else cfg.best_metric
-    mode = cfg.best_mode[0] if isinstance(cfg.best_mode, list) else cfg.best_mode
+    metrics, modes = normalize_best(cfg.best_metric, cfg.best_mode)
+    metric, mode = metrics[0], modes[0]  # the coordinator ranks by the first metric
     return CoordinatorConfig(max_failures=cfg.max_failures, max_same_snapshot_failures=cfg.max_same_snapshot_failures,
                              max_acceptable_loss_steps=cfg.max_acceptable_loss_steps,
                              divergence_threshold=cfg.divergence_threshold, best_metric=metric, best_mode=mode)

@@ -21,16 +21,18 @@ from __future__ import annotations
 import abc
 
 from rl_ckpt.errors import CommitConflictError, StorageError
-from rl_ckpt.format.manifest import MANIFEST_NAME
+from rl_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from rl_ckpt.run.layout import STAGING, TRASH, Attempt, in_place_attempt, staged_attempt
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.storage.base import unique_suffix
 
 __all__ = ["STAGING", "TRASH", "Attempt", "CommitStrategy", "StagedRenameCommit", "ManifestLastCommit",
-           "strategy_for", "retire_snapshot"]
+           "strategy_for", "retire_snapshot", "post_commit_text"]
 
 
 class CommitStrategy(abc.ABC):
+    """How one writer's files become a committed snapshot: ``begin``, write files, then ``commit`` or ``fail``."""
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
@@ -39,12 +41,25 @@ class CommitStrategy(abc.ABC):
         """Prepare a place for the files; ``CommitConflictError`` if the snapshot is committed."""
 
     @abc.abstractmethod
-    def commit(self, attempt: Attempt, manifest: bytes) -> None:
-        """Publish the snapshot with its manifest; ``CommitConflictError`` if someone else did."""
+    def commit(self, attempt: Attempt, manifest: bytes) -> Manifest | None:
+        """Publish the snapshot with its manifest; ``CommitConflictError`` if someone else did.
+
+        Returns the manifest as committed when it is not ``manifest`` (a save of several
+        participants commits their parts merged into one), else None.
+        """
 
     @abc.abstractmethod
     def abort(self, attempt: Attempt) -> None:
         """Remove what this attempt wrote (best effort; ``gc`` removes what is left)."""
+
+    def fail(self, snapshot_id: str, attempt: Attempt | None, error: BaseException) -> None:
+        """This writer's save of ``snapshot_id`` failed with ``error``; ``attempt`` is None before ``begin``.
+
+        A single writer removes what it wrote; a strategy with several participants also
+        tells the others, so that they fail with it instead of waiting.
+        """
+        if attempt is not None:
+            self.abort(attempt)
 
     def _check_free(self, snapshot_id: str) -> None:
         if self.storage.exists(join(snapshot_id, MANIFEST_NAME)):

@@ -20,26 +20,18 @@ import logging
 from typing import Any, Callable, Iterable, Sequence
 
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.format.manifest import MANIFEST_NAME, now_iso
+from rl_ckpt.format.manifest import now_iso
 from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.format.untrusted import read_json
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.commit import post_commit_text, retire_snapshot
 from rl_ckpt.run.dedup import manifest_objects, object_path
+from rl_ckpt.run.layout import BEST, RETIRED, best_alias_path, manifest_path, retired_path
 from rl_ckpt.run.retention import (RetentionDecision, RetentionPolicy, best_per_metric, normalize_best,
                                    plan_retention, policy_from_config)
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
-
-RETIRED = "history/retired"
-BEST = "best"
-
-
-def best_alias_path(metric: str) -> str:
-    """Where the ``best/`` alias of ``metric`` lives (the metric name made safe as a file name)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in metric).lstrip(".") or "metric"
-    return f"{BEST}/{safe}.json"
 
 
 def referenced_objects(snapshots: Iterable[SnapshotInfo]) -> dict[str, tuple[str, int]]:
@@ -138,7 +130,7 @@ class RunMaintenance:
 
     def forget_if_vanished(self, snapshot_id: str) -> bool:
         """True (and the catalog forgets it) when a listed snapshot's manifest is gone from storage."""
-        if self.storage.exists(f"{snapshot_id}/{MANIFEST_NAME}"):
+        if self.storage.exists(manifest_path(snapshot_id)):
             return False
         log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it",
                     snapshot_id, self.storage.url)
@@ -160,7 +152,7 @@ class RunMaintenance:
         body = {"snapshot_id": info.snapshot_id, "global_step": info.global_step, "kind": info.kind,
                 "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "deleted_at": now_iso()}
         self.storage.makedirs(RETIRED)
-        self.storage.write_atomic(f"{RETIRED}/{info.snapshot_id}.json", json.dumps(body).encode())
+        self.storage.write_atomic(retired_path(info.snapshot_id), json.dumps(body).encode())
 
     def _sweep_objects(self, candidates: dict[str, tuple[str, int]]) -> None:
         """Delete dedup objects of deleted snapshots that no remaining manifest references.
@@ -208,4 +200,4 @@ class RunMaintenance:
         return sid if isinstance(sid, str) else None
 
 
-__all__ = ["RunMaintenance", "best_alias_path", "referenced_objects", "RETIRED", "BEST"]
+__all__ = ["RunMaintenance", "referenced_objects"]

@@ -80,12 +80,12 @@ def merge_parts(parts: list[Manifest], attempt_id: str, participants: list[str])
                                extra={"probes": probes} if probes else {})
 
 
-class DistributedCommit:
-    """The commit strategy of a multi-rank engine without a manager (same interface as ``rl_ckpt.run.commit``)."""
+class DistributedCommit(CommitStrategy):
+    """The commit strategy of a multi-rank engine without a manager: rank 0 commits over ``inner``."""
 
     def __init__(self, inner: CommitStrategy, rank: int, world_size: int, participants: list[str]) -> None:
         self.inner = inner
-        self.storage = inner.storage
+        super().__init__(inner.storage)
         self.rank = rank
         self.world_size = world_size
         self.participants = participants
@@ -105,6 +105,13 @@ class DistributedCommit:
         if not outcome.pop("ok"):
             _raise(outcome)
         return Attempt(**outcome)
+
+    def fail(self, snapshot_id: str, attempt: Attempt | None, error: BaseException) -> None:
+        """Before ``begin``: every rank raises (see ``fail_begin``); after: as ``abort``."""
+        if attempt is not None:
+            self.abort(attempt)
+        elif isinstance(error, Exception):  # a KeyboardInterrupt is not announced to the group
+            self.fail_begin(error)
 
     def fail_begin(self, exc: BaseException) -> None:
         """Called instead of ``begin`` by a rank that could not stage its state: every rank raises the same error."""

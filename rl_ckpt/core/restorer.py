@@ -1,0 +1,284 @@
+"""The restore path: follow a ``RecoveryPlan`` into the registered objects.
+
+For the plan's target, then each fallback in order: check the schema, load
+every component (light overlay on top, sharded components in place), check
+that each fits its registered object, load it, re-run the post-load probes,
+and (learner ranks of a torch.distributed group) agree across ranks before
+going on. A snapshot that fails while loading is skipped with its reason;
+one whose probe disagrees is quarantined first. A component that does not fit
+its object (or a user object's own load error) stops the restore: falling back
+would not help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from rl_ckpt.config import CheckpointConfig
+from rl_ckpt.core.reader import load_component, read_manifest
+from rl_ckpt.core.registry import ComponentRegistry
+from rl_ckpt.core.save_pipeline import recorded_config
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapshotError, RestoreError, StateMismatchError
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.recovery.history import record_decision
+from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings
+from rl_ckpt.recovery.probe import compare, run_probe
+from rl_ckpt.run.catalog import Catalog, decode_metrics
+from rl_ckpt.run.quarantine import quarantine
+from rl_ckpt.storage import Storage
+
+log = logging.getLogger("rl_ckpt")
+
+
+@dataclasses.dataclass
+class RestoreResult:
+    """What ``restore`` did. ``snapshot_id`` is None when nothing was found and training starts fresh."""
+
+    snapshot_id: str | None
+    global_step: int
+    light_snapshot_id: str | None = None
+    components: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # snapshot id -> why it was not used
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    metrics: dict = dataclasses.field(default_factory=dict)
+    plan: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def fresh(self) -> bool:
+        return self.snapshot_id is None
+
+
+class Restorer:
+    """Loads snapshots of one run into the components of a registry."""
+
+    def __init__(self, config: CheckpointConfig, train_config: Mapping[str, Any], storage: Storage, catalog: Catalog,
+                 registry: ComponentRegistry) -> None:
+        self.config = config
+        self.train_config = train_config
+        self.storage = storage
+        self.catalog = catalog
+        self.registry = registry
+        self._probe_outputs: dict = {}
+
+    def restore(self, plan: RecoveryPlan, *, strict: bool = True, light: bool = True,
+                record: bool = True) -> RestoreResult:
+        """Follow ``plan``: its target, then its fallbacks; NoValidSnapshotError if none loads.
+
+        ``record``: write the coordinator decision the plan carries into the run's decision records.
+        """
+        if plan.decision is not None and record:
+            record_decision(self.storage, plan.decision)
+        skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
+        if plan.action == "start_fresh":
+            log.info("recovery: %s", plan.reason)
+            return RestoreResult(None, 0, skipped=skipped, warnings=[plan.reason], plan=plan)
+        if plan.action == "give_up":
+            lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
+            raise NoValidSnapshotError(f"recovery of {self.storage.url} gave up: {plan.reason}"
+                                       + (f"; skipped:\n{lines}" if lines else ""), reasons=skipped)
+        for sid in [plan.target, *plan.fallbacks]:
+            result, fatal, error = None, None, None
+            self._probe_outputs = {}
+            try:
+                result = self._restore_one(sid, skipped, strict,
+                                           light=light and (plan.light is not None or sid != plan.target))
+            except (StateMismatchError, RestoreError) as exc:
+                fatal = exc
+            except CheckpointError as exc:
+                error = str(exc)
+            if self._collective():
+                # Every rank loaded its own shards; continue only if all did, and all compute the same
+                # probe outputs. Otherwise all roll back together to the next snapshot.
+                error, fatal_elsewhere = agree_across_ranks(result is not None, error or (str(fatal) if fatal else None),
+                                                            fatal is not None, self._probe_outputs, self.config)
+                if fatal is None and fatal_elsewhere:
+                    fatal = RestoreError(f"{sid}: another rank could not load its state: {fatal_elsewhere}", snapshot_id=sid)
+            if fatal is not None:
+                raise fatal
+            if error is not None:
+                skipped[sid] = error
+                log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, error)
+                continue
+            result.plan = plan
+            if sid != plan.target:
+                result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
+            return result
+        lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
+        raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
+
+    def _manifest(self, sid: str) -> Manifest:
+        """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""
+        info = self.catalog.get(sid)
+        return info.manifest if info is not None and info.manifest is not None else read_manifest(self.storage, sid)
+
+    def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
+        manifest = self._manifest(sid)
+        check_schema(manifest, self.config.schema_version)
+        warnings = config_warnings(manifest, recorded_config(self.config, self.train_config))
+        states: dict[str, Any] = {}
+        missing = []
+        sharded: dict[str, str] = {}
+        for reg in self.registry:
+            key = self.registry.stored_key(manifest, reg.name)
+            if key is None:
+                missing.append(reg.name)
+                continue
+            if reg.sharded is not None or "layout" in (manifest.components.get(key) or {}):
+                sharded[reg.name] = key  # loaded in place below, after every other check
+                continue
+            states[reg.name] = load_component(self.storage, manifest, key)
+        if missing:
+            msg = f"{sid}: registered component(s) {missing} are not in the snapshot"
+            if strict and not all(self.registry.excluded(self.registry.get(m)) for m in missing):
+                raise StateMismatchError(msg + "; register them under the names used when saving, or restore(strict=False)",
+                                         component=missing[0], mismatches=missing, snapshot_id=sid)
+            warnings.append(msg + "; they keep their current state")
+        top = self._apply_light(manifest, states, skipped) if light else None
+        for name, state in states.items():
+            check_fits(name, self.registry.get(name).obj, state, sid)
+        self._load_sharded(manifest, sharded)
+        for name, state in states.items():
+            try:
+                self.registry.get(name).obj.load_state_dict(state)
+            except Exception as exc:  # a user object's own error: name the component and snapshot
+                raise RestoreError(f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
+                                   snapshot_id=sid, component=name) from exc
+        self._post_load_check(manifest)
+        for w in warnings:
+            log.warning(w)
+        last = top or manifest
+        log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
+        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, [*states, *sharded], dict(skipped),
+                             warnings, decode_metrics(last.metrics))
+
+    def _load_sharded(self, manifest: Manifest, keys: dict[str, str]) -> None:
+        """Each sharded component: this rank reads and verifies only the byte ranges of its own shards."""
+        from rl_ckpt.sharded import is_sharded_section, load_sharded, sharded_view  # (lazy: registry.SHARDED_IMPORT)
+
+        objects = [r.sharded or r.obj for r in self.registry]
+        for name, key in keys.items():
+            reg = self.registry.get(name)
+            if not is_sharded_section(manifest.components[key]):
+                raise StateMismatchError(f"{manifest.snapshot_id}: component {name!r} holds sharded state here but was "
+                                         "saved unsharded; register it as it was saved", component=name,
+                                         mismatches=[name], snapshot_id=manifest.snapshot_id)
+            load_sharded(self.storage, manifest, key, reg.sharded or sharded_view(name, reg.obj, objects), name)
+
+    def _post_load_check(self, manifest: Manifest) -> None:
+        """Re-run the probes recorded at save; a mismatch quarantines the snapshot (then recovery falls back)."""
+        if not self.config.post_load_check:
+            return
+        probes = (manifest.extra or {}).get("probes") or {}
+        for reg in self.registry:
+            name = reg.name
+            reference = probes.get(self.registry.stored_key(manifest, name) or name)
+            if reference is None:
+                continue
+            got = run_probe(reg.obj, fn=reg.probe, shape=self.config.probe_shapes.get(name))
+            self._probe_outputs[name] = got
+            problem = compare(reference, got, rtol=self.config.probe_rtol, atol=self.config.probe_atol)
+            if problem:
+                reason = f"post-load check failed for component {name!r}: {problem}"
+                quarantine(self.storage, manifest.snapshot_id, reason, source="post-load check")
+                self.catalog.mark_quarantined(manifest.snapshot_id, reason)
+                raise CorruptSnapshotError(f"{manifest.snapshot_id}: {reason}; snapshot quarantined",
+                                           snapshot_id=manifest.snapshot_id, problems=[reason])
+
+    def _apply_light(self, full: Manifest, states: dict, skipped: dict) -> Manifest | None:
+        """Overlay the newest valid light snapshot built on ``full``; a broken one is skipped."""
+        for info in reversed(self.catalog.snapshots("light")):
+            if info.base_snapshot_id != full.snapshot_id or info.global_step < full.global_step:
+                continue
+            try:
+                manifest = info.manifest if info.manifest is not None else read_manifest(self.storage, info.snapshot_id)
+                check_schema(manifest, self.config.schema_version)
+                light_states = {}
+                for reg in self.registry:
+                    key = self.registry.stored_key(manifest, reg.name)
+                    if key is not None:
+                        light_states[reg.name] = load_component(self.storage, manifest, key)
+            except CheckpointError as exc:
+                skipped[info.snapshot_id] = str(exc)
+                log.warning("skipping light snapshot %s: %s", info.snapshot_id, exc)
+                continue
+            states.update(light_states)
+            return manifest
+        return None
+
+    def _collective(self) -> bool:
+        """Restores agree across learner ranks when they form a torch.distributed group."""
+        reg, dist = self.registry, torch.distributed
+        return (reg.multi and reg.role == "learner" and reg.world_size > 1
+                and dist.is_available() and dist.is_initialized())
+
+    def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
+        """Load sharded component ``name`` whole into ``module``; returns the snapshot id loaded."""
+        from rl_ckpt.sharded import load_full_weights  # (lazy: registry.SHARDED_IMPORT)
+
+        self.catalog.refresh()
+        candidates = [snapshot_id] if snapshot_id else [i.snapshot_id for i in reversed(self.catalog.snapshots("full"))
+                                                        if not i.quarantined]
+        for sid in candidates:
+            manifest = read_manifest(self.storage, sid)
+            if name in manifest.components:
+                load_full_weights(self.storage, manifest, name, module)
+                return sid
+        raise NoValidSnapshotError(f"no committed snapshot in {self.storage.url} holds component {name!r}"
+                                   + (f" (looked in {snapshot_id})" if snapshot_id else ""), reasons={})
+
+
+def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: dict, cfg) -> tuple[str | None, str | None]:
+    """All-gather every rank's restore outcome and probe outputs (gloo works on CPU).
+
+    Returns ``(error, fatal_error)`` as seen by all ranks: an error if any rank
+    failed or the ranks' probe outputs are not allclose.
+    """
+    dist = torch.distributed
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ok, error, fatal, probe_outputs))
+    fatal_msgs = [f"rank {r}: {e}" for r, (_o, e, f, _p) in enumerate(gathered) if f]
+    if fatal_msgs:
+        return "; ".join(fatal_msgs), "; ".join(fatal_msgs)
+    failed = [f"rank {r}: {e}" for r, (o, e, _f, _p) in enumerate(gathered) if not o]
+    if failed:
+        return "; ".join(failed), None
+    reference = gathered[0][3]
+    for r, (_o, _e, _f, outputs) in enumerate(gathered[1:], start=1):
+        for name, ref in reference.items():
+            if name in outputs and compare(ref, outputs[name], rtol=cfg.probe_rtol, atol=cfg.probe_atol):
+                return f"rank {r} computes a different {name!r} than rank 0 after loading", None
+    return None, None
+
+
+def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:
+    """For modules: every tensor's name, shape and dtype must match, or StateMismatchError lists them."""
+    if not isinstance(obj, torch.nn.Module):
+        return
+    current = obj.state_dict()
+    problems = []
+    for key, tensor in current.items():
+        if key not in state:
+            problems.append(f"{key}: missing from snapshot")
+            continue
+        saved = state[key]
+        if not isinstance(saved, torch.Tensor):
+            problems.append(f"{key}: snapshot holds {type(saved).__name__}, not a tensor")
+        elif tuple(saved.shape) != tuple(tensor.shape):
+            problems.append(f"{key}: snapshot shape {list(saved.shape)} != model shape {list(tensor.shape)}")
+        elif saved.dtype != tensor.dtype:
+            problems.append(f"{key}: snapshot dtype {saved.dtype} != model dtype {tensor.dtype}")
+    problems += [f"{key}: in snapshot, not in model" for key in state if key not in current]
+    if problems:
+        shown = "\n  ".join(problems[:50]) + (f"\n  ... {len(problems) - 50} more" if len(problems) > 50 else "")
+        raise StateMismatchError(
+            f"{sid}: component {name!r} does not fit the registered model ({len(problems)} tensor(s) differ):\n  {shown}\n"
+            "Is this snapshot from a different model? Restore into the model it was saved from, or start a new run.",
+            component=name, mismatches=problems, snapshot_id=sid,
+        )
+
+
+__all__ = ["Restorer", "RestoreResult", "agree_across_ranks", "check_fits"]

@@ -1,0 +1,333 @@
+"""The save pipeline: stage -> persist -> commit (or fail), for one engine.
+
+*Stage* takes each saved component's state into memory the trainer no longer
+touches (for a synchronous save the trainer waits anyway, so nothing is
+copied; a background save copies into reused staging buffers). *Persist*
+writes every file through the writer (safetensors/Arrow/JSON, dedup objects),
+verifies it, builds the manifest and hands it to the commit strategy, which is
+the only place that knows how a snapshot becomes visible (staged rename,
+manifest-last, a manager, or rank 0 of a torch.distributed group). After the
+commit point, run maintenance (aliases, retention) runs for a single writer.
+This is the shape of DCP's ``save()``: a planner (what to write: the
+component registry) joined to a storage writer (the commit strategy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping
+
+import torch
+
+from rl_ckpt.config import CheckpointConfig, config_digest
+from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
+from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.core.registry import ComponentRegistry, Registered
+from rl_ckpt.core.staging import StagingArea
+from rl_ckpt.core.writer import write_component
+from rl_ckpt.errors import CheckpointError, ConfigError, SerializationError
+from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
+from rl_ckpt.format.metrics import clean_metrics
+from rl_ckpt.format.state_codec import EncodedState, encode_state
+from rl_ckpt.integrations.managed import participant_name
+from rl_ckpt.recovery.probe import run_probe
+from rl_ckpt.run.catalog import Catalog, SnapshotInfo
+from rl_ckpt.run.commit import Attempt, CommitStrategy, post_commit_text
+from rl_ckpt.run.dedup import ObjectWriter
+from rl_ckpt.run.maintenance import RunMaintenance, referenced_objects
+from rl_ckpt.storage import Storage
+
+log = logging.getLogger("rl_ckpt")
+
+# Config keys that change what training does or what a snapshot holds: a
+# difference between the snapshot and the running job is worth a warning.
+DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
+
+
+def recorded_config(cfg: CheckpointConfig, train_config: Mapping[str, Any] | None) -> dict:
+    """The config a manifest records (and a restore compares): DIGEST_KEYS plus ``train.<key>`` hyperparameters."""
+    rec = {k: cfg.public_dict()[k] for k in DIGEST_KEYS}
+    for key, value in (train_config or {}).items():
+        rec[f"train.{key}"] = value
+    # As the manifest will hold it (tuples become lists), so a comparison sees only real changes.
+    return json.loads(json.dumps(rec, default=str))
+
+
+def check_step(step: Any) -> None:
+    """ConfigError unless ``step`` is a non-negative int."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"global_step must be a non-negative int, got {step!r}", key="global_step")
+
+
+class SavePipeline:
+    """Stages, persists and commits the registered state of one engine; at most one save in flight.
+
+    Args:
+        registry: what to save and under which manifest keys.
+        commit: the commit strategy (may be replaced, e.g. when ranks start committing together).
+        maintenance: run after each commit by this writer; None when someone else (the manager) runs it.
+        managed: a manager is the commit point (participants decide and fail snapshots together).
+    """
+
+    def __init__(self, config: CheckpointConfig, train_config: Mapping[str, Any], storage: Storage, catalog: Catalog,
+                 registry: ComponentRegistry, commit: CommitStrategy, *, maintenance: RunMaintenance | None,
+                 managed: bool = False, heartbeat: Any = None) -> None:
+        self.config = config
+        self.train_config = train_config
+        self.storage = storage
+        self.catalog = catalog
+        self.registry = registry
+        self.commit = commit
+        self.maintenance = maintenance
+        self.managed = managed
+        self.heartbeat = heartbeat
+        self.staging = StagingArea()
+        self._writer: BackgroundWriter | None = None
+
+    def commit_across_ranks(self) -> None:
+        """Sharded state without a manager: ranks commit each snapshot together over torch.distributed.
+
+        Rank 0 commits; every rank gets its outcome. A no-op alone, with a manager, or when already on.
+        """
+        reg = self.registry
+        if self.managed or reg.distributed or reg.world_size == 1:
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(f"sharded state on rank {reg.rank} of {reg.world_size}: initialise torch.distributed "
+                              "before registering it (the ranks commit each snapshot together), or pass a manager",
+                              key="world_size")
+        from rl_ckpt.sharded.dist_commit import DistributedCommit  # (lazy: see registry.SHARDED_IMPORT)
+
+        names = [participant_name(reg.role, r) for r in range(reg.world_size)]
+        self.commit = DistributedCommit(self.commit, reg.rank, reg.world_size, names)
+        reg.participant = names[reg.rank]
+        reg.distributed = True
+
+    # -- stage -------------------------------------------------------------------
+    def probes(self, kind: str) -> dict:
+        """Reference outputs of the post-load probe, taken from the state being saved."""
+        if not self.config.post_load_check or kind != "full":
+            return {}
+        out = {}
+        for reg in self.registry.saved(kind):
+            if reg.sharded is not None:
+                continue  # a probe forward of a sharded module is a collective; its chunks carry checksums
+            result = run_probe(reg.obj, fn=reg.probe, shape=self.config.probe_shapes.get(reg.name))
+            if result is not None:
+                out[self.registry.key(reg.name)] = result
+        return out
+
+    def stage(self, kind: str = "full", *, copy: bool = False) -> dict[str, EncodedState]:
+        """Every saved component's state, split into tensors/tables/JSON.
+
+        ``copy``: into this pipeline's staging buffers (a background save), which
+        then hold only what this round staged.
+        """
+        from rl_ckpt.sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
+
+        staged = {}
+        for reg in self.registry.saved(kind):
+            if reg.sharded is not None:
+                staged[reg.name] = stage_sharded(reg.sharded, self.registry.rank, copy=copy)
+            elif copy:
+                staged[reg.name] = self.staging.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
+            else:
+                staged[reg.name] = encode_state(reg.name, _state_of(reg))
+        if copy:
+            self.staging.release_unused({(name, key) for name, enc in staged.items()
+                                         if isinstance(enc, EncodedState) for key in enc.arrays})
+        if not staged and not (self.managed and len(self.registry)):
+            # A participant whose state is all replicated (written by rank 0) contributes an empty part.
+            raise CheckpointError(
+                f"nothing to save in a {kind} snapshot: register components first"
+                + (" (or list them in light_components)" if kind == "light" else ""),
+                kind=kind,
+            )
+        return staged
+
+    # -- save --------------------------------------------------------------------
+    def save(self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None,
+             kind: str) -> SnapshotInfo:
+        """Stage and persist now; returns once committed."""
+        check_step(global_step)
+        self.wait()  # one save at a time, in order
+        try:
+            base = self.base_for(kind)
+            probes = self.probes(kind)
+            staged = self.stage(kind)
+        except BaseException as exc:
+            self.failed_before_begin(global_step, kind, exc)
+            raise
+        return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes)
+
+    def save_async(self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None,
+                   kind: str) -> SaveHandle:
+        """Stage a copy now (the only blocking part); persist it on the background writer."""
+        check_step(global_step)
+        self.wait()
+        started = time.perf_counter()
+        try:
+            base = self.base_for(kind)
+            probes = self.probes(kind)
+            staged = self.stage(kind, copy=True)
+            metrics = clean_metrics(metrics)
+        except BaseException as exc:
+            self.failed_before_begin(global_step, kind, exc)
+            raise
+        blocked = time.perf_counter() - started
+        if self._writer is None:
+            self._writer = BackgroundWriter(nice=self.config.writer_nice)
+        return self._writer.submit(
+            lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes),
+            global_step, kind, blocked,
+        )
+
+    def failed_before_begin(self, global_step: int, kind: str, error: BaseException) -> None:
+        """A save failed before it began: the other participants, if any, must fail with it at once."""
+        if not self.managed or kind in ("full", "light"):
+            self.commit.fail(snapshot_id(global_step, kind), None, error)
+
+    def agree_to_save(self, global_step: int, kind: str) -> bool:
+        """Whether a due save of ``global_step`` goes ahead.
+
+        Alone: unless a save is still in flight. With a manager, one decision
+        for every participant of the snapshot: the first participant to ask
+        decides (skip if its previous save is still running, else save), so
+        ranks never split into half-snapshots; a participant told to save
+        while busy waits for its previous save first.
+        """
+        if not self.managed:
+            return not self.saving
+        return self.commit.decide(snapshot_id(global_step, kind), self.saving)
+
+    @property
+    def saving(self) -> bool:
+        """True while a background save is in flight."""
+        return self._writer is not None and self._writer.busy
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any (its error stays on its handle)."""
+        if self._writer is not None:
+            self._writer.wait_idle()
+
+    def base_for(self, kind: str) -> str | None:
+        """The full snapshot a light one builds on (None for a full snapshot)."""
+        if kind == "full":
+            return None
+        if kind != "light":
+            raise ConfigError(f"kind must be 'full' or 'light', got {kind!r}", key="kind")
+        fulls = self.catalog.snapshots("full")
+        if not fulls:
+            raise CheckpointError("a light snapshot needs a full snapshot to build on; save a full snapshot first")
+        return fulls[-1].snapshot_id
+
+    # -- persist -------------------------------------------------------------------
+    def persist(self, staged: Mapping[str, EncodedState], global_step: int, *, metrics=None, tags=None,
+                kind: str = "full", base: str | None = None, probes: dict | None = None) -> SnapshotInfo:
+        """Write, verify and commit ``staged``. Safe to run on a background thread."""
+        sid = snapshot_id(global_step, kind)
+        attempt = self.commit.begin(sid)
+        try:
+            files, sections = self._write(staged, attempt)
+            recorded = recorded_config(self.config, self.train_config)
+            participant = self.registry.participant
+            manifest = Manifest(
+                snapshot_id=sid, global_step=global_step, kind=kind, created_at=now_iso(), base_snapshot_id=base,
+                config_digest=config_digest(recorded), config=recorded, state_schema_version=self.config.schema_version,
+                metrics=clean_metrics(metrics), tags=dict(tags or {}), files=files, components=sections,
+                writer={"attempt": attempt.attempt_id, **({"participant": participant} if participant else {})},
+                extra={"probes": probes} if probes else {},
+            )
+            merged = self.commit.commit(attempt, manifest.to_bytes())
+            if merged is not None:  # several participants: the committed manifest merges every part
+                manifest = merged
+        except BaseException as exc:
+            if manifest_landed(self.storage, attempt):
+                # The manifest is there and names this attempt (the error came after it landed, e.g. a
+                # lost response or a failed folder fsync): the save is not acknowledged, but its data
+                # now belongs to a committed snapshot and must not be deleted.
+                log.error("save of %s failed after its manifest landed; keeping its data", sid)
+                if isinstance(exc, CheckpointError):
+                    exc.message = f"{post_commit_text(exc)} (after {sid}'s manifest landed: it may be committed)"
+                    exc.args = (exc.message,)
+                raise
+            try:
+                self.commit.fail(sid, attempt, exc)
+            except CheckpointError as cleanup_error:  # the original error matters more; gc cleans up
+                log.warning("could not clean up failed save of %s: %s", sid, cleanup_error)
+            raise
+        info = SnapshotInfo.from_manifest(manifest)
+        self.catalog.add(info)
+        log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
+        if self.maintenance is not None and (not self.registry.distributed or self.registry.rank == 0):
+            info.warnings = self.maintenance.after_commit()
+        return info
+
+    def _write(self, staged: Mapping[str, EncodedState], attempt: Attempt) -> tuple[list, dict]:
+        """Every staged component's files inside ``attempt``: (manifest file entries, component sections)."""
+        from rl_ckpt.sharded import write_shards  # (lazy: see registry.SHARDED_IMPORT)
+
+        cfg = self.config
+        objects = self._object_writer() if cfg.dedup else None
+        files, sections = [], {}
+        for name, enc in staged.items():
+            key = self.registry.key(name)
+            if "/" in key:
+                self.storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
+            reg = self.registry.get(name)
+            if reg is not None and reg.sharded is not None:
+                entries, section = write_shards(self.storage, attempt, key, enc, self.registry.rank,
+                                                algo=cfg.checksum_algo, verify=cfg.verify_after_write,
+                                                block_bytes=reg.sharded.block_bytes,
+                                                min_block_bytes=reg.sharded.min_block_bytes)
+            else:
+                entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
+                                                   verify=cfg.verify_after_write, objects=objects)
+            section["kind"] = reg.kind if reg is not None else "other"
+            files += entries
+            sections[key] = section
+        return files, sections
+
+    def _object_writer(self) -> ObjectWriter:
+        if self.managed:
+            # The manager applies retention: see its deletions before reusing any chunk.
+            self.catalog.refresh()
+        committed = referenced_objects(self.catalog.snapshots())
+        return ObjectWriter(self.storage, self.config.checksum_algo, committed,
+                            min_bytes=self.config.dedup_min_tensor_bytes)
+
+    def beat(self, global_step: int) -> None:
+        """Heartbeat to the manager (rate-limited); a no-op without one."""
+        if self.heartbeat is not None:
+            newest = self.catalog.snapshots()
+            self.heartbeat.beat(global_step, newest[-1].snapshot_id if newest else None)
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the background writer."""
+        if self._writer is not None:
+            self._writer.close()
+
+
+def manifest_landed(storage: Storage, attempt: Attempt) -> bool:
+    """True when the snapshot's committed manifest names ``attempt``: its data belongs to a committed snapshot."""
+    try:
+        return read_manifest(storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id
+    except CheckpointError:
+        return False
+
+
+def _state_of(reg: Registered) -> Any:
+    """``reg.obj.state_dict()``; an exception it raises becomes a SerializationError naming the component."""
+    try:
+        return reg.obj.state_dict()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the user's own code: name the component, keep the cause chained
+        raise SerializationError(f"component {reg.name!r}: state_dict() raised {type(exc).__name__}: {exc}; "
+                                 "nothing was saved", component=reg.name, key="") from exc
+
+
+__all__ = ["SavePipeline", "recorded_config", "check_step", "DIGEST_KEYS"]

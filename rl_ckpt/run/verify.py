@@ -1,0 +1,33 @@
+"""Verify a run: re-hash snapshots against their manifests (``engine.verify`` and ``rl-ckpt verify``)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from rl_ckpt.core.reader import FileProblem, VerifyReport, verify_snapshot
+from rl_ckpt.format.manifest import MANIFEST_NAME
+from rl_ckpt.run.catalog import Catalog
+
+
+def verify_run(catalog: Catalog, snapshot_ids: Sequence[str] | None = None, *,
+               progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Re-hash every file of ``snapshot_ids`` (default: every committed snapshot) against its manifest.
+
+    A quarantined snapshot is reported as bad even when its files hash right (a
+    person decides about it); with no ids given, so is every snapshot whose
+    manifest cannot be read. ``progress`` is called with the bytes checked.
+    The catalog is read as it is: refresh it first.
+    """
+    storage = catalog.storage
+    report = VerifyReport()
+    ids = list(snapshot_ids) if snapshot_ids is not None else [i.snapshot_id for i in catalog.snapshots()]
+    for sid in ids:
+        verify_snapshot(storage, sid, report, progress=progress)
+        info = catalog.get(sid)
+        if info is not None and info.quarantined and sid not in report.bad_snapshots:
+            report.problems.append(FileProblem(sid, "quarantine", info.quarantined))
+    if snapshot_ids is None:
+        for bad in catalog.unreadable():
+            report.checked.append(bad.snapshot_id)
+            report.problems.append(FileProblem(bad.snapshot_id, MANIFEST_NAME, bad.reason))
+    return report
