@@ -44,6 +44,7 @@ from rl_ckpt.core.reader import read_manifest
 from rl_ckpt.storage import join, open_storage
 from rl_ckpt.sharded.layout import merge_components
 
+from .decisions import SaveDecisions
 from .healthz import HealthzServer
 
 log = logging.getLogger("rl_ckpt")
@@ -111,7 +112,7 @@ class CheckpointManager:
         self._last_loss_record = float("-inf")
         self.started_at = now_iso()
         self.refused: dict[str, Refusal] = {}
-        self.save_decisions: dict[str, tuple[str, str]] = {}  # snapshot id -> ("save" | "skip", who decided)
+        self.save_decisions = SaveDecisions(self.storage)  # kept on storage: the same answers after a restart
         self.abort_errors: dict[str, SnapshotAbortedError] = {}  # attempt id -> why (late reports hear it)
         self.unregistered: set[str] = set()  # finished cleanly: their liveness thread stops, not re-registers
         self._metrics = _Metrics()  # before anything that may commit
@@ -203,19 +204,27 @@ class CheckpointManager:
 
         The first participant to ask decides: ``"skip"`` when its previous save
         is still running, else ``"save"``; every later participant gets the same
-        answer (a busy one told to save waits for its previous save first).
+        answer (a busy one told to save waits for its previous save first), also
+        from a manager restarted in between (the decision is a record on storage).
         """
         with self._lock:
             self._check_participant(participant)
             decision = self.save_decisions.get(snapshot_id)
-            if decision is None:
-                started = snapshot_id in self.pending or self.storage.exists(join(snapshot_id, MANIFEST_NAME))
-                decision = ("skip" if busy and not started else "save", participant)
-                self.save_decisions[snapshot_id] = decision
-                if decision[0] == "skip":
-                    log.info("%s: skipped by every participant (%s's previous save is still running)", snapshot_id,
-                             participant)
+            if decision is None:  # recorded on storage before it is answered: a restarted manager answers the same
+                proposal = "skip" if busy and not self._started(snapshot_id) else "save"
+                decision = self.save_decisions.decide(snapshot_id, proposal, participant)
             return decision[0]
+
+    def decide_step(self, global_step: int, participant: str, kind: str | None, busy: bool,
+                    interval_seconds: float) -> dict:
+        """Under a time cadence: whether ``global_step`` is a save step, by this manager's clock, the same
+        answer for every participant (``{"kind": "full" | "light" | None, "save": bool}``; see actors/decisions.py)."""
+        with self._lock:
+            self._check_participant(participant)
+            return self.save_decisions.step(global_step, participant, kind, busy, interval_seconds, self._started)
+
+    def _started(self, snapshot_id: str) -> bool:
+        return snapshot_id in self.pending or self.storage.exists(join(snapshot_id, MANIFEST_NAME))
 
     def report(self, snapshot_id: str, attempt_id: str, participant: str, part: bytes) -> bytes:
         """A participant's part (metadata only); returns the merged manifest once committed."""
@@ -368,9 +377,9 @@ class CheckpointManager:
 
     def _forget_before(self, step: int) -> None:
         """Once a step committed, every participant is past the older ones: drop their decisions and refusals."""
-        for table in (self.save_decisions, self.refused):
-            for sid in [sid for sid in table if (parse_snapshot_id(sid) or (step,))[0] < step]:
-                del table[sid]
+        self.save_decisions.forget_before(step)
+        for sid in [sid for sid in self.refused if (parse_snapshot_id(sid) or (step,))[0] < step]:
+            del self.refused[sid]
 
     def _committed_manifest(self, snapshot_id: str, attempt_id: str) -> bytes | None:
         if not self.storage.exists(join(snapshot_id, MANIFEST_NAME)):
@@ -416,7 +425,7 @@ class CheckpointManager:
                 log.warning("cannot resume pending commit in %s (aborted; debris for gc): %s", prefix, exc)
                 continue
             self.pending[sid] = pending
-            self.save_decisions[sid] = ("save", "a commit resumed after a manager restart")
+            self.save_decisions.decide(sid, "save", "a commit resumed after a manager restart")
             log.info("resumed pending commit of %s (%d of %d reports)", sid, len(pending.reports), len(pending.expected))
             if set(pending.reports) >= set(pending.expected):
                 try:
