@@ -31,11 +31,11 @@ from typing import Callable
 
 from rl_ckpt.errors import CheckpointError, CommitConflictError
 from rl_ckpt.format.manifest import parse_snapshot_id, snapshot_id
-from rl_ckpt.format.untrusted import read_json
-from rl_ckpt.storage import Storage, join
+from rl_ckpt.run.layout import SAVE_DECISIONS as FOLDER
+from rl_ckpt.run.records import RecordStore
+from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
-FOLDER = "save_decisions"
 HORIZON = "horizon-"
 HORIZON_FRACTION = 16  # a horizon covers ~interval/16 of steps: what a restart may delay a time-based save by
 MAX_HORIZON_STEPS = 100_000
@@ -43,10 +43,10 @@ NOT_DUE = {"kind": None, "save": False}
 
 
 class DecisionRecords:
-    """Storage access for the decision records (one small JSON file each, create-only)."""
+    """Storage access for the decision records: the run's record store, create-only, the first record wins."""
 
     def __init__(self, storage: Storage, folder: str = FOLDER) -> None:
-        self.storage = storage
+        self.store = RecordStore(storage, folder, what="save decision record")
         self.folder = folder
 
     def create(self, name: str, body: dict) -> dict | None:
@@ -54,29 +54,29 @@ class DecisionRecords:
 
         A record already there that cannot be read is reported and ours is used.
         """
-        self.storage.makedirs(self.folder)
+        self.store.storage.makedirs(self.folder)
         try:
-            self.storage.write_atomic(join(self.folder, name), json.dumps(body).encode(), create_only=True)
+            self.store.storage.write_atomic(self.store.path(name), json.dumps(body).encode(), create_only=True)
             return None
         except CommitConflictError:
             return self.read(name)
 
     def read(self, name: str) -> dict | None:
         try:
-            body = read_json(self.storage, join(self.folder, name))
+            body = self.store.read(name)
         except CheckpointError as exc:
-            log.warning("ignoring unreadable save decision record %s/%s: %s", self.folder, name, exc)
+            log.warning("ignoring unreadable save decision record %s: %s", self.store.path(name), exc)
             return None
         return body if isinstance(body, dict) else None
 
     def names(self) -> list[str]:
-        return sorted(e.name for e in self.storage.list(self.folder) if e.name.endswith(".json"))
+        return self.store.names()
 
     def remove(self, name: str) -> None:
         try:
-            self.storage.remove(join(self.folder, name))
+            self.store.storage.remove(self.store.path(name))
         except CheckpointError as exc:  # a leftover record is harmless: it names a step already passed
-            log.warning("could not remove save decision record %s/%s: %s", self.folder, name, exc)
+            log.warning("could not remove save decision record %s: %s", self.store.path(name), exc)
 
 
 def _decision(body: dict | None) -> tuple[str, str] | None:
@@ -141,6 +141,13 @@ class SaveDecisions:
         """The decision taken for snapshot ``sid``: (``"save"``/``"skip"``, who decided), or None."""
         return self._by_id.get(sid)
 
+    def save_or_skip(self, sid: str, participant: str, busy: bool, started: Callable[[str], bool]) -> str:
+        """``"save"``/``"skip"`` for ``sid``: the first asker skips if busy (unless ``started(sid)``), for all."""
+        decision = self._by_id.get(sid)
+        if decision is None:  # recorded on storage before it is answered: a restarted manager answers the same
+            decision = self.decide(sid, "skip" if busy and not started(sid) else "save", participant)
+        return decision[0]
+
     def decide(self, sid: str, proposal: str, by: str) -> tuple[str, str]:
         """Record ``proposal`` for ``sid`` unless a decision exists (also on storage): returns the one that holds."""
         known = self._by_id.get(sid)
@@ -199,9 +206,7 @@ class SaveDecisions:
         if kind is None:
             self._extend_horizon(global_step, now, interval)
             return dict(NOT_DUE)
-        sid = snapshot_id(global_step, kind)
-        decision, _by = self.decide(sid, "skip" if busy and not started(sid) else "save", participant)
-        return {"kind": kind, "save": decision == "save"}
+        return {"kind": kind, "save": self.save_or_skip(snapshot_id(global_step, kind), participant, busy, started) == "save"}
 
     def _extend_horizon(self, global_step: int, now: float, interval: float) -> None:
         """Make sure a restarted manager answers "not due" for ``global_step`` too: persist a horizon past it."""

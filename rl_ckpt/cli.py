@@ -15,6 +15,7 @@ from typing import Sequence
 
 from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt.format.manifest import parse_snapshot_id
+from rl_ckpt.run.layout import MANIFEST_NAME, manifest_path
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -71,7 +72,7 @@ def _snapshot_arg(storage, args) -> str:
     if parse_snapshot_id(sid) is None:
         raise UsageError(f"{sid!r} is not a snapshot id (they look like step_000000500 or step_000000500.light); "
                          f"`rl-ckpt ls {args.url}` lists them")
-    if not storage.exists(f"{sid}/meta.json"):
+    if not storage.exists(manifest_path(sid)):
         raise UsageError(f"no committed snapshot {sid!r} in {args.url}")
     return sid
 
@@ -176,7 +177,7 @@ def cmd_verify(args) -> int:
     if not args.snapshot_id:
         for u in cat.unreadable():
             report.checked.append(u.snapshot_id)
-            report.problems.append(FileProblem(u.snapshot_id, "meta.json", u.reason))
+            report.problems.append(FileProblem(u.snapshot_id, MANIFEST_NAME, u.reason))
     print(report)
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
@@ -215,24 +216,28 @@ def cmd_inspect(args) -> int:
 def cmd_plan(args) -> int:
     from rl_ckpt.config import CheckpointConfig
     from rl_ckpt.recovery.coordinator import FailureInfo
-    from rl_ckpt.core.engine import CheckpointEngine
+    from rl_ckpt.recovery.history import load_decisions
+    from rl_ckpt.recovery.plan import build_plan, coordinator_config, probe_check
 
     storage = _storage(args)
     base, _, run = args.url.rstrip("/").rpartition("/")
     where = {"base_dir": base or ".", "run_name": run}  # the URL names the run, whatever the config says
+    catalog = _catalog(storage)
     if args.config:
         config = CheckpointConfig.from_yaml(args.config).replace(**where)
     else:
         # No job config: plan as the job that wrote the run would, with the newest snapshot's state schema
         # version (the default, 1, would refuse every snapshot of a run saved with schema_version 3).
-        usable = _catalog(storage).snapshots("full", usable=True)
+        usable = catalog.snapshots("full", usable=True)
         config = CheckpointConfig(**where, **({"schema_version": usable[-1].manifest.state_schema_version}
                                                if usable and usable[-1].manifest is not None else {}))
-    engine = CheckpointEngine(config, storage=storage)
     failure = None
     if args.failure:
         failure = FailureInfo(kind=args.failure, step=args.step, message="given on the command line")
-    plan = engine.plan_recovery(failure, deep=not args.quick)
+    # No components: the plan loads what the target snapshot holds, and has no job config to compare.
+    plan = build_plan(catalog, storage, schema_version=config.schema_version, components=None,
+                      coordinator=coordinator_config(config), history=load_decisions(storage), failure=failure,
+                      deep=not args.quick, probes=probe_check(config))
     print(plan)
     return EXIT_OK if plan.action != "give_up" else EXIT_PROBLEM
 

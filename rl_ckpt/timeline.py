@@ -12,22 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.errors import CheckpointError
+from rl_ckpt.run.layout import BEST, DECISIONS, FAILURES, RETIRED
+from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import Storage
-from rl_ckpt.format.untrusted import read_json
 
 
 def _records(storage: Storage, folder: str) -> list[dict]:
-    out = []
-    for entry in sorted(storage.list(folder), key=lambda e: e.name):
-        if entry.name.endswith(".json"):
-            try:
-                record = read_json(storage, f"{folder}/{entry.name}")
-            except CheckpointError:
-                continue
-            if isinstance(record, dict):  # anything else was planted or damaged: not drawn
-                out.append(record)
-    return out
+    """The folder's records that are JSON objects (anything else was planted or damaged: not drawn)."""
+    return RecordStore(storage, folder).load()
 
 
 def _step(v: Any) -> int | None:
@@ -62,7 +54,7 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
     snaps = [{"id": i.snapshot_id, "step": i.global_step, "kind": i.kind, "value": _num(i.metrics.get(metric)),
               "state": "quarantined" if i.quarantined else "kept"} for i in cat.snapshots()]
     listed = {s["id"] for s in snaps}
-    for r in _records(storage, "history/retired"):
+    for r in _records(storage, RETIRED):
         if not (isinstance(r.get("snapshot_id"), str) and _step(r.get("global_step")) is not None
                 and r.get("kind") in ("full", "light") and isinstance(r.get("metrics", {}), dict)):
             continue  # a damaged note: the snapshot is gone either way
@@ -70,14 +62,14 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
             continue  # the note is written before the deletion: a crash in between leaves it listed
         snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
                       "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
-    best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, "best") if isinstance(r.get("metric"), str)}
+    best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, BEST) if isinstance(r.get("metric"), str)}
     failures = [{"step": _step(r.get("step")), "kind": str(r.get("kind")), "participant": _str(r.get("participant"))}
-                for r in _records(storage, "failures")]
+                for r in _records(storage, FAILURES)]
     decisions = [{"step": _step(_failure(r).get("step")), "action": r.get("action"), "to": _step(r.get("global_step")),
                   "snapshot": r.get("snapshot_id"),
                   "failure": {"step": _step(_failure(r).get("step")), "kind": _str(_failure(r).get("kind")),
                               "participant": _str(_failure(r).get("participant"))}}
-                 for r in _records(storage, "decisions")]
+                 for r in _records(storage, DECISIONS)]
     return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
             "decisions": decisions, "metric": metric}
 

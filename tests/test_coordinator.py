@@ -9,7 +9,7 @@ import pytest
 
 from rl_ckpt.run.catalog import SnapshotInfo
 from rl_ckpt.recovery.coordinator import (Action, CoordinatorConfig, Decision, FailureInfo, FailureKind,
-                                 RecoveryCoordinator)
+                                         RecoveryCoordinator, make_decision, snapshot_failures)
 from rl_ckpt.errors import CheckpointError, ConfigError
 
 
@@ -18,8 +18,8 @@ def snap(step: int, kind: str = "full", **metrics) -> SnapshotInfo:
     return SnapshotInfo(sid, step, kind, f"2024-01-01T00:00:{step % 60:02d}", metrics, 100)
 
 
-def coord(snaps, record=None, **cfg) -> RecoveryCoordinator:
-    return RecoveryCoordinator(CoordinatorConfig(**cfg), lambda: list(snaps), record)
+def coord(snaps, **cfg) -> RecoveryCoordinator:
+    return RecoveryCoordinator(CoordinatorConfig(**cfg), lambda: list(snaps))
 
 
 def fail(kind="exception", step=2500, **kw) -> FailureInfo:
@@ -171,9 +171,9 @@ def test_failure_after_progress_does_not_count_against_restored_snapshot():
 def test_from_history_rebuilds_counts():
     records: list[str] = []
     snaps = [snap(500), snap(900)]
-    c = coord(snaps, record=lambda d: records.append(json.dumps(d.to_json(), allow_nan=False)))
+    c = coord(snaps)
     for _ in range(4):
-        c.decide(fail(step=950))
+        records.append(json.dumps(c.decide(fail(step=950)).to_json(), allow_nan=False))
     assert len(records) == 4
     rebuilt = RecoveryCoordinator.from_history(CoordinatorConfig(), lambda: list(snaps),
                                                [json.loads(line) for line in records])
@@ -216,11 +216,11 @@ def test_newer_record_version_refused():
         Decision.from_json(d)
 
 
-def test_record_and_logging(caplog):
-    seen: list[Decision] = []
+def test_history_and_logging(caplog):
+    c = coord([snap(900)])
     with caplog.at_level(logging.INFO, logger="rl_ckpt"):
-        d = coord([snap(900)], record=seen.append).decide(fail())
-    assert seen == [d]
+        d = c.decide(fail())
+    assert c.history == [d]
     assert any("restore_latest" in r.getMessage() and "step_000000900" in r.getMessage() for r in caplog.records)
 
 
@@ -240,3 +240,20 @@ def test_step_unknown_and_snapshot_ahead_of_failure():
     assert d.action == Action.restore_latest and "step unknown" in d.reason and "900" in d.reason
     d = coord([snap(900)]).decide(fail(step=800))
     assert d.snapshot_id == "step_000000900" and "100 steps ahead of the failure" in d.reason
+
+
+def test_make_decision_is_a_pure_function_of_its_inputs():
+    snaps = [snap(500), snap(900)]
+    history = [coord(snaps).decide(fail(step=950)) for _ in range(1)]
+    frozen = [Decision.from_json(d.to_json()) for d in history]
+    cfg = CoordinatorConfig(max_same_snapshot_failures=2)
+    first = make_decision(cfg, fail(step=950), snaps, history)
+    again = make_decision(cfg, fail(step=950), snaps, history)
+    assert history == frozen and len(snaps) == 2  # nothing it was given changed
+    assert (first.action, first.snapshot_id, first.charged_to, first.attempt) == \
+        (again.action, again.snapshot_id, again.charged_to, again.attempt) == \
+        (Action.restore_latest, "step_000000900", "step_000000900", 2)
+    # the same inputs with a longer history: 900 has now failed twice after restore
+    third = make_decision(cfg, fail(step=950), snaps, history + [first])
+    assert (third.snapshot_id, third.attempt) == ("step_000000500", 3)
+    assert snapshot_failures(history + [first, third]) == {"step_000000900": 2}

@@ -38,8 +38,10 @@ from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.run.quarantine import quarantine
 from rl_ckpt.core.reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
-from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, without_light
-from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
+from rl_ckpt.recovery.history import load_decisions, record_decision
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, probe_check, without_light
+from rl_ckpt.run.maintenance import RunMaintenance
+from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.format.state_codec import EncodedState, encode_state
 from rl_ckpt.storage import Storage, open_storage
@@ -48,7 +50,6 @@ from rl_ckpt.core.writer import write_component
 
 log = logging.getLogger("rl_ckpt")
 
-DECISIONS = "decisions"
 RETIRED = "history/retired"
 # Config keys that change what training does or what a snapshot holds: a
 # difference between the snapshot and the running job is worth a warning.
@@ -140,9 +141,6 @@ class CheckpointEngine:
         self.commit = strategy_for(self.storage, config.atomic_write)
         self.catalog = Catalog(self.storage)
         self._components: dict[str, Registered] = {}
-        if retention is None or retention is True:
-            retention = policy_from_config(config)
-        self.retention: RetentionPolicy | None = retention or None
         self.manager = manager
         self.participant: str | None = None
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -159,11 +157,10 @@ class CheckpointEngine:
             self.commit = ManagedCommit(self.storage, manager, self.participant, expected,
                                         commit_timeout=config.commit_timeout_seconds, heartbeat=self.heartbeat,
                                         name=label)
-            self.retention = None  # the manager applies retention once per committed snapshot
         self.last_save_time = time.monotonic()
-        self.last_retention: RetentionDecision | None = None
-        self.sweep_in_gc_only = False  # set by the manager: participants may be reusing chunks right now
-        self._best_cache: tuple[int, dict | None] = (-1, None)  # (catalog version, best ids and ids seen then)
+        # With a manager, the manager runs maintenance (retention once per committed snapshot).
+        self.maintenance = RunMaintenance.from_config(self.storage, self.catalog, config,
+                                                      retention=retention if manager is None else False)
         self._staging = StagingArea()
         self._writer: BackgroundWriter | None = None
         self._patrol = None
@@ -450,7 +447,7 @@ class CheckpointEngine:
         self.last_save_time = time.monotonic()
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
         if self.manager is None and (not self._distributed or self.rank == 0):
-            info.warnings = self._after_commit()
+            info.warnings = self.maintenance.after_commit()
         return info
 
     def beat(self, global_step: int) -> None:
@@ -476,128 +473,19 @@ class CheckpointEngine:
         return ObjectWriter(self.storage, self.config.checksum_algo, committed,
                             min_bytes=self.config.dedup_min_tensor_bytes)
 
-    def _after_commit(self) -> list[str]:
-        """Best aliases first, deletions last: a crash in between only leaves extra snapshots.
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """The retention policy applied after each commit (None: keep everything, or the manager decides)."""
+        return self.maintenance.retention
 
-        Runs after the commit point, so nothing here may fail the save: each step's error is
-        logged and returned as a warning, and the pass goes on. A snapshot found gone (deleted
-        by hand, or by another engine on the run) just leaves the catalog.
-        """
-        problems: list[str] = []
-
-        def guarded(what: str, fn, *args) -> Any:
-            try:
-                return fn(*args)
-            except Exception as exc:  # the snapshot is committed whatever happens here
-                msg = f"{what}: {post_commit_text(exc)}"
-                log.warning("after committing: %s", msg)
-                problems.append(msg)
-                return None
-
-        cfg = self.config
-        if cfg.keep_best > 0:
-            guarded("best-snapshot alias not updated", self._write_best_aliases, self.catalog.snapshots())
-        if self.retention is None:
-            return problems
-        # Quarantined snapshots are neither kept-counted nor deleted: a person decides.
-        decision = plan_retention([i for i in self.catalog.snapshots() if not i.quarantined], self.retention)
-        self.last_retention = decision
-        freed: dict[str, tuple[str, int]] = {}
-        for sid in decision.delete:
-            info = self.catalog.get(sid)
-            if guarded(f"retention could not check {sid}", self._vanished, sid):
-                continue
-            guarded(f"retention: no tombstone for {sid}", self._tombstone, info, decision)
-            retired = guarded(f"retention could not delete {sid}", retire_snapshot, self.storage, sid)
-            if retired is None:
-                continue  # still there: the next pass tries again
-            if info is not None and info.manifest is not None:
-                freed.update(manifest_objects(info.manifest))
-            self.catalog.discard([sid])
-            log.info("retention: deleted %s" if retired else "retention: %s was already gone", sid)
-        if freed and not self.sweep_in_gc_only:
-            guarded("retention could not sweep unused objects", self._sweep_objects, freed)
-        return problems
-
-    def _vanished(self, sid: str) -> bool:
-        """True (and the catalog forgets it) when a listed snapshot's manifest is gone from storage."""
-        if self.storage.exists(f"{sid}/meta.json"):
-            return False
-        log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it",
-                    sid, self.storage.url)
-        self.catalog.discard([sid])
-        return True
-
-    def _tombstone(self, info: SnapshotInfo | None, decision: RetentionDecision) -> None:
-        """A note of what retention deleted (for the timeline and for people), written before deleting."""
-        if info is None:
-            return
-        body = {"snapshot_id": info.snapshot_id, "global_step": info.global_step, "kind": info.kind,
-                "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "deleted_at": now_iso()}
-        self.storage.makedirs(RETIRED)
-        self.storage.write_atomic(f"{RETIRED}/{info.snapshot_id}.json", json.dumps(body).encode())
-
-    def _sweep_objects(self, candidates: dict[str, tuple[str, int]]) -> None:
-        """Delete dedup objects of deleted snapshots that no remaining manifest references.
-
-        Only this engine writes to the run while it runs, and it is between
-        saves here, so no in-flight save can be reusing them. (``gc`` sweeps
-        everything else, with a grace period.)
-        """
-        live: set[str] = set()
-        for info in self.catalog.snapshots():
-            if info.manifest is not None:
-                live.update(manifest_objects(info.manifest))
-        if self.catalog.unreadable():
-            return  # an unreadable manifest may reference these: leave them to gc
-        for digest, (algo, _size) in candidates.items():
-            if digest not in live:
-                self.storage.remove(object_path(algo, digest))
-
-    def _write_best_aliases(self, snapshots: list[SnapshotInfo]) -> None:
-        cfg = self.config
-        metrics = cfg.best_metric if isinstance(cfg.best_metric, list) else [cfg.best_metric]
-        modes = cfg.best_mode if isinstance(cfg.best_mode, list) else [cfg.best_mode] * len(metrics)
-        version, cached = self._best_cache
-        if version == self.catalog.version and cached is not None:
-            # Only adds since the last look: the best is the old best or one of the new snapshots.
-            known = cached["_seen"]
-            best_ids = {v for k, v in cached.items() if k != "_seen"}
-            pool = [i for i in snapshots if i.snapshot_id in best_ids or i.snapshot_id not in known]
-        else:
-            pool = snapshots
-        best = best_per_metric(pool, metrics, modes)
-        gone = [sid for sid in set(best.values()) if self._vanished(sid)]
-        if gone:  # a best snapshot deleted outside this engine: rank again without it
-            return self._write_best_aliases(self.catalog.snapshots())
-        self._best_cache = (self.catalog.version, {**best, "_seen": {i.snapshot_id for i in snapshots}})
-        for metric, sid in best.items():
-            info = self.catalog.get(sid)
-            mode = modes[metrics.index(metric)]
-            body = {"snapshot_id": sid, "global_step": info.global_step if info else None, "metric": metric,
-                    "mode": mode, "value": info.metrics.get(metric) if info else None, "updated_at": now_iso()}
-            if self._best_alias(metric) != body["snapshot_id"]:
-                self.storage.makedirs("best")
-                self.storage.write_atomic(f"best/{_safe_metric(metric)}.json", json.dumps(body).encode())
-
-    def _best_alias(self, metric: str) -> str | None:
-        path = f"best/{_safe_metric(metric)}.json"
-        try:
-            record = read_json(self.storage, path) if self.storage.exists(path) else None
-        except CheckpointError:  # unreadable or planted: the alias is rewritten from the catalog
-            return None
-        sid = record.get("snapshot_id") if isinstance(record, dict) else None
-        return sid if isinstance(sid, str) else None
+    @property
+    def last_retention(self) -> RetentionDecision | None:
+        """What the last retention pass kept and deleted, and why."""
+        return self.maintenance.last_retention
 
     def best(self, metric: str | None = None) -> SnapshotInfo | None:
         """The best committed snapshot by ``metric`` (default: the first of best_metric)."""
-        cfg = self.config
-        metrics = cfg.best_metric if isinstance(cfg.best_metric, list) else [cfg.best_metric]
-        modes = cfg.best_mode if isinstance(cfg.best_mode, list) else [cfg.best_mode] * len(metrics)
-        metric = metric or metrics[0]
-        mode = modes[metrics.index(metric)] if metric in metrics else "max"
-        sid = best_per_metric(self.catalog.snapshots(), [metric], [mode]).get(metric)
-        return self.catalog.get(sid) if sid else None
+        return self.maintenance.best(metric)
 
     # -- listing and verification -------------------------------------------
     def snapshots(self) -> list[SnapshotInfo]:
@@ -641,31 +529,19 @@ class CheckpointEngine:
             # One plan for every participant: the manager computes it (and records the decision) once.
             return RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds,
                                                    name=self.commit.name))
-        return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
+        return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
+                          components={r.name: r.kind for r in self._components.values()},
+                          coordinator=coordinator_config(self.config), history=self.decisions(), failure=failure,
+                          deep=deep, snapshot_id=snapshot_id, light=light, probes=probe_check(self.config),
+                          job_config=recorded_config(self.config, self.train_config))
 
     def decisions(self) -> list[Decision]:
         """The coordinator decisions recorded in this run, oldest first."""
-        out = []
-        for entry in sorted(self.storage.list(DECISIONS), key=lambda e: e.name):
-            if not entry.name.endswith(".json"):
-                continue
-            try:
-                decision = Decision.from_json(read_json(self.storage, f"{DECISIONS}/{entry.name}"))
-                ids = (decision.snapshot_id, decision.charged_to, *(s for s, _n in decision.considered))
-                steps = (decision.global_step, decision.failure.step, decision.attempt)
-                if not (all(i is None or isinstance(i, str) for i in ids)
-                        and all(n is None or type(n) is int for n in steps)):
-                    raise TypeError("fields of the wrong type")  # e.g. a list as snapshot id: unhashable later
-                out.append(decision)
-            except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a planted record
-                log.warning("ignoring unreadable decision record %s: %s", entry.name, exc)
-        return out
+        return load_decisions(self.storage)
 
     def record_decision(self, decision: Decision) -> None:
         """Write a coordinator decision into the run folder (one file each: atomic on every backend)."""
-        self.storage.makedirs(DECISIONS)
-        name = f"{DECISIONS}/{decision.time.replace(':', '').replace('+', 'p')}-{decision.action}.json"
-        self.storage.write_atomic(name, json.dumps(decision.to_json(), allow_nan=False).encode())
+        record_decision(self.storage, decision)
 
     def restore(self, plan: RecoveryPlan | None = None, *, snapshot_id: str | None = None, strict: bool = True,
                 light: bool = True) -> RestoreResult:
@@ -681,7 +557,7 @@ class CheckpointEngine:
         if plan is None:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
         if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
-            plan = without_light(self, plan)
+            plan = without_light(self.storage, plan)
         if plan.decision is not None and self.manager is None and self.rank == 0:  # the manager records its own
             self.record_decision(plan.decision)
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}

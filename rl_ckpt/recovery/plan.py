@@ -6,21 +6,25 @@ failure) -> ordered load actions -> post-load checks -> the step to continue
 from. Every choice carries its reason; ``str(plan)`` is the report a person
 reads (``rl-ckpt plan URL``). ``engine.restore(plan)`` executes it and falls
 back along ``plan.fallbacks`` when a step fails.
+
+Everything a plan depends on is an argument of :func:`build_plan` (catalog,
+storage, schema version, the job's components, coordinator settings and the
+recorded decisions), so the engine, the manager and the CLI (which has no
+components) plan the same way, and nothing here knows about the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Sequence
 
-from rl_ckpt.run.catalog import SnapshotInfo
-from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, RecoveryCoordinator
+from rl_ckpt.config import changed_keys, config_digest
+from rl_ckpt.core.reader import read_manifest, verify_snapshot
 from rl_ckpt.errors import CheckpointError, SchemaVersionError
 from rl_ckpt.format.manifest import Manifest, now_iso
-from rl_ckpt.core.reader import read_manifest, verify_snapshot
-
-if TYPE_CHECKING:
-    from rl_ckpt.core.engine import CheckpointEngine
+from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, log_decision, make_decision
+from rl_ckpt.run.catalog import Catalog, SnapshotInfo
+from rl_ckpt.storage import Storage
 
 # Load order: weights, optimizer, scheduler, RNG, buffer, env/other, progress last.
 LOAD_ORDER = ("module", "optimizer", "scheduler", "rng", "buffer", "other", "progress")
@@ -113,7 +117,16 @@ class RecoveryPlan:
         return "\n".join(lines)
 
 
-def coordinator_config(cfg) -> CoordinatorConfig:
+@dataclasses.dataclass(frozen=True)
+class ProbeCheck:
+    """The post-load probe comparison a restore will run (for the plan's "after loading" lines)."""
+
+    rtol: float
+    atol: float
+
+
+def coordinator_config(cfg: Any) -> CoordinatorConfig:
+    """The coordinator settings of a :class:`CheckpointConfig`."""
     metric = cfg.best_metric[0] if isinstance(cfg.best_metric, list) else cfg.best_metric
     mode = cfg.best_mode[0] if isinstance(cfg.best_mode, list) else cfg.best_mode
     return CoordinatorConfig(max_failures=cfg.max_failures, max_same_snapshot_failures=cfg.max_same_snapshot_failures,
@@ -121,32 +134,88 @@ def coordinator_config(cfg) -> CoordinatorConfig:
                              divergence_threshold=cfg.divergence_threshold, best_metric=metric, best_mode=mode)
 
 
-def _check(engine: "CheckpointEngine", info: SnapshotInfo, deep: bool) -> Manifest:
+def probe_check(cfg: Any) -> ProbeCheck | None:
+    """The probe comparison of a :class:`CheckpointConfig` (None with ``post_load_check`` off)."""
+    return ProbeCheck(cfg.probe_rtol, cfg.probe_atol) if cfg.post_load_check else None
+
+
+def check_schema(manifest: Manifest, schema_version: int) -> None:
+    """SchemaVersionError unless ``manifest`` was saved with the job's state ``schema_version``."""
+    if manifest.state_schema_version != schema_version:
+        raise SchemaVersionError(
+            f"{manifest.snapshot_id}: saved with schema_version {manifest.state_schema_version}, this job declares "
+            f"{schema_version}. The state layout changed; refusing to load it. Restore with the "
+            "matching schema_version, or start a new run.",
+            snapshot_id=manifest.snapshot_id, found=manifest.state_schema_version, supported=schema_version,
+        )
+
+
+def config_warnings(manifest: Manifest, job_config: Mapping[str, Any]) -> list[str]:
+    """A warning when the job's recorded config (``recorded_config``) differs from the snapshot's.
+
+    A job that declared no hyperparameters (no ``train.*`` keys, e.g. a rollout
+    worker) is not warned about the learner's.
+    """
+    if manifest.config_digest == config_digest(job_config):
+        return []
+    keys = changed_keys(manifest.config, job_config)
+    if not any(k.startswith("train.") for k in job_config):
+        keys = [k for k in keys if not k.startswith("train.")]
+        if not keys:
+            return []
+    return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {', '.join(keys) or '(unknown keys)'}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    storage: Storage
+    schema_version: int
+    deep: bool
+
+
+def _check(inp: _Inputs, info: SnapshotInfo) -> Manifest:
     """The snapshot's manifest if it is usable, else CheckpointError saying why.
 
     The manifest is the one the catalog parsed (or re-validated by its stat version) in the
     refresh that starts every plan, so a restore parses each manifest once."""
     sid = info.snapshot_id
-    manifest = info.manifest if info.manifest is not None else read_manifest(engine.storage, sid)
-    engine._check_schema(manifest)
-    if deep:
-        report = verify_snapshot(engine.storage, sid)
+    manifest = info.manifest if info.manifest is not None else read_manifest(inp.storage, sid)
+    check_schema(manifest, inp.schema_version)
+    if inp.deep:
+        report = verify_snapshot(inp.storage, sid)
         if not report.ok:
             raise CheckpointError("; ".join(f"{p.path}: {p.problem}" for p in report.problems[:3]), snapshot_id=sid)
     else:
         for f in manifest.files:
             path = f"{sid}/{f.path}"
-            if not engine.storage.exists(path) or engine.storage.size(path) != f.size:
+            if not inp.storage.exists(path) or inp.storage.size(path) != f.size:
                 raise CheckpointError(f"{f.path}: missing or wrong size", snapshot_id=sid)
     return manifest
 
 
-def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *, deep: bool = True,
-               snapshot_id: str | None = None, light: bool = True, history: list[Decision] | None = None) -> RecoveryPlan:
-    """Compute a RecoveryPlan for ``engine``'s run. Reads storage; writes nothing."""
-    engine.catalog.refresh()
-    cat = engine.catalog
-    plan = RecoveryPlan(engine.storage.url, "start_fresh", "", failure=failure, deep=deep)
+def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, components: Mapping[str, str] | None,
+               coordinator: CoordinatorConfig, history: Sequence[Decision] = (), failure: FailureInfo | None = None,
+               deep: bool = True, snapshot_id: str | None = None, light: bool = True,
+               probes: ProbeCheck | None = None, job_config: Mapping[str, Any] | None = None) -> RecoveryPlan:
+    """Compute a RecoveryPlan for the run in ``storage``. Refreshes ``catalog``, reads storage, writes nothing.
+
+    Args:
+        catalog, storage: the run.
+        schema_version: the job's state schema; snapshots saved with another are skipped.
+        components: the job's registered components (name -> kind), loaded in that order;
+            None (the CLI) plans for what the target snapshot holds.
+        coordinator, history: with a ``failure``, the coordinator decides the target from
+            these settings and the run's recorded decisions (oldest first).
+        deep: re-hash the candidates' files (else check presence and sizes).
+        snapshot_id: plan for this snapshot only.
+        light: apply the newest valid light snapshot built on the target.
+        probes: the post-load probe comparison a restore runs (None: none).
+        job_config: the running job's recorded config, compared with the target's (None: no comparison).
+    """
+    catalog.refresh()
+    cat = catalog
+    inp = _Inputs(storage, schema_version, deep)
+    plan = RecoveryPlan(storage.url, "start_fresh", "", failure=failure, deep=deep)
     fulls = list(reversed(cat.snapshots("full")))
     for info in fulls:
         if info.quarantined:
@@ -160,7 +229,7 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
             plan.action, plan.reason = "give_up", f"no usable full snapshot {snapshot_id!r}"
             return plan
     if not usable and not plan.candidates:
-        plan.reason = f"no snapshot in {engine.storage.url}: nothing to restore, starting fresh"
+        plan.reason = f"no snapshot in {storage.url}: nothing to restore, starting fresh"
         return plan
 
     invalid: dict[str, str] = {}
@@ -174,7 +243,7 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
             return False
         if info.snapshot_id not in manifests:
             try:
-                manifests[info.snapshot_id] = _check(engine, info, deep)
+                manifests[info.snapshot_id] = _check(inp, info)
             except CheckpointError as exc:
                 invalid[info.snapshot_id] = str(exc)
                 return False
@@ -183,8 +252,8 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
     target: SnapshotInfo | None = None
     while True:
         if failure is not None and snapshot_id is None:
-            coordinator = RecoveryCoordinator.from_history(coordinator_config(engine.config), valid_fulls, history or [])
-            decision = coordinator.decide(failure)
+            decision = make_decision(coordinator, failure, valid_fulls(), history)
+            log_decision(decision)
             plan.decision = decision
             if decision.action == Action.give_up:
                 plan.action, plan.reason = "give_up", decision.reason
@@ -216,7 +285,7 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
     manifest = manifests[target.snapshot_id]
     plan.target, plan.continue_from_step = target.snapshot_id, target.global_step
     plan.candidates.append(CandidateNote(target.snapshot_id, target.global_step, "full", "chosen", plan.reason))
-    light_manifest = _choose_light(engine, plan, target, deep) if light else None
+    light_manifest = _choose_light(catalog, inp, plan, target) if light else None
     if light_manifest is not None:
         plan.light, plan.continue_from_step = light_manifest.snapshot_id, light_manifest.global_step
     older = [i for i in usable if i.global_step < target.global_step and i.snapshot_id not in invalid]
@@ -228,18 +297,18 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
             plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "not chosen",
                                                  "newer, but the decision above chose an older snapshot"))
     plan.candidates.sort(key=lambda c: (-c.global_step, c.kind))
-    _actions(engine, plan, manifest, light_manifest)
-    if engine._components:  # a running job: compare its config with the snapshot's (the CLI has none to compare)
-        plan.warnings += engine._config_warnings(manifest)
+    _actions(plan, components, probes, manifest, light_manifest)
+    if components and job_config is not None:  # a running job: compare its config with the snapshot's
+        plan.warnings += config_warnings(manifest, job_config)
     return plan
 
 
-def _choose_light(engine: "CheckpointEngine", plan: RecoveryPlan, target: SnapshotInfo, deep: bool) -> Manifest | None:
-    for info in reversed(engine.catalog.snapshots("light", usable=True)):
+def _choose_light(catalog: Catalog, inp: _Inputs, plan: RecoveryPlan, target: SnapshotInfo) -> Manifest | None:
+    for info in reversed(catalog.snapshots("light", usable=True)):
         if info.base_snapshot_id != target.snapshot_id or info.global_step < target.global_step:
             continue
         try:
-            m = _check(engine, info, deep)
+            m = _check(inp, info)
         except (CheckpointError, SchemaVersionError) as exc:
             plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "skipped", str(exc)))
             continue
@@ -249,10 +318,10 @@ def _choose_light(engine: "CheckpointEngine", plan: RecoveryPlan, target: Snapsh
     return None
 
 
-def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, light: Manifest | None) -> None:
+def _actions(plan: RecoveryPlan, components: Mapping[str, str] | None, probe: ProbeCheck | None, full: Manifest,
+             light: Manifest | None) -> None:
     # What is registered, or (planning from the CLI, nothing registered) what the snapshot holds.
-    names = {r.name: r.kind for r in engine._components.values()} or {n: sec.get("kind", "other")
-                                                                      for n, sec in full.components.items()}
+    names = dict(components or {}) or {n: sec.get("kind", "other") for n, sec in full.components.items()}
     probes = (full.extra or {}).get("probes", {})
     for name, kind in sorted(names.items(), key=lambda nk: LOAD_ORDER.index(nk[1]) if nk[1] in LOAD_ORDER else 5):
         source = light if light is not None and name in light.components else full
@@ -264,17 +333,14 @@ def _actions(engine: "CheckpointEngine", plan: RecoveryPlan, full: Manifest, lig
         section = source.components[name]
         obj_bytes = sum(size for chunks in (section.get("objects") or {}).values() for _d, size in chunks)
         plan.actions.append(LoadAction(name, kind, source.snapshot_id, len(files), sum(f.size for f in files) + obj_bytes))
-        if name in probes and engine.config.post_load_check:
-            cfg = engine.config
+        if name in probes and probe is not None:
             plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
-                               f"allclose(rtol={cfg.probe_rtol}, "
-                               f"atol={cfg.probe_atol})")
+                               f"allclose(rtol={probe.rtol}, "
+                               f"atol={probe.atol})")
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
 
-
-
-def without_light(engine: "CheckpointEngine", plan: RecoveryPlan) -> RecoveryPlan:
+def without_light(storage: Storage, plan: RecoveryPlan) -> RecoveryPlan:
     """``plan`` as followed by a caller that applies no light layer (``restore(light=False)``).
 
     The plan may come from the run's manager, made for every participant with
@@ -282,7 +348,7 @@ def without_light(engine: "CheckpointEngine", plan: RecoveryPlan) -> RecoveryPla
     from where) must be what it does, so training resumes after the full
     snapshot's step and every component loads from it.
     """
-    full = read_manifest(engine.storage, plan.target)
+    full = read_manifest(storage, plan.target)
     actions = []
     for a in plan.actions:
         if a.snapshot_id == plan.light and a.component in full.components:

@@ -1,1 +1,2 @@
-"""The run folder: catalog, commit strategies, retention, garbage collection, quarantine, dedup objects, patrol."""
+"""The run folder: its layout and JSON records, catalog, commit strategies, maintenance after a commit, retention,
+garbage collection, quarantine, dedup objects, patrol."""

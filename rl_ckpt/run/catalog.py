@@ -14,7 +14,8 @@ import logging
 import threading
 from typing import Iterable
 
-from rl_ckpt.run.commit import STAGING, TRASH
+from rl_ckpt.run.layout import RESERVED, manifest_path, snapshot_folders
+from rl_ckpt.run.quarantine import quarantined
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import Manifest, parse_snapshot_id
 from rl_ckpt.core.reader import read_manifest
@@ -86,7 +87,7 @@ def foreign_names(storage: Storage) -> list[str]:
 
     out = []
     for entry in storage.list(""):
-        if parse_snapshot_id(entry.name) is not None or entry.name in (STAGING, TRASH):
+        if parse_snapshot_id(entry.name) is not None or entry.name in RESERVED:
             continue
         if unicodedata.normalize("NFKC", entry.name).strip().lower().startswith("step"):
             out.append(entry.name)
@@ -111,11 +112,9 @@ class Catalog:
         with self._lock:
             known, known_versions = dict(self._infos or {}), dict(self._versions)
         infos, bad, versions = {}, {}, {}
-        for entry in self.storage.list(""):
-            if not entry.is_dir or entry.name in (STAGING, TRASH) or parse_snapshot_id(entry.name) is None:
-                continue
+        for entry in snapshot_folders(self.storage):
             try:
-                meta = self.storage.stat(f"{entry.name}/meta.json")
+                meta = self.storage.stat(manifest_path(entry.name))
             except CheckpointError as exc:  # e.g. a planted link in place of the manifest
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
@@ -136,8 +135,6 @@ class Catalog:
             except CheckpointError as exc:
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
-        from rl_ckpt.run.quarantine import quarantined
-
         fenced = quarantined(self.storage)
         was = {sid: info.quarantined for sid, info in known.items()}
         for sid, info in infos.items():
@@ -185,7 +182,7 @@ class Catalog:
     def add(self, info: SnapshotInfo) -> None:
         """Record a snapshot this process just committed (its manifest is stat-ed, not re-read)."""
         try:
-            meta = self.storage.stat(f"{info.snapshot_id}/meta.json")
+            meta = self.storage.stat(manifest_path(info.snapshot_id))
         except CheckpointError:
             meta = None
         with self._lock:

@@ -19,31 +19,15 @@
 from __future__ import annotations
 
 import abc
-import dataclasses
 
 from rl_ckpt.errors import CommitConflictError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME
+from rl_ckpt.run.layout import STAGING, TRASH, Attempt, in_place_attempt, staged_attempt
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.storage.base import unique_suffix
 
-STAGING = ".staging"
-TRASH = ".trash"
-
-
-@dataclasses.dataclass(frozen=True)
-class Attempt:
-    """One try at writing one snapshot."""
-
-    snapshot_id: str
-    attempt_id: str
-    data_prefix: str  # where files are written, relative to the storage root
-    file_prefix: str  # prepended to file names in the manifest (relative to the snapshot folder)
-
-    def data_path(self, name: str) -> str:
-        return join(self.data_prefix, name)
-
-    def manifest_path(self, name: str) -> str:
-        return self.file_prefix + name
+__all__ = ["STAGING", "TRASH", "Attempt", "CommitStrategy", "StagedRenameCommit", "ManifestLastCommit",
+           "strategy_for", "retire_snapshot"]
 
 
 class CommitStrategy(abc.ABC):
@@ -74,10 +58,9 @@ class CommitStrategy(abc.ABC):
 class StagedRenameCommit(CommitStrategy):
     def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
         self._check_free(snapshot_id)
-        attempt_id = attempt_id or unique_suffix()
-        prefix = join(STAGING, f"{snapshot_id}.{attempt_id}")
-        self.storage.makedirs(prefix)
-        return Attempt(snapshot_id, attempt_id, prefix, "")
+        attempt = staged_attempt(snapshot_id, attempt_id or unique_suffix())
+        self.storage.makedirs(attempt.data_prefix)
+        return attempt
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
         self.storage.write(join(attempt.data_prefix, MANIFEST_NAME), [manifest], durable=True)
@@ -94,10 +77,9 @@ class StagedRenameCommit(CommitStrategy):
 class ManifestLastCommit(CommitStrategy):
     def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
         self._check_free(snapshot_id)
-        attempt_id = attempt_id or unique_suffix()
-        prefix = join(snapshot_id, attempt_id)
-        self.storage.makedirs(prefix)
-        return Attempt(snapshot_id, attempt_id, prefix, attempt_id + "/")
+        attempt = in_place_attempt(snapshot_id, attempt_id or unique_suffix())
+        self.storage.makedirs(attempt.data_prefix)
+        return attempt
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
         # On a filesystem, the data files' names must be durable before the manifest that vouches
@@ -150,3 +132,8 @@ def retire_snapshot(storage: Storage, snapshot_id: str) -> bool:
     storage.remove(join(snapshot_id, MANIFEST_NAME))
     storage.remove_tree(snapshot_id)
     return not gone
+
+
+def post_commit_text(exc: BaseException) -> str:
+    """An error's text as seen after the commit point: a storage hint that nothing was committed is untrue here."""
+    return str(exc).replace("; nothing was committed by this save", "")

@@ -24,12 +24,12 @@ from rl_ckpt.format.checksum import new_hasher
 from rl_ckpt.config import FIELDS
 from rl_ckpt.errors import CorruptSnapshotError, StorageError
 from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.run.layout import OBJECTS
 from rl_ckpt.storage import Storage
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BATCH_BYTES = 64 * 1024 * 1024  # new objects are published in batches (one sync pass each) of about this size
 BATCH_FILES = 64
-OBJECTS = "objects"
 
 
 def object_path(algo: str, digest: str) -> str:

@@ -17,9 +17,9 @@ import dataclasses
 import time
 
 from rl_ckpt.run.catalog import lost_manifest
-from rl_ckpt.run.commit import STAGING, TRASH
+from rl_ckpt.run.layout import MANIFEST_NAME, OBJECTS, STAGING, TRASH, is_snapshot_name, manifest_path, snapshot_folders
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
+from rl_ckpt.run.dedup import manifest_objects
 from rl_ckpt.core.reader import read_manifest
 from rl_ckpt.storage import Storage, join
 
@@ -72,9 +72,9 @@ def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, 
             if old(name, entry.mtime, False):
                 found.append(Debris(name, "temp file of an interrupted write", False))
             continue
-        if not entry.is_dir or parse_snapshot_id(name) is None:
+        if not entry.is_dir or not is_snapshot_name(name):
             continue
-        if not storage.exists(join(name, MANIFEST_NAME)):
+        if not storage.exists(manifest_path(name)):
             if lost_manifest(storage, name):
                 continue  # a committed snapshot that lost its manifest: reported by verify, kept for a person
             if old(name, entry.mtime, True):
@@ -110,16 +110,12 @@ def find_unreferenced_objects(storage: Storage, grace_seconds: float = DEFAULT_G
     Returns ``(debris, refusal)``. When any snapshot's manifest cannot be read,
     its references are unknown, so nothing is swept and ``refusal`` says why.
     """
-    from rl_ckpt.run.dedup import OBJECTS, manifest_objects
-
     now = time.time() if now is None else now
     if not storage.exists(OBJECTS):
         return [], None
     live: set[str] = set()
-    for entry in storage.list(""):
-        if not entry.is_dir or parse_snapshot_id(entry.name) is None:
-            continue
-        if not storage.exists(join(entry.name, MANIFEST_NAME)):
+    for entry in snapshot_folders(storage):
+        if not storage.exists(manifest_path(entry.name)):
             if lost_manifest(storage, entry.name):
                 return [], f"{entry.name} has lost its manifest: its objects cannot be told apart, nothing swept"
             continue

@@ -13,10 +13,9 @@ import json
 
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import now_iso, parse_snapshot_id
+from rl_ckpt.run.layout import QUARANTINE, quarantine_path
+from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import Storage
-from rl_ckpt.format.untrusted import read_json
-
-QUARANTINE = "quarantine"
 
 
 def quarantine(storage: Storage, snapshot_id: str, reason: str, source: str) -> None:
@@ -24,19 +23,20 @@ def quarantine(storage: Storage, snapshot_id: str, reason: str, source: str) -> 
         raise CheckpointError(f"not a snapshot id: {snapshot_id!r}", snapshot_id=snapshot_id)
     storage.makedirs(QUARANTINE)
     body = {"snapshot_id": snapshot_id, "reason": reason, "source": source, "at": now_iso()}
-    storage.write_atomic(f"{QUARANTINE}/{snapshot_id}.json", json.dumps(body).encode())
+    storage.write_atomic(quarantine_path(snapshot_id), json.dumps(body).encode())
 
 
 def quarantined(storage: Storage) -> dict[str, str]:
     """snapshot id -> reason."""
     out = {}
-    for entry in storage.list(QUARANTINE):
-        sid = entry.name[:-5] if entry.name.endswith(".json") else None
-        if not sid or parse_snapshot_id(sid) is None:
+    records = RecordStore(storage, QUARANTINE, "quarantine record")
+    for name in records.names():
+        sid = name[:-5]
+        if parse_snapshot_id(sid) is None:
             continue
         try:
-            record = read_json(storage, f"{QUARANTINE}/{entry.name}")
-        except CheckpointError:
+            record = records.read(name)
+        except CheckpointError:  # still fenced off: a mark that cannot be read is not a release
             record = None
         reason = record.get("reason") if isinstance(record, dict) else None
         out[sid] = reason[:1000] if isinstance(reason, str) else "quarantined (record unreadable)"
@@ -44,4 +44,4 @@ def quarantined(storage: Storage) -> dict[str, str]:
 
 
 def release(storage: Storage, snapshot_id: str) -> None:
-    storage.remove(f"{QUARANTINE}/{snapshot_id}.json")
+    storage.remove(quarantine_path(snapshot_id))

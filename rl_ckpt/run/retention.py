@@ -77,7 +77,8 @@ def _number(value: object) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _normalize(metric: str | Sequence[str], mode: str | Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def normalize_best(metric: str | Sequence[str], mode: str | Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``best_metric``/``best_mode`` (one or a list each) as two tuples of equal length; ConfigError if they do not match."""
     metrics = (metric,) if isinstance(metric, str) else tuple(metric)
     modes = (mode,) * len(metrics) if isinstance(mode, str) else tuple(mode)
     if not metrics or len(modes) != len(metrics):
@@ -96,7 +97,7 @@ def rank_best(snapshots: Sequence[SnapshotInfo], metric: str | Sequence[str],
     non-finite later metric ranks worst at that position. Exact ties go to the
     newer snapshot (later in the oldest-first input).
     """
-    metrics, modes = _normalize(metric, mode)
+    metrics, modes = normalize_best(metric, mode)
 
     def key(item: tuple[int, SnapshotInfo]) -> tuple:
         index, s = item
@@ -119,14 +120,14 @@ class KeepBest(_Explained):
     mode: str | Sequence[str] = "max"
 
     def __post_init__(self) -> None:
-        metrics, modes = _normalize(self.metric, self.mode)  # fail at construction, not at the first save
+        metrics, modes = normalize_best(self.metric, self.mode)  # fail at construction, not at the first save
         if not isinstance(self.metric, str):  # tuples keep the frozen dataclass hashable
             object.__setattr__(self, "metric", metrics)
         if not isinstance(self.mode, str):
             object.__setattr__(self, "mode", modes)
 
     def reasons(self, snapshots: Sequence[SnapshotInfo]) -> dict[str, list[str]]:
-        metrics, _ = _normalize(self.metric, self.mode)
+        metrics, _ = normalize_best(self.metric, self.mode)
         out = {}
         for rank, s in enumerate(rank_best(snapshots, self.metric, self.mode)[: max(self.n, 0)], 1):
             values = ", ".join(f"{m}={s.metrics.get(m)}" for m in metrics)
@@ -235,7 +236,7 @@ def best_per_metric(snapshots: Sequence[SnapshotInfo], metrics: str | Sequence[s
 
     Metrics no snapshot has a finite value for are absent from the result.
     """
-    names, mds = _normalize(metrics, modes)
+    names, mds = normalize_best(metrics, modes)
     out = {}
     for name, md in zip(names, mds):
         ranked = rank_best(snapshots, name, md)

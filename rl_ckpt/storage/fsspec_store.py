@@ -27,7 +27,7 @@ from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, 
 log = logging.getLogger("rl_ckpt")
 
 
-def _client_error(exc: BaseException) -> tuple[str, int | None]:
+def client_error(exc: BaseException) -> tuple[str, int | None]:
     """(code, HTTP status) of the botocore ClientError behind ``exc``, if any."""
     seen = 0
     cur: BaseException | None = exc
@@ -41,11 +41,11 @@ def _client_error(exc: BaseException) -> tuple[str, int | None]:
     return "", None
 
 
-def _is_exists(exc: BaseException) -> bool:
+def is_exists(exc: BaseException) -> bool:
     """A create-only write found the path taken (only meaningful for create-only writes)."""
     if isinstance(exc, FileExistsError):
         return True
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     return code == "PreconditionFailed" or status == 412
 
 
@@ -154,7 +154,7 @@ class FsspecStorage(Storage):
         try:
             self.fs.pipe_file(full, data, mode="create")
         except Exception as exc:
-            if _is_exists(exc):
+            if is_exists(exc):
                 raise self._conflict(path) from exc
             raise self._error(exc, "cannot write", path) from exc
 

@@ -43,7 +43,7 @@ from typing import Iterable
 
 from rl_ckpt.errors import StorageError
 from rl_ckpt.storage.base import check_range, range_past_end
-from rl_ckpt.storage.fsspec_store import FsspecStorage, _client_error, _is_exists, log
+from rl_ckpt.storage.fsspec_store import FsspecStorage, client_error, is_exists, log
 
 PARALLEL_UPLOAD_BYTES = 64 * 1024 * 1024  # larger S3 writes go as one multipart upload with parallel parts
 PART_BYTES = 16 * 1024 * 1024
@@ -55,7 +55,7 @@ _DELETE_BATCH = 1000
 
 def _is_busy(exc: BaseException) -> bool:
     """S3 ``409 ConditionalRequestConflict``: another conditional write of the key is in flight."""
-    code, _status = _client_error(exc)
+    code, _status = client_error(exc)
     return code == "ConditionalRequestConflict"
 
 
@@ -179,7 +179,7 @@ class S3Storage(FsspecStorage):
                 ours, check_error = self._written_by(bucket, key, token)
                 if ours:
                     return  # an earlier try of this call landed; a retry then met our own object
-                if _is_exists(exc) and ours is False:
+                if is_exists(exc) and ours is False:
                     raise self._conflict(path) from exc
                 outcome = ("it did not land" if ours is False
                            else f"whether it landed is unknown: the check failed too ({check_error})")
@@ -234,7 +234,7 @@ class S3Storage(FsspecStorage):
                 return bytes(data)
             size = self._file_size(full)  # short, or empty: is the range inside the file?
         except Exception as exc:
-            if _client_error(exc)[0] != "InvalidRange":  # S3 416: the range starts past the end
+            if client_error(exc)[0] != "InvalidRange":  # S3 416: the range starts past the end
                 raise self._error(exc, "cannot read", path) from exc
             try:
                 size = self._file_size(full)

@@ -88,7 +88,8 @@ def hash_all(views: list[memoryview], algo: str) -> str:
 
 
 # ----------------------------------------------------------------------------- peers
-def _quiet_dcp() -> None:
+def quiet_dcp() -> None:
+    """Silence torch DCP's single-process warnings in the bench output."""
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")

@@ -7,7 +7,7 @@ import statistics
 import time
 
 from rl_ckpt.tools.bench.baselines import (
-    _quiet_dcp, dcp_async_save, dcp_load, dcp_save, hash_all, st_save, time_raw_floor, torch_save,
+    quiet_dcp, dcp_async_save, dcp_load, dcp_save, hash_all, st_save, time_raw_floor, torch_save,
 )
 from rl_ckpt.tools.bench.common import (
     CacheDropper, CpuMeter, HASH_ALGOS, RATIOS, RESULT_KEYS, Samples, human, log, parse_size, quiesce, rmtree,
@@ -16,13 +16,14 @@ from rl_ckpt.tools.bench.common import (
 from rl_ckpt.tools.bench.state import build_state, byte_views, flat_tensors, mutate_quarter, nbytes, size_mix, state_dict_of
 
 
-def _engine(workdir: str, run: str, **kw):
+def bench_engine(workdir: str, run: str, **kw):
+    """A CheckpointEngine for the bench run ``run`` under ``workdir`` (config keys in ``kw``)."""
     from rl_ckpt.core.engine import CheckpointEngine
 
     return CheckpointEngine(base_dir=workdir, run_name=run, retention=False, **kw)
 
 
-def _clear_run(engine) -> None:
+def clear_run(engine) -> None:
     """Delete every snapshot of a bench engine's run (outside the timings)."""
     root = engine.storage.root
     for name in os.listdir(root):
@@ -33,7 +34,7 @@ def _clear_run(engine) -> None:
 def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
     import torch
 
-    _quiet_dcp()
+    quiet_dcp()
     size = parse_size(args.size)
     log(f"bench: building a {human(size)} model + Adam state ...")
     model, opt, shape = build_state(size, args.tensors)
@@ -47,10 +48,10 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
 
     sm = Samples()
     step = iter(range(1, 10**9))
-    rl = _engine(workdir, "rl")
+    rl = bench_engine(workdir, "rl")
     rl.register("policy", model)
     rl.register("optimizer", opt)
-    rl_async = _engine(workdir, "rl_async")
+    rl_async = bench_engine(workdir, "rl_async")
     rl_async.register("policy", model)
     rl_async.register("optimizer", opt)
     variants = {}
@@ -58,7 +59,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         for key, kw in (("rl_save_sha256", {"checksum_algo": "sha256"}),
                         ("rl_save_blake3", {"checksum_algo": "blake3"}),
                         ("rl_save_noverify", {"verify_after_write": False})):
-            e = _engine(workdir, key, **kw)
+            e = bench_engine(workdir, key, **kw)
             e.register("policy", model)
             e.register("optimizer", opt)
             variants[key] = e
@@ -67,7 +68,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
     h = rl_async.save_async(next(step))
     first_block = h.stage_seconds
     h.wait()
-    _clear_run(rl_async)
+    clear_run(rl_async)
     dedup_info = {"changed_bytes": [], "first_bytes_added": [], "second_bytes_added": []}
     d = lambda *p: os.path.join(workdir, *p)  # noqa: E731
 
@@ -122,7 +123,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         res = sm.timed("rl_restore", lambda: rl.restore())
         if res.snapshot_id != info.snapshot_id:
             raise RuntimeError(f"restore chose {res.snapshot_id}, expected {info.snapshot_id}")
-        _clear_run(rl)
+        clear_run(rl)
 
     def g_rl_async(r: int) -> None:
         quiesce()
@@ -136,11 +137,11 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         sm.add("rl_async_block", t1 - t0, other)
         sm.add("rl_async_stage", handle.stage_seconds, other)
         sm.add("rl_async_total", t2 - t0, other)
-        _clear_run(rl_async)
+        clear_run(rl_async)
 
     def g_dedup(r: int) -> None:
         run = f"dedup-{r}"
-        e = _engine(workdir, run, dedup=True)
+        e = bench_engine(workdir, run, dedup=True)
         e.register("policy", model)
         e.register("optimizer", opt)
         root = d(run)
@@ -161,7 +162,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
     def g_variants(r: int) -> None:
         for key, e in variants.items():
             sm.timed(key, lambda e=e: e.save(next(step)))
-            _clear_run(e)
+            clear_run(e)
 
     groups = [g_floor, g_torch, g_st, g_dcp, g_rl, g_rl_async, g_dedup, g_hash]
     if variants:

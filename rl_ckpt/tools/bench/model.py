@@ -8,8 +8,8 @@ import time
 
 from rl_ckpt.tools.bench.baselines import time_raw_floor, torch_save
 from rl_ckpt.tools.bench.common import CacheDropper, Samples, human, log, rmtree
-from rl_ckpt.tools.bench.compare import _clear_run, _engine
-from rl_ckpt.tools.bench.report import _f
+from rl_ckpt.tools.bench.compare import clear_run, bench_engine
+from rl_ckpt.tools.bench.report import fmt_num
 from rl_ckpt.tools.bench.state import byte_views, flat_tensors, nbytes, size_mix, state_dict_of
 
 
@@ -54,7 +54,7 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
     step = iter(range(1, 10**9))
     engines = {}
     for key, kw in (("rl", {}), ("rl_noprobe", {"post_load_check": False})):
-        e = _engine(workdir, key, **kw)
+        e = bench_engine(workdir, key, **kw)
         e.register("model", model)
         e.register("optimizer", opt)
         engines[key] = e
@@ -87,12 +87,12 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
         res = sm.timed("rl_restore", lambda: e.restore())
         if res.snapshot_id != info.snapshot_id:
             raise RuntimeError(f"restore chose {res.snapshot_id}, expected {info.snapshot_id}: {res.skipped}")
-        _clear_run(e)
+        clear_run(e)
 
     def g_noprobe(r: int) -> None:
         e = engines["rl_noprobe"]
         sm.timed("rl_save_noprobe", lambda: e.save(next(step)))
-        _clear_run(e)
+        clear_run(e)
 
     groups = [g_floor, g_torch, g_rl, g_noprobe]
     started = time.perf_counter()
@@ -127,8 +127,8 @@ def format_model(out: dict) -> str:
         f"rl-ckpt bench --model {st['model']} {out['url']}: {st['parameters'] / 1e6:.0f}M parameters + AdamW, "
         f"{human(st['bytes'])} in {st['tensors']} tensors; medians of {out['repeat']} interleaved repeat(s)",
         f"cache: {out['cache']['note']}",
-        f"noise: other processes used {_f(out['load']['other_cores_mean'], '{:.2f}')} cores on average "
-        f"(max {_f(out['load']['other_cores_max'], '{:.2f}')})",
+        f"noise: other processes used {fmt_num(out['load']['other_cores_mean'], '{:.2f}')} cores on average "
+        f"(max {fmt_num(out['load']['other_cores_max'], '{:.2f}')})",
         "",
         f"{'method':<44} {'seconds':>8} {'GB/s':>7}",
     ]
@@ -139,7 +139,7 @@ def format_model(out: dict) -> str:
     for key in MODEL_KEYS:
         r = res[key]
         spread = f"  [{min(r['samples_s']):.3f}..{max(r['samples_s']):.3f}]" if len(r["samples_s"]) > 1 else ""
-        lines.append(f"{labels[key]:<44} {_f(r['median_s']):>8} {_f(r['gbps'], '{:.2f}'):>7}{spread}")
+        lines.append(f"{labels[key]:<44} {fmt_num(r['median_s']):>8} {fmt_num(r['gbps'], '{:.2f}'):>7}{spread}")
     lines += ["", f"probe record in the manifest: {out['probe_record_bytes']} bytes", "",
               "goals (medians of this run):"]
     for g in out["goals"]:

@@ -39,7 +39,8 @@ PEERS = {  # column -> op -> key
 }
 
 
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+def fmt_num(x: float | None, fmt: str = "{:.3f}") -> str:
+    """``x`` formatted with ``fmt``, or "-" when it was not measured."""
     return "-" if x is None else fmt.format(x)
 
 
@@ -54,9 +55,9 @@ def format_compare(out: dict) -> str:
         f"medians of {out['repeat']} interleaved repeat(s); filesystem {out['host']['fs']['fstype']} on "
         f"{out['host']['fs']['source']}; {out['host']['cpus']} CPUs, torch threads {out['host']['torch_threads']}",
         f"cache: {out['cache']['note']}",
-        f"noise: other processes used {_f(out['load']['other_cores_mean'], '{:.2f}')} cores on average "
-        f"(max {_f(out['load']['other_cores_max'], '{:.2f}')}) during the measurements; load average "
-        f"{_f(out['load']['loadavg_start'], '{:.2f}')} -> {_f(out['load']['loadavg_end'], '{:.2f}')}",
+        f"noise: other processes used {fmt_num(out['load']['other_cores_mean'], '{:.2f}')} cores on average "
+        f"(max {fmt_num(out['load']['other_cores_max'], '{:.2f}')}) during the measurements; load average "
+        f"{fmt_num(out['load']['loadavg_start'], '{:.2f}')} -> {fmt_num(out['load']['loadavg_end'], '{:.2f}')}",
     ]
     if out["host"].get("page_reporting"):
         lines.append("note: this VM reports freed memory to its host (virtio_balloon free page reporting): the first touch "
@@ -75,26 +76,26 @@ def format_compare(out: dict) -> str:
         cells = []
         for ref in (FLOOR.get(op), PEERS["torch"].get(op), PEERS["safetensors"].get(op), PEERS["DCP"].get(op)):
             other = res.get(ref, {}).get("median_s") if ref else None
-            cells.append(_f(s / other, "{:.2f}") if other and ref != key else "-")
+            cells.append(fmt_num(s / other, "{:.2f}") if other and ref != key else "-")
         spread = ""
         if len(r["samples_s"]) > 1:
             spread = f"  [{min(r['samples_s']):.3f}..{max(r['samples_s']):.3f}]"
-        lines.append(f"{op:<6} {label:<32} {s:>8.3f} {_f(r['gbps'], '{:.2f}'):>7} {cells[0]:>8} {cells[1]:>8} "
+        lines.append(f"{op:<6} {label:<32} {s:>8.3f} {fmt_num(r['gbps'], '{:.2f}'):>7} {cells[0]:>8} {cells[1]:>8} "
                      f"{cells[2]:>8} {cells[3]:>7}{spread}")
     dd = out["dedup"]
     lines += [
         "",
         f"dedup: changed {human(dd['changed_bytes'])} ({dd['changed_bytes'] / st['bytes']:.0%} of the state); "
         f"1st save added {human(dd['first_bytes_added'])}, 2nd save added {human(dd['second_bytes_added'])} "
-        f"({_f(dd['second_fraction'], '{:.0%}')} of the state) in {_f(res['rl_dedup_second']['median_s'])} s "
-        f"(x{_f(out['ratios']['dedup_second_vs_first'], '{:.2f}')} the 1st save's time)",
+        f"({fmt_num(dd['second_fraction'], '{:.0%}')} of the state) in {fmt_num(res['rl_dedup_second']['median_s'])} s "
+        f"(x{fmt_num(out['ratios']['dedup_second_vs_first'], '{:.2f}')} the 1st save's time)",
         f"first save_async (allocates staging buffers, not in the medians): {out['first_async_block_s']:.3f} s blocked",
         "",
         "goals (medians of this run):",
     ]
     for g in out["goals"]:
         status = "n/a   " if g["met"] is None else ("MET   " if g["met"] else "MISSED")
-        lines.append(f"  {status} {g['text']}: {_f(g['value'], '{:.3f}')} (limit {g['limit']})")
+        lines.append(f"  {status} {g['text']}: {fmt_num(g['value'], '{:.3f}')} (limit {g['limit']})")
     lines.append(f"{out['goals_met']}/{out['goals_total']} goals met")
     return "\n".join(lines)
 
@@ -109,9 +110,9 @@ def format_scaling(out: dict) -> str:
     for row in sc["sizes"]:
         r = row["results"]
         per_gib = r["rl_save"]["median_s"] / (row["state_bytes"] / GIB)
-        lines.append(f"{human(row['state_bytes']):>10} {row['tensors']:>7} {_f(r['raw_write']['gbps'], '{:.2f}'):>9} "
-                     f"{_f(r['rl_save']['gbps'], '{:.2f}'):>9} {row['save_vs_raw']:>8.2f} "
-                     f"{_f(r['raw_read']['gbps'], '{:.2f}'):>9} {_f(r['rl_restore']['gbps'], '{:.2f}'):>9} "
+        lines.append(f"{human(row['state_bytes']):>10} {row['tensors']:>7} {fmt_num(r['raw_write']['gbps'], '{:.2f}'):>9} "
+                     f"{fmt_num(r['rl_save']['gbps'], '{:.2f}'):>9} {row['save_vs_raw']:>8.2f} "
+                     f"{fmt_num(r['raw_read']['gbps'], '{:.2f}'):>9} {fmt_num(r['rl_restore']['gbps'], '{:.2f}'):>9} "
                      f"{row['restore_vs_raw']:>8.2f} {r['clone']['median_s']:>8.3f} {r['rl_async_block']['median_s']:>8.3f} "
                      f"{row['block_vs_clone']:>9.2f} {per_gib:>10.2f}")
     lines += ["", "catalog operations over N tiny snapshots (seconds; per-snapshot cost in microseconds):"]
@@ -121,10 +122,10 @@ def format_scaling(out: dict) -> str:
     lines += [head, "-" * len(head)]
     for row in sc["catalog"]:
         p = row["per_snapshot_us"]
-        lines.append(f"{row['count']:>6} {_f(row['create_per_s'], '{:.0f}'):>8} {row['snapshots_s']:>11.5f} "
+        lines.append(f"{row['count']:>6} {fmt_num(row['create_per_s'], '{:.0f}'):>8} {row['snapshots_s']:>11.5f} "
                      f"{p['snapshots']:>8.2f} {row['refresh_s']:>8.4f} {p['refresh']:>8.1f} {row['plan_recovery_s']:>12.4f} "
                      f"{p['plan_recovery']:>8.1f} {row['retention_s']:>9.5f} {p['retention']:>8.2f} "
-                     f"{row['open_s']:>8.4f} {p['open']:>8.1f} {_f(row['plan_recovery_cold_s'], '{:.4f}'):>9}")
+                     f"{row['open_s']:>8.4f} {p['open']:>8.1f} {fmt_num(row['plan_recovery_cold_s'], '{:.4f}'):>9}")
     lines += ["create/s: saves per second while growing to N (engine.save, tiny state, verify_after_write=False, fsync on)",
               "snapshots(): the in-memory catalog; refresh: re-list storage, stat each manifest, parse only new or",
               "changed ones; plan(deep=F): plan_recovery (a refresh + checks of the chosen snapshot); retention: one",

@@ -11,7 +11,7 @@ from rl_ckpt.tools.bench.baselines import time_raw_floor
 from rl_ckpt.tools.bench.common import (
     BenchUsageError, CacheDropper, DEFAULT_COUNTS, DEFAULT_SIZES, Samples, human, log, parse_size, quiesce, rmtree,
 )
-from rl_ckpt.tools.bench.compare import _clear_run, _engine
+from rl_ckpt.tools.bench.compare import clear_run, bench_engine
 from rl_ckpt.tools.bench.state import build_state, byte_views, flat_tensors, nbytes
 
 
@@ -35,12 +35,12 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
     sm = Samples()
     step = iter(range(1, 10**9))
     run = f"scale-{size}"
-    rl = _engine(workdir, run)
+    rl = bench_engine(workdir, run)
     rl.register("policy", model)
     rl.register("optimizer", opt)
     h = rl.save_async(next(step))  # warm-up: allocates the staging buffers
     h.wait()
-    _clear_run(rl)
+    clear_run(rl)
     path = os.path.join(workdir, f"raw-{size}.bin")
 
     def floor() -> None:
@@ -52,13 +52,13 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
         sm.timed("rl_save", lambda: rl.save(next(step)))
         cache.drop(rl.storage.root)
         sm.timed("rl_restore", lambda: rl.restore())
-        _clear_run(rl)
+        clear_run(rl)
         quiesce()
         t0 = time.perf_counter()
         handle = rl.save_async(next(step))
         sm.add("rl_async_block", time.perf_counter() - t0, None)
         handle.wait()
-        _clear_run(rl)
+        clear_run(rl)
 
     for r in range(args.repeat):
         for g in ((floor, ours) if r % 2 == 0 else (ours, floor)):
@@ -80,7 +80,7 @@ def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) ->
 
     from rl_ckpt.run.retention import plan_retention
 
-    e = _engine(workdir, "catalog", verify_after_write=False)
+    e = bench_engine(workdir, "catalog", verify_after_write=False)
     e.register("policy", torch.nn.Linear(4, 4))
     rng = random.Random(0)
     made = 0
@@ -104,11 +104,11 @@ def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) ->
         if plan.target is None or len(e.snapshots()) != count:
             raise RuntimeError(f"catalog scaling: expected {count} snapshots, plan target {plan.target}")
         for _ in range(args.repeat):  # a restarted process: its first listing parses every manifest
-            fresh = _engine(workdir, "catalog", verify_after_write=False)
+            fresh = bench_engine(workdir, "catalog", verify_after_write=False)
             sm.timed("open", fresh.snapshots)
             fresh.close()
         cache.drop(e.storage.root)
-        fresh = _engine(workdir, "catalog", verify_after_write=False)
+        fresh = bench_engine(workdir, "catalog", verify_after_write=False)
         sm.timed("plan_recovery_cold", lambda: fresh.plan_recovery(deep=False))
         fresh.close()
         m = sm.median

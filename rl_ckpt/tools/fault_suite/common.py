@@ -191,7 +191,7 @@ def _child_init(env: dict | None = None) -> None:
         os.environ.update(env)
 
 
-def _child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, conn) -> None:
+def child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, conn) -> None:
     """Save ``step``; SIGKILL ourselves right before/after the nth storage call (of any kind)."""
     _child_init()
     from rl_ckpt.tools.faults import FaultyStorage
@@ -212,7 +212,7 @@ def _child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, co
     os._exit(0)
 
 
-def _child_save_loop(cfg: dict, start: int, conn) -> None:
+def child_save_loop(cfg: dict, start: int, conn) -> None:
     """Save start, start+1, ... until killed; ACK each step after save() returned."""
     _child_init()
     engine, model, buf = build(cfg)
@@ -224,7 +224,7 @@ def _child_save_loop(cfg: dict, start: int, conn) -> None:
         step += 1
 
 
-def _child_race(cfg: dict, env: dict, writer: int, step: int, barrier, conn) -> None:
+def child_race(cfg: dict, env: dict, writer: int, step: int, barrier, conn) -> None:
     """Build an engine, wait for the others, then save ``step`` with this writer's values."""
     _child_init(env)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rl_ckpt.tools.fault_suite.common import _child_race
+from rl_ckpt.tools.fault_suite.common import child_race
 from rl_ckpt.tools.fault_suite.context import Suite
 from rl_ckpt.tools.fault_suite.report import ScenarioResult
 from rl_ckpt.tools.fault_suite.targets import S3Target
@@ -39,7 +39,7 @@ def _race(suite: Suite, res: ScenarioResult, backend: str, n: int, rnd: int) -> 
     procs, pipes = [], []
     for writer in range(1, n + 1):
         recv, send = suite.ctx.Pipe(duplex=False)
-        proc = suite.ctx.Process(target=_child_race, args=(target.cfg, env, writer, step, barrier, send), daemon=True)
+        proc = suite.ctx.Process(target=child_race, args=(target.cfg, env, writer, step, barrier, send), daemon=True)
         proc.start()
         send.close()
         procs.append(proc)

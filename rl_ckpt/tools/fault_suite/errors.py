@@ -51,13 +51,13 @@ def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: s
     part.tried += 1
     part.injected[f"{name} ({when} the call)"] += 1
     part.note(f"faults in phase {mark}")
-    acked = _expect_error(suite, part, variant, label, lambda: save_step(engine, model, buf, 3), op)
+    acked = expect_error(suite, part, variant, label, lambda: save_step(engine, model, buf, 3), op)
     ok, _ = suite.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
                        acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
     suite.done(target, ok)
 
 
-def _expect_error(suite: Suite, res: ScenarioResult, variant: str, label: str, fn: Callable, op: str) -> bool:
+def expect_error(suite: Suite, res: ScenarioResult, variant: str, label: str, fn: Callable, op: str) -> bool:
     """Run ``fn`` with a fault armed: a CheckpointError naming a path, or a fault absorbed. True if fn returned."""
     try:
         fn()
@@ -113,7 +113,7 @@ def _gc_error_at(suite: Suite, part: ScenarioResult, kw: dict, tpl: str, k: int,
     part.tried += 1
     part.injected[f"{name} ({when} the call)"] += 1
     part.note("faults in gc")
-    _expect_error(suite, part, variant, label, lambda: run_gc(faulty), op)
+    expect_error(suite, part, variant, label, lambda: run_gc(faulty), op)
     ok, _ = suite.check(part, variant, label, target, must_list={1, 2}, allowed={1, 2}, acked_max=2, in_flight=None,
                        save_after=3, outside_before=before)
     suite.done(target, ok)

@@ -15,7 +15,7 @@ from rl_ckpt.errors import CheckpointError
 from rl_ckpt.tools.fault_suite.common import Mixed, build, observed, variant_name
 from rl_ckpt.tools.fault_suite.report import ScenarioResult
 from rl_ckpt.tools.fault_suite.tamper import edit_manifest, forge_json, read_file, replace_file, reseal, snap_dir
-from rl_ckpt.tools.fault_suite.targets import LocalTarget, _CLI_LOCK
+from rl_ckpt.tools.fault_suite.targets import LocalTarget, CLI_LOCK
 
 
 NEWEST = "step_000000002"
@@ -131,7 +131,7 @@ def _cli_run(argv: list[str]) -> tuple[int, str, str]:
     from rl_ckpt.cli import main as cli
 
     out, err = io.StringIO(), io.StringIO()
-    with _CLI_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with CLI_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = cli(argv)
     return rc, out.getvalue(), err.getvalue()
 

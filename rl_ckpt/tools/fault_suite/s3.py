@@ -5,7 +5,7 @@ from __future__ import annotations
 from rl_ckpt.errors import StorageError
 from rl_ckpt.tools.fault_suite.common import build, op_phases, run_url, save_step
 from rl_ckpt.tools.fault_suite.context import Suite
-from rl_ckpt.tools.fault_suite.errors import _expect_error
+from rl_ckpt.tools.fault_suite.errors import expect_error
 from rl_ckpt.tools.fault_suite.report import ScenarioResult
 from rl_ckpt.tools.fault_suite.targets import S3Target
 
@@ -61,6 +61,6 @@ def _s3_error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, buc
     part.tried += 1
     part.injected[f"S3 5xx ({when} the request)"] += 1
     part.note(f"faults in phase {mark}")
-    acked = _expect_error(suite, part, variant, label, lambda: save_step(engine, model, buf, 3), op[0])
+    acked = expect_error(suite, part, variant, label, lambda: save_step(engine, model, buf, 3), op[0])
     suite.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
                acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)

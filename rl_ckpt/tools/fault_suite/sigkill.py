@@ -7,7 +7,7 @@ import random
 import signal
 import time
 
-from rl_ckpt.tools.fault_suite.common import VARIANTS, _child_kill_at, _child_save_loop, op_phases, variant_name
+from rl_ckpt.tools.fault_suite.common import VARIANTS, child_kill_at, child_save_loop, op_phases, variant_name
 from rl_ckpt.tools.fault_suite.context import Suite
 from rl_ckpt.tools.fault_suite.report import ScenarioResult
 
@@ -39,13 +39,13 @@ def _kill_point(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl:
                 mark: str) -> None:
     target = suite.case(f"kill-{variant}-{k}-{when}", kw, tpl)
     before = target.outside()
-    code, acks = suite.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
+    code, acks = suite.run_child(child_kill_at, (target.cfg, 3, k + 1, op, when))
     if code not in (-signal.SIGKILL, 0, 3):  # 255: the forkserver lost the child (host trouble), not our kill
         part.note(f"harness: child lost (exit {code}), case run again")
         suite.done(target, True)
         target = suite.case(f"kill-{variant}-{k}-{when}-again", kw, tpl)
         before = target.outside()
-        code, acks = suite.run_child(_child_kill_at, (target.cfg, 3, k + 1, op, when))
+        code, acks = suite.run_child(child_kill_at, (target.cfg, 3, k + 1, op, when))
     part.tried += 1
     part.injected[f"SIGKILL {when} op"] += 1
     part.note(f"kill points in phase {mark}")
@@ -69,7 +69,7 @@ def _random_kills(suite: Suite, res: ScenarioResult, dedup: bool, aw: bool) -> N
     last_ack, start, all_ok = -1, 0, True
     for i in range(suite.profile.random_kills // len(VARIANTS)):
         recv, send = suite.ctx.Pipe(duplex=False)
-        proc = suite.ctx.Process(target=_child_save_loop, args=(target.cfg, start, send), daemon=True)
+        proc = suite.ctx.Process(target=child_save_loop, args=(target.cfg, start, send), daemon=True)
         proc.start()
         send.close()
         if recv.poll(60) and recv.recv_bytes() == b"ready":

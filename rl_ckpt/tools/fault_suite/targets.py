@@ -35,7 +35,7 @@ def _tree_listing(top: str, skip: str | None = None) -> dict:
     return out
 
 
-_CLI_LOCK = threading.Lock()
+CLI_LOCK = threading.Lock()  # the CLI redirects the process's stdout/stderr: one call at a time
 
 
 class GcRefused(RuntimeError):
@@ -71,7 +71,7 @@ class LocalTarget:
         from rl_ckpt.cli import main as cli
 
         out, err = io.StringIO(), io.StringIO()
-        with _CLI_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with CLI_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = cli(["gc", self.run, "--grace", "0"])
         if rc != 0:
             raise GcRefused(f"rl-ckpt gc exited {rc}: {(out.getvalue() + err.getvalue())[-300:]}")

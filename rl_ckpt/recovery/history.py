@@ -1,0 +1,55 @@
+"""A run's recovery history: the failures and coordinator decisions recorded in its folder.
+
+One file per record (``failures/<time>-<kind>.json``,
+``decisions/<time>-<action>.json``), written create-only through the run's
+record store, so every backend writes it atomically and no writer replaces
+another's. The decisions read back are the history the next decision is made
+from (:func:`rl_ckpt.recovery.coordinator.make_decision`); a planted or
+damaged record is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+from rl_ckpt.recovery.coordinator import Decision, FailureInfo
+from rl_ckpt.run.layout import DECISIONS, FAILURES, timed_record_stem
+from rl_ckpt.run.records import RecordStore
+from rl_ckpt.storage import Storage
+
+
+def decision_records(storage: Storage) -> RecordStore:
+    """The run's ``decisions/`` folder."""
+    return RecordStore(storage, DECISIONS, "decision record")
+
+
+def failure_records(storage: Storage) -> RecordStore:
+    """The run's ``failures/`` folder."""
+    return RecordStore(storage, FAILURES, "failure record")
+
+
+def _decision(record: dict) -> Decision:
+    decision = Decision.from_json(record)
+    ids = (decision.snapshot_id, decision.charged_to, *(s for s, _n in decision.considered))
+    steps = (decision.global_step, decision.failure.step, decision.attempt)
+    if not (all(i is None or isinstance(i, str) for i in ids) and all(n is None or type(n) is int for n in steps)):
+        raise TypeError("fields of the wrong type")  # e.g. a list as snapshot id: unhashable later
+    return decision
+
+
+def load_decisions(storage: Storage) -> list[Decision]:
+    """The coordinator decisions recorded in the run, oldest first."""
+    return decision_records(storage).load(_decision)
+
+
+def record_decision(storage: Storage, decision: Decision) -> str:
+    """Write ``decision`` into the run folder; returns its path."""
+    return decision_records(storage).add(timed_record_stem(decision.time, str(decision.action)), decision.to_json())
+
+
+def load_failures(storage: Storage) -> list[dict]:
+    """The failures recorded in the run (``FailureInfo`` JSON), oldest first."""
+    return failure_records(storage).load()
+
+
+def record_failure(storage: Storage, failure: FailureInfo) -> str:
+    """Write ``failure`` into the run folder; returns its path."""
+    return failure_records(storage).add(timed_record_stem(failure.time, str(failure.kind)), failure.to_json())

@@ -1,0 +1,194 @@
+"""The package's shape, checked from the source (ast): small modules and classes, no import cycle,
+no module using another module's private names. See docs/architecture.md."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("rl_ckpt", "actors")
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 250
+
+# Modules known to break a rule, each with who is fixing it. xfail(strict): once fixed, the test
+# passes, the xfail turns into a failure, and the entry must be removed.
+KNOWN = {
+    ("size", "rl_ckpt.core.engine"): "CheckpointEngine is being split into save pipeline, restorer and run "
+                                     "maintenance (helper 'split'); remove after that merge",
+    ("private", "rl_ckpt.core.engine"): "imports integrations.managed._ray_get (helper 'split'); remove after that merge",
+    # Over the limits before this session and in no helper's files this session: still to be split.
+    ("size", "rl_ckpt.format.state_codec"): "580 lines: not split yet (no owner this session)",
+    ("size", "rl_ckpt.storage.local"): "575 lines: not split yet (no owner this session)",
+    ("size", "rl_ckpt.storage.fsspec_store"): "class FsspecStorage is 280 lines: not split yet (no owner this session)",
+    ("size", "rl_ckpt.tools.faults.powerloss"): "class PowerLossStorage is 281 lines: not split yet (no owner this session)",
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def _params(rule: str) -> list:
+    return [pytest.param(m, id=m, marks=pytest.mark.xfail(reason=KNOWN[(rule, m)], strict=True))
+            if (rule, m) in KNOWN else pytest.param(m, id=m) for m in sorted(MODULES)]
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The module an ``ImportFrom`` names, relative imports resolved against ``module``."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if _is_package(module) else base[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Imports run when the module is imported: top level, and inside top-level try/if blocks,
+    but not under ``if TYPE_CHECKING:`` (never run)."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return out
+
+
+def _imported_modules(module: str, tree: ast.Module, all_imports: bool = False) -> set[str]:
+    """Our modules ``module`` imports (at import time, or anywhere with ``all_imports``)."""
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] if all_imports \
+        else _top_level_imports(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in MODULES}
+            continue
+        source = _absolute(module, node)
+        if source in MODULES:
+            found.add(source)
+        found |= {f"{source}.{a.name}" for a in node.names if f"{source}.{a.name}" in MODULES}
+    return found - {module}
+
+
+@pytest.mark.parametrize("module", _params("size"))
+def test_modules_and_classes_are_small(module):
+    tree, lines = TREES[module], MODULES[module].read_text().count("\n")
+    assert lines <= MAX_MODULE_LINES, f"{MODULES[module]} has {lines} lines (> {MAX_MODULE_LINES}): split it"
+    big = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+           and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES}
+    assert not big, f"{MODULES[module]}: classes over {MAX_CLASS_LINES} lines: {big}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_cycle():
+    graph = {m: _imported_modules(m, TREES[m]) for m in MODULES}
+    cycles = _cycles(graph)
+    assert not cycles, "modules that import each other (at import time): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _private_uses(module: str, tree: ast.Module) -> list[str]:
+    """``from ours import _name`` and ``ours_module._name`` in ``module`` (dunders are not private)."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            if source.split(".")[0] not in PACKAGES or source == module:
+                continue
+            for a in node.names:
+                if private(a.name):
+                    found.append(f"line {node.lineno}: from {source} import {a.name}")
+                if f"{source}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{source}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases):
+            found.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("module", _params("private"))
+def test_no_private_name_of_another_module(module):
+    uses = _private_uses(module, TREES[module])
+    assert not uses, f"{MODULES[module]} uses other modules' private names (make them public or move them): {uses}"
+
+
+def test_private_name_finder():
+    tree = ast.parse("from rl_ckpt.run.commit import _x, Attempt\nfrom rl_ckpt.run import catalog as c\n"
+                     "def f():\n    from .layout import _y\n    return c._z, c.Catalog\n")
+    assert _private_uses("rl_ckpt.run.gc", tree) == [
+        "line 1: from rl_ckpt.run.commit import _x", "line 4: from rl_ckpt.run.layout import _y",
+        "line 5: rl_ckpt.run.catalog._z"]
