@@ -51,6 +51,7 @@ from rl_ckpt.run.patrol import HealthPatrol
 from rl_ckpt.storage import join, open_storage
 
 from .commits import PAUSE_DIR_ENV, CommitProtocol
+from .decisions import SaveDecisions
 from .healthz import HealthzServer
 from .metrics import ManagerMetrics
 from .participants import LivenessWatch, ParticipantRegistry
@@ -107,7 +108,7 @@ class CheckpointManager:
                                       on_commit=lambda info: self._forget_before(info.global_step))
         self.pending = self.commits.pending  # the same dicts: decide() and the watch read them under the lock
         self.refused = self.commits.refused
-        self.save_decisions: dict[str, tuple[str, str]] = {}  # snapshot id -> ("save" | "skip", who decided)
+        self.save_decisions = SaveDecisions(self.storage)  # kept on storage: the same answers after a restart
         self._plan_cache: tuple[tuple, dict] | None = None
         self._last_failure: dict | None = None  # the newest failure recorded by this manager process (for /healthz)
         self.started_at = now_iso()
@@ -156,19 +157,23 @@ class CheckpointManager:
 
         The first participant to ask decides: ``"skip"`` when its previous save
         is still running, else ``"save"``; every later participant gets the same
-        answer (a busy one told to save waits for its previous save first).
+        answer (a busy one told to save waits for its previous save first), also
+        from a manager restarted in between (the decision is a record on storage).
         """
         with self._lock:
             self._check_participant(participant)
-            decision = self.save_decisions.get(snapshot_id)
-            if decision is None:
-                started = snapshot_id in self.pending or self.storage.exists(join(snapshot_id, MANIFEST_NAME))
-                decision = ("skip" if busy and not started else "save", participant)
-                self.save_decisions[snapshot_id] = decision
-                if decision[0] == "skip":
-                    log.info("%s: skipped by every participant (%s's previous save is still running)", snapshot_id,
-                             participant)
-            return decision[0]
+            return self.save_decisions.save_or_skip(snapshot_id, participant, busy, self._started)
+
+    def decide_step(self, global_step: int, participant: str, kind: str | None, busy: bool,
+                    interval_seconds: float) -> dict:
+        """Under a time cadence: ``{"kind": "full" | "light" | None, "save": bool}`` for ``global_step``, by
+        this manager's clock, the same for every participant (actors/decisions.py)."""
+        with self._lock:
+            self._check_participant(participant)
+            return self.save_decisions.step(global_step, participant, kind, busy, interval_seconds, self._started)
+
+    def _started(self, snapshot_id: str) -> bool:
+        return snapshot_id in self.pending or self.storage.exists(join(snapshot_id, MANIFEST_NAME))
 
     def report(self, snapshot_id: str, attempt_id: str, participant: str, part: bytes) -> bytes:
         """A participant's part (metadata only); returns the merged manifest once committed."""
@@ -198,13 +203,13 @@ class CheckpointManager:
         self.registry.check(participant)
 
     def _resumed(self, snapshot_id: str) -> None:
-        self.save_decisions[snapshot_id] = ("save", "a commit resumed after a manager restart")
+        self.save_decisions.decide(snapshot_id, "save", "a commit resumed after a manager restart")
 
     def _forget_before(self, step: int) -> None:
         """Once a step committed, every participant is past the older ones: drop their decisions and refusals."""
-        for table in (self.save_decisions, self.refused):
-            for sid in [sid for sid in table if (parse_snapshot_id(sid) or (step,))[0] < step]:
-                del table[sid]
+        self.save_decisions.forget_before(step)
+        for sid in [sid for sid in self.refused if (parse_snapshot_id(sid) or (step,))[0] < step]:
+            del self.refused[sid]
 
     # -- catalog, failures, plans ---------------------------------------------
     def snapshots(self) -> list[dict]:

@@ -7,6 +7,10 @@ background (``engine.save_async``). When the previous save is still running, a
 due save is *skipped*, not queued, so saving never piles up behind a slow disk.
 With a ``CheckpointManager`` the skip is decided once for all participants of
 the snapshot (``engine.agree_to_save``), so ranks never save different steps.
+So is, under a time cadence, whether a step is due at all: each rank's clock
+would answer differently on a loaded machine, so every ``step`` asks the
+manager, whose clock decides once for everyone (one small actor call per step;
+a step-only cadence makes none until a save is due).
 A failed save is logged and handed to ``on_error``; training goes on. So is a
 failure after the commit point (``PostCommitError``: the snapshot is
 committed, an alias or a retention step is not) and an error raised by
@@ -64,17 +68,30 @@ class CheckpointScheduler:
         self._callback_errors: list[tuple[BaseException, int]] = []
 
     def due(self, global_step: int) -> str | None:
-        """``"full"``, ``"light"`` or None: what this step would save."""
+        """``"full"``, ``"light"`` or None: what this step would save (by this process's clock)."""
         if self._last_full_step is None:
             return None
-        if self.every_steps and global_step - self._last_full_step >= self.every_steps:
+        kind = self._due_by_steps(global_step)
+        if kind != "full" and self.every_seconds and self.clock() - self._last_full_time >= self.every_seconds:
             return "full"
-        if self.every_seconds and self.clock() - self._last_full_time >= self.every_seconds:
+        return kind
+
+    def _due_by_steps(self, global_step: int) -> str | None:
+        """What the step counts alone make due: the same on every rank."""
+        if self.every_steps and global_step - self._last_full_step >= self.every_steps:
             return "full"
         if (self.light_every and self.engine.catalog.snapshots("full")
                 and global_step - max(self._last_light_step, self._last_full_step) >= self.light_every):
             return "light"
         return None
+
+    def _agree(self, global_step: int) -> tuple[str | None, bool]:
+        """``(kind due, go)``: alone, by this process's clock; with a manager, one answer for every participant."""
+        if self.every_seconds and self.engine.manager is not None:
+            return self.engine.commit.decide_step(global_step, self._due_by_steps(global_step), self.engine.saving,
+                                                  self.every_seconds)
+        kind = self.due(global_step)
+        return kind, kind is not None and self.engine.agree_to_save(global_step, kind)
 
     def step(self, global_step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle | None:
         """Call once per training step. Returns the handle of a save it started, else None."""
@@ -83,13 +100,12 @@ class CheckpointScheduler:
         if self._last_full_step is None:
             self._last_full_step = self._last_light_step = global_step
             return None
-        kind = self.due(global_step)
-        if kind is None:
-            return None
         try:
-            go = self.engine.agree_to_save(global_step, kind)
+            kind, go = self._agree(global_step)
         except CheckpointError as exc:  # e.g. the manager is unreachable: report, keep training
             self._report(exc, global_step)
+            return None
+        if kind is None:
             return None
         if not go:
             # With a manager this is one decision for every participant of the snapshot.

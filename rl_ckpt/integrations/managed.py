@@ -110,6 +110,16 @@ class ManagedCommit(CommitStrategy):
         """Whether every participant saves ``snapshot_id``: the first to ask decides for all."""
         return self._call("decide", snapshot_id, self.participant, busy, timeout=self.commit_timeout) == "save"
 
+    def decide_step(self, global_step: int, kind: str | None, busy: bool, interval_seconds: float) -> tuple[str | None, bool]:
+        """Under a time cadence: ``(kind, save)`` for ``global_step``, by the manager's clock, the same for all.
+
+        ``kind`` is what is due by step count alone; the answer's kind is None
+        when nothing is due, and ``save`` False when the snapshot is skipped.
+        """
+        got = self._call("decide_step", global_step, self.participant, kind, busy, interval_seconds,
+                         timeout=self.commit_timeout)
+        return got["kind"], got["save"]
+
     def commit(self, attempt: Attempt, manifest: bytes) -> Manifest:
         """Report this participant's part; returns the merged manifest once the manager committed it."""
         self.storage.write(join(attempt.data_prefix, f"{self.participant}.report.json"), [manifest], durable=True)
