@@ -17,8 +17,8 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
