@@ -279,14 +279,21 @@ def cmd_gc(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from rl_ckpt.export import export_component
+    from rl_ckpt.export import export_component, export_hf
     from rl_ckpt.core.reader import read_manifest
 
     storage = _storage(args)
     manifest = read_manifest(storage, _snapshot_arg(storage, args))
     if args.component not in manifest.components:
         raise UsageError(f"{args.snapshot_id} has no component {args.component!r}; it has: {', '.join(sorted(manifest.components))}")
-    meta = export_component(storage, manifest, args.component, args.output)
+    if args.format == "hf":
+        out = export_hf(storage, manifest, args.component, args.output, max_shard_size=args.max_shard_size,
+                        strip_prefix=args.strip_prefix)
+        print(f"wrote {out.path}: {out.tensors} tensors ({_human(out.total_size)}) in {len(out.files)} file"
+              f"{'s' if len(out.files) != 1 else ''} + model.safetensors.index.json from "
+              f"{args.snapshot_id}/{args.component}")
+        return EXIT_OK
+    meta = export_component(storage, manifest, args.component, args.output, strip_prefix=args.strip_prefix)
     print(f"wrote {args.output}: {len(meta)} tensors from {args.snapshot_id}/{args.component}")
     return EXIT_OK
 
@@ -338,9 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="leave debris younger than this alone: a save may still be writing it (default 3600)")
-    s = cmd("export", cmd_export, "write one component's tensors as a plain safetensors file", needs_id=True)
+    s = cmd("export", cmd_export, "write one component's tensors (plain or sharded) as a safetensors file or a "
+            "Hugging Face folder", needs_id=True)
     s.add_argument("component")
-    s.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    s.add_argument("-o", "--output", required=True, help="output .safetensors file (--format hf: a new folder)")
+    s.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                   help="safetensors: one file (default); hf: model-0000x-of-0000y.safetensors + "
+                        "model.safetensors.index.json")
+    s.add_argument("--max-shard-size", default="5GB", help="--format hf: largest shard file, e.g. 5GB, 500MB, 64MiB")
+    s.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                   help="remove PREFIX from tensor names that start with it (e.g. 'module.')")
     from rl_ckpt.tools.bench import add_arguments as _bench_arguments
 
     s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",

@@ -144,6 +144,21 @@ def test_quick_suite_malicious_inputs_all_refused(quick):
     assert s["notes"]["refused: restore fell back to step 1"] > generated / 2
 
 
+def test_quick_suite_sharded_kills_and_damaged_chunks(quick):
+    # 2-rank FSDP2 saves: one rank SIGKILLed before its storage calls (writing, the commit, after it), and
+    # damaged chunks of a committed sharded snapshot, each detected and rolled back on both ranks together.
+    s = _scenario(quick, "sharded")
+    assert s["ok"], s["violations"][:5]
+    assert s["injected"]["SIGKILL of rank 0 before a storage call"] >= 5
+    assert s["injected"]["SIGKILL of rank 1 before a storage call"] >= 3
+    for phase in ("write", "commit", "after-commit"):
+        assert s["notes"][f"rank 0 kill points in phase {phase}"] > 0
+    assert s["notes"]["rank 1 kill points in phase write"] > 0
+    assert s["max_rolled_back"] <= 1
+    assert s["injected"]["flip in a rank's chunk"] == 4 and s["injected"]["truncate in a rank's chunk"] >= 1
+    assert s["corruptions_detected"] == s["corruptions_injected"] >= 5
+
+
 def test_hostile_cases_cover_every_manifest_field():
     from rl_ckpt.tools.fault_suite import HOSTILE_TYPES, hostile_cases, json_paths
 

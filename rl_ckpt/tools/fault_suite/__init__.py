@@ -20,7 +20,11 @@ an S3 endpoint served by moto on 127.0.0.1, started here):
 6. ``concurrent``   2, 4 and 8 processes released together save the same step
                     (local rename, local manifest-last, S3);
 7. ``malicious``    path traversal, absolute paths, symlinks, pickles, bad
-                    safetensors headers, corrupt Arrow, unknown schema versions.
+                    safetensors headers, corrupt Arrow, unknown schema versions;
+8. ``sharded``      a 2-rank FSDP2 save (gloo) with one rank SIGKILLed before
+                    each of its storage calls, and flipped/truncated chunks of
+                    a committed sharded snapshot (both ranks must fall back
+                    together).
 
 After every case: the restored state is exactly one complete snapshot, no
 acknowledged snapshot is lost, every listed snapshot verifies, ``rl-ckpt gc
@@ -31,7 +35,7 @@ Python API: ``report = run_suite("quick")``; ``report.ok``, ``report.table()``,
 ``report.to_json()``.
 
 One module per scenario (``sigkill``, ``power``, ``corruption``, ``errors``, ``s3``, ``concurrent``,
-``malicious``), each a function of the shared context (``context.Suite``); ``runner`` runs them.
+``malicious``, ``sharded``), each a function of the shared context (``context.Suite``); ``runner`` runs them.
 """
 
 from __future__ import annotations

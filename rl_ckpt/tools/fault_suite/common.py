@@ -15,7 +15,7 @@ import torch
 from rl_ckpt.errors import CommitConflictError
 
 
-SCENARIOS = ("sigkill", "power", "corruption", "errors", "s3", "concurrent", "malicious")
+SCENARIOS = ("sigkill", "power", "corruption", "errors", "s3", "concurrent", "malicious", "sharded")
 VALUE_BASE = 1000  # every saved value is step * VALUE_BASE + writer: a mixed or partial snapshot shows
 VARIANTS = ((False, True), (False, False), (True, True), (True, False))  # (dedup, atomic_write)
 
@@ -48,6 +48,7 @@ class Profile:
     power_save_after: bool = False
     workers: int = 4
     hostile_types_per_path: int | None = 2  # wrong JSON types tried on each manifest field (None: every one)
+    sharded_kill_stride: int = 3  # the 2-rank sharded save: a kill before every n-th storage call of each rank
 
 
 PROFILES = {
@@ -58,7 +59,7 @@ PROFILES = {
         flips=("first", "middle", "last", "random", "random"), truncations=("tail", "half", "empty"),
         manifest_flips=None, manifest_sweep_variants=((False, True), (True, True), (False, False)),
         error_when=("before", "after"), every_error_kind=True, s3_when=("before", "after"), s3_stride=1, race_rounds=8,
-        hostile_types_per_path=None,
+        hostile_types_per_path=None, sharded_kill_stride=1,
     ),
 }
 

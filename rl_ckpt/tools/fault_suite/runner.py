@@ -23,13 +23,14 @@ from rl_ckpt.tools.fault_suite.malicious import malicious
 from rl_ckpt.tools.fault_suite.power import power
 from rl_ckpt.tools.fault_suite.report import ScenarioResult, SuiteReport
 from rl_ckpt.tools.fault_suite.s3 import s3_errors
+from rl_ckpt.tools.fault_suite.sharded import sharded
 from rl_ckpt.tools.fault_suite.sigkill import sigkill
 
 DESCRIPTION = "The fault-injection suite: crash, cut, corrupt, fill, break and race real storage; print the figures."
 # scenario name -> the function that runs it in the shared context
 RUNS: dict[str, Callable[[Suite], ScenarioResult]] = {
     "sigkill": sigkill, "power": power, "corruption": corruption, "errors": errors, "s3": s3_errors,
-    "concurrent": concurrent, "malicious": malicious,
+    "concurrent": concurrent, "malicious": malicious, "sharded": sharded,
 }
 
 
