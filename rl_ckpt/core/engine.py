@@ -39,6 +39,7 @@ from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.run.quarantine import quarantine
 from rl_ckpt.core.reader import FileProblem, VerifyReport, load_component, read_manifest, verify_snapshot
 from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, without_light
+from rl_ckpt.sharded.layout import plan_layout
 from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy, best_per_metric, plan_retention, policy_from_config
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.format.state_codec import EncodedState, encode_state
@@ -639,8 +640,10 @@ class CheckpointEngine:
             if failure is not None:
                 _ray_get(self.manager.record_failure.remote(failure.to_json()), timeout=60, name=self.commit.name)
             # One plan for every participant: the manager computes it (and records the decision) once.
-            return RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds,
+            plan = RecoveryPlan.from_json(_ray_get(self.manager.plan.remote(), timeout=self.config.commit_timeout_seconds,
                                                    name=self.commit.name))
+            plan.layout = plan_layout(self, plan.target)  # the manager cannot know this process's mesh
+            return plan
         return build_plan(self, failure, deep=deep, snapshot_id=snapshot_id, light=light, history=self.decisions())
 
     def decisions(self) -> list[Decision]:

@@ -18,6 +18,7 @@ from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, Fa
 from rl_ckpt.errors import CheckpointError, SchemaVersionError
 from rl_ckpt.format.manifest import Manifest, now_iso
 from rl_ckpt.core.reader import read_manifest, verify_snapshot
+from rl_ckpt.sharded.layout import layout_change, restart_layout
 
 if TYPE_CHECKING:
     from rl_ckpt.core.engine import CheckpointEngine
@@ -60,6 +61,7 @@ class RecoveryPlan:
     failure: FailureInfo | None = None
     decision: Decision | None = None
     deep: bool = True
+    layout: str = ""  # sharded components: the layout saved and the one restored onto (rl_ckpt.sharded.layout)
     created_at: str = dataclasses.field(default_factory=now_iso)
 
     @property
@@ -93,6 +95,8 @@ class RecoveryPlan:
             lines.append(f"  target:    {self.target}" + (f" + light {self.light}" if self.light else ""))
             lines.append(f"  why:       {self.reason}")
             lines.append(f"  continue:  training resumes after step {self.continue_from_step}")
+            if self.layout:
+                lines.append(f"  layout:    {self.layout}")
         else:
             lines.append(f"  action:    {self.action.upper()} - {self.reason}")
         if self.candidates:
@@ -215,6 +219,7 @@ def build_plan(engine: "CheckpointEngine", failure: FailureInfo | None = None, *
 
     manifest = manifests[target.snapshot_id]
     plan.target, plan.continue_from_step = target.snapshot_id, target.global_step
+    plan.layout = layout_change(manifest.components, restart_layout(engine))
     plan.candidates.append(CandidateNote(target.snapshot_id, target.global_step, "full", "chosen", plan.reason))
     light_manifest = _choose_light(engine, plan, target, deep) if light else None
     if light_manifest is not None:
