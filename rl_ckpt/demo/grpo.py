@@ -33,7 +33,7 @@ class GRPOConfig:
     prompts_per_step: int = 16  # the global batch: divisible by every learner count used
     group_size: int = 8
     gen_len: int = 3
-    lr: float = 3e-3
+    lr: float = 5e-3
     clip: float = 0.2
     epochs: int = 2  # updates per batch: the second one is off-policy, so the clip matters
     n_layer: int = 2
