@@ -200,8 +200,10 @@ class Run:
                    storage_options)
 
     def fit(self, learners: int | tuple[int, int], steps: int, *, save_every: int = 2, crash_at: int | None = None,
-            max_failures: int = 0, resize_interval_s: float = 60.0) -> Any:
-        """One ``TorchTrainer.fit`` on ``learners`` workers (a ``(min, max)`` pair: Ray Train's elastic mode)."""
+            max_failures: int = 0, resize_interval_s: float = 60.0,
+            resources_per_worker: dict | None = None) -> Any:
+        """One ``TorchTrainer.fit`` on ``learners`` workers (a ``(min, max)`` pair: Ray Train's elastic mode,
+        which restarts the group on as many workers as the cluster then holds)."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -211,7 +213,7 @@ class Run:
                   "grpo": self.grpo.to_json(), "steps": steps, "save_every": save_every, "log": self.log,
                   "storage_options": self.storage_options, "crash": {"step": crash_at} if crash_at else None}
         self.fits += 1
-        scaling = ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker={"CPU": 0.5},
+        scaling = ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker=resources_per_worker or {"CPU": 0.5},
                                 elastic_resize_monitor_interval_s=resize_interval_s)
         trainer = TorchTrainer(
             learner_loop, train_loop_config=config, scaling_config=scaling, torch_config=TorchConfig(backend="gloo"),
