@@ -165,11 +165,11 @@ def main(argv=None) -> int:
         ray.init(num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
     if args.sharded:
         from rl_ckpt.demo.grpo import GRPOConfig
-        from rl_ckpt.demo.sharded_grpo import crash_drill
+        from rl_ckpt.demo.sharded_grpo import crash_drill as sharded_drill  # not a local `crash_drill`: --local uses that
 
         print(f"GRPO on {args.learners} FSDP2 learners, SIGKILL of one at step {args.crash_at}, restart on "
               f"{args.restart_learners} ...", file=sys.stderr)
-        report = crash_drill(base, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
+        report = sharded_drill(base, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
                              restart_learners=args.restart_learners, grpo=GRPOConfig(seed=args.seed))
         print(report.text)
         ray.shutdown()

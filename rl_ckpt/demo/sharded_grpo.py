@@ -317,7 +317,7 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
     if redone < 0 or not downtime > 0:
         problems.append(f"time lost is negative: {redone} steps, {downtime} s")
     lines = [
-        f"rl_ckpt demo --sharded: GRPO on a tiny GPT-2, FSDP2 learners on Ray Train, SIGKILL, restart on fewer learners",
+        "rl_ckpt demo --sharded: GRPO on a tiny GPT-2, FSDP2 learners on Ray Train, SIGKILL, restart on fewer learners",
         f"  storage            {storage.url}",
         f"  task               repeat the prompt digit {run.grpo.gen_len} times; {run.grpo.prompts_per_step} prompts x "
         f"{run.grpo.group_size} answers per step; a snapshot every {save_every} steps",
