@@ -32,7 +32,7 @@ from rl_ckpt.format.state_codec import EncodedState
 from rl_ckpt.integrations.managed import join_manager
 from rl_ckpt.recovery.coordinator import Decision, FailureInfo
 from rl_ckpt.recovery.history import load_decisions, record_decision
-from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, probe_check, without_light
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, layout_line, probe_check, without_light
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.commit import CommitStrategy, strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
@@ -216,11 +216,14 @@ class CheckpointEngine:
         self._check_open()
         if self.manager is not None and snapshot_id is None:
             # One plan for every participant: the manager computes it (and records the decision) once.
-            return RecoveryPlan.from_json(self.commit.recovery_plan(failure.to_json() if failure else None))
+            plan = RecoveryPlan.from_json(self.commit.recovery_plan(failure.to_json() if failure else None))
+            plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's to know
+            return plan
         return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
                           components=self.registry.kinds(), coordinator=coordinator_config(self.config),
                           history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id, light=light,
-                          probes=probe_check(self.config), job_config=recorded_config(self.config, self.train_config))
+                          probes=probe_check(self.config), job_config=recorded_config(self.config, self.train_config),
+                          restart_mesh=self.registry.restart_mesh())
 
     def decisions(self) -> list[Decision]:
         """The coordinator decisions recorded in this run, oldest first (unreadable records are skipped)."""

@@ -106,6 +106,17 @@ class ComponentRegistry:
         """Component name -> registered object."""
         return {n: r.obj for n, r in self._components.items()}
 
+    def restart_mesh(self) -> dict | None:
+        """The layout this process restores sharded state onto (None when nothing is registered).
+
+        The mesh of the first registered sharded component; a process with only
+        plain components restores sharded state unsharded.
+        """
+        if not self._components:
+            return None
+        sharded = next((r.sharded for r in self._components.values() if r.sharded is not None), None)
+        return sharded.saved_by() if sharded is not None else {"world_size": self.world_size, "mesh": []}
+
     def kinds(self) -> dict[str, str]:
         """Component name -> kind (module, optimizer, ...)."""
         return {n: r.kind for n, r in self._components.items()}

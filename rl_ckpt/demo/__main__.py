@@ -126,14 +126,20 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rl-ckpt demo", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
-    p.add_argument("--crash-at", type=int, default=27, help="SIGKILL at this step")
+    p.add_argument("--steps", type=int, help="training steps (default 50; --sharded: 40)")
+    p.add_argument("--crash-at", type=int, help="SIGKILL at this step (default 27; --sharded: 18)")
     p.add_argument("--crash-target", choices=["learner", "rollout"], default="learner")
     p.add_argument("--base-dir", help="where to write snapshots (default: a fresh temp folder)")
     p.add_argument("--address", help="attach to this Ray cluster instead of starting a local one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local", action="store_true", help="no Ray: one training process, SIGKILLed and resumed")
+    p.add_argument("--sharded", action="store_true", help="GRPO on a tiny GPT-2 with FSDP2 learners: SIGKILL one, "
+                   "restart on fewer (examples/grpo_gpt2_fsdp.py)")
+    p.add_argument("--learners", type=int, default=2, help="--sharded: FSDP2 learners before the crash (default 2)")
+    p.add_argument("--restart-learners", type=int, default=1, help="--sharded: learners after it (default 1)")
     args = p.parse_args(argv)
+    args.steps = args.steps or (40 if args.sharded else 50)
+    args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
     base = args.base_dir or tempfile.mkdtemp(prefix="rl-ckpt-demo-")
@@ -157,6 +163,17 @@ def main(argv=None) -> int:
         ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
     else:
         ray.init(num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
+    if args.sharded:
+        from rl_ckpt.demo.grpo import GRPOConfig
+        from rl_ckpt.demo.sharded_grpo import crash_drill as sharded_drill  # not a local `crash_drill`: --local uses that
+
+        print(f"GRPO on {args.learners} FSDP2 learners, SIGKILL of one at step {args.crash_at}, restart on "
+              f"{args.restart_learners} ...", file=sys.stderr)
+        report = sharded_drill(base, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
+                             restart_learners=args.restart_learners, grpo=GRPOConfig(seed=args.seed))
+        print(report.text)
+        ray.shutdown()
+        return 0 if report.ok else 1
     engine_cfg = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True,
                   "dedup_min_tensor_bytes": 4096}  # the CartPole layers are 16 KiB: dedup them, keep biases in files
     print("1/2 uninterrupted reference run ...", file=sys.stderr)

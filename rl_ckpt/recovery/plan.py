@@ -25,6 +25,7 @@ from rl_ckpt.format.manifest import Manifest, now_iso
 from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, log_decision, make_decision
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.retention import normalize_best
+from rl_ckpt.sharded.layout import layout_change
 from rl_ckpt.storage import Storage
 
 # Load order: weights, optimizer, scheduler, RNG, buffer, env/other, progress last.
@@ -65,6 +66,7 @@ class RecoveryPlan:
     failure: FailureInfo | None = None
     decision: Decision | None = None
     deep: bool = True
+    layout: str = ""  # sharded components: the layout saved and the one restored onto (rl_ckpt.sharded.layout)
     created_at: str = dataclasses.field(default_factory=now_iso)
 
     @property
@@ -98,6 +100,8 @@ class RecoveryPlan:
             lines.append(f"  target:    {self.target}" + (f" + light {self.light}" if self.light else ""))
             lines.append(f"  why:       {self.reason}")
             lines.append(f"  continue:  training resumes after step {self.continue_from_step}")
+            if self.layout:
+                lines.append(f"  layout:    {self.layout}")
         else:
             lines.append(f"  action:    {self.action.upper()} - {self.reason}")
         if self.candidates:
@@ -194,10 +198,25 @@ def _check(inp: _Inputs, info: SnapshotInfo) -> Manifest:
     return manifest
 
 
+def layout_line(storage: Storage, snapshot_id: str | None, restart_mesh: Mapping[str, Any] | None) -> str:
+    """The ``layout`` line of a plan restoring ``snapshot_id`` onto ``restart_mesh`` ('' if it holds no sharded state).
+
+    For a plan computed elsewhere (the manager cannot know a participant's mesh).
+    """
+    if snapshot_id is None:
+        return ""
+    try:
+        components = read_manifest(storage, snapshot_id).components
+    except CheckpointError:
+        return ""  # an unreadable target: the restore says why and falls back; the plan must not fail for a line
+    return layout_change(components, restart_mesh)
+
+
 def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, components: Mapping[str, str] | None,
                coordinator: CoordinatorConfig, history: Sequence[Decision] = (), failure: FailureInfo | None = None,
                deep: bool = True, snapshot_id: str | None = None, light: bool = True,
-               probes: ProbeCheck | None = None, job_config: Mapping[str, Any] | None = None) -> RecoveryPlan:
+               probes: ProbeCheck | None = None, job_config: Mapping[str, Any] | None = None,
+               restart_mesh: Mapping[str, Any] | None = None) -> RecoveryPlan:
     """Compute a RecoveryPlan for the run in ``storage``. Refreshes ``catalog``, reads storage, writes nothing.
 
     Args:
@@ -212,6 +231,9 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
         light: apply the newest valid light snapshot built on the target.
         probes: the post-load probe comparison a restore runs (None: none).
         job_config: the running job's recorded config, compared with the target's (None: no comparison).
+        restart_mesh: the layout this process restores sharded state onto (world size, mesh,
+            placements: ``ComponentRegistry.restart_mesh``); None (the CLI, the manager)
+            names only the saved layout.
     """
     catalog.refresh()
     cat = catalog
@@ -285,6 +307,7 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
 
     manifest = manifests[target.snapshot_id]
     plan.target, plan.continue_from_step = target.snapshot_id, target.global_step
+    plan.layout = layout_change(manifest.components, restart_mesh)
     plan.candidates.append(CandidateNote(target.snapshot_id, target.global_step, "full", "chosen", plan.reason))
     light_manifest = _choose_light(catalog, inp, plan, target) if light else None
     if light_manifest is not None:

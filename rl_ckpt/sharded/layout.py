@@ -178,3 +178,55 @@ def merge_components(components: dict, new: dict) -> dict:
         else:
             components[key] = section
     return components
+
+
+def mesh_name(saved_by: dict) -> str:
+    """A layout as people name it: ``FSDP(4)``, ``HSDP(2x2)``, ``unsharded``, else the mesh and placements."""
+    mesh = [n for n in saved_by.get("mesh") or [] if _count(n, 0)]  # the manifest is untrusted JSON
+    placements = [str(p) for p in saved_by.get("placements") or []]
+    if not mesh:
+        return "unsharded"
+    shard = [p[:1] == "S" for p in placements]  # Shard(dim=0) prints as S(0), Replicate() as R
+    if len(mesh) == 1 and shard == [True]:
+        return f"FSDP({mesh[0]})"
+    if len(mesh) == 2 and shard == [False, True]:
+        return f"HSDP({mesh[0]}x{mesh[1]})"
+    return f"mesh {'x'.join(map(str, mesh))} {placements}"
+
+
+def _count(v: Any, default: int = 1) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def layout_change(components: dict, restart: dict | None) -> str:
+    """One line naming the saved layout of a manifest's sharded components and the layout they restore onto.
+
+    ``components``: a manifest's component sections; ``restart``: the
+    ``saved_by()`` of the restarting process's sharded state (world size,
+    mesh, placements), or None when unknown (planning from the CLI). Empty
+    when the snapshot holds no sharded component.
+    """
+    groups: dict[tuple, list[str]] = {}
+    for key, section in sorted(components.items()):
+        if isinstance(section, dict) and isinstance(section.get("layout"), dict):
+            saved = section["layout"].get("saved_by") or {}
+            if not isinstance(saved, dict):
+                saved = {}
+            sig = (_count(saved.get("world_size")), mesh_name(saved))
+            groups.setdefault(sig, []).append(key)
+    if not groups:
+        return ""
+    after = ""
+    if restart is not None:
+        world = _count(restart.get("world_size"))
+        after = f" -> restored on {_ranks(world)} as {mesh_name(restart)}"
+    parts = []
+    for (world, name), keys in groups.items():
+        same = restart is not None and (world, name) == (_count(restart.get("world_size")), mesh_name(restart))
+        parts.append(f"{', '.join(keys)} saved by {_ranks(world)} as {name}{after}"
+                     + (" (same layout)" if same else " (resharded)" if restart is not None else ""))
+    return "; ".join(parts)

@@ -1,0 +1,86 @@
+"""`rl-ckpt demo --sharded`: GRPO on a tiny GPT-2 with FSDP2 learners on Ray Train, a learner SIGKILLed after a
+commit, the run restarted on fewer learners; the plan names both layouts and the printed figures agree.
+
+The layout line and the GRPO math are also checked alone (no Ray)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+import torch
+
+from rl_ckpt.demo.grpo import GRPOConfig, advantages, make_policy, sample
+from rl_ckpt.recovery.plan import RecoveryPlan
+from rl_ckpt.sharded.layout import layout_change, mesh_name
+
+
+def _sharded(world: int, mesh: list, placements: list) -> dict:
+    return {"kind": "module", "layout": {"saved_by": {"world_size": world, "mesh": mesh, "placements": placements}}}
+
+
+def test_layout_line_names_saved_and_restored_layouts():
+    comps = {"policy": _sharded(2, [2], ["S(0)"]), "optim": _sharded(2, [2], ["S(0)"]), "learner-0/rng": {"kind": "rng"}}
+    assert layout_change(comps, {"world_size": 1, "mesh": [1], "placements": ["S(0)"]}) == \
+        "optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)"
+    assert layout_change(comps, {"world_size": 2, "mesh": [2], "placements": ["Shard(dim=0)"]}).endswith("(same layout)")
+    hsdp = {"policy": _sharded(4, [2, 2], ["R", "S(0)"])}
+    assert layout_change(hsdp, {"world_size": 1, "mesh": []}) == \
+        "policy saved by 4 ranks as HSDP(2x2) -> restored on 1 rank as unsharded (resharded)"
+    assert layout_change(hsdp, None) == "policy saved by 4 ranks as HSDP(2x2)"  # planning from the CLI
+    assert layout_change({"policy": {"kind": "module"}}, None) == ""  # nothing sharded: no line
+    # The manifest is untrusted: odd values give a readable line, not an exception.
+    assert mesh_name({"mesh": ["x", True], "placements": None}) == "unsharded"
+    assert "saved by 1 rank as" in layout_change({"p": {"layout": {"saved_by": {"world_size": "two"}}}}, None)
+
+
+def test_plan_prints_and_keeps_the_layout():
+    plan = RecoveryPlan("/r", "restore", "newest", target="step_000000008", continue_from_step=8,
+                        layout="policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)")
+    assert "  layout:    policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1)" in str(plan)
+    assert RecoveryPlan.from_json(plan.to_json()).layout == plan.layout
+    assert "layout:" not in str(RecoveryPlan("/r", "restore", "newest", target="s"))
+
+
+def test_rollout_data_do_not_depend_on_how_the_prompts_are_split():
+    cfg = GRPOConfig(prompts_per_step=4, group_size=4)
+    model = make_policy(cfg)
+    whole = sample(model, cfg, 3, [0, 1, 2, 3])
+    parts = [sample(model, cfg, 3, idx) for idx in ([0], [1, 2], [3])]
+    for k in ("seqs", "rewards"):
+        assert torch.equal(whole[k], torch.cat([p[k] for p in parts]))
+    torch.testing.assert_close(whole["logps"], torch.cat([p["logps"] for p in parts]))
+    assert not torch.equal(whole["seqs"], sample(model, cfg, 4, [0, 1, 2, 3])["seqs"])  # another step, other answers
+    adv = advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]), 4)
+    assert adv[0] > 0 > adv[1] and torch.allclose(adv.view(2, 4).sum(1), torch.zeros(2), atol=1e-5)
+    assert torch.equal(adv[4:], torch.zeros(4))  # a group that all scored the same teaches nothing
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sharded_demo_crash_and_restart_on_fewer_learners(ray_cluster, tmp_path):
+    from rl_ckpt.demo.sharded_grpo import crash_drill
+
+    report = crash_drill(str(tmp_path), steps=16, crash_at=10, learners=2, restart_learners=1,
+                         run_name=f"grpo-{uuid.uuid4().hex[:6]}")
+    f, text = report.figures, report.text
+    assert report.ok, report.problems
+    assert "consistent         YES" in text
+    # Killed at the start of step 10 (after step 9); the newest commit was step 8, saved by both learners.
+    assert (f["kill_step"], f["restored_step"], f["steps_redone"], f["first_step_after"]) == (9, 8, 1, 9)
+    assert (f["saved_world"], f["restart_world"], f["final_step"]) == (2, 1, 16)
+    assert f["downtime_s"] > 0 and f["weight_loads"] >= 16 // 2
+    # What is printed says the same as the figures, line by line.
+    assert "saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)" in text
+    assert re.search(r"SIGKILL of learner rank 1 of 2 after step 9\b", text)
+    assert re.search(r"restored\s+step_000000008 \(step 8\) on 1 learner", text)
+    assert re.search(r"time lost\s+1 step redone \(steps 9\.\.9\); \d+\.\d s from the kill", text)
+    plan = text.split("Recovery plan followed by the restarted learner(s):\n", 1)[1]
+    assert "target:    step_000000008" in plan and "continue:  training resumes after step 8" in plan
+    assert "layout:    optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1)" in plan
+    assert "failure:   process_killed at step 9" in plan
+    # The policy learned: the seeded task starts near chance (1/12) and climbs.
+    first, final = (float(x) for x in re.search(r"reward\s+([\d.]+) at step 1 -> ([\d.]+) at step 16", text).groups())
+    assert (first, final) == (pytest.approx(f["first_reward"], abs=1e-3), pytest.approx(f["final_reward"], abs=1e-3))
+    assert first < 0.15 and final > first + 0.1, (first, final)
