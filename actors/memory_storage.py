@@ -51,11 +51,6 @@ def _ray():
     return ray
 
 
-def memory_url(run_name: str, base: str = "mem") -> str:
-    """The ``raymem://`` URL of a run's memory tier."""
-    return f"{PROTOCOL}://{base}/{run_name}"
-
-
 class RayMemoryStorage(Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 

@@ -127,7 +127,11 @@ class MemoryStore:
     def _make_room(self, path: str, extra: int) -> None:
         if self.budget_bytes is None or self._held + extra <= self.budget_bytes:
             return
-        for sid in self._eviction_order(protect=_snapshot_of(path)):
+        order = self._eviction_order(protect=_snapshot_of(path))
+        freeable = sum(len(d) for p, d in self._files.items() if _snapshot_of(p) in order)
+        if self._held + extra - freeable > self.budget_bytes:
+            order = []  # evicting everything allowed would not be enough: refuse, and keep what is held
+        for sid in order:
             self._drop_snapshot(sid)
             self.evicted.append(sid)
             log.info("memory store %s: evicted %s to stay within %d bytes", self.node_id[:12], sid, self.budget_bytes)
