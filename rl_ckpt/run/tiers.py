@@ -3,7 +3,7 @@
 A snapshot is in the memory tier when its manifest is committed there and
 every file it names is held, at the right size, by at least one live memory
 store; it is *replicated* when every file is held on at least ``1 + replicas``
-nodes. Stores report what they hold (``inventory``: node id -> {path: size}),
+nodes (never with ``replicas == 0``). Stores report what they hold (``inventory``: node id -> {path: size}),
 so a store killed or a node lost removes exactly the copies it held: a
 snapshot whose last copy of some file went with it leaves the memory tier
 (``drop_incomplete`` then retires its manifest there, so no reader lists it).
@@ -57,7 +57,7 @@ def memory_status(manifest: Manifest, inventory: dict[str, dict[str, int]], repl
     copies = fewest or 0
     tiers = [MEMORY] if not missing else []
     return TierStatus(sid, manifest.global_step, manifest.kind, tiers, sorted(nodes), copies, missing,
-                      not missing and copies >= 1 + replicas)
+                      not missing and replicas > 0 and copies >= 1 + replicas)
 
 
 def tier_view(memory: Catalog | None, inventory: dict[str, dict[str, int]] | None, durable: Catalog | None,
