@@ -32,6 +32,7 @@ from rl_ckpt.errors import CommitConflictError, ConfigError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end,
                                   too_large)
+from rl_ckpt.storage.buffers import alloc_bytes, prefault
 from rl_ckpt.storage.registry import register_storage
 
 from .memory_store import STORE_PREFIX, store_actor
@@ -39,6 +40,7 @@ from .memory_store import STORE_PREFIX, store_actor
 PROTOCOL = "raymem"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}$")
 _INLINE_BYTES = 256 << 10  # smaller files travel inside the call; larger ones through the object store
+_COPY_STEP = 8 << 20  # bytes copied (and hashed) at a time out of the object store
 _OPTIONS = ("namespace", "replicas", "budget_bytes", "node_id")
 
 
@@ -198,7 +200,7 @@ class RayMemoryStorage(Storage):
 
     # -- reads --------------------------------------------------------------------
     def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
-             max_bytes: int | None = None) -> bytearray:
+             max_bytes: int | None = None):
         ray = _ray()
         check_max_bytes(max_bytes)
         path = check_relpath(path)
@@ -211,9 +213,18 @@ class RayMemoryStorage(Storage):
                 continue
             if isinstance(got, int):
                 raise too_large(path, got, max_bytes)
-            out = bytearray(got)  # the reply is a read-only view of the object store
-            if on_chunk is not None and out:
-                on_chunk(memoryview(out))
+            # The reply is a read-only view of the object store: copy it into a fresh writable buffer, piece
+            # by piece, each hashed while still in the CPU cache (as LocalStorage.read does with the disk).
+            out = alloc_bytes(got.nbytes)
+            stop_prefault = prefault(out)
+            try:
+                for start in range(0, got.nbytes, _COPY_STEP):
+                    piece = out[start:start + _COPY_STEP]
+                    piece[:] = got[start:start + _COPY_STEP]
+                    if on_chunk is not None:
+                        on_chunk(memoryview(piece))
+            finally:
+                stop_prefault()
             return out
         raise self._missing(path)
 

@@ -6,7 +6,7 @@ For a state of ``--size`` bytes (default 1 GiB, one participant):
   verified reads; only the storage differs);
 - blocking: how long the trainer is blocked by a memory snapshot vs by a durable ``save_async`` (median of
   ``--repeat``);
-- death to first step: a trainer actor SIGKILLed and restarted by Ray (``max_restarts=1``): the time from the
+- death to first step: a trainer actor force-killed (``ray.kill``) and restarted by Ray (``max_restarts=1``): the time from the
   kill until the restarted process finished its first training step after restoring, with the memory tier and
   without it (durable storage, cold page cache).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -83,9 +82,6 @@ class Trainer:
     def pid(self) -> int:
         return os.getpid()
 
-    def die(self) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
 
 def run(args) -> dict:
     import ray
@@ -143,7 +139,7 @@ def run(args) -> dict:
             if not with_tier:
                 cache.drop(os.path.join(base, name))
             killed_at = time.time()
-            actor.die.remote()
+            ray.kill(actor, no_restart=False)  # the process is killed at once; Ray restarts it (max_restarts=1)
             # The restarted process answers only once its constructor (restore + first step) has finished.
             while ray.get(actor.pid.remote()) == first_pid:
                 time.sleep(0.05)
