@@ -24,7 +24,7 @@ import time
 from typing import Any, Mapping
 
 from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
-from rl_ckpt.errors import CheckpointError, NoValidSnapshotError
+from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
 from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.recovery.tiers import TieredPlan, plan_across_tiers
 from rl_ckpt.run.commit import retire_snapshot
@@ -63,6 +63,10 @@ class MemoryTier:
     def __init__(self, engine: CheckpointEngine, *, manager: Any = None, service: Any = None,
                  namespace: str = "rl_ckpt") -> None:
         cfg = engine.config
+        if engine.manager is not None and manager is None:
+            raise ConfigError("MemoryTier: this engine commits through a CheckpointManager (several participants), so "
+                              "memory snapshots need one too: pass manager=actors.memory_tier.memory_manager(config)",
+                              key="manager")
         self.durable = engine
         self.service = service
         storage = open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg, namespace))
