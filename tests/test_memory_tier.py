@@ -220,6 +220,20 @@ def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
         bytes(t.memory.storage.read(f"step_000000004/{MANIFEST_NAME}"))
     assert t.durable.verify("step_000000004").ok
 
+    # `rl-ckpt ls --tiers`: durable from storage, memory from the stores on this cluster, one table.
+    import contextlib
+    import io
+    import json
+
+    from rl_ckpt.cli import main as cli_main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert cli_main(["ls", t.durable.storage.url, "--tiers", "--replicas", "0", "--json"]) == 0
+    listed = {r["snapshot_id"]: r["tiers"] for r in json.loads(text.getvalue())}
+    assert listed == {"step_000000002": ["memory"], "step_000000004": ["memory", "durable"],
+                      "step_000000006": ["memory"]}
+
     t2, b, _ = tier(seed=7)
     plan = t2.plan()
     assert plan.tier == "memory" and plan.plan.target == "step_000000006"
