@@ -104,6 +104,8 @@ def cmd_ls(args) -> int:
     from rl_ckpt.storage import join
 
     storage = _storage(args)
+    if args.tiers:
+        return _ls_tiers(args, storage)
     cat = _catalog(storage)
     rows = []
     bad = 0
@@ -150,6 +152,44 @@ def cmd_ls(args) -> int:
     else:
         print(f"no snapshots in {args.url}")
     return EXIT_PROBLEM if bad else EXIT_OK
+
+
+def _ls_tiers(args, storage) -> int:
+    """``ls --tiers``: durable snapshots from storage, memory ones from the run's memory stores on the Ray
+    cluster (when one is reachable), in one table."""
+    from rl_ckpt.run.tiers import tier_view
+
+    run_name = args.url.rstrip("/").rsplit("/", 1)[-1]
+    memory = inventory = None
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address="auto", logging_level="ERROR")
+        from rl_ckpt.integrations.memory_tier import MEMORY_BASE
+        from rl_ckpt.run.catalog import Catalog
+        from rl_ckpt.storage import open_storage
+
+        mem = open_storage(f"{MEMORY_BASE}/{run_name}", {"replicas": args.replicas})
+        memory, inventory = Catalog(mem), mem.inventory()
+    except (ImportError, ConnectionError, RuntimeError, CheckpointError) as exc:
+        print(f"(memory tier not shown: no Ray cluster reachable: {exc})")
+    from rl_ckpt.run.catalog import Catalog
+
+    view = tier_view(memory, inventory, Catalog(storage), args.replicas)
+    rows = [(s.snapshot_id, str(s.global_step), s.kind, ",".join(s.tiers) or "-",
+             ("replicated" if s.replicated else f"{s.copies} cop{'y' if s.copies == 1 else 'ies'}") if s.memory_nodes
+             else "", ("missing " + ", ".join(s.missing[:2])) if s.missing else "") for s in view]
+    if args.json:
+        print(json.dumps([s.to_json() for s in view], indent=1))
+    elif rows:
+        header = ("ID", "STEP", "KIND", "TIERS", "MEMORY COPIES", "")
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
+        for r in [header, *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    else:
+        print(f"no snapshots in {args.url} or its memory tier")
+    return EXIT_OK
 
 
 def cmd_verify(args) -> int:
@@ -324,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("ls", cmd_ls, "list snapshots: id, step, kind, size, metrics, valid (exit 1 if any is bad)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--deep", action="store_true", help="re-hash every file instead of checking sizes")
+    s.add_argument("--tiers", action="store_true",
+                   help="also list the run's memory tier (from its memory stores on the Ray cluster) and say which "
+                        "tiers hold each snapshot")
+    s.add_argument("--replicas", type=int, default=1, help="with --tiers: the run's memory_replicas")
     cmd("verify", cmd_verify, "re-hash snapshots against their manifests (exit 1 if anything is bad)", needs_id=None)
     s = cmd("inspect", cmd_inspect, "show one snapshot's manifest: components, tensors, files, metrics", needs_id=True)
     s.add_argument("--json", action="store_true")

@@ -142,6 +142,12 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "divergence_threshold": (None, _number(0, optional=True), "Recovery: restore the best snapshot when the newest one's best_metric is worse by more than this fraction."),
     "heartbeat_interval_seconds": (10.0, _number(0.01), "Ray: participants send a heartbeat at most this often; two missed ones are a failure."),
     "commit_timeout_seconds": (300.0, _number(0.1), "Ray: abort a sharded snapshot when a participant has not reported by then."),
+    "memory_interval_steps": (0, _int(0, optional=True), "Memory tier (Ray): memory snapshot every N steps into the run's per-node memory stores (0/null: off)."),
+    "memory_interval_seconds": (None, _number(0, optional=True), "Memory tier: ...or every N seconds, whichever comes first (0/null: off)."),
+    "memory_flush_every": (10, _int(1, optional=True), "Memory tier: durable copy (made from memory, in the background) of every K-th memory snapshot (null: by time only)."),
+    "memory_flush_interval_seconds": (None, _number(0, optional=True), "Memory tier: ...or of the newest memory snapshot once N seconds passed since the last durable copy (null: off)."),
+    "memory_budget_bytes": (None, _int(1, optional=True), "Memory tier: bytes each node's store may hold; the oldest memory snapshots are evicted first, never the newest committed one (null: no limit)."),
+    "memory_replicas": (1, _int(0), "Memory tier: copies of each memory snapshot file on stores of other nodes (0: none; a node lost then falls back to durable)."),
     "min_free_bytes": (1 << 30, _int(0), "Health patrol: warn when the storage has less free space than this."),
     "scrub_bytes_per_second": (64 << 20, _int(1), "Health patrol: read-rate limit when re-hashing old snapshots."),
 }

@@ -8,6 +8,8 @@ rename), ``s3://``/``s3a://`` to :class:`S3Storage`, ``memory://`` to
 
 from __future__ import annotations
 
+import importlib
+
 from rl_ckpt.errors import ConfigError
 from rl_ckpt.storage.base import Storage
 from rl_ckpt.storage.fsspec_store import FsspecStorage
@@ -21,6 +23,10 @@ registry: dict[str, type[Storage]] = {
     "s3": S3Storage,
     "s3a": S3Storage,
 }
+
+
+# Protocols served by modules that need Ray: imported on first use, so opening other URLs never imports Ray.
+_ON_FIRST_USE = {"raymem": "actors.memory_storage"}
 
 
 def register_storage(protocol: str, cls: type[Storage], *, clobber: bool = False) -> None:
@@ -50,7 +56,10 @@ def protocol_of(url: str) -> str:
 
 def storage_class(url: str) -> type[Storage]:
     """The class that serves ``url``: the registered one, else :class:`FsspecStorage`."""
-    return registry.get(protocol_of(url), FsspecStorage)
+    protocol = protocol_of(url)
+    if protocol not in registry and protocol in _ON_FIRST_USE:
+        importlib.import_module(_ON_FIRST_USE[protocol])  # registers its class
+    return registry.get(protocol, FsspecStorage)
 
 
 def open_storage(url: str, storage_options: dict | None = None) -> Storage:

@@ -1,0 +1,327 @@
+"""``raymem://<key>``: a :class:`Storage` over the run's :class:`MemoryStore` actors, one per node.
+
+A memory snapshot is an ordinary snapshot on this storage: the engine writes
+it with the same manifest, per-file (per-block when sharded) checksums,
+verify-after-write and create-only manifest commit as on disk, and reads it
+back verified. What differs is where bytes live:
+
+- a write goes to the store on the writer's node (created there on first use)
+  and is queued there for a copy to ``replicas`` stores on other nodes (peers
+  in node-id ring order), so the writer never waits for replication;
+- reads, listings and stats see the union of every live store: a file counts
+  as long as one store holding it lives; the local store is read first;
+- a manifest is written create-only in the local store (no live store may
+  hold it already), then copied to every store that holds files of its
+  snapshot, so each store knows which of its snapshots are committed (its
+  budget never evicts the newest committed one);
+- removals reach every store.
+
+Options (``storage_options``): ``namespace`` (Ray namespace of the stores,
+default ``rl_ckpt``), ``replicas`` (peer copies per file, default 1; 0: none),
+``budget_bytes`` (per-store memory budget, applied when a store is created),
+``node_id`` (the node whose store takes writes, default this process's node).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from typing import Any, BinaryIO, Callable, Iterable
+
+from rl_ckpt.errors import CommitConflictError, ConfigError, StorageError
+from rl_ckpt.format.manifest import MANIFEST_NAME
+from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end,
+                                  too_large)
+from rl_ckpt.storage.buffers import alloc_bytes, prefault
+from rl_ckpt.storage.registry import register_storage
+
+from .memory_store import STORE_PREFIX, store_actor
+
+PROTOCOL = "raymem"
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}$")
+_INLINE_BYTES = 256 << 10  # smaller files travel inside the call; larger ones through the object store
+_COPY_STEP = 8 << 20  # bytes copied (and hashed) at a time out of the object store
+_OPTIONS = ("namespace", "replicas", "budget_bytes", "node_id")
+
+
+def _ray():
+    import ray
+
+    if not ray.is_initialized():
+        raise StorageError("raymem:// storage needs a Ray cluster: call ray.init() (or run inside a Ray task)",
+                           path="")
+    return ray
+
+
+class RayMemoryStorage(Storage):
+    """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
+
+    supports_rename = False
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        if not url.startswith(f"{PROTOCOL}://"):
+            raise ConfigError(f"not a {PROTOCOL}:// URL: {url!r}", key="base_dir")
+        key = url[len(PROTOCOL) + 3:].strip("/")
+        if not _KEY.match(key) or ".." in key.split("/"):
+            raise ConfigError(f"{url!r}: the part after {PROTOCOL}:// must be a plain name like mem/run",
+                              key="base_dir", allowed=_KEY.pattern)
+        opts = dict(storage_options or {})
+        unknown = sorted(set(opts) - set(_OPTIONS))
+        if unknown:
+            raise ConfigError(f"{PROTOCOL}:// storage option {unknown[0]!r} is unknown; allowed: {', '.join(_OPTIONS)}",
+                              key=unknown[0], allowed=list(_OPTIONS))
+        replicas = opts.get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ConfigError(f"{PROTOCOL}:// option 'replicas': got {replicas!r}; allowed: an integer >= 0",
+                              key="replicas", allowed="int >= 0")
+        budget = opts.get("budget_bytes")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"{PROTOCOL}:// option 'budget_bytes': got {budget!r}; allowed: an integer >= 1 or null",
+                              key="budget_bytes", allowed="int >= 1 | None")
+        self.key = key
+        self.url = f"{PROTOCOL}://{key}"
+        self.namespace = opts.get("namespace", "rl_ckpt")
+        self.replicas = replicas
+        self.budget_bytes = budget
+        self._node = opts.get("node_id")
+        self._handles: dict[str, Any] = {}
+
+    # -- stores ---------------------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        """The node whose store takes this process's writes."""
+        if self._node is None:
+            self._node = _ray().get_runtime_context().get_node_id()
+        return self._node
+
+    def _store(self, node_id: str):
+        handle = self._handles.get(node_id)
+        if handle is None:
+            handle = store_actor(self.key, node_id, self.budget_bytes, self.namespace)
+            self._handles[node_id] = handle
+        return handle
+
+    def stores(self) -> dict[str, Any]:
+        """The live stores of this run: node id -> actor handle."""
+        ray = _ray()
+        prefix = f"{STORE_PREFIX}:{self.key}:"
+        found = {}
+        for item in ray.util.list_named_actors(all_namespaces=True):
+            name, namespace = item["name"], item["namespace"]
+            if namespace != self.namespace or not name.startswith(prefix):
+                continue
+            node = name[len(prefix):]
+            try:
+                found[node] = ray.get_actor(name, namespace=namespace)
+            except ValueError:  # died between the listing and the lookup
+                continue
+        self._handles = {n: h for n, h in self._handles.items() if n in found} | found
+        return found
+
+    def _each(self, method: str, *args: Any, stores: dict | None = None) -> dict[str, Any]:
+        """``method(*args)`` on every live store at once: node id -> result (dead stores are left out)."""
+        ray = _ray()
+        stores = self.stores() if stores is None else stores
+        refs = {node: getattr(h, method).remote(*args) for node, h in stores.items()}
+        out = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._handles.pop(node, None)
+        return out
+
+    def peers(self, node_id: str | None = None) -> list[str]:
+        """The nodes that receive copies of what ``node_id`` (default: this one) writes: the next ``replicas``
+        alive nodes in node-id order."""
+        node_id = node_id or self.node_id
+        if self.replicas == 0:
+            return []
+        alive = sorted(n["NodeID"] for n in _ray().nodes() if n.get("Alive"))
+        ring = [n for n in alive if n > node_id] + [n for n in alive if n < node_id]
+        return ring[:self.replicas]
+
+    def _holders(self, path: str) -> list[tuple[str, Any]]:
+        """Live stores to ask for ``path``: this node's first."""
+        stores = self.stores()
+        local = self._node if self._node in stores else None
+        order = ([local] if local else []) + sorted(n for n in stores if n != local)
+        return [(n, stores[n]) for n in order]
+
+    # -- writes -------------------------------------------------------------------
+    def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
+        import numpy as np
+
+        ray = _ray()
+        path = check_relpath(path)
+        pieces = [memoryview(c).cast("B") for c in chunks]  # every chunk first: a failing iterator publishes nothing
+        size = sum(p.nbytes for p in pieces)
+        if size <= _INLINE_BYTES:
+            payload: Any = b"".join(pieces)
+        else:  # one copy into the object store; the store copies it into its own heap
+            payload = ray.put([np.frombuffer(p, dtype=np.uint8) for p in pieces if p.nbytes])
+        if create_only:
+            held = [n for n, st in self._each("stat", path).items() if st is not None]
+            if held:
+                raise CommitConflictError(f"{self.url}/{path} already exists (in the memory store of node "
+                                          f"{held[0][:12]}): another writer committed it first", path=path,
+                                          snapshot_id=path.split("/", 1)[0])
+        local = self.node_id
+        peers = [self._store(n) for n in self.peers(local)]
+        try:
+            got = ray.get(self._store(local).put.remote(path, payload, create_only, peers))
+        except ray.exceptions.RayActorError:
+            # The store of this node died: whatever it held is gone; a new one takes this write.
+            self._handles.pop(local, None)
+            got = ray.get(self._store(local).put.remote(path, payload, create_only, peers))
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, StorageError):
+                raise cause from None
+            raise StorageError(f"cannot write {self.url}/{path}: {exc}", path=path) from exc
+        if path.endswith("/" + MANIFEST_NAME):
+            self._spread_manifest(path, payload, local)
+        return got
+
+    def _spread_manifest(self, path: str, payload: Any, written_on: str) -> None:
+        """A committed manifest also goes to every other store holding files of its snapshot."""
+        sid = path.split("/", 1)[0]
+        stores = self.stores()
+        held = self._each("inventory", sid, stores=stores)
+        for node, files in held.items():
+            if node != written_on and files:
+                try:
+                    _ray().get(stores[node].put_replica.remote(path, payload, written_on))
+                except Exception:  # that store died meanwhile: its files are gone with it
+                    pass
+
+    def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
+        self.write(path, [data], create_only=create_only)
+
+    # -- reads --------------------------------------------------------------------
+    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
+             max_bytes: int | None = None):
+        ray = _ray()
+        check_max_bytes(max_bytes)
+        path = check_relpath(path)
+        for node, handle in self._holders(path):
+            try:
+                got = ray.get(handle.get.remote(path, max_bytes))
+            except ray.exceptions.RayActorError:
+                continue  # died: another store may hold a copy
+            if got is None:
+                continue
+            if isinstance(got, int):
+                raise too_large(path, got, max_bytes)
+            # The reply is a read-only view of the object store: copy it into a fresh writable buffer, piece
+            # by piece, each hashed while still in the CPU cache (as LocalStorage.read does with the disk).
+            out = alloc_bytes(got.nbytes)
+            stop_prefault = prefault(out)
+            try:
+                for start in range(0, got.nbytes, _COPY_STEP):
+                    piece = out[start:start + _COPY_STEP]
+                    piece[:] = got[start:start + _COPY_STEP]
+                    if on_chunk is not None:
+                        on_chunk(memoryview(piece))
+            finally:
+                stop_prefault()
+            return out
+        raise self._missing(path)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        ray = _ray()
+        check_range(start, length)
+        path = check_relpath(path)
+        for _node, handle in self._holders(path):
+            try:
+                got = ray.get(handle.get_range.remote(path, start, length))
+            except ray.exceptions.RayActorError:
+                continue
+            if got is None:
+                continue
+            if isinstance(got, int):
+                raise range_past_end(path, start, length, got)
+            return got
+        raise self._missing(path)
+
+    def open_read(self, path: str) -> BinaryIO:
+        return io.BytesIO(self.read(path))
+
+    def _missing(self, path: str) -> StorageError:
+        return StorageError(f"cannot read {self.url}/{path}: no live memory store holds it (never written, removed, "
+                            "evicted, or its store and every replica are gone)", path=path)
+
+    def inventory(self, prefix: str = "") -> dict[str, dict[str, int]]:
+        """What every live store holds under ``prefix``: node id -> {path: size}."""
+        if prefix:
+            check_relpath(prefix)
+        return self._each("inventory", prefix)
+
+    def list(self, path: str = "") -> list[Entry]:
+        if path:
+            path = check_relpath(path)
+        base = path + "/" if path else ""
+        entries: dict[str, Entry] = {}
+        for files in self.inventory(path).values():
+            for p, size in files.items():
+                if not p.startswith(base):
+                    continue
+                rest = p[len(base):]
+                name, _, deeper = rest.partition("/")
+                if deeper:
+                    entries.setdefault(name, Entry(name, True))
+                else:
+                    entries[name] = Entry(name, False, size)
+        return sorted(entries.values(), key=lambda e: e.name)
+
+    def exists(self, path: str) -> bool:
+        path = check_relpath(path)
+        return any(files for files in self.inventory(path).values())
+
+    def stat(self, path: str) -> Entry | None:
+        path = check_relpath(path)
+        for node, st in sorted(self._each("stat", path).items()):
+            if st is not None:
+                return Entry(path.rsplit("/", 1)[-1], False, st[0], version=f"{node[:12]}:{st[1]}")
+        return None
+
+    def size(self, path: str) -> int:
+        entry = self.stat(path)
+        if entry is None:
+            raise self._missing(path)
+        return entry.size
+
+    # -- removal --------------------------------------------------------------------
+    def remove(self, path: str) -> None:
+        self._each("remove", check_relpath(path))
+
+    def remove_tree(self, path: str) -> None:
+        self._each("remove_prefix", check_relpath(path))
+
+    def makedirs(self, path: str) -> None:
+        check_relpath(path)  # folders are implied by the files in them
+
+    def free_bytes(self) -> int | None:
+        """Room left in this node's store within its budget (None: no budget)."""
+        if self.budget_bytes is None:
+            return None
+        held = self._each("bytes_held", stores={self.node_id: self._store(self.node_id)})
+        return self.budget_bytes - held.get(self.node_id, 0)
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Block until every store's queued copies are done (True), or ``timeout`` passed (False)."""
+        return all(self._each("wait_replicated", timeout).values())
+
+    def store_info(self) -> dict[str, dict]:
+        """node id -> what its store holds and its replication state (``MemoryStore.info``)."""
+        return self._each("info")
+
+    def destroy(self) -> None:
+        """Kill every store of this run (their memory is freed; nothing is flushed)."""
+        ray = _ray()
+        for handle in self.stores().values():
+            ray.kill(handle, no_restart=True)
+        self._handles.clear()
+
+
+register_storage(PROTOCOL, RayMemoryStorage)

@@ -1,0 +1,316 @@
+"""``MemoryStore``: a detached Ray actor per (run, node) that holds snapshot files in its own heap.
+
+Why an actor of its own: a trainer process that dies (OOM, a crashed env, a
+collective error) takes its heap and every Ray object it owns with it. The
+store copies each file it receives into memory it owns, so the bytes outlive
+the writer as long as the node lives. It is pinned to its node
+(``NodeAffinitySchedulingStrategy(soft=False)``) and never restarted
+(``max_restarts=0``): a restarted store would be empty, and an empty store that
+answers is worse than a dead one, which every reader sees as gone.
+
+Files are keyed by run-relative paths, as on any ``Storage``; folders are
+implied. A put is create-only when asked (manifests), so exactly one writer
+commits a snapshot in a store. ``replicate_to`` on a put queues the file for a
+store-to-store copy to peers on other nodes, done by a thread of this actor:
+the writer never waits for replication. A snapshot's manifest follows its data
+to every peer that received the data.
+
+Budget: with ``budget_bytes`` set, a put that would exceed it first evicts
+whole snapshots, oldest step first: aborted leftovers older than the newest
+committed snapshot, then committed ones, never the newest committed one (nor
+anything newer, which may be a save in progress). When that is not enough the
+put is refused with :class:`MemoryBudgetError` and nothing already held is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Iterable
+
+from rl_ckpt.errors import CommitConflictError, StorageError
+from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
+
+log = logging.getLogger("rl_ckpt")
+
+STORE_PREFIX = "rl_ckpt-mem"
+
+
+class MemoryBudgetError(StorageError):
+    """A memory store cannot hold a file within its budget (``path``, ``size``, ``budget``, ``node``)."""
+
+
+def store_name(key: str, node_id: str) -> str:
+    """The Ray actor name of the store of run ``key`` on node ``node_id``."""
+    return f"{STORE_PREFIX}:{key}:{node_id}"
+
+
+def _owned(data: Any) -> bytearray:
+    """A copy of ``data`` (bytes-like, or a list of bytes-like pieces) in memory this process owns.
+
+    What Ray hands an actor may be a view of the shared object store that the
+    sender owns: keeping that view would lose the bytes with the sender."""
+    pieces = data if isinstance(data, (list, tuple)) else [data]
+    views = [memoryview(p).cast("B") for p in pieces]
+    out = bytearray(sum(v.nbytes for v in views))
+    pos = 0
+    for v in views:
+        out[pos:pos + v.nbytes] = v
+        pos += v.nbytes
+    return out
+
+
+def _snapshot_of(path: str) -> str | None:
+    top = path.split("/", 1)[0]
+    return top if parse_snapshot_id(top) is not None else None
+
+
+class MemoryStore:
+    """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
+
+    def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:
+        self.key = key
+        self.node_id = node_id
+        self.budget_bytes = budget_bytes
+        self._files: dict[str, bytearray] = {}
+        self._versions: dict[str, int] = {}
+        self._counter = 0
+        self._held = 0
+        self._lock = threading.RLock()
+        self._queue: collections.deque = collections.deque()  # (path, [peer handles], queued at)
+        self._queued = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self.evicted: list[str] = []
+        self.replicated_bytes = 0
+        self.replication_errors: list[str] = []
+        self._thread = threading.Thread(target=self._replicate_loop, name="rl_ckpt-mem-replicate", daemon=True)
+        self._thread.start()
+
+    # -- writes -----------------------------------------------------------------
+    def put(self, path: str, data: Any, create_only: bool = False, replicate_to: Iterable = ()) -> int:
+        """Hold a copy of ``data`` at ``path``; returns its size. ``create_only``: ``CommitConflictError`` if
+        ``path`` is held already. ``replicate_to``: peer store handles to copy it to (in the background)."""
+        owned = _owned(data)
+        with self._lock:
+            if create_only and path in self._files:
+                raise CommitConflictError(f"{path} already exists in the memory store on node {self.node_id[:12]}: "
+                                          "another writer committed it first", path=path, snapshot_id=path)
+            self._store(path, owned)
+            peers = list(replicate_to)
+            if peers:
+                self._enqueue(path, peers)
+        return len(owned)
+
+    def put_replica(self, path: str, data: Any, source_node: str) -> bool:
+        """A peer's copy of ``path``: kept unless this store holds it already (replicas are idempotent)."""
+        with self._lock:
+            if path in self._files:
+                return False
+        owned = _owned(data)
+        with self._lock:
+            if path in self._files:
+                return False
+            self._store(path, owned)
+            return True
+
+    def _store(self, path: str, owned: bytearray) -> None:
+        old = len(self._files[path]) if path in self._files else 0
+        self._make_room(path, len(owned) - old)
+        self._files[path] = owned
+        self._held += len(owned) - old
+        self._counter += 1
+        self._versions[path] = self._counter
+
+    def _make_room(self, path: str, extra: int) -> None:
+        if self.budget_bytes is None or self._held + extra <= self.budget_bytes:
+            return
+        order = self._eviction_order(protect=_snapshot_of(path))
+        freeable = sum(len(d) for p, d in self._files.items() if _snapshot_of(p) in order)
+        if self._held + extra - freeable > self.budget_bytes:
+            order = []  # evicting everything allowed would not be enough: refuse, and keep what is held
+        for sid in order:
+            self._drop_snapshot(sid)
+            self.evicted.append(sid)
+            log.info("memory store %s: evicted %s to stay within %d bytes", self.node_id[:12], sid, self.budget_bytes)
+            if self._held + extra <= self.budget_bytes:
+                return
+        raise MemoryBudgetError(
+            f"memory store on node {self.node_id[:12]} cannot hold {path} ({extra} bytes more): it holds "
+            f"{self._held} bytes of a {self.budget_bytes}-byte budget and nothing more may be evicted (the newest "
+            "committed snapshot and saves in progress are kept). Raise memory_budget_bytes or lower the snapshot "
+            "size; nothing already held was lost", path=path, size=extra, budget=self.budget_bytes, node=self.node_id)
+
+    def _eviction_order(self, protect: str | None) -> list[str]:
+        """Snapshots that may go, first to last: leftovers older than the newest committed one, then committed
+        ones oldest first; never the newest committed one, anything newer, nor ``protect`` (being written)."""
+        folders = {}
+        for p in self._files:
+            sid = _snapshot_of(p)
+            if sid is not None:
+                folders.setdefault(sid, False)
+                if p == f"{sid}/{MANIFEST_NAME}":
+                    folders[sid] = True
+        committed = sorted((s for s, done in folders.items() if done), key=parse_snapshot_id)
+        if not committed:
+            return []
+        newest = parse_snapshot_id(committed[-1])
+        older = [s for s in folders if parse_snapshot_id(s) < newest and s != protect]
+        leftovers = sorted((s for s in older if not folders[s]), key=parse_snapshot_id)
+        return leftovers + sorted((s for s in older if folders[s]), key=parse_snapshot_id)
+
+    def _drop_snapshot(self, sid: str) -> None:
+        # The manifest goes first, as on disk: a reader never sees a committed snapshot with files missing.
+        self._drop(f"{sid}/{MANIFEST_NAME}")
+        self.remove_prefix(sid)
+
+    def _drop(self, path: str) -> None:
+        data = self._files.pop(path, None)
+        if data is not None:
+            self._held -= len(data)
+            self._versions.pop(path, None)
+
+    def remove(self, path: str) -> None:
+        """Forget one file (missing is fine)."""
+        with self._lock:
+            self._drop(path)
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Forget every file under the folder ``prefix`` ("" : everything); returns how many."""
+        with self._lock:
+            if prefix and f"{prefix}/{MANIFEST_NAME}" in self._files:
+                self._drop(f"{prefix}/{MANIFEST_NAME}")
+            gone = [p for p in self._files if not prefix or p == prefix or p.startswith(prefix + "/")]
+            for p in gone:
+                self._drop(p)
+            return len(gone)
+
+    # -- reads ------------------------------------------------------------------
+    def get(self, path: str, max_bytes: int | None = None):
+        """The bytes of ``path`` (a read-only uint8 array: Ray ships it without pickling), or None if absent.
+        Larger than ``max_bytes``: its size (an int), so the caller refuses it without the bytes travelling."""
+        import numpy as np
+
+        with self._lock:
+            data = self._files.get(path)
+        if data is None:
+            return None
+        if max_bytes is not None and len(data) > max_bytes:
+            return len(data)
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def get_range(self, path: str, start: int, length: int):
+        """``length`` bytes of ``path`` from ``start`` (None: absent; an int: the file's size, when too short)."""
+        with self._lock:
+            data = self._files.get(path)
+        if data is None:
+            return None
+        if start + length > len(data):
+            return len(data)
+        return bytes(memoryview(data)[start:start + length])
+
+    def stat(self, path: str) -> tuple[int, int] | None:
+        """(size, version) of ``path``; the version changes whenever the file is replaced."""
+        with self._lock:
+            data = self._files.get(path)
+            return None if data is None else (len(data), self._versions[path])
+
+    def inventory(self, prefix: str = "") -> dict[str, int]:
+        """Every held path under ``prefix`` -> its size."""
+        with self._lock:
+            return {p: len(d) for p, d in self._files.items()
+                    if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")}
+
+    def bytes_held(self) -> int:
+        with self._lock:
+            return self._held
+
+    # -- replication -------------------------------------------------------------
+    def replicate(self, paths: list[str], peers: list) -> None:
+        """Queue ``paths`` for a copy to each peer store (returns at once)."""
+        with self._lock:
+            for p in paths:
+                self._enqueue(p, list(peers))
+
+    def _enqueue(self, path: str, peers: list) -> None:
+        self._queue.append((path, peers, time.monotonic()))
+        self._queued.notify()
+
+    def _replicate_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._queued.wait()
+                path, peers, _queued_at = self._queue.popleft()
+                self._busy += 1
+            try:
+                self._copy(path, peers)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                    if not self._queue and not self._busy:
+                        self._idle.notify_all()
+
+    def _copy(self, path: str, peers: list) -> None:
+        """Copy ``path`` to each peer; then the snapshot's manifest too once this store has it, so a peer that
+        received data also learns the snapshot is committed (the manifest always arrives after its data)."""
+        import numpy as np
+        import ray
+
+        sid = _snapshot_of(path)
+        manifest = f"{sid}/{MANIFEST_NAME}" if sid is not None else None
+        for item in [path] + ([manifest] if manifest and path != manifest else []):
+            with self._lock:
+                data = self._files.get(item)
+            if data is None:
+                continue  # removed or evicted before it was copied; or no manifest yet (it follows later)
+            array = np.frombuffer(data, dtype=np.uint8)
+            refs = [peer.put_replica.remote(item, array, self.node_id) for peer in peers]
+            for ref in refs:
+                try:
+                    ray.get(ref)
+                    self.replicated_bytes += len(data)
+                except Exception as exc:  # a peer gone: its copy is missing, which the tier view shows
+                    self.replication_errors.append(f"{item}: {type(exc).__name__}: {exc}"[:500])
+                    del self.replication_errors[:-50]
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Block until every queued copy was acked or failed (True) or ``timeout`` passed (False)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
+
+    def replication_lag(self) -> float:
+        """Seconds the oldest queued copy has waited (0 when nothing is queued)."""
+        with self._lock:
+            if not self._queue:
+                return 0.0
+            return time.monotonic() - self._queue[0][2]
+
+    def info(self) -> dict:
+        """What the store holds and how replication is doing (for /healthz and metrics)."""
+        with self._lock:
+            snaps = sorted({s for s in map(_snapshot_of, self._files) if s is not None}, key=parse_snapshot_id)
+            committed = [s for s in snaps if f"{s}/{MANIFEST_NAME}" in self._files]
+            return {"node_id": self.node_id, "key": self.key, "bytes_held": self._held,
+                    "budget_bytes": self.budget_bytes, "files": len(self._files), "snapshots": committed,
+                    "replication_queue": len(self._queue) + self._busy, "replication_lag_s": self.replication_lag(),
+                    "replicated_bytes": self.replicated_bytes, "replication_errors": list(self.replication_errors[-5:]),
+                    "evicted": list(self.evicted[-20:])}
+
+    def ping(self) -> str:
+        return self.node_id
+
+
+def store_actor(key: str, node_id: str, budget_bytes: int | None, namespace: str):
+    """The store of run ``key`` on node ``node_id``: created there (detached, never restarted) or attached to."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cls = ray.remote(MemoryStore)
+    return cls.options(
+        name=store_name(key, node_id), namespace=namespace, lifetime="detached", get_if_exists=True,
+        max_restarts=0, max_task_retries=0, num_cpus=0, max_concurrency=16,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(key, node_id, budget_bytes)

@@ -1,0 +1,161 @@
+"""The trainer's side of the memory tier: memory snapshots next to a durable engine (needs Ray).
+
+    engine = CheckpointEngine(cfg)                  # durable: base_dir/run_name, as always
+    tier = MemoryTier(engine)                       # memory: raymem://mem/<run_name>
+    tier.register("policy", policy); tier.register("optim", optim)
+    result = tier.restore()                         # newest complete snapshot across both tiers
+    for step in range(result.global_step + 1, ...):
+        ...
+        tier.maybe_save(step, {"reward": r})        # memory snapshot per memory_interval_steps/seconds
+
+A memory snapshot is written by a second ``CheckpointEngine`` whose storage
+is the run's ``raymem://`` stores, so it has the manifest, checksums,
+verify-after-write and commit (through the memory manager's two-phase commit
+with ``manager=``) of a durable one. The trainer blocks only while the state
+is staged, as in ``save_async``; replication is store-to-store and durable
+copies are made from memory by the ``MemoryTierService`` actor. The trainer
+never writes durable snapshots itself while the tier is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
+from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
+from rl_ckpt.format.manifest import parse_snapshot_id
+from rl_ckpt.recovery.tiers import TieredPlan, plan_across_tiers
+from rl_ckpt.run.commit import retire_snapshot
+from rl_ckpt.run.retention import KeepLatest
+from rl_ckpt.run.tiers import MEMORY
+from rl_ckpt.storage import open_storage
+
+log = logging.getLogger("rl_ckpt")
+
+MEMORY_BASE = "raymem://mem"
+
+
+def memory_options(config, namespace: str = "rl_ckpt") -> dict:
+    """The ``raymem://`` storage options a run's config implies (replicas, per-node budget, stores' namespace)."""
+    return {"replicas": config.memory_replicas, "budget_bytes": config.memory_budget_bytes, "namespace": namespace}
+
+
+def memory_config(config):
+    """The config of a run's memory tier: the same run, stored in ``raymem://mem/<run_name>``, no dedup (the
+    tier keeps whole snapshots)."""
+    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={})
+
+
+class MemoryTier:
+    """Memory snapshots of ``engine``'s run (see the module docstring).
+
+    Args:
+        engine: the run's durable engine (its config holds the ``memory_*`` keys).
+        manager: the memory tier's ``CheckpointManager`` (``actors.memory_tier.memory_manager``) when the
+            snapshot has several participants: their memory snapshots then commit through its two-phase commit.
+        service: the run's ``MemoryTierService`` handle (told when a memory snapshot committed, so it flushes
+            without waiting for its interval); None: no notice (it still looks every interval).
+        namespace: the Ray namespace of the run's memory stores.
+    """
+
+    def __init__(self, engine: CheckpointEngine, *, manager: Any = None, service: Any = None,
+                 namespace: str = "rl_ckpt") -> None:
+        cfg = engine.config
+        if engine.manager is not None and manager is None:
+            raise ConfigError("MemoryTier: this engine commits through a CheckpointManager (several participants), so "
+                              "memory snapshots need one too: pass manager=actors.memory_tier.memory_manager(config)",
+                              key="manager")
+        self.durable = engine
+        self.service = service
+        storage = open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg, namespace))
+        participants = list(engine.commit.expected) if engine.manager is not None and manager is not None else None
+        self.memory = CheckpointEngine(memory_config(cfg), train_config=engine.train_config, storage=storage,
+                                       retention=KeepLatest(cfg.keep_latest), manager=manager, rank=engine.rank,
+                                       world_size=engine.world_size, role=engine.role, participants=participants)
+        self.last_memory_save = time.monotonic()
+        self.last_handle = None
+
+    def register(self, name: str, obj: Any, **kwargs: Any) -> Any:
+        """Register a component with both tiers (``CheckpointEngine.register`` arguments)."""
+        self.durable.register(name, obj, **kwargs)
+        return self.memory.register(name, obj, **kwargs)
+
+    # -- saving ------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is due for a memory snapshot (``memory_interval_steps`` / ``_seconds``)."""
+        cfg = self.memory.config
+        by_steps = bool(cfg.memory_interval_steps) and step % cfg.memory_interval_steps == 0
+        by_time = bool(cfg.memory_interval_seconds) and time.monotonic() - self.last_memory_save >= cfg.memory_interval_seconds
+        return by_steps or by_time
+
+    def maybe_save(self, step: int, metrics: Mapping[str, Any] | None = None):
+        """Take a memory snapshot if ``step`` is due (one decision for every participant); returns its
+        ``SaveHandle`` or None."""
+        if not self.due(step) or not self.memory.agree_to_save(step):
+            return None
+        return self.save(step, metrics)
+
+    def save(self, step: int, metrics: Mapping[str, Any] | None = None):
+        """Take a memory snapshot now: stage (the only blocking part), then write, verify and commit it in the
+        background; returns the ``SaveHandle``."""
+        handle = self.memory.save_async(step, metrics)
+        self.last_memory_save = time.monotonic()
+        self.last_handle = handle
+        if self.service is not None:
+            service = self.service
+            handle.add_done_callback(lambda h: h.exception() is None and service.notify.remote())
+        return handle
+
+    def wait(self) -> None:
+        """Wait for the memory snapshot in flight."""
+        self.memory.wait()
+
+    # -- recovery ----------------------------------------------------------------
+    def plan(self, failure=None) -> TieredPlan:
+        """The tier and plan a restore follows now (no side effects)."""
+        return plan_across_tiers(self.memory, self.durable, failure)
+
+    def restore(self, failure=None, *, strict: bool = True) -> RestoreResult:
+        """Restore the newest complete snapshot across tiers (memory preferred on a tie).
+
+        When a memory snapshot fails while loading (every file is verified as it loads) and no older one in
+        memory loads, the durable plan is followed. Memory snapshots newer than what was restored belong to
+        the timeline that failed: they are retired so the steps are saved anew.
+        """
+        tiered = self.plan(failure)
+        log.info("recovery across tiers: %s", tiered.reason)
+        result = None
+        if tiered.tier == MEMORY:
+            try:
+                result = self.memory.restore(tiered.plan, strict=strict)
+            except NoValidSnapshotError as exc:
+                if tiered.durable is None:
+                    raise
+                log.warning("memory snapshots failed while loading (%s); restoring from durable storage", exc)
+        if result is None:
+            result = self.durable.restore(tiered.durable or tiered.plan, strict=strict)
+        result.warnings.insert(0, f"tier: {tiered.tier or 'none'} - {tiered.reason}")
+        self.tier_restored = tiered.tier if result.snapshot_id is not None else None
+        self._retire_newer(result.global_step if result.snapshot_id is not None else -1)
+        return result
+
+    tier_restored: str | None = None
+
+    def _retire_newer(self, step: int) -> None:
+        if self.memory.rank != 0:
+            return
+        storage = self.memory.storage
+        for entry in storage.list(""):
+            parsed = parse_snapshot_id(entry.name)
+            if entry.is_dir and parsed is not None and parsed[0] > step:
+                try:
+                    retire_snapshot(storage, entry.name)
+                except CheckpointError as exc:
+                    log.warning("could not retire memory snapshot %s of the failed timeline: %s", entry.name, exc)
+
+    def close(self) -> None:
+        """Wait for the memory snapshot in flight and close both engines."""
+        self.memory.close()
+        self.durable.close()

@@ -1,0 +1,181 @@
+"""The memory tier's figures, in one run on a local Ray cluster (``python -m rl_ckpt.tools.bench.memory``).
+
+For a state of ``--size`` bytes (default 1 GiB, one participant):
+
+- restore: from the memory tier vs from local disk with a cold page cache (the same engine code, the same
+  verified reads; only the storage differs);
+- blocking: how long the trainer is blocked by a memory snapshot vs by a durable ``save_async`` (median of
+  ``--repeat``);
+- death to first step: a trainer actor force-killed (``ray.kill``) and restarted by Ray (``max_restarts=1``): the time from the
+  kill until the restarted process finished its first training step after restoring, with the memory tier and
+  without it (durable storage, cold page cache).
+
+Prints the figures and writes them as JSON (``--json``). Needs a machine with room for a few copies of the
+state in memory (the trainer's, the store's, the object store's while in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+from rl_ckpt.tools.bench.common import CacheDropper, human, log, parse_size, rmtree
+
+
+class Weights:
+    """One big float32 tensor as the whole training state."""
+
+    def __init__(self, nbytes: int, seed: int = 0) -> None:
+        import torch
+
+        self.w = torch.empty(nbytes // 4, dtype=torch.float32)
+        self.w.copy_(torch.arange(self.w.numel(), dtype=torch.float32).mul_(1e-3).add_(seed))
+
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w.copy_(state["w"])
+
+    def step(self) -> None:
+        self.w[:1024].add_(1.0)
+
+
+def _engines(durable_dir: str, run: str, nbytes: int, tier: bool):
+    from rl_ckpt import CheckpointEngine
+
+    cfg = dict(keep_latest=2, keep_best=0, post_load_check=False, memory_replicas=0)
+    engine = CheckpointEngine(base_dir=durable_dir, run_name=run, **cfg)
+    state = Weights(nbytes)
+    if not tier:
+        engine.register("weights", state)
+        return engine, None, state
+    from rl_ckpt.integrations.memory_tier import MemoryTier
+
+    t = MemoryTier(engine)
+    t.register("weights", state)
+    return engine, t, state
+
+
+class Trainer:
+    """A trainer actor for the death-to-first-step figure: restores in its constructor, then trains a step."""
+
+    def __init__(self, durable_dir: str, run: str, nbytes: int, tier: bool, out: str) -> None:
+        self.engine, self.tier, self.state = _engines(durable_dir, run, nbytes, tier)
+        result = self.tier.restore() if self.tier is not None else self.engine.restore()
+        self.state.step()
+        with open(out, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "first_step_at": time.time(), "restored": result.snapshot_id,
+                                "tier": getattr(self.tier, "tier_restored", None)}) + "\n")
+
+    def save(self, step: int) -> float:
+        handle = self.tier.save(step) if self.tier is not None else self.engine.save_async(step)
+        handle.wait()
+        return handle.stage_seconds
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def run(args) -> dict:
+    import ray
+
+    nbytes = parse_size(args.size)
+    base = tempfile.mkdtemp(prefix="rl-ckpt-membench-", dir=args.dir)
+    cache = CacheDropper(args.cache)
+    out: dict = {"bytes": nbytes, "cache": cache.note, "repeat": args.repeat}
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench")
+    run_name = f"bench-{uuid.uuid4().hex[:6]}"
+    try:
+        # -- blocking time and restore, in this process ------------------------------------------------------
+        engine, tier, state = _engines(base, run_name, nbytes, True)
+        mem_block, disk_block = [], []
+        for i in range(args.repeat):
+            h = tier.save(2 * i + 1)
+            h.wait()
+            mem_block.append(h.stage_seconds)
+            h = engine.save_async(2 * i + 2)
+            h.wait()
+            disk_block.append(h.stage_seconds)
+        out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block), "durable_save_async": statistics.median(disk_block)}
+        log(f"blocking: memory snapshot {out['blocking_s']['memory_snapshot']:.3f} s, durable save_async "
+            f"{out['blocking_s']['durable_save_async']:.3f} s")
+        mem_restore, disk_restore = [], []
+        newest_disk = engine.snapshots()[-1].snapshot_id
+        newest_mem = tier.memory.snapshots()[-1].snapshot_id
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            tier.memory.restore(snapshot_id=newest_mem)
+            mem_restore.append(time.perf_counter() - started)
+            cache.drop(os.path.join(base, run_name))
+            started = time.perf_counter()
+            engine.restore(snapshot_id=newest_disk)
+            disk_restore.append(time.perf_counter() - started)
+        out["restore_s"] = {"memory": statistics.median(mem_restore), "disk_cold": statistics.median(disk_restore)}
+        out["restore_ratio"] = out["restore_s"]["memory"] / out["restore_s"]["disk_cold"]
+        log(f"restore: memory {out['restore_s']['memory']:.3f} s ({human(nbytes / out['restore_s']['memory'])}/s), "
+            f"disk cold {out['restore_s']['disk_cold']:.3f} s ({human(nbytes / out['restore_s']['disk_cold'])}/s): "
+            f"ratio {out['restore_ratio']:.2f}")
+        memory_storage = tier.memory.storage
+        tier.close()
+        del state, engine, tier
+
+        # -- death to first step, with and without the memory tier -----------------------------------------
+        out["death_to_first_step_s"] = {}
+        for with_tier in (True, False):
+            name = f"{run_name}-{'mem' if with_tier else 'disk'}"
+            marks = os.path.join(base, f"{name}.jsonl")
+            actor = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=-1)(Trainer).remote(
+                base, name, nbytes, with_tier, marks)
+            ray.get(actor.save.remote(1))
+            first_pid = ray.get(actor.pid.remote())
+            if not with_tier:
+                cache.drop(os.path.join(base, name))
+            killed_at = time.time()
+            ray.kill(actor, no_restart=False)  # the process is killed at once; Ray restarts it (max_restarts=1)
+            # The restarted process answers only once its constructor (restore + first step) has finished.
+            while ray.get(actor.pid.remote()) == first_pid:
+                time.sleep(0.05)
+            with open(marks) as f:
+                last = json.loads(f.read().splitlines()[-1])
+            key = "memory_tier" if with_tier else "durable_only"
+            out["death_to_first_step_s"][key] = last["first_step_at"] - killed_at
+            out["death_to_first_step_s"][key + "_restored"] = f"{last['restored']} ({last['tier'] or 'durable'})"
+            log(f"death to first step ({key}): {out['death_to_first_step_s'][key]:.2f} s, restored {last['restored']}")
+            ray.kill(actor, no_restart=True)
+        memory_storage.destroy()
+        from rl_ckpt.storage import open_storage
+
+        open_storage(f"raymem://mem/{run_name}-mem", {"replicas": 0}).destroy()
+    finally:
+        rmtree(base)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_ckpt.tools.bench.memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1GiB", help="bytes of state per participant (default 1GiB)")
+    parser.add_argument("--dir", default=None, help="local folder for the durable snapshots (default: the temp dir)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (the median is reported)")
+    parser.add_argument("--cache", choices=("drop", "fadvise", "none"), default="drop",
+                        help="how disk reads are made cold (drop_caches where allowed, else fadvise)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    out = run(args)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

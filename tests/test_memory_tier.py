@@ -1,0 +1,318 @@
+"""The memory tier on a real Ray cluster: per-node store actors, the raymem:// storage, budget eviction,
+flush from memory, the tier view and recovery across tiers. Node loss and replication across nodes are in
+test_memory_tier_nodes.py (a cluster of two nodes)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import PPOState, assert_same_state, tensors_of
+from rl_ckpt import CheckpointEngine
+from rl_ckpt.errors import CommitConflictError, CorruptSnapshotError, StorageError
+from rl_ckpt.format.manifest import MANIFEST_NAME
+from rl_ckpt.recovery.plan import RecoveryPlan
+from rl_ckpt.recovery.tiers import choose_tier
+from rl_ckpt.run.flush import FlushPolicy
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def mem(ray_cluster):
+    """A fresh raymem:// storage (one node, no replicas); its stores are killed afterwards."""
+    from rl_ckpt.storage import open_storage
+
+    made = []
+
+    def make(name: str | None = None, **options):
+        storage = open_storage(f"raymem://mem/{name or 't-' + uuid.uuid4().hex[:8]}", {"replicas": 0, **options})
+        made.append(storage)
+        return storage
+
+    yield make
+    for storage in made:
+        storage.destroy()
+
+
+def _engine(storage, tmp_path, **cfg) -> CheckpointEngine:
+    return CheckpointEngine(base_dir="raymem://mem", run_name=storage.key.split("/", 1)[1], storage=storage,
+                            keep_latest=cfg.pop("keep_latest", 10), keep_best=0, **cfg)
+
+
+# -- the store and the storage -----------------------------------------------------------------------------
+def test_store_owns_bytes_after_writer_dies(ray_cluster, mem):
+    """A writer process killed after its put: the store still serves every byte (it owns a copy)."""
+    storage = mem()
+    payload = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+
+    @ray_cluster.remote(num_cpus=0)
+    class Writer:
+        def write(self, url, options, data):
+            from rl_ckpt.storage import open_storage
+
+            return open_storage(url, options).write("step_000000001/x.bin", [data])
+
+    writer = Writer.remote()
+    assert ray_cluster.get(writer.write.remote(storage.url, {"replicas": 0}, payload)) == payload.nbytes
+    ray_cluster.kill(writer, no_restart=True)
+    got = storage.read("step_000000001/x.bin")
+    assert bytes(got) == payload.tobytes()
+    assert storage.read_range("step_000000001/x.bin", 5, 7) == payload[5:12].tobytes()
+    assert [e.name for e in storage.list("")] == ["step_000000001"]
+    assert storage.size("step_000000001/x.bin") == payload.nbytes
+
+
+def test_create_only_and_missing_and_refusals(mem):
+    storage = mem()
+    storage.write("step_000000001/meta.json", [b"{}"], create_only=True)
+    with pytest.raises(CommitConflictError):
+        storage.write("step_000000001/meta.json", [b"{}"], create_only=True)
+    with pytest.raises(StorageError, match="no live memory store holds it"):
+        storage.read("step_000000002/meta.json")
+    with pytest.raises(StorageError):
+        storage.read_range("step_000000001/meta.json", 1, 5)
+    from rl_ckpt.errors import FileTooLargeError, UnsafePathError
+
+    storage.write("step_000000001/big.bin", [b"x" * 1000])
+    with pytest.raises(FileTooLargeError):
+        storage.read("step_000000001/big.bin", max_bytes=999)
+    with pytest.raises(UnsafePathError):
+        storage.write("../escape", [b"x"])
+    storage.remove_tree("step_000000001")
+    assert storage.list("") == [] and not storage.exists("step_000000001")
+
+
+def test_bad_options_are_refused():
+    from actors.memory_storage import RayMemoryStorage
+    from rl_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="replicas"):
+        RayMemoryStorage("raymem://mem/r", {"replicas": -1})
+    with pytest.raises(ConfigError, match="unknown"):
+        RayMemoryStorage("raymem://mem/r", {"replica": 1})
+    with pytest.raises(ConfigError, match="plain name"):
+        RayMemoryStorage("raymem://../r", {})
+
+
+# -- snapshots through the engine ---------------------------------------------------------------------------
+def test_engine_roundtrip_bitwise_and_corruption_is_caught(mem, tmp_path):
+    storage = mem()
+    a = PPOState(seed=3)
+    a.train(4)
+    with a.register(_engine(storage, tmp_path)) as engine:
+        engine.save(4).snapshot_id
+        a.train(3)
+        engine.save_async(7).wait()
+    b = PPOState(seed=99)
+    with b.register(_engine(storage, tmp_path)) as engine:
+        result = engine.restore()
+    assert result.snapshot_id == "step_000000007"
+    assert_same_state(a, b)
+
+    # A flipped byte in the store: loading refuses it and falls back to the older snapshot.
+    manifest_files = [e for e in storage.list("step_000000007") if e.is_dir]
+    attempt = manifest_files[0].name
+    victim = next(e.name for e in storage.list(f"step_000000007/{attempt}") if e.name.endswith(".safetensors"))
+    path = f"step_000000007/{attempt}/{victim}"
+    data = bytearray(storage.read(path))
+    data[-1] ^= 0xFF
+    store = next(iter(storage.stores().values()))
+    ray = pytest.importorskip("ray")
+    ray.get(store.put.remote(path, bytes(data)))
+    c = PPOState(seed=5)
+    with c.register(_engine(storage, tmp_path)) as engine:
+        result = engine.restore()
+        assert result.snapshot_id == "step_000000004"
+        assert "step_000000007" in result.skipped
+        assert not engine.verify("step_000000007").ok
+
+
+def test_budget_evicts_oldest_never_newest_committed(mem, tmp_path):
+    probe = mem()
+    state = {"w": torch.arange(64 * 1024, dtype=torch.float32)}  # 256 KiB per snapshot
+
+    class Weights:
+        def state_dict(self):
+            return state
+
+        def load_state_dict(self, s):
+            state.update(s)
+
+    with _engine(probe, tmp_path, post_load_check=False) as engine:
+        engine.register("weights", Weights())
+        engine.save(1)
+        one = sum(probe.inventory()[probe.node_id].values())
+    budget = int(one * 2.5)
+    storage = mem(budget_bytes=budget)
+    with _engine(storage, tmp_path, post_load_check=False) as engine:
+        engine.register("weights", Weights())
+        for step in range(1, 6):
+            state["w"] += 1
+            engine.save(step)
+            info = next(iter(storage.store_info().values()))
+            assert info["bytes_held"] <= budget
+            assert f"step_{step:09d}" in info["snapshots"]  # the newest committed is always kept
+        info = next(iter(storage.store_info().values()))
+        assert info["snapshots"] == ["step_000000004", "step_000000005"]
+        assert info["evicted"] == ["step_000000001", "step_000000002", "step_000000003"]
+        # One snapshot larger than the whole budget is refused, and nothing held is lost.
+        state["w"] = torch.zeros(budget // 4 + 1024)
+        from actors.memory_store import MemoryBudgetError
+
+        with pytest.raises(MemoryBudgetError, match="nothing already held was lost"):
+            engine.save(6)
+        assert next(iter(storage.store_info().values()))["snapshots"] == ["step_000000004", "step_000000005"]
+        assert engine.verify("step_000000005").ok
+
+
+# -- flush, tier view, recovery across tiers -------------------------------------------------------------
+@pytest.fixture
+def tier(ray_cluster, tmp_path):
+    """A durable engine + MemoryTier + MemoryTierService on a fresh run; everything torn down afterwards."""
+    from actors.memory_tier import MemoryTierService
+    from rl_ckpt.integrations.memory_tier import MemoryTier
+
+    made = []
+
+    def make(seed: int = 0, **cfg):
+        values = dict(base_dir=str(tmp_path / "durable"), run_name=f"t-{uuid.uuid4().hex[:8]}" if not made
+                      else made[0][2], keep_best=0, memory_replicas=0, memory_interval_steps=2,
+                      memory_flush_every=None, **cfg)
+        engine = CheckpointEngine(**values)
+        service = MemoryTierService.get_or_create(engine.config, interval=3600)
+        t = MemoryTier(engine, service=None)
+        state = PPOState(seed=seed)
+        for name, obj in state.components().items():
+            t.register(name, obj)
+        made.append((t, service, values["run_name"]))
+        return t, state, service
+
+    yield make
+    for t, service, _ in made:
+        t.close()
+    if made:
+        ray_cluster.get(made[0][1].stop.remote())
+        ray_cluster.kill(made[0][1], no_restart=True)
+        made[0][0].memory.storage.destroy()
+
+
+def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
+    t, a, service = tier(seed=1)
+    assert t.restore().snapshot_id is None  # nothing anywhere: start fresh
+    for step in range(1, 7):
+        a.train_step()
+        t.maybe_save(step)
+        t.wait()  # (a save still in flight when the next is due skips it)
+        if step == 4:
+            t.wait()
+            assert ray_cluster.get(service.flush_now.remote()) == "step_000000004"
+    t.wait()
+    status = ray_cluster.get(service.tick.remote())
+    assert status["memory_snapshots"] == ["step_000000002", "step_000000004", "step_000000006"]
+    assert status["durable_snapshots"] == ["step_000000004"]
+    assert status["not_flushed"] == ["step_000000006"] and status["flush_lag_s"] >= 0
+    # The durable copy is the memory snapshot: same manifest bytes, every file verified.
+    assert bytes(t.durable.storage.read(f"step_000000004/{MANIFEST_NAME}")) == \
+        bytes(t.memory.storage.read(f"step_000000004/{MANIFEST_NAME}"))
+    assert t.durable.verify("step_000000004").ok
+
+    # `rl-ckpt ls --tiers`: durable from storage, memory from the stores on this cluster, one table.
+    import contextlib
+    import io
+    import json
+
+    from rl_ckpt.cli import main as cli_main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert cli_main(["ls", t.durable.storage.url, "--tiers", "--replicas", "0", "--json"]) == 0
+    listed = {r["snapshot_id"]: r["tiers"] for r in json.loads(text.getvalue())}
+    assert listed == {"step_000000002": ["memory"], "step_000000004": ["memory", "durable"],
+                      "step_000000006": ["memory"]}
+
+    t2, b, _ = tier(seed=7)
+    plan = t2.plan()
+    assert plan.tier == "memory" and plan.plan.target == "step_000000006"
+    assert "step_000000004" in plan.reason  # says what durable storage had
+    result = t2.restore()
+    assert result.snapshot_id == "step_000000006" and t2.tier_restored == "memory"
+    assert_same_state(a, b)
+
+
+def test_store_killed_drops_its_copies_and_recovery_falls_back_to_durable(ray_cluster, tier):
+    t, a, service = tier(seed=2)
+    for step in range(1, 5):
+        a.train_step()
+        t.maybe_save(step)
+        t.wait()  # (a save still in flight when the next is due skips it)
+        if step == 2:
+            t.wait()
+            ray_cluster.get(service.flush_now.remote())
+            at_2 = {k: v.clone() for k, v in tensors_of(a).items()}
+    t.wait()
+    status = ray_cluster.get(service.tick.remote())
+    assert status["memory_snapshots"] == ["step_000000002", "step_000000004"]
+    for handle in t.memory.storage.stores().values():
+        ray_cluster.kill(handle, no_restart=True)
+    status = ray_cluster.get(service.tick.remote())
+    assert status["memory_snapshots"] == [] and status["bytes_per_node"] == {}
+    assert [s["tiers"] for s in status["tiers"]] == [["durable"]]
+
+    t2, b, _ = tier(seed=8)
+    plan = t2.plan()
+    assert plan.tier == "durable" and plan.plan.target == "step_000000002"
+    assert "memory tier has no usable snapshot" in plan.reason
+    result = t2.restore()
+    assert result.snapshot_id == "step_000000002" and t2.tier_restored == "durable"
+    got = tensors_of(b)
+    assert got.keys() == at_2.keys() and all(torch.equal(got[k], at_2[k]) for k in got)
+
+
+def test_lost_file_makes_memory_snapshot_incomplete_and_dropped(ray_cluster, tier):
+    """One participant's file gone (as with its node): the whole memory snapshot leaves the memory tier."""
+    t, a, service = tier(seed=4)
+    for step in range(1, 5):
+        a.train_step()
+        t.maybe_save(step)
+        t.wait()  # (a save still in flight when the next is due skips it)
+    t.wait()
+    storage = t.memory.storage
+    victim = next(p for p in storage.inventory("step_000000004")[storage.node_id] if p.endswith(".safetensors"))
+    storage.remove(victim)
+    status = ray_cluster.get(service.tick.remote())
+    assert status["memory_snapshots"] == ["step_000000002"]
+    assert status["dropped"] == ["step_000000004"]
+    assert not storage.exists(f"step_000000004/{MANIFEST_NAME}")
+
+
+# -- unit logic ---------------------------------------------------------------------------------------------------
+def _plan(action: str, target: str | None = None, step: int = 0) -> RecoveryPlan:
+    return RecoveryPlan("x", action, f"{action} because", target=target, continue_from_step=step)
+
+
+def test_choose_tier():
+    m, d = _plan("restore", "step_000000020", 20), _plan("restore", "step_000000010", 10)
+    assert choose_tier(m, d).tier == "memory"
+    assert choose_tier(_plan("restore", "step_000000010", 10), d).tier == "memory"  # a tie: memory loads fastest
+    older = choose_tier(_plan("restore", "step_000000005", 5), d)
+    assert older.tier == "durable" and "older" in older.reason
+    gone = choose_tier(_plan("give_up"), d)
+    assert gone.tier == "durable" and "no usable snapshot" in gone.reason
+    assert choose_tier(None, d).tier == "durable"
+    assert choose_tier(_plan("start_fresh"), _plan("start_fresh")).tier is None
+
+
+def test_flush_policy():
+    ids = [f"step_{s:09d}" for s in (2, 4, 6, 8)]
+    every3 = FlushPolicy(every_snapshots=3)
+    assert every3.due(ids, ["step_000000002"], None) == "step_000000008"
+    assert every3.due(ids, ["step_000000004"], None) is None
+    timed = FlushPolicy(every_snapshots=None, every_seconds=60)
+    assert timed.due(ids, ["step_000000006"], last_flush=100.0, now=150.0) is None
+    assert timed.due(ids, ["step_000000006"], last_flush=100.0, now=161.0) == "step_000000008"
+    assert FlushPolicy(None, None).due(ids, [], None) is None
+    assert FlushPolicy(1).due(ids, ["step_000000008"], None) is None
