@@ -53,36 +53,58 @@ def _ray():
     return ray
 
 
+def parse_url(url: str, storage_options: dict | None) -> tuple[str, dict]:
+    """The store key of a ``raymem://`` URL and its checked options (ConfigError naming the bad one)."""
+    if not url.startswith(f"{PROTOCOL}://"):
+        raise ConfigError(f"not a {PROTOCOL}:// URL: {url!r}", key="base_dir")
+    key = url[len(PROTOCOL) + 3:].strip("/")
+    if not _KEY.match(key) or ".." in key.split("/"):
+        raise ConfigError(f"{url!r}: the part after {PROTOCOL}:// must be a plain name like mem/run",
+                          key="base_dir", allowed=_KEY.pattern)
+    opts = dict(storage_options or {})
+    unknown = sorted(set(opts) - set(_OPTIONS))
+    if unknown:
+        raise ConfigError(f"{PROTOCOL}:// storage option {unknown[0]!r} is unknown; allowed: {', '.join(_OPTIONS)}",
+                          key=unknown[0], allowed=list(_OPTIONS))
+    replicas = opts.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ConfigError(f"{PROTOCOL}:// option 'replicas': got {replicas!r}; allowed: an integer >= 0",
+                          key="replicas", allowed="int >= 0")
+    budget = opts.get("budget_bytes")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ConfigError(f"{PROTOCOL}:// option 'budget_bytes': got {budget!r}; allowed: an integer >= 1 or null",
+                          key="budget_bytes", allowed="int >= 1 | None")
+    return key, {**opts, "replicas": replicas, "budget_bytes": budget}
+
+
+def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -> Any:
+    """A read-only view of the object store copied into a fresh writable buffer, piece by piece, each
+    handed to ``on_chunk`` (hashed) while still in the CPU cache (as LocalStorage.read does with the disk)."""
+    out = alloc_bytes(got.nbytes)
+    stop_prefault = prefault(out)
+    try:
+        for start in range(0, got.nbytes, _COPY_STEP):
+            piece = out[start:start + _COPY_STEP]
+            piece[:] = got[start:start + _COPY_STEP]
+            if on_chunk is not None:
+                on_chunk(memoryview(piece))
+    finally:
+        stop_prefault()
+    return out
+
+
 class RayMemoryStorage(Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 
     supports_rename = False
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
-        if not url.startswith(f"{PROTOCOL}://"):
-            raise ConfigError(f"not a {PROTOCOL}:// URL: {url!r}", key="base_dir")
-        key = url[len(PROTOCOL) + 3:].strip("/")
-        if not _KEY.match(key) or ".." in key.split("/"):
-            raise ConfigError(f"{url!r}: the part after {PROTOCOL}:// must be a plain name like mem/run",
-                              key="base_dir", allowed=_KEY.pattern)
-        opts = dict(storage_options or {})
-        unknown = sorted(set(opts) - set(_OPTIONS))
-        if unknown:
-            raise ConfigError(f"{PROTOCOL}:// storage option {unknown[0]!r} is unknown; allowed: {', '.join(_OPTIONS)}",
-                              key=unknown[0], allowed=list(_OPTIONS))
-        replicas = opts.get("replicas", 1)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise ConfigError(f"{PROTOCOL}:// option 'replicas': got {replicas!r}; allowed: an integer >= 0",
-                              key="replicas", allowed="int >= 0")
-        budget = opts.get("budget_bytes")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ConfigError(f"{PROTOCOL}:// option 'budget_bytes': got {budget!r}; allowed: an integer >= 1 or null",
-                              key="budget_bytes", allowed="int >= 1 | None")
+        key, opts = parse_url(url, storage_options)
         self.key = key
         self.url = f"{PROTOCOL}://{key}"
         self.namespace = opts.get("namespace", "rl_ckpt")
-        self.replicas = replicas
-        self.budget_bytes = budget
+        self.replicas = opts["replicas"]
+        self.budget_bytes = opts["budget_bytes"]
         self._node = opts.get("node_id")
         self._handles: dict[str, Any] = {}
 
@@ -213,19 +235,7 @@ class RayMemoryStorage(Storage):
                 continue
             if isinstance(got, int):
                 raise too_large(path, got, max_bytes)
-            # The reply is a read-only view of the object store: copy it into a fresh writable buffer, piece
-            # by piece, each hashed while still in the CPU cache (as LocalStorage.read does with the disk).
-            out = alloc_bytes(got.nbytes)
-            stop_prefault = prefault(out)
-            try:
-                for start in range(0, got.nbytes, _COPY_STEP):
-                    piece = out[start:start + _COPY_STEP]
-                    piece[:] = got[start:start + _COPY_STEP]
-                    if on_chunk is not None:
-                        on_chunk(memoryview(piece))
-            finally:
-                stop_prefault()
-            return out
+            return copy_out(got, on_chunk)
         raise self._missing(path)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:

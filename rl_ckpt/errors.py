@@ -26,6 +26,10 @@ class CheckpointError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    def reworded(self, message: str, **fields: Any) -> "CheckpointError":
+        """The same class of error with a new message and these fields added (the facts kept)."""
+        return _rebuild(type(self), message, {**self.fields, **fields})
+
 
 def _rebuild(cls: type, message: str, fields: dict) -> CheckpointError:
     err = cls.__new__(cls)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_ckpt.errors import CheckpointError, ConfigError, StorageError, _rebuild
+from rl_ckpt.errors import CheckpointError, ConfigError, StorageError
 from rl_ckpt.format import safetensors_io
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage
@@ -192,8 +192,8 @@ def _guard(where: str, out: str, step: Callable[[], None]) -> None:
         if exc.message.startswith(f"export of {where}"):
             raise
         # Keep the class and facts (file, tensor), and say which export found it.
-        raise _rebuild(type(exc), f"export of {where}: {exc.message}; nothing was written to {out}",
-                       {**exc.fields, "component": where.split("/", 1)[1]}) from exc
+        raise exc.reworded(f"export of {where}: {exc.message}; nothing was written to {out}",
+                           component=where.split("/", 1)[1]) from exc
     except OSError as exc:
         raise StorageError(f"{where}: cannot write export {out}: {exc.strerror or exc}", path=out) from exc
 

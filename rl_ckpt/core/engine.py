@@ -206,16 +206,13 @@ class CheckpointEngine:
         """What a restore would do, and why; no side effects.
 
         Args:
-            failure: the failure being recovered from; the RecoveryCoordinator
-                (rebuilt from the run's recorded decisions) chooses the target.
-            deep: re-hash the candidates' files (else check presence and sizes;
-                ``restore`` verifies checksums while loading either way).
+            failure: the failure recovered from; the coordinator chooses the target given the run's decisions.
+            deep: re-hash the candidates' files (else check sizes; ``restore`` verifies checksums anyway).
             snapshot_id: plan for this snapshot only.
             light: apply the newest valid light snapshot built on the target.
         """
         self._check_open()
-        if self.manager is not None and snapshot_id is None:
-            # One plan for every participant: the manager computes it (and records the decision) once.
+        if self.manager is not None and snapshot_id is None:  # one plan for all, made (and recorded) by the manager
             plan = RecoveryPlan.from_json(self.commit.recovery_plan(failure.to_json() if failure else None))
             plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's to know
             return plan

@@ -127,7 +127,7 @@ class RolloutWorker:
 
     def die(self, step: int) -> None:
         """The crash drill: SIGKILL this worker at ``step`` (the manager knows the step first)."""
-        _last_beat(self.engine, step)
+        last_beat(self.engine, step)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
@@ -136,7 +136,7 @@ class RolloutWorker:
         self.engine.close()
 
 
-def _last_beat(engine: CheckpointEngine, step: int) -> None:
+def last_beat(engine: CheckpointEngine, step: int) -> None:
     """Tell the manager, and wait until it knows, that this participant reached ``step``.
 
     A crash drill calls this right before its SIGKILL: the failure the manager then
@@ -246,7 +246,7 @@ def learner_loop(config: dict) -> None:
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
                 learner.call_workers([workers[0].die.remote(step)], step)
             else:
-                _last_beat(engine, step)
+                last_beat(engine, step)
                 os.kill(os.getpid(), signal.SIGKILL)
         handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
         if handle is not None:  # the workers join the same snapshot: same step, same kind

@@ -99,7 +99,7 @@ def learner_loop(config: dict) -> None:
     import ray.train
 
     from rl_ckpt import CheckpointEngine, RNGState
-    from rl_ckpt.demo.ray_ppo import _last_beat
+    from rl_ckpt.demo.ray_ppo import last_beat
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -142,7 +142,7 @@ def learner_loop(config: dict) -> None:
     crash = config.get("crash") or {}
     for step in range(start + 1, config["steps"] + 1):
         if step == crash.get("step") and rank == world - 1:
-            _last_beat(engine, step - 1)  # the failure the manager records names the last step done
+            last_beat(engine, step - 1)  # the failure the manager records names the last step done
             log_event(config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank,
                                       "world": world})
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye

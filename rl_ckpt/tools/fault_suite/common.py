@@ -184,7 +184,7 @@ def save_step(engine, model: SuiteModel, buf: SuiteBuffer, step: int, writer: in
 # -- children (run in a forkserver process) --------------------------------------------------
 
 
-def _child_init(env: dict | None = None) -> None:
+def child_init(env: dict | None = None) -> None:
     torch.set_num_threads(1)
     logging.getLogger("rl_ckpt").setLevel(logging.CRITICAL)
     logging.getLogger("rl_ckpt").propagate = False
@@ -194,7 +194,7 @@ def _child_init(env: dict | None = None) -> None:
 
 def child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, conn) -> None:
     """Save ``step``; SIGKILL ourselves right before/after the nth storage call (of any kind)."""
-    _child_init()
+    child_init()
     from rl_ckpt.tools.faults import FaultyStorage
     from rl_ckpt.storage import open_storage
 
@@ -215,7 +215,7 @@ def child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, con
 
 def child_save_loop(cfg: dict, start: int, conn) -> None:
     """Save start, start+1, ... until killed; ACK each step after save() returned."""
-    _child_init()
+    child_init()
     engine, model, buf = build(cfg)
     conn.send_bytes(b"ready")
     step = start
@@ -227,7 +227,7 @@ def child_save_loop(cfg: dict, start: int, conn) -> None:
 
 def child_race(cfg: dict, env: dict, writer: int, step: int, barrier, conn) -> None:
     """Build an engine, wait for the others, then save ``step`` with this writer's values."""
-    _child_init(env)
+    child_init(env)
     try:
         engine, model, buf = build(cfg)
         model.set(step, writer)

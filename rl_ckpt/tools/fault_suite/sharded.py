@@ -32,7 +32,7 @@ import socket
 
 import torch
 
-from rl_ckpt.tools.fault_suite.common import _child_init, engine_cfg, op_phases, run_url, stamp
+from rl_ckpt.tools.fault_suite.common import child_init, engine_cfg, op_phases, run_url, stamp
 from rl_ckpt.tools.fault_suite.context import Suite
 from rl_ckpt.tools.fault_suite.report import ScenarioResult
 
@@ -71,7 +71,7 @@ class _Rank:
 
         from rl_ckpt.core.engine import CheckpointEngine
 
-        _child_init()
+        child_init()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=CHILD_TIMEOUT / 2))
         self.rank = rank
