@@ -27,7 +27,6 @@ from typing import Any
 
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.engine import CheckpointEngine
-from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.flush import FlushPolicy, flush_snapshot
@@ -154,10 +153,7 @@ class MemoryTierService:
         if manifest is None:
             return
         self.durable.catalog.add(SnapshotInfo.from_manifest(manifest))
-        try:
-            self.durable._after_commit()  # retention and best aliases, as after any durable commit
-        except CheckpointError as exc:
-            log.warning("%s flushed, but housekeeping after the commit failed: %s", sid, exc)
+        self.durable.maintenance.after_commit()  # retention and best aliases (never raises: logs warnings)
         self.flushed.append(sid)
         del self.flushed[:-100]
         self._metrics.flushed(time.monotonic() - started)
