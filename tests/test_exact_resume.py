@@ -28,7 +28,9 @@ def test_sigkill_mid_run_then_exact_resume(ctx, tmp_path, seed):
     assert result.crashed.killed_at >= crash_at and result.crashed.done is None
     assert result.resumed.restored["snapshot"] is not None, "nothing was restored"
     restored = result.restored_step
-    assert 0 < restored <= result.crashed.killed_at and restored % 5 == 0
+    # The newest snapshot at the kill: the one reported committed, or the save that was in flight
+    # (a due save is deferred while the previous one still writes, so steps need not be multiples of 5).
+    assert result.crashed.committed is not None and result.crashed.committed <= restored <= result.crashed.killed_at
     assert "checksums verified" in result.resumed.restored["plan"]
     assert min(result.resumed.losses) == restored + 1  # it continued right after the snapshot
     assert result.losses_equal, "losses differ from the uninterrupted run"

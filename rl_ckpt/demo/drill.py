@@ -80,6 +80,7 @@ class RunLog:
     restored: dict | None = None
     done: dict | None = None
     killed_at: int | None = None
+    committed: int | None = None  # the newest committed step the process had reported
     seconds: float = 0.0
 
 
@@ -103,6 +104,7 @@ def run_process(ctx, cfg: dict, until_step: int, *, seed: int = 0, resume: bool 
             if msg["event"] == "step":
                 log.losses[msg["step"]] = msg["loss"]
                 log.rewards[msg["step"]] = msg["avg_reward"]
+                log.committed = msg.get("committed")
                 # Kill at the chosen step, but only once a snapshot is committed: on a loaded machine
                 # every due save may still be in flight (skipped, not queued), and a crash before the
                 # first commit would only show a fresh start.
