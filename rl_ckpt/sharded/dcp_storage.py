@@ -39,6 +39,7 @@ from rl_ckpt.run.commit import Attempt
 from rl_ckpt.errors import CorruptSnapshotError, SerializationError
 from rl_ckpt.format.manifest import FileEntry
 from rl_ckpt.format.state_codec import decode_state, encode_state
+from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.core.writer import verify_written, write_hashed
 from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
@@ -61,14 +62,19 @@ def owns(obj: Any, rank: int) -> bool:
 class StagedSavePlanner(DefaultSavePlanner):
     """DCP's default save plan, cut to what this rank owns, with the data taken out of the trainer's hands.
 
-    ``copy=True`` (async saves) clones every local shard to the CPU now, so
-    training may change the live tensors while the snapshot is written.
+    ``copy=True`` (async saves) copies every local shard (``DTensor.to_local()``)
+    to the host now, so training may change the live tensors while the snapshot
+    is written: into ``staging``'s reused buffers when given (pinned, on a side
+    stream, for CUDA shards; complete after ``staging.finish()``), else into
+    fresh CPU tensors.
     """
 
-    def __init__(self, rank: int, copy: bool) -> None:
+    def __init__(self, rank: int, copy: bool, *, name: str = "", staging: "StagingArea | None" = None) -> None:
         super().__init__()
         self.rank = rank
         self.copy = copy
+        self.name = name
+        self.staging = staging
         self.staged: dict[MetadataIndex, Any] = {}
 
     def create_local_plan(self) -> SavePlan:
@@ -93,6 +99,9 @@ class StagedSavePlanner(DefaultSavePlanner):
                                              "non-tensor value; keep tensors at the top level of the state dict",
                                              component=item.index.fqn, key=item.index.fqn)
                 self.staged[item.index] = enc.tree
+            elif self.copy and self.staging is not None:
+                key = f"{item.index.fqn}@{','.join(map(str, item.index.offset or ()))}"
+                self.staged[item.index] = self.staging.stage_tensor((self.name, key), obj.detach())
             else:
                 t = obj.detach()
                 t = t.to("cpu", copy=True).contiguous() if self.copy else t.cpu().contiguous()
@@ -114,9 +123,10 @@ class StagedShards:
     saved_by: dict
 
 
-def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict) -> StagedShards:
+def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict, name: str = "",
+                 staging: "StagingArea | None" = None) -> StagedShards:
     """Plan this rank's part of ``state_dict`` with DCP's planner (no collectives) and stage its data."""
-    planner = StagedSavePlanner(rank, copy)
+    planner = StagedSavePlanner(rank, copy, name=name, staging=staging)
     planner.set_up_planner(state_dict, None, rank == 0)
     plan = planner.create_local_plan()
     plans, metadata = planner.create_global_plan([plan])
