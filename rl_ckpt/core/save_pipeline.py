@@ -284,7 +284,7 @@ class SavePipeline:
                 entries, section = write_shards(self.storage, attempt, key, enc, self.registry.rank,
                                                 algo=cfg.checksum_algo, verify=cfg.verify_after_write,
                                                 block_bytes=reg.sharded.block_bytes,
-                                                min_block_bytes=reg.sharded.min_block_bytes)
+                                                min_block_bytes=reg.sharded.min_block_bytes, objects=objects)
             else:
                 entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
                                                    verify=cfg.verify_after_write, objects=objects)
