@@ -6,6 +6,7 @@ Results the test checks go to JSON or safetensors files in ``out`` (never pickle
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -203,3 +204,39 @@ def dedup_restore_job(rank: int, world: int, port: int, run: str, out: str, step
         assert got[k].reshape(-1).view(torch.uint8).equal(v.reshape(-1).view(torch.uint8)), f"rank {rank}/{world}: {k}"
     engine.close()
     dist.destroy_process_group()
+
+
+def dedup_kill_job(rank: int, world: int, port: int, run: str, out: str, nth: int, partial: bool) -> None:
+    """Commit step 1 (dedup); in step 2, rank 1 is SIGKILLed at its ``nth`` object publish (``partial``: half
+    of that batch published), while rank 0 waits for its part."""
+    import signal
+
+    from safetensors.torch import save_file
+
+    w.init(rank, world, port)
+    model, optim = frozen_setup(world, 0)
+    engine = w.engine_for(run, rank, world, dedup=True, dedup_min_tensor_bytes=256)
+    engine.register("policy", model)
+    engine.register("optim", optim)
+    frozen_train(model, optim, range(0, 2), rank)
+    engine.save(1)
+    full = w.full_state(model, optim)
+    if rank == 0:
+        save_file(full, str(Path(out) / "full_1.safetensors"))
+    frozen_train(model, optim, range(2, 4), rank)
+    dist.barrier()
+    if rank == 1:
+        write_many = engine.storage.write_many_atomic
+        calls = {"n": 0}
+
+        def dying(items):
+            calls["n"] += 1
+            if calls["n"] == nth:
+                write_many(items[:max(1, len(items) // 2)] if partial else items)
+                Path(out, "killed").write_text(str(len(items)))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write_many(items)
+
+        engine.storage.write_many_atomic = dying
+    engine.save(2)
+    raise AssertionError("step 2 must not commit: rank 1 was killed")

@@ -128,3 +128,23 @@ def test_layout_object_references_are_checked():
             layout_objects({"algo": "sha256", "tensors": {"w": {"chunks": [{"objects": bad}]}}}, "s")
     with pytest.raises(CorruptSnapshotError):
         layout_objects({"algo": "../x", "tensors": {"w": {"chunks": [{"objects": [["ab", 4]]}]}}}, "s")
+
+
+@pytest.mark.parametrize("nth,partial", [(1, True), (2, False)])
+def test_rank_killed_while_publishing_objects_commits_nothing_and_gc_cleans_up(tmp_path, nth, partial):
+    from rl_ckpt.run.gc import find_debris
+
+    run = tmp_path / "run"
+    with pytest.raises(mp.ProcessExitedException):
+        spawn(sw.dedup_kill_job, 2, str(run), str(tmp_path), nth, partial)
+    assert (tmp_path / "killed").exists()  # rank 1 died where intended, not earlier
+    assert not (run / "step_000000002" / "meta.json").exists()
+    storage = LocalStorage(str(run))
+    live = set(manifest_objects(Manifest.from_bytes((run / "step_000000001" / "meta.json").read_bytes(),
+                                                    "step_000000001")))
+    assert objects_on_disk(run) > live  # step 2's published objects are there, named by no manifest
+    debris, refusal = find_unreferenced_objects(storage, grace_seconds=0)
+    assert refusal is None and debris
+    remove_debris(storage, debris + find_debris(storage, grace_seconds=0))
+    assert objects_on_disk(run) == live
+    spawn(sw.dedup_restore_job, 2, str(run), str(tmp_path), 1, "")
