@@ -58,6 +58,17 @@ def test_unchanged_shards_are_referenced_not_rewritten(dedup_run):
     manifest = Manifest.from_bytes((run / "step_000000002" / "meta.json").read_bytes(), "step_000000002")
     shared = sum(n for d, (_a, n) in manifest_objects(manifest).items())
     assert manifest.size_bytes >= sum(f.size for f in manifest.files) + shared > sum(f.size for f in manifest.files)
+    # So does the recovery plan's count of what each component loads.
+    from rl_ckpt.recovery.coordinator import CoordinatorConfig
+    from rl_ckpt.recovery.plan import build_plan
+    from rl_ckpt.run.catalog import Catalog
+
+    storage = LocalStorage(str(run))
+    plan = build_plan(Catalog(storage), storage, schema_version=manifest.state_schema_version, components=None,
+                      coordinator=CoordinatorConfig(), deep=False)
+    assert plan.target == "step_000000003"
+    m3 = Manifest.from_bytes((run / "step_000000003" / "meta.json").read_bytes(), "step_000000003")
+    assert sum(a.bytes for a in plan.actions) == m3.size_bytes
     # Small tensors (biases, Adam's step) stay in each rank's shard file.
     assert sorted(f["path"] for f in m2["files"]) == ["optim.rank0.safetensors", "optim.rank1.safetensors",
                                                       "policy.rank0.safetensors", "policy.rank1.safetensors"]
