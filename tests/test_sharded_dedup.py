@@ -107,6 +107,16 @@ def test_retention_and_gc_keep_referenced_objects_and_remove_the_rest(dedup_run)
     remove_debris(storage, debris)
     assert objects_on_disk(run) == live
     spawn(sw.dedup_restore_job, 2, str(run), str(out), 3, "")  # still whole after gc
+    # Export (rollout weights / serving) reads the chunks from the objects too, verified.
+    from safetensors.torch import load_file
+
+    from rl_ckpt.export import export_component
+
+    m3 = Manifest.from_bytes((run / "step_000000003" / "meta.json").read_bytes(), "step_000000003")
+    export_component(storage, m3, "policy", str(out / "policy_3.safetensors"))
+    exported, full = load_file(str(out / "policy_3.safetensors")), load_file(str(out / "full_3.safetensors"))
+    assert set(exported) == {k[len("model."):] for k in full if k.startswith("model.")}
+    assert all(exported[k].equal(full[f"model.{k}"]) for k in exported)
 
 
 def test_corrupt_object_is_caught_by_its_reader_and_all_ranks_roll_back(dedup_run, tmp_path):
@@ -159,3 +169,30 @@ def test_rank_killed_while_publishing_objects_commits_nothing_and_gc_cleans_up(t
     remove_debris(storage, debris + find_debris(storage, grace_seconds=0))
     assert objects_on_disk(run) == live
     spawn(sw.dedup_restore_job, 2, str(run), str(tmp_path), 1, "")
+
+
+def test_layout_with_object_chunks_round_trips_and_refuses_hostile_ones():
+    from rl_ckpt.errors import CorruptSnapshotError
+    from rl_ckpt.format.checksum import digest_bytes
+    from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
+
+    algo = "sha256"
+    d = digest_bytes(algo, b"x")
+    chunk = Chunk((0, 0), (4, 2), "", 0, 2, (d, d), objects=((d, 16), (d, 16)))
+    layout = Layout(algo, {"w": TensorLayout("F32", (4, 2), [chunk])})
+    js = layout.to_json()
+    assert set(js["tensors"]["w"]["chunks"][0]) == {"offsets", "sizes", "objects", "block_rows", "checksums"}
+    assert Layout.from_json(js, "s/c").tensors["w"].chunks == [chunk]
+    assert layout_objects(js, "s") == {d: (algo, 16)}
+
+    def broken(**change):
+        c = {**js["tensors"]["w"]["chunks"][0], **change}
+        return {**js, "tensors": {"w": {**js["tensors"]["w"], "chunks": [c]}}}
+
+    for bad, why in ((broken(objects=[["../../../etc/passwd", 32]]), "hex digest"),
+                     (broken(objects=[[d, 16]]), "objects of 16 bytes"),  # the chunk takes 32
+                     (broken(objects=[]), "hex digest"),
+                     (broken(objects=[[d, 16], [d, True]]), "hex digest"),
+                     (broken(file="w.safetensors"), "exactly")):  # both a file and objects
+        with pytest.raises(CorruptSnapshotError, match=why):
+            Layout.from_json(bad, "s/c")
