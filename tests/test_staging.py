@@ -162,7 +162,8 @@ def test_cuda_async_save_of_a_module_restores_the_pre_mutation_state(tmp_path):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8)).cuda()
-    engine = CheckpointEngine(base_dir=str(tmp_path), run_name="run")
+    # No post-load probe: its forward pass recorded on the GPU is replayed on the CPU here.
+    engine = CheckpointEngine(base_dir=str(tmp_path), run_name="run", post_load_check=False)
     engine.register("policy", model)
     expected = {k: v.cpu().clone() for k, v in model.state_dict().items()}
     handle = engine.save_async(1)
@@ -172,7 +173,7 @@ def test_cuda_async_save_of_a_module_restores_the_pre_mutation_state(tmp_path):
     handle.wait(timeout=120)
     assert all(b.is_pinned() for b in engine.pipeline.staging.buffers.values() if isinstance(b, torch.Tensor))
     fresh = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
-    restorer = CheckpointEngine(base_dir=str(tmp_path), run_name="run")
+    restorer = CheckpointEngine(base_dir=str(tmp_path), run_name="run", post_load_check=False)
     restorer.register("policy", fresh)
     restorer.restore()
     for k, v in fresh.state_dict().items():
