@@ -129,16 +129,18 @@ class SavePipeline:
         from rl_ckpt.sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
 
         staged = {}
-        for reg in self.registry.saved(kind):
-            if reg.sharded is not None:
-                staged[reg.name] = stage_sharded(reg.sharded, self.registry.rank, copy=copy)
-            elif copy:
-                staged[reg.name] = self.staging.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
-            else:
-                staged[reg.name] = encode_state(reg.name, _state_of(reg))
-        if copy:
-            self.staging.release_unused({(name, key) for name, enc in staged.items()
-                                         if isinstance(enc, EncodedState) for key in enc.arrays})
+        try:
+            for reg in self.registry.saved(kind):
+                if reg.sharded is not None:
+                    staged[reg.name] = stage_sharded(reg.sharded, self.registry.rank, copy=copy, name=reg.name,
+                                                     staging=self.staging if copy else None)
+                elif copy:
+                    staged[reg.name] = self.staging.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
+                else:
+                    staged[reg.name] = encode_state(reg.name, _state_of(reg))
+        finally:
+            if copy:  # device-to-host copies land; buffers of keys not staged this round are freed
+                self.staging.finish()
         if not staged and not (self.managed and len(self.registry)):
             # A participant whose state is all replicated (written by rank 0) contributes an empty part.
             raise CheckpointError(
@@ -282,7 +284,7 @@ class SavePipeline:
                 entries, section = write_shards(self.storage, attempt, key, enc, self.registry.rank,
                                                 algo=cfg.checksum_algo, verify=cfg.verify_after_write,
                                                 block_bytes=reg.sharded.block_bytes,
-                                                min_block_bytes=reg.sharded.min_block_bytes)
+                                                min_block_bytes=reg.sharded.min_block_bytes, objects=objects)
             else:
                 entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
                                                    verify=cfg.verify_after_write, objects=objects)

@@ -2,12 +2,24 @@
 
 The only part of an async save that blocks training is this copy. Buffers are
 allocated on the first save and reused by every later one (re-allocated only
-when a tensor's shape or dtype changes), so steady-state saves do no
+when a tensor's dtype or element count changes), so steady-state saves do no
 allocation. One staging area holds one staged copy: the engine waits for the
 save in flight to finish before staging again.
+
+CUDA tensors go to *pinned* host buffers, copied with ``non_blocking=True`` on
+a side stream of their device (after the stream has waited for the trainer's
+current stream, so every kernel that produced the tensor has run); ``finish``
+records an event on each side stream used and waits for it, so when the
+blocking phase ends the bytes are on the host and the trainer may change its
+GPU tensors at once. CPU tensors are copied synchronously into ordinary buffers.
+
+The buffer logic (:class:`HostBufferPool`) takes its allocator as an argument
+and knows nothing of CUDA; the CUDA calls sit in :class:`DeviceCopies`.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Hashable
 
 import numpy as np
 import torch
@@ -15,55 +27,182 @@ import torch
 from rl_ckpt.format.state_codec import EncodedState
 from rl_ckpt.storage.buffers import alloc_bytes
 
+# allocate(numel, dtype, pinned) -> a 1-D tensor of numel elements on the host
+Allocator = Callable[[int, torch.dtype, bool], torch.Tensor]
 
-class StagingArea:
-    """Reused host buffers that hold one staged copy of the state."""
+
+def torch_allocator(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Host memory from torch; page-locked when ``pinned`` (the target of an asynchronous device-to-host copy)."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned)
+
+
+class HostBufferPool:
+    """Host buffers kept by key and reused from one save to the next.
+
+    A key's buffer is reused while its (dtype, element count, pinned) stays the
+    same (a reshape reuses it too) and re-allocated when it changes; the
+    buffers of keys a round did not ask for are released by ``release_unused``.
+    """
+
+    def __init__(self, allocate: Allocator = torch_allocator) -> None:
+        self.allocate = allocate
+        self._buffers: dict[Hashable, torch.Tensor] = {}
+        self._pinned: dict[Hashable, bool] = {}
+        self.allocations = 0  # how many buffers were (re)allocated: flat after the first save
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._buffers
+
+    def keys(self) -> list:
+        return list(self._buffers)
+
+    def get(self, key: Hashable) -> torch.Tensor | None:
+        return self._buffers.get(key)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pool's buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def buffer(self, key: Hashable, shape, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+        """A host tensor of ``shape``/``dtype`` for ``key``: the one from the last round when it fits, else a new one."""
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != dtype or buf.numel() != numel or self._pinned[key] != pinned:
+            buf = self.allocate(numel, dtype, pinned)
+            if buf.dtype != dtype or buf.numel() != numel or buf.device.type != "cpu":
+                raise ValueError(f"staging allocator returned {buf.dtype}[{buf.numel()}] on {buf.device} "
+                                 f"for {dtype}[{numel}] on the host")
+            self._buffers[key] = buf
+            self._pinned[key] = pinned
+            self.allocations += 1
+        return buf.view(tuple(shape))
+
+    def release_unused(self, live: set) -> None:
+        """Drop the buffers of keys not in ``live`` (a tensor or component that is gone)."""
+        for key in list(self._buffers):
+            if key not in live:
+                del self._buffers[key]
+                del self._pinned[key]
+
+
+class DeviceCopies:
+    """Copies into host buffers: synchronous from the CPU, asynchronous on a side stream from a CUDA device.
+
+    ``finish`` waits for every asynchronous copy issued since the last
+    ``finish``. The side streams are created once per device and reused.
+    """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], object] = {}
-        self.allocations = 0  # how many buffers were (re)allocated: flat after the first save
+        self._streams: dict[torch.device, object] = {}
+        self._active: dict[torch.device, object] = {}  # streams with copies issued since the last finish
+        self.async_copies = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not src.is_cuda:
+            dst.copy_(src)
+            return
+        stream = self._active.get(src.device)
+        if stream is None:
+            stream = self._streams.get(src.device)
+            if stream is None:
+                stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
+            # Copy only what the trainer's stream has finished computing.
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            self._active[src.device] = stream
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(stream)  # a temporary freed before ``finish`` is not reused while the copy reads it
+        self.async_copies += 1
+
+    def finish(self) -> None:
+        """Block until every copy issued so far has landed in host memory."""
+        active, self._active = self._active, {}
+        for stream in active.values():
+            stream.record_event().synchronize()
+
+
+class StagingArea:
+    """Reused host buffers that hold one staged copy of the state.
+
+    A round is ``stage``/``stage_tensor`` calls followed by ``finish``, which
+    waits for the device-to-host copies and releases the buffers of keys the
+    round did not stage. Keys are ``(component, key)`` pairs.
+    """
+
+    def __init__(self, allocate: Allocator = torch_allocator) -> None:
+        self.pool = HostBufferPool(allocate)
+        self.copies = DeviceCopies()
+        self._arrays: dict[tuple[str, str], np.ndarray] = {}  # numpy values (no device, no pinning)
+        self._array_allocations = 0
+        self._touched: set[tuple[str, str]] = set()
         self.bytes_copied = 0
+
+    @property
+    def allocations(self) -> int:
+        """How many buffers were (re)allocated: flat after the first save."""
+        return self.pool.allocations + self._array_allocations
 
     @property
     def buffers(self) -> dict[tuple[str, str], object]:
         """The staging buffers by ``(component, key)`` (a copy of the mapping, not of the buffers)."""
-        return dict(self._buffers)
+        out: dict = {k: self.pool.get(k) for k in self.pool.keys()}
+        out.update(self._arrays)
+        return out
 
-    def _buffer_like(self, key: tuple[str, str], value):
-        buf = self._buffers.get(key)
-        if isinstance(value, torch.Tensor):
-            if not (isinstance(buf, torch.Tensor) and buf.shape == value.shape and buf.dtype == value.dtype):
-                buf = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                  pin_memory=value.is_cuda and torch.cuda.is_available())
-                self._buffers[key] = buf
-                self.allocations += 1
-        else:
-            if not (isinstance(buf, np.ndarray) and buf.shape == value.shape and buf.dtype == value.dtype):
-                buf = (np.empty(value.shape, dtype=value.dtype) if value.dtype.hasobject
-                       else alloc_bytes(value.nbytes).view(value.dtype).reshape(value.shape))
-                self._buffers[key] = buf
-                self.allocations += 1
+    def stage_tensor(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``value`` in this area's buffer for ``key`` (complete only after ``finish``)."""
+        buf = self.pool.buffer(key, value.shape, value.dtype,
+                               pinned=value.is_cuda and torch.cuda.is_available())
+        self.copies.copy(buf, value.detach())
+        self.bytes_copied += value.numel() * value.element_size()
+        self._touched.add(key)
+        return buf
+
+    def _stage_array(self, key: tuple[str, str], value: np.ndarray) -> np.ndarray:
+        if key in self.pool:  # was a tensor last round
+            self.pool.release_unused(set(self.pool.keys()) - {key})
+        buf = self._arrays.get(key)
+        if not (isinstance(buf, np.ndarray) and buf.shape == value.shape and buf.dtype == value.dtype):
+            buf = (np.empty(value.shape, dtype=value.dtype) if value.dtype.hasobject
+                   else alloc_bytes(value.nbytes).view(value.dtype).reshape(value.shape))
+            self._arrays[key] = buf
+            self._array_allocations += 1
+        np.copyto(buf, value)
+        self.bytes_copied += value.nbytes
+        self._touched.add(key)
         return buf
 
     def stage(self, name: str, enc: EncodedState) -> EncodedState:
-        """Copy ``enc``'s arrays into this area's buffers; returns the staged state."""
+        """Copy ``enc``'s arrays into this area's buffers; returns the staged state (complete after ``finish``)."""
         staged = {}
         for key, value in enc.arrays.items():
-            buf = self._buffer_like((name, key), value)
             if isinstance(value, torch.Tensor):
-                buf.copy_(value, non_blocking=False)
-                self.bytes_copied += value.numel() * value.element_size()
+                self._arrays.pop((name, key), None)
+                staged[key] = self.stage_tensor((name, key), value)
             else:
-                np.copyto(buf, value)
-                self.bytes_copied += value.nbytes
-            staged[key] = buf
+                staged[key] = self._stage_array((name, key), value)
         # The tree is freshly built JSON data and pyarrow tables are immutable: no copy needed.
         return EncodedState(tree=enc.tree, arrays=staged, tables=dict(enc.tables))
+
+    def finish(self) -> None:
+        """End the round: wait for every device-to-host copy, then free the buffers the round did not use.
+
+        After this returns the staged bytes are on the host: the trainer may
+        change its tensors (CPU or GPU) at once."""
+        try:
+            self.copies.finish()
+        finally:
+            touched, self._touched = self._touched, set()
+            self.release_unused(touched)
 
     def release_unused(self, live: set[tuple[str, str]]) -> None:
         """Free the buffers of ``(component, key)`` pairs not in ``live`` (a key or component that is gone).
 
         Called after each staging round, when no save is using the previous round's buffers."""
-        for key in list(self._buffers):
+        self.pool.release_unused(live)
+        for key in list(self._arrays):
             if key not in live:
-                del self._buffers[key]
+                del self._arrays[key]

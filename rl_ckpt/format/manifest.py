@@ -101,6 +101,7 @@ class Manifest:
         """Logical size: every file plus the dedup objects its tensors reference."""
         objects = sum(size for sec in self.components.values() if isinstance(sec, dict)
                       for chunks in (sec.get("objects") or {}).values() for _d, size in chunks)
+        objects += sum(layout_object_bytes(sec.get("layout")) for sec in self.components.values() if isinstance(sec, dict))
         return sum(f.size for f in self.files) + objects
 
     def files_of(self, component: str) -> list[FileEntry]:
@@ -215,6 +216,19 @@ def _check_fields(d: dict, where: str) -> None:
 
     if depth(d) > MAX_DEPTH:
         raise _corrupt(where, f"manifest is nested more than {MAX_DEPTH} levels deep; rl_ckpt never writes that")
+
+
+def layout_object_bytes(layout: Any) -> int:
+    """The bytes of the dedup objects a sharded layout's chunks name (0 for anything malformed: untrusted JSON)."""
+    tensors = layout.get("tensors") if isinstance(layout, dict) else None
+    total = 0
+    for t in tensors.values() if isinstance(tensors, dict) else ():
+        chunks = t.get("chunks") if isinstance(t, dict) else None
+        for c in chunks if isinstance(chunks, list) else ():
+            refs = c.get("objects") if isinstance(c, dict) else None
+            total += sum(r[1] for r in (refs if isinstance(refs, list) else ())
+                         if isinstance(r, list) and len(r) == 2 and type(r[1]) is int and r[1] >= 0)
+    return total
 
 
 def _check_section(where: str, field: str, section: Any) -> None:

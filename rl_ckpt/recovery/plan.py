@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from rl_ckpt.config import changed_keys, config_digest
 from rl_ckpt.core.reader import read_manifest, verify_snapshot
 from rl_ckpt.errors import CheckpointError, SchemaVersionError
-from rl_ckpt.format.manifest import Manifest, now_iso
+from rl_ckpt.format.manifest import Manifest, layout_object_bytes, now_iso
 from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, log_decision, make_decision
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.retention import normalize_best
@@ -356,6 +356,7 @@ def _actions(plan: RecoveryPlan, components: Mapping[str, str] | None, probe: Pr
         files = source.files_of(name)
         section = source.components[name]
         obj_bytes = sum(size for chunks in (section.get("objects") or {}).values() for _d, size in chunks)
+        obj_bytes += layout_object_bytes(section.get("layout"))
         plan.actions.append(LoadAction(name, kind, source.snapshot_id, len(files), sum(f.size for f in files) + obj_bytes))
         if name in probes and probe is not None:
             plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
@@ -377,9 +378,11 @@ def without_light(storage: Storage, plan: RecoveryPlan) -> RecoveryPlan:
     for a in plan.actions:
         if a.snapshot_id == plan.light and a.component in full.components:
             files = full.files_of(a.component)
-            chunks = (full.components[a.component].get("objects") or {}).values()
+            section = full.components[a.component]
+            chunks = (section.get("objects") or {}).values()
             a = LoadAction(a.component, a.kind, full.snapshot_id, len(files),
-                           sum(f.size for f in files) + sum(size for c in chunks for _d, size in c))
+                           sum(f.size for f in files) + sum(size for c in chunks for _d, size in c)
+                           + layout_object_bytes(section.get("layout")))
         actions.append(a)
     return dataclasses.replace(plan, light=None, continue_from_step=full.global_step, actions=actions,
                                candidates=[c for c in plan.candidates if c.status != "light"])

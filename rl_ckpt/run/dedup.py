@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from rl_ckpt.format.checksum import new_hasher
-from rl_ckpt.config import FIELDS
+from rl_ckpt.config import CHECKSUM_ALGOS, FIELDS
 from rl_ckpt.errors import CorruptSnapshotError, StorageError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.run.layout import OBJECTS
@@ -37,12 +37,42 @@ def object_path(algo: str, digest: str) -> str:
 
 
 def manifest_objects(manifest: Manifest) -> dict[str, tuple[str, int]]:
-    """Every object a manifest references: digest -> (algo, size)."""
+    """Every object a manifest references: digest -> (algo, size).
+
+    Plain components list theirs under ``objects``; a sharded component's
+    chunks name theirs in its layout. A malformed layout reference raises
+    CorruptSnapshotError (so gc, unable to tell what is live, sweeps nothing)."""
     out = {}
     for section in manifest.components.values():
         algo = section.get("objects_algo")
         for tensor in (section.get("objects") or {}).values():
             for digest, size in tensor:
+                out[digest] = (algo, size)
+        if isinstance(section, dict) and isinstance(section.get("layout"), dict):
+            out.update(layout_objects(section["layout"], manifest.snapshot_id))
+    return out
+
+
+def layout_objects(layout: dict, where: str) -> dict[str, tuple[str, int]]:
+    """The objects the chunks of one sharded layout (its JSON) reference: digest -> (algo, size)."""
+    out: dict[str, tuple[str, int]] = {}
+    algo = layout.get("algo")
+    tensors = layout.get("tensors")
+    if not isinstance(tensors, dict):
+        return out
+    for fqn, tensor in tensors.items():
+        chunks = tensor.get("chunks") if isinstance(tensor, dict) else None
+        for chunk in chunks if isinstance(chunks, list) else ():
+            refs = chunk.get("objects") if isinstance(chunk, dict) else None
+            if refs is None:
+                continue
+            if algo not in CHECKSUM_ALGOS or not isinstance(refs, list) or not all(
+                    isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and r[0]
+                    and not r[0].strip("0123456789abcdef") and isinstance(r[1], int) and not isinstance(r[1], bool)
+                    for r in refs):
+                raise CorruptSnapshotError(f"{where}: sharded layout of {fqn!r}: malformed dedup object references",
+                                           snapshot_id=where, problems=["malformed object reference"])
+            for digest, size in refs:
                 out[digest] = (algo, size)
     return out
 

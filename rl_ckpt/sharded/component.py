@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.errors import ConfigError, CorruptSnapshotError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage
@@ -108,9 +109,11 @@ def as_sharded(name: str, obj: Any, objects: list[Any]) -> ShardedState | None:
     return None
 
 
-def stage_sharded(comp: ShardedState, rank: int, *, copy: bool) -> StagedShards:
-    """This rank's local shards of ``comp``, planned by DCP (``copy``: taken out of the trainer's hands)."""
-    return stage_shards(comp.state_dict(), rank, copy=copy, saved_by=comp.saved_by())
+def stage_sharded(comp: ShardedState, rank: int, *, copy: bool, name: str = "",
+                  staging: StagingArea | None = None) -> StagedShards:
+    """This rank's local shards of ``comp``, planned by DCP (``copy``: taken out of the trainer's hands, into
+    ``staging``'s reused host buffers under component ``name`` when given; complete after ``staging.finish()``)."""
+    return stage_shards(comp.state_dict(), rank, copy=copy, saved_by=comp.saved_by(), name=name, staging=staging)
 
 
 def is_sharded_section(section: Any) -> bool:

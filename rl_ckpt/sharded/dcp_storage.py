@@ -36,9 +36,11 @@ from torch.futures import Future
 from rl_ckpt.format import safetensors_io
 from rl_ckpt.format.checksum import digest_bytes
 from rl_ckpt.run.commit import Attempt
-from rl_ckpt.errors import CorruptSnapshotError, SerializationError
+from rl_ckpt.run.dedup import ObjectWriter, object_path
+from rl_ckpt.errors import CorruptSnapshotError, SerializationError, StorageError
 from rl_ckpt.format.manifest import FileEntry
 from rl_ckpt.format.state_codec import decode_state, encode_state
+from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.core.writer import verify_written, write_hashed
 from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
@@ -61,14 +63,19 @@ def owns(obj: Any, rank: int) -> bool:
 class StagedSavePlanner(DefaultSavePlanner):
     """DCP's default save plan, cut to what this rank owns, with the data taken out of the trainer's hands.
 
-    ``copy=True`` (async saves) clones every local shard to the CPU now, so
-    training may change the live tensors while the snapshot is written.
+    ``copy=True`` (async saves) copies every local shard (``DTensor.to_local()``)
+    to the host now, so training may change the live tensors while the snapshot
+    is written: into ``staging``'s reused buffers when given (pinned, on a side
+    stream, for CUDA shards; complete after ``staging.finish()``), else into
+    fresh CPU tensors.
     """
 
-    def __init__(self, rank: int, copy: bool) -> None:
+    def __init__(self, rank: int, copy: bool, *, name: str = "", staging: "StagingArea | None" = None) -> None:
         super().__init__()
         self.rank = rank
         self.copy = copy
+        self.name = name
+        self.staging = staging
         self.staged: dict[MetadataIndex, Any] = {}
 
     def create_local_plan(self) -> SavePlan:
@@ -93,6 +100,9 @@ class StagedSavePlanner(DefaultSavePlanner):
                                              "non-tensor value; keep tensors at the top level of the state dict",
                                              component=item.index.fqn, key=item.index.fqn)
                 self.staged[item.index] = enc.tree
+            elif self.copy and self.staging is not None:
+                key = f"{item.index.fqn}@{','.join(map(str, item.index.offset or ()))}"
+                self.staged[item.index] = self.staging.stage_tensor((self.name, key), obj.detach())
             else:
                 t = obj.detach()
                 t = t.to("cpu", copy=True).contiguous() if self.copy else t.cpu().contiguous()
@@ -114,9 +124,10 @@ class StagedShards:
     saved_by: dict
 
 
-def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict) -> StagedShards:
+def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict, name: str = "",
+                 staging: "StagingArea | None" = None) -> StagedShards:
     """Plan this rank's part of ``state_dict`` with DCP's planner (no collectives) and stage its data."""
-    planner = StagedSavePlanner(rank, copy)
+    planner = StagedSavePlanner(rank, copy, name=name, staging=staging)
     planner.set_up_planner(state_dict, None, rank == 0)
     plan = planner.create_local_plan()
     plans, metadata = planner.create_global_plan([plan])
@@ -137,10 +148,14 @@ class RlckptStorageWriter(StorageWriter):
     """Writes one rank's chunks of one component as ``<key>.rank<r>.safetensors`` inside the attempt."""
 
     def __init__(self, storage: Storage, attempt: Attempt, key: str, rank: int, *, algo: str, verify: bool,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES,
+                 objects: ObjectWriter | None = None) -> None:
         super().__init__()
         self.storage, self.attempt, self.key, self.rank = storage, attempt, key, rank
         self.algo, self.verify, self.block_bytes, self.min_block_bytes = algo, verify, block_bytes, min_block_bytes
+        self.objects = objects  # dedup: chunks of at least objects.min_bytes go to the content-addressed store
+        if objects is not None and objects.algo != algo:
+            raise ValueError(f"dedup objects named by {objects.algo}, layout checksums by {algo}: they must match")
         self.files: list[FileEntry] = []
         self.layout: Layout | None = None
         self.values: dict[str, Any] = {}
@@ -170,9 +185,17 @@ class RlckptStorageWriter(StorageWriter):
                 name, i = f"{item.index.fqn}#{i}", i + 1
             arrays[name] = data
             names[name] = item
-        file_name = f"{self.key}.rank{self.rank}.safetensors"
         results: list[WriteResult] = []
+        if self.objects is not None:
+            for name in [n for n, t in arrays.items() if t.numel() * t.element_size() >= self.objects.min_bytes]:
+                t = arrays.pop(name)
+                view = safetensors_io.byte_view(t)
+                refs = tuple((d, n) for d, n in self.objects.put(view, self.verify))
+                results.append(self._result(names[name], t.element_size(), view, "", 0, refs))
+            # Every object a chunk names is durable (and read back with verify) before the part is returned.
+            self.objects.flush(self.verify)
         if arrays:
+            file_name = f"{self.key}.rank{self.rank}.safetensors"
             chunks, _meta = safetensors_io.encode(arrays, metadata={"component": self.key, "rank": str(self.rank),
                                                                     "format": "rl_ckpt sharded: local shards"})
             header = json.loads(bytes(chunks[0][8:]))
@@ -183,19 +206,21 @@ class RlckptStorageWriter(StorageWriter):
             if self.verify:
                 verify_written(self.storage, path, entry)
             self.files.append(entry)
-            for name, item in names.items():
-                t = arrays[name]
-                view = safetensors_io.byte_view(t)
-                sizes = tuple(item.tensor_data.chunk.sizes)
-                br = _block_rows(sizes, t.element_size(), self.block_bytes, self.min_block_bytes)
-                step = br * (view.nbytes // (sizes[0] if sizes else 1) if view.nbytes else 0)
-                sums = tuple(digest_bytes(self.algo, view[s:s + step]) for s in range(0, view.nbytes, step)) if step else ()
-                chunk = Chunk(tuple(item.tensor_data.chunk.offsets), sizes, entry.path,
-                              base + header[name]["data_offsets"][0], br, sums)
-                results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=chunk))
+            for name, t in arrays.items():
+                results.append(self._result(names[name], t.element_size(), safetensors_io.byte_view(t), entry.path,
+                                            base + header[name]["data_offsets"][0], ()))
         fut: Future = Future()
         fut.set_result(results)
         return fut
+
+    def _result(self, item, itemsize: int, view: memoryview, file: str, start: int, objects: tuple) -> WriteResult:
+        """The chunk record of one written piece: where it is, and one checksum per block of rows."""
+        sizes = tuple(item.tensor_data.chunk.sizes)
+        br = _block_rows(sizes, itemsize, self.block_bytes, self.min_block_bytes)
+        step = br * (view.nbytes // (sizes[0] if sizes else 1) if view.nbytes else 0)
+        sums = tuple(digest_bytes(self.algo, view[s:s + step]) for s in range(0, view.nbytes, step)) if step else ()
+        chunk = Chunk(tuple(item.tensor_data.chunk.offsets), sizes, file, start, br, sums, objects)
+        return WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=chunk)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         layout = Layout(self.algo, values=dict(self.values))
@@ -216,11 +241,15 @@ class RlckptStorageWriter(StorageWriter):
 
 
 def write_shards(storage: Storage, attempt: Attempt, key: str, staged: StagedShards, rank: int, *, algo: str,
-                 verify: bool, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 min_block_bytes: int = MIN_BLOCK_BYTES) -> tuple[list[FileEntry], dict]:
-    """Write this rank's part; returns its file entries and its manifest section (with its part of the layout)."""
+                 verify: bool, block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES,
+                 objects: ObjectWriter | None = None) -> tuple[list[FileEntry], dict]:
+    """Write this rank's part; returns its file entries and its manifest section (with its part of the layout).
+
+    With ``objects`` (dedup), each local chunk of at least ``objects.min_bytes``
+    is stored content-addressed: a chunk whose bytes a committed snapshot
+    already holds is referenced, not written again."""
     writer = RlckptStorageWriter(storage, attempt, key, rank, algo=algo, verify=verify, block_bytes=block_bytes,
-                                 min_block_bytes=min_block_bytes)
+                                 min_block_bytes=min_block_bytes, objects=objects)
     writer.set_up_storage_writer(rank == 0)
     results = writer.write_data(staged.planner.plan, staged.planner).wait()
     writer.finish(staged.metadata, [results])
@@ -241,24 +270,16 @@ class ChunkReader:
     def rows(self, fqn: str, chunk: Chunk, first: int, count: int) -> torch.Tensor:
         """Rows ``[first, first + count)`` of ``chunk`` (dim 0), as a tensor, after checking their blocks."""
         t = self.layout.tensors[fqn]
-        if chunk.file not in self.files:
-            raise CorruptSnapshotError(f"{self.snapshot_id}: chunk of {fqn!r} names {chunk.file!r}, which the manifest "
-                                       "does not list", snapshot_id=self.snapshot_id, problems=["unlisted file"])
         row_bytes = chunk.row_bytes(t.dtype)
         b0, b1 = first // chunk.block_rows, math.ceil((first + count) / chunk.block_rows)
         r0, r1 = b0 * chunk.block_rows, min(b1 * chunk.block_rows, chunk.rows)
         length = (r1 - r0) * row_bytes
-        start = chunk.start + r0 * row_bytes
-        if start + length > self.files[chunk.file].size:
-            raise CorruptSnapshotError(f"{self.snapshot_id}/{chunk.file}: chunk of {fqn!r} runs past the file's "
-                                       f"{self.files[chunk.file].size} bytes", snapshot_id=self.snapshot_id,
-                                       path=chunk.file, problems=["chunk out of bounds"])
-        data = self.storage.read_range(join(self.snapshot_id, chunk.file), start, length)
+        data = self._read(fqn, chunk, r0 * row_bytes, length)
         self.bytes_read += len(data)
         if len(data) != length:
-            raise CorruptSnapshotError(f"{self.snapshot_id}/{chunk.file}: short read of {fqn!r} ({len(data)} of "
+            raise CorruptSnapshotError(f"{self.snapshot_id}/{self._where(chunk)}: short read of {fqn!r} ({len(data)} of "
                                        f"{length} bytes): the file was truncated", snapshot_id=self.snapshot_id,
-                                       path=chunk.file, problems=["short read"])
+                                       path=self._where(chunk), problems=["short read"])
         if isinstance(data, bytes):
             data = bytearray(data)  # a tensor over it must be writable
         view = memoryview(data).cast("B")
@@ -266,13 +287,45 @@ class ChunkReader:
         for i, b in enumerate(range(b0, b1)):
             if digest_bytes(self.layout.algo, view[i * step:(i + 1) * step]) != chunk.checksums[b]:
                 raise CorruptSnapshotError(
-                    f"{self.snapshot_id}/{chunk.file}: {self.layout.algo} checksum mismatch in tensor {fqn!r}, chunk at "
-                    f"{list(chunk.offsets)}, rows {b * chunk.block_rows}-{min((b + 1) * chunk.block_rows, chunk.rows) - 1}: "
-                    "the file changed after commit", snapshot_id=self.snapshot_id, path=chunk.file,
-                    problems=["chunk checksum mismatch"])
+                    f"{self.snapshot_id}/{self._where(chunk)}: {self.layout.algo} checksum mismatch in tensor {fqn!r}, "
+                    f"chunk at {list(chunk.offsets)}, rows {b * chunk.block_rows}-"
+                    f"{min((b + 1) * chunk.block_rows, chunk.rows) - 1}: the file changed after commit",
+                    snapshot_id=self.snapshot_id, path=self._where(chunk), problems=["chunk checksum mismatch"])
         shape = [r1 - r0, *chunk.sizes[1:]] if chunk.sizes else []
         out = safetensors_io.to_torch(t.dtype, shape, view)
         return out.narrow(0, first - r0, count) if chunk.sizes else out
+
+    def _where(self, chunk: Chunk) -> str:
+        if chunk.objects:
+            return "dedup object(s) " + ", ".join(object_path(self.layout.algo, d) for d, _n in chunk.objects)
+        return chunk.file
+
+    def _read(self, fqn: str, chunk: Chunk, offset: int, length: int):
+        """``length`` bytes at ``offset`` within ``chunk``: one ranged read of its file, or of the objects it spans."""
+        if not chunk.objects:
+            if chunk.file not in self.files:
+                raise CorruptSnapshotError(f"{self.snapshot_id}: chunk of {fqn!r} names {chunk.file!r}, which the "
+                                           "manifest does not list", snapshot_id=self.snapshot_id,
+                                           problems=["unlisted file"])
+            start = chunk.start + offset
+            if start + length > self.files[chunk.file].size:
+                raise CorruptSnapshotError(f"{self.snapshot_id}/{chunk.file}: chunk of {fqn!r} runs past the file's "
+                                           f"{self.files[chunk.file].size} bytes", snapshot_id=self.snapshot_id,
+                                           path=chunk.file, problems=["chunk out of bounds"])
+            return self.storage.read_range(join(self.snapshot_id, chunk.file), start, length)
+        parts, pos = [], 0
+        for digest, size in chunk.objects:  # their sizes add up to the chunk (checked when the layout was parsed)
+            lo, hi = max(offset, pos), min(offset + length, pos + size)
+            if lo < hi:
+                path = object_path(self.layout.algo, digest)
+                try:
+                    parts.append(self.storage.read_range(path, lo - pos, hi - lo))
+                except StorageError as exc:
+                    raise CorruptSnapshotError(f"{self.snapshot_id}: dedup object {path} of tensor {fqn!r} cannot be "
+                                               f"read: {exc}", snapshot_id=self.snapshot_id, path=path,
+                                               problems=["object unreadable"]) from exc
+            pos += size
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class RlckptStorageReader(StorageReader):

@@ -22,18 +22,21 @@ from rl_ckpt.format.safetensors_io import ITEMSIZE
 from rl_ckpt.storage.base import check_relpath
 
 LAYOUT_VERSION = 1
+HEX = "0123456789abcdef"
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """One stored piece of a tensor: ``sizes`` elements at global ``offsets``, at ``start`` in ``file``."""
+    """One stored piece of a tensor: ``sizes`` elements at global ``offsets``, at ``start`` in ``file``,
+    or (with dedup) the concatenation of the content-addressed ``objects`` ``((digest, size), ...)``."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    file: str  # relative to the snapshot folder
+    file: str  # relative to the snapshot folder ("" for a chunk stored as objects)
     start: int  # byte offset of the chunk's data in the file
     block_rows: int  # rows (dim 0) per checksum block; 0-d chunks count as one row
     checksums: tuple[str, ...]  # one hex digest per block; one concatenated string in JSON (compact, fast)
+    objects: tuple[tuple[str, int], ...] = ()  # dedup objects named by the layout's algo, in order
 
     @property
     def rows(self) -> int:
@@ -43,8 +46,13 @@ class Chunk:
         return math.prod(self.sizes[1:]) * ITEMSIZE[dtype] if self.sizes else ITEMSIZE[dtype]
 
     def to_json(self) -> dict:
-        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file, "start": self.start,
-                "block_rows": self.block_rows, "checksums": "".join(self.checksums)}
+        out = {"offsets": list(self.offsets), "sizes": list(self.sizes), "block_rows": self.block_rows,
+               "checksums": "".join(self.checksums)}
+        if self.objects:
+            out["objects"] = [[d, n] for d, n in self.objects]
+        else:
+            out.update(file=self.file, start=self.start)
+        return out
 
 
 @dataclasses.dataclass
@@ -119,10 +127,29 @@ def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
 
+def _chunk_objects(c: dict, fqn: str, tl: TensorLayout, width: int, bad) -> tuple[tuple[str, int], ...]:
+    """A deduplicated chunk's objects, checked: hex digests of the layout's algo, sizes adding up to the chunk."""
+    objs = c["objects"]
+    if not isinstance(objs, list) or not objs or not all(
+            isinstance(o, list) and len(o) == 2 and isinstance(o[0], str) and len(o[0]) == width
+            and not o[0].strip(HEX) and isinstance(o[1], int) and not isinstance(o[1], bool) and o[1] >= 0
+            for o in objs):
+        raise bad(f"tensor {fqn!r}: chunk objects must be a list of [hex digest, size] pairs")
+    want = math.prod(c["sizes"]) * ITEMSIZE[tl.dtype]
+    if sum(o[1] for o in objs) != want:
+        raise bad(f"tensor {fqn!r}: chunk at {c['offsets']} has objects of {sum(o[1] for o in objs)} bytes, "
+                  f"its {c['sizes']} elements take {want}")
+    return tuple((d, n) for d, n in objs)
+
+
 def _chunk(c: Any, fqn: str, tl: TensorLayout, width: int, bad) -> Chunk:
     keys = {"offsets", "sizes", "file", "start", "block_rows", "checksums"}
-    if not isinstance(c, dict) or set(c) != keys:
-        raise bad(f"tensor {fqn!r}: a chunk must have exactly {sorted(keys)}")
+    in_objects = {"offsets", "sizes", "objects", "block_rows", "checksums"}
+    deduped = isinstance(c, dict) and set(c) == in_objects
+    if deduped:
+        c = {**c, "file": "", "start": 0}
+    elif not isinstance(c, dict) or set(c) != keys:
+        raise bad(f"tensor {fqn!r}: a chunk must have exactly {sorted(keys)} (or objects in place of file/start)")
     if not (_ints(c["offsets"]) and _ints(c["sizes"]) and len(c["offsets"]) == len(c["sizes"]) == len(tl.shape)):
         raise bad(f"tensor {fqn!r}: chunk offsets/sizes do not match shape {list(tl.shape)}")
     if any(o + s > n for o, s, n in zip(c["offsets"], c["sizes"], tl.shape)):
@@ -131,9 +158,11 @@ def _chunk(c: Any, fqn: str, tl: TensorLayout, width: int, bad) -> Chunk:
             or c["start"] < 0 or not isinstance(c["block_rows"], int) or c["block_rows"] < 1 \
             or not isinstance(c["checksums"], str) or len(c["checksums"]) % width:
         raise bad(f"tensor {fqn!r}: chunk file/start/block_rows/checksums malformed")
-    check_relpath(c["file"])
+    objects = _chunk_objects(c, fqn, tl, width, bad) if deduped else ()
+    if not deduped:
+        check_relpath(c["file"])
     sums = tuple(c["checksums"][i:i + width] for i in range(0, len(c["checksums"]), width))
-    chunk = Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["start"], c["block_rows"], sums)
+    chunk = Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["start"], c["block_rows"], sums, objects)
     if len(chunk.checksums) != math.ceil(chunk.rows / chunk.block_rows):
         raise bad(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} has {len(chunk.checksums)} block checksums, "
                   f"expected {math.ceil(chunk.rows / chunk.block_rows)}")
