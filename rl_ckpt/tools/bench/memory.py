@@ -134,7 +134,7 @@ def run(args) -> dict:
     cache = CacheDropper(args.cache)
     out: dict = {"bytes": nbytes, "cache": cache.note, "repeat": args.repeat}
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench")
     run_name = f"bench-{uuid.uuid4().hex[:6]}"
     try:
         # -- blocking time and restore, in this process ------------------------------------------------------
