@@ -10,7 +10,7 @@ For a state of ``--size`` bytes (default 1 GiB, one participant):
 - cold page cache: the files' pages are dropped before every disk read, and the bench checks with
   ``mincore`` that none of the snapshot's pages stayed resident (the figure says how many did);
 - blocking: how long the trainer is blocked by a memory snapshot vs by a durable ``save_async`` (median of
-  ``--repeat``);
+  ``--repeat``, after one save of each that allocates its staging buffers; the two alternate who goes first);
 - death to first step: a trainer actor force-killed (``ray.kill``) and restarted by Ray (``max_restarts=1``): the time from the
   kill until the restarted process finished its first training step after restoring, with the memory tier and
   without it (durable storage, cold page cache), split into its phases: Ray restarting the process, the
@@ -140,13 +140,16 @@ def run(args) -> dict:
         # -- blocking time and restore, in this process ------------------------------------------------------
         engine, tier, state = _engines(base, run_name, nbytes, True)
         mem_block, disk_block = [], []
-        for i in range(args.repeat):
-            h = tier.save(2 * i + 1)
-            h.wait()
-            mem_block.append(h.stage_seconds)
-            h = engine.save_async(2 * i + 2)
-            h.wait()
-            disk_block.append(h.stage_seconds)
+        saves = {"memory": (tier.save, mem_block), "durable": (engine.save_async, disk_block)}
+        step = 0
+        for i in range(args.repeat + 1):  # the first save of each allocates its staging buffers: not counted
+            for kind in (("memory", "durable") if i % 2 else ("durable", "memory")):  # alternate who goes first
+                step += 1
+                save, times = saves[kind]
+                h = save(step)
+                h.wait()
+                if i:
+                    times.append(h.stage_seconds)
         # Both stage into buffers allocated by their first save and reused since: the same code blocks.
         out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block), "durable_save_async": statistics.median(disk_block),
                              "memory_snapshot_runs": mem_block, "durable_save_async_runs": disk_block}
