@@ -193,7 +193,8 @@ def run(args) -> dict:
         log(f"restore: disk cold {disk:.3f} s ({human(nbytes / disk)}/s); {out['cache_check']}")
         memory_storage = tier.memory.storage
         tier.close()
-        del state, engine, tier
+        memory_storage.destroy()  # frees its snapshots before the trainer actors need the memory
+        del state, engine, tier, memory_storage
 
         # -- death to first step, with and without the memory tier -----------------------------------------
         out["death_to_first_step_s"] = {}
@@ -225,7 +226,6 @@ def run(args) -> dict:
             log(f"death to first step ({key}): {out['death_to_first_step_s'][key]:.2f} s, restored {last['restored']}; "
                 + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
             ray.kill(actor, no_restart=True)
-        memory_storage.destroy()
         from rl_ckpt.storage import open_storage
 
         open_storage(f"raymem://mem/{run_name}-mem", {"replicas": 0}).destroy()
