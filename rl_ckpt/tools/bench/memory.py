@@ -134,7 +134,12 @@ def run(args) -> dict:
     cache = CacheDropper(args.cache)
     out: dict = {"bytes": nbytes, "cache": cache.note, "repeat": args.repeat}
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench")
+        # The stores keep two snapshots in the object store, plus one in flight: room for five, so that
+        # nothing is spilled to disk (a spilled object would make a memory read a disk read).
+        store_bytes = max(5 * nbytes, 1 << 30)
+        out["object_store_bytes"] = store_bytes
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench",
+                 object_store_memory=store_bytes)
     run_name = f"bench-{uuid.uuid4().hex[:6]}"
     try:
         # -- blocking time and restore, in this process ------------------------------------------------------
