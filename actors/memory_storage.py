@@ -93,6 +93,33 @@ def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -
     return out
 
 
+def hash_in_place(view: memoryview, on_chunk: Callable[[memoryview], object] | None) -> memoryview:
+    """``view`` itself, after handing it to ``on_chunk`` piece by piece (no copy)."""
+    if on_chunk is not None:
+        for start in range(0, view.nbytes, _COPY_STEP):
+            on_chunk(view[start:start + _COPY_STEP])
+    return view
+
+
+class ViewReader(io.RawIOBase):
+    """A read-only file over a memoryview (``open_read`` without copying the file first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        out = memoryview(buf).cast("B")
+        n = min(out.nbytes, self._view.nbytes - self._pos)
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 class RayMemoryStorage(Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 
@@ -223,19 +250,30 @@ class RayMemoryStorage(Storage):
     # -- reads --------------------------------------------------------------------
     def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
              max_bytes: int | None = None):
+        """The file in a fresh writable buffer (one copy out of the object store, hashed as it fills)."""
+        return copy_out(self.read_view(path, max_bytes=max_bytes), on_chunk)
+
+    def read_view(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
+                  max_bytes: int | None = None) -> memoryview:
+        """The file as a READ-ONLY memoryview, without a copy when its store is on this node (the object store's
+        shared memory; another node's object is moved here once). ``on_chunk`` sees the very bytes returned.
+        Never write through it (the store's copy lives there): a caller needing writable memory copies it."""
         ray = _ray()
         check_max_bytes(max_bytes)
         path = check_relpath(path)
-        for node, handle in self._holders(path):
+        for _node, handle in self._holders(path):
             try:
                 got = ray.get(handle.get.remote(path, max_bytes))
-            except ray.exceptions.RayActorError:
-                continue  # died: another store may hold a copy
+                if isinstance(got, list):  # [ObjectRef] of an object the store owns
+                    got = ray.get(got[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                continue  # died (with its objects): another store may hold a copy
             if got is None:
                 continue
             if isinstance(got, int):
                 raise too_large(path, got, max_bytes)
-            return copy_out(got, on_chunk)
+            view = memoryview(got).cast("B")
+            return hash_in_place(view.toreadonly(), on_chunk)
         raise self._missing(path)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
@@ -255,7 +293,7 @@ class RayMemoryStorage(Storage):
         raise self._missing(path)
 
     def open_read(self, path: str) -> BinaryIO:
-        return io.BytesIO(self.read(path))
+        return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=_COPY_STEP)
 
     def _missing(self, path: str) -> StorageError:
         return StorageError(f"cannot read {self.url}/{path}: no live memory store holds it (never written, removed, "

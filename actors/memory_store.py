@@ -3,7 +3,11 @@
 Why an actor of its own: a trainer process that dies (OOM, a crashed env, a
 collective error) takes its heap and every Ray object it owns with it. The
 store copies each file it receives into memory it owns, so the bytes outlive
-the writer as long as the node lives. It is pinned to its node
+the writer as long as the node lives: a small file into its heap, a larger one
+(from ``PLASMA_MIN_BYTES``) into an object of the node's shared-memory object
+store that the store itself ``ray.put`` (so the store is its owner). A reader
+on the node gets that object's ``ObjectRef`` (inside a list, so Ray does not
+resolve it in the reply) and maps the bytes read-only, without a copy. It is pinned to its node
 (``NodeAffinitySchedulingStrategy(soft=False)``) and never restarted
 (``max_restarts=0``): a restarted store would be empty, and an empty store that
 answers is worse than a dead one, which every reader sees as gone.
@@ -36,6 +40,7 @@ from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 log = logging.getLogger("rl_ckpt")
 
 STORE_PREFIX = "rl_ckpt-mem"
+PLASMA_MIN_BYTES = 256 << 10  # files from this size are held in the object store, owned by the store actor
 
 
 class MemoryBudgetError(StorageError):
@@ -47,19 +52,44 @@ def store_name(key: str, node_id: str) -> str:
     return f"{STORE_PREFIX}:{key}:{node_id}"
 
 
-def _owned(data: Any) -> bytearray:
-    """A copy of ``data`` (bytes-like, or a list of bytes-like pieces) in memory this process owns.
+def _owned(data: Any) -> tuple[Any, int]:
+    """A copy of ``data`` (bytes-like, or a list of bytes-like pieces) that this process owns, and its size:
+    ``bytes`` below ``PLASMA_MIN_BYTES``, else the ``ObjectRef`` of an object this actor put.
 
     What Ray hands an actor may be a view of the shared object store that the
     sender owns: keeping that view would lose the bytes with the sender."""
+    import numpy as np
+
     pieces = data if isinstance(data, (list, tuple)) else [data]
     views = [memoryview(p).cast("B") for p in pieces]
-    out = bytearray(sum(v.nbytes for v in views))
-    pos = 0
-    for v in views:
-        out[pos:pos + v.nbytes] = v
-        pos += v.nbytes
-    return out
+    views = [v for v in views if v.nbytes]
+    size = sum(v.nbytes for v in views)
+    if size < PLASMA_MIN_BYTES:
+        return b"".join(views), size
+    import ray
+
+    if len(views) == 1:
+        array = np.frombuffer(views[0], dtype=np.uint8)
+    else:  # several pieces: one contiguous array first (a reader maps one buffer)
+        array = np.empty(size, dtype=np.uint8)
+        pos = 0
+        for v in views:
+            array[pos:pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+            pos += v.nbytes
+    try:
+        return ray.put(array), size
+    except ray.exceptions.ObjectStoreFullError as exc:
+        raise StorageError(f"the node's Ray object store cannot hold {size} more bytes ({exc}); give Ray a "
+                           "larger object_store_memory or lower memory_budget_bytes", path="") from None
+
+
+def _resolve(data: Any):
+    """The bytes of a held file: itself, or the (read-only, not copied) object behind its ref."""
+    if isinstance(data, bytes):
+        return data
+    import ray
+
+    return ray.get(data)
 
 
 def _snapshot_of(path: str) -> str | None:
@@ -74,7 +104,8 @@ class MemoryStore:
         self.key = key
         self.node_id = node_id
         self.budget_bytes = budget_bytes
-        self._files: dict[str, bytearray] = {}
+        self._files: dict[str, Any] = {}  # path -> bytes (small) or the ObjectRef of an object this actor put
+        self._sizes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._counter = 0
         self._held = 0
@@ -93,34 +124,35 @@ class MemoryStore:
     def put(self, path: str, data: Any, create_only: bool = False, replicate_to: Iterable = ()) -> int:
         """Hold a copy of ``data`` at ``path``; returns its size. ``create_only``: ``CommitConflictError`` if
         ``path`` is held already. ``replicate_to``: peer store handles to copy it to (in the background)."""
-        owned = _owned(data)
+        owned, size = _owned(data)
         with self._lock:
             if create_only and path in self._files:
                 raise CommitConflictError(f"{path} already exists in the memory store on node {self.node_id[:12]}: "
                                           "another writer committed it first", path=path, snapshot_id=path)
-            self._store(path, owned)
+            self._store(path, owned, size)
             peers = list(replicate_to)
             if peers:
                 self._enqueue(path, peers)
-        return len(owned)
+        return size
 
     def put_replica(self, path: str, data: Any, source_node: str) -> bool:
         """A peer's copy of ``path``: kept unless this store holds it already (replicas are idempotent)."""
         with self._lock:
             if path in self._files:
                 return False
-        owned = _owned(data)
+        owned, size = _owned(data)
         with self._lock:
             if path in self._files:
                 return False
-            self._store(path, owned)
+            self._store(path, owned, size)
             return True
 
-    def _store(self, path: str, owned: bytearray) -> None:
-        old = len(self._files[path]) if path in self._files else 0
-        self._make_room(path, len(owned) - old)
+    def _store(self, path: str, owned: Any, size: int) -> None:
+        old = self._sizes.get(path, 0)
+        self._make_room(path, size - old)
         self._files[path] = owned
-        self._held += len(owned) - old
+        self._sizes[path] = size
+        self._held += size - old
         self._counter += 1
         self._versions[path] = self._counter
 
@@ -128,7 +160,7 @@ class MemoryStore:
         if self.budget_bytes is None or self._held + extra <= self.budget_bytes:
             return
         order = self._eviction_order(protect=_snapshot_of(path))
-        freeable = sum(len(d) for p, d in self._files.items() if _snapshot_of(p) in order)
+        freeable = sum(n for p, n in self._sizes.items() if _snapshot_of(p) in order)
         if self._held + extra - freeable > self.budget_bytes:
             order = []  # evicting everything allowed would not be enough: refuse, and keep what is held
         for sid in order:
@@ -167,9 +199,8 @@ class MemoryStore:
         self.remove_prefix(sid)
 
     def _drop(self, path: str) -> None:
-        data = self._files.pop(path, None)
-        if data is not None:
-            self._held -= len(data)
+        if self._files.pop(path, None) is not None:
+            self._held -= self._sizes.pop(path)
             self._versions.pop(path, None)
 
     def remove(self, path: str) -> None:
@@ -189,38 +220,37 @@ class MemoryStore:
 
     # -- reads ------------------------------------------------------------------
     def get(self, path: str, max_bytes: int | None = None):
-        """The bytes of ``path`` (a read-only uint8 array: Ray ships it without pickling), or None if absent.
-        Larger than ``max_bytes``: its size (an int), so the caller refuses it without the bytes travelling."""
-        import numpy as np
-
+        """``path``'s bytes: ``bytes`` for a small file, else ``[ObjectRef]`` of the object this store owns (in a
+        list, so the reply does not copy it: ``ray.get`` of the ref maps it read-only on this node); None if
+        absent. Larger than ``max_bytes``: its size (an int), so the caller refuses it without the bytes moving."""
         with self._lock:
-            data = self._files.get(path)
+            data, size = self._files.get(path), self._sizes.get(path)
         if data is None:
             return None
-        if max_bytes is not None and len(data) > max_bytes:
-            return len(data)
-        return np.frombuffer(data, dtype=np.uint8)
+        if max_bytes is not None and size > max_bytes:
+            return size
+        return data if isinstance(data, bytes) else [data]
 
     def get_range(self, path: str, start: int, length: int):
         """``length`` bytes of ``path`` from ``start`` (None: absent; an int: the file's size, when too short)."""
         with self._lock:
-            data = self._files.get(path)
+            data, size = self._files.get(path), self._sizes.get(path)
         if data is None:
             return None
-        if start + length > len(data):
-            return len(data)
-        return bytes(memoryview(data)[start:start + length])
+        if start + length > size:
+            return size
+        return bytes(memoryview(_resolve(data))[start:start + length])
 
     def stat(self, path: str) -> tuple[int, int] | None:
         """(size, version) of ``path``; the version changes whenever the file is replaced."""
         with self._lock:
-            data = self._files.get(path)
-            return None if data is None else (len(data), self._versions[path])
+            size = self._sizes.get(path)
+            return None if size is None else (size, self._versions[path])
 
     def inventory(self, prefix: str = "") -> dict[str, int]:
         """Every held path under ``prefix`` -> its size."""
         with self._lock:
-            return {p: len(d) for p, d in self._files.items()
+            return {p: n for p, n in self._sizes.items()
                     if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")}
 
     def bytes_held(self) -> int:
@@ -256,22 +286,21 @@ class MemoryStore:
     def _copy(self, path: str, peers: list) -> None:
         """Copy ``path`` to each peer; then the snapshot's manifest too once this store has it, so a peer that
         received data also learns the snapshot is committed (the manifest always arrives after its data)."""
-        import numpy as np
         import ray
 
         sid = _snapshot_of(path)
         manifest = f"{sid}/{MANIFEST_NAME}" if sid is not None else None
         for item in [path] + ([manifest] if manifest and path != manifest else []):
             with self._lock:
-                data = self._files.get(item)
+                data, size = self._files.get(item), self._sizes.get(item)
             if data is None:
                 continue  # removed or evicted before it was copied; or no manifest yet (it follows later)
-            array = np.frombuffer(data, dtype=np.uint8)
-            refs = [peer.put_replica.remote(item, array, self.node_id) for peer in peers]
+            # An ObjectRef goes as is: Ray moves the object to the peer's node, and the peer puts its own copy.
+            refs = [peer.put_replica.remote(item, data, self.node_id) for peer in peers]
             for ref in refs:
                 try:
                     ray.get(ref)
-                    self.replicated_bytes += len(data)
+                    self.replicated_bytes += size
                 except Exception as exc:  # a peer gone: its copy is missing, which the tier view shows
                     self.replication_errors.append(f"{item}: {type(exc).__name__}: {exc}"[:500])
                     del self.replication_errors[:-50]

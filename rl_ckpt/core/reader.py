@@ -135,8 +135,12 @@ def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | N
     return report
 
 
-def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry) -> bytearray:
-    """The file's bytes, only if they match the manifest (else CorruptSnapshotError)."""
+def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry, *, readonly_ok: bool = False):
+    """The file's bytes, only if they match the manifest (else CorruptSnapshotError).
+
+    ``readonly_ok``: a storage with ``read_view`` (the memory tier) may return a read-only view of memory it
+    shares (no copy); the hash covers exactly the bytes of that view, and the caller must never write to it.
+    """
     path = join(snapshot_id, entry.path)
     try:
         if storage.size(path) != entry.size:
@@ -145,7 +149,8 @@ def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry) -> bytea
                 snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"],
             )
         hasher = new_hasher(entry.algo)
-        data = storage.read(path, on_chunk=hasher.update)
+        read = getattr(storage, "read_view", None) if readonly_ok else None
+        data = (read or storage.read)(path, on_chunk=hasher.update)
     except StorageError as exc:
         raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path,
                                    problems=["unreadable"]) from exc
@@ -157,8 +162,13 @@ def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry) -> bytea
     return data
 
 
-def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy: bool = False) -> Any:
-    """Verify and decode one component's state dict from a snapshot."""
+def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy: bool = False,
+                   readonly_ok: bool = False) -> Any:
+    """Verify and decode one component's state dict from a snapshot.
+
+    ``readonly_ok``: its tensors may be views of read-only memory the storage shares (``read_view``: no copy);
+    only for a caller that copies them out (e.g. into a module's parameters) and never writes to them.
+    """
     sid = manifest.snapshot_id
     section = manifest.components.get(name)
     if section is None:
@@ -166,7 +176,7 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
                                    problems=[f"no component {name}"])
     entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
     by_path = {f.path: f for f in manifest.files_of(name)}
-    arrays = load_arrays(storage, manifest, name)
+    arrays = load_arrays(storage, manifest, name, readonly_ok=readonly_ok)
     tables = {}
     for table_name, rel in (section.get("tables") or {}).items():
         entry = by_path.get(rel)
@@ -191,8 +201,9 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
                                    f"{str(exc)[:200]})", snapshot_id=sid, problems=["bad state structure"]) from None
 
 
-def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
-    """A component's tensors (verified), from its safetensors file or from dedup objects."""
+def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok: bool = False) -> dict:
+    """A component's tensors (verified), from its safetensors file or from dedup objects (``readonly_ok``:
+    see :func:`load_component`)."""
     sid = manifest.snapshot_id
     section = manifest.components.get(name) or {}
     arrays: dict = {}
@@ -211,7 +222,7 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str) -> dict:
     # Without dedup every tensor is here; with dedup, the small ones are.
     entry = next((f for f in manifest.files_of(name) if f.role == "tensors"), None)
     if entry is not None:
-        raw = read_verified(storage, sid, entry)
+        raw = read_verified(storage, sid, entry, readonly_ok=readonly_ok)
         listed = section.get("tensors") or {}
         for key, (code, shape, view) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items():
             if key in arrays:

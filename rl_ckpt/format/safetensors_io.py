@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -161,14 +162,22 @@ def check_shape(shape) -> str | None:
 
 
 def to_torch(code: str, shape: list[int], view: memoryview) -> torch.Tensor:
-    """A tensor over ``view`` without copying (copied only when misaligned)."""
+    """A tensor over ``view`` without copying (copied only when misaligned).
+
+    A read-only ``view`` gives a tensor over read-only memory: torch cannot mark it so, and the caller must
+    not write to it (copy it first when writable memory is needed)."""
     problem = check_shape(shape)
     if problem:
         raise CorruptSnapshotError(f"tensor of shape {shape!r}: {problem}", problems=[problem])
     dtype = CODE_TO_TORCH[code]
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(view, dtype=torch.uint8)
+    if view.readonly:
+        with warnings.catch_warnings():  # torch's "buffer is not writable" warning: the caller only reads it
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(view, dtype=torch.uint8)
+    else:
+        raw = torch.frombuffer(view, dtype=torch.uint8)
     if raw.data_ptr() % ITEMSIZE[code]:
         raw = raw.clone()
     return raw.view(dtype).reshape(shape)

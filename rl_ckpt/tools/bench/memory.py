@@ -3,12 +3,18 @@
 For a state of ``--size`` bytes (default 1 GiB, one participant):
 
 - restore: from the memory tier vs from local disk with a cold page cache (the same engine code, the same
-  verified reads; only the storage differs);
+  verified reads; only the storage differs). Memory is measured two ways: ``engine.restore`` (the restorer
+  asks for writable tensors, so each file is copied once out of the object store, hashed as it is copied)
+  and the zero-copy load (``load_component(readonly_ok=True)``: the store's shared memory is hashed in place
+  and decoded read-only, then ``load_state_dict`` copies it into the state: one copy in all);
+- cold page cache: the files' pages are dropped before every disk read, and the bench checks with
+  ``mincore`` that none of the snapshot's pages stayed resident (the figure says how many did);
 - blocking: how long the trainer is blocked by a memory snapshot vs by a durable ``save_async`` (median of
-  ``--repeat``);
+  ``--repeat``, after one save of each that allocates its staging buffers; the two alternate who goes first);
 - death to first step: a trainer actor force-killed (``ray.kill``) and restarted by Ray (``max_restarts=1``): the time from the
   kill until the restarted process finished its first training step after restoring, with the memory tier and
-  without it (durable storage, cold page cache).
+  without it (durable storage, cold page cache), split into its phases: Ray restarting the process, the
+  engines opening the run, the restore, the first step.
 
 Prints the figures and writes them as JSON (``--json``). Needs a machine with room for a few copies of the
 state in memory (the trainer's, the store's, the object store's while in flight).
@@ -28,31 +34,27 @@ import uuid
 from rl_ckpt.tools.bench.common import CacheDropper, human, log, parse_size, rmtree
 
 
-class Weights:
-    """One big float32 tensor as the whole training state."""
+def weights(nbytes: int, seed: int = 0):
+    """The whole training state: a module holding one big float32 tensor (``w``, a buffer)."""
+    import torch
 
-    def __init__(self, nbytes: int, seed: int = 0) -> None:
-        import torch
+    class Weights(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", torch.arange(nbytes // 4, dtype=torch.float32).mul_(1e-3).add_(seed))
 
-        self.w = torch.empty(nbytes // 4, dtype=torch.float32)
-        self.w.copy_(torch.arange(self.w.numel(), dtype=torch.float32).mul_(1e-3).add_(seed))
+        def step(self) -> None:
+            self.w[:1024].add_(1.0)
 
-    def state_dict(self) -> dict:
-        return {"w": self.w}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.w.copy_(state["w"])
-
-    def step(self) -> None:
-        self.w[:1024].add_(1.0)
+    return Weights()
 
 
-def _engines(durable_dir: str, run: str, nbytes: int, tier: bool):
+def _engines(durable_dir: str, run: str, nbytes: int, tier: bool, state=None):
     from rl_ckpt import CheckpointEngine
 
     cfg = dict(keep_latest=2, keep_best=0, post_load_check=False, memory_replicas=0)
     engine = CheckpointEngine(base_dir=durable_dir, run_name=run, **cfg)
-    state = Weights(nbytes)
+    state = weights(nbytes) if state is None else state
     if not tier:
         engine.register("weights", state)
         return engine, None, state
@@ -63,15 +65,56 @@ def _engines(durable_dir: str, run: str, nbytes: int, tier: bool):
     return engine, t, state
 
 
+def resident_fraction(root: str) -> float:
+    """The fraction of the pages of the files under ``root`` that are in the page cache (``mincore``)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    files = [root] if os.path.isfile(root) else [os.path.join(r, n) for r, _d, fs in os.walk(root) for n in fs]
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = resident = 0
+    for name in files:
+        size = os.path.getsize(name)
+        if not size:
+            continue
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED: maps, reads nothing
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap failed on {name}")
+            try:
+                pages = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * pages)()
+                if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore failed on {name}")
+                total += pages
+                resident += sum(v & 1 for v in vec)
+            finally:
+                libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+    return resident / total if total else 0.0
+
+
 class Trainer:
     """A trainer actor for the death-to-first-step figure: restores in its constructor, then trains a step."""
 
     def __init__(self, durable_dir: str, run: str, nbytes: int, tier: bool, out: str) -> None:
-        self.engine, self.tier, self.state = _engines(durable_dir, run, nbytes, tier)
+        started = time.time()
+        state = weights(nbytes)
+        built = time.time()
+        self.engine, self.tier, self.state = _engines(durable_dir, run, nbytes, tier, state)
+        opened = time.time()
         result = self.tier.restore() if self.tier is not None else self.engine.restore()
+        restored = time.time()
         self.state.step()
         with open(out, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "first_step_at": time.time(), "restored": result.snapshot_id,
+            f.write(json.dumps({"pid": os.getpid(), "started_at": started, "built_at": built, "opened_at": opened, "restored_at": restored,
+                                "first_step_at": time.time(), "restored": result.snapshot_id,
                                 "tier": getattr(self.tier, "tier_restored", None)}) + "\n")
 
     def save(self, step: int) -> float:
@@ -91,41 +134,72 @@ def run(args) -> dict:
     cache = CacheDropper(args.cache)
     out: dict = {"bytes": nbytes, "cache": cache.note, "repeat": args.repeat}
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench")
+        # The stores keep two snapshots in the object store, plus one in flight: room for five, so that
+        # nothing is spilled to disk (a spilled object would make a memory read a disk read).
+        store_bytes = max(5 * nbytes, 1 << 30)
+        out["object_store_bytes"] = store_bytes
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench",
+                 object_store_memory=store_bytes)
     run_name = f"bench-{uuid.uuid4().hex[:6]}"
     try:
         # -- blocking time and restore, in this process ------------------------------------------------------
         engine, tier, state = _engines(base, run_name, nbytes, True)
         mem_block, disk_block = [], []
-        for i in range(args.repeat):
-            h = tier.save(2 * i + 1)
-            h.wait()
-            mem_block.append(h.stage_seconds)
-            h = engine.save_async(2 * i + 2)
-            h.wait()
-            disk_block.append(h.stage_seconds)
-        out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block), "durable_save_async": statistics.median(disk_block)}
+        saves = {"memory": (tier.save, mem_block), "durable": (engine.save_async, disk_block)}
+        step = 0
+        for i in range(args.repeat + 1):  # the first save of each allocates its staging buffers: not counted
+            for kind in (("memory", "durable") if i % 2 else ("durable", "memory")):  # alternate who goes first
+                step += 1
+                save, times = saves[kind]
+                h = save(step)
+                h.wait()
+                if i:
+                    times.append(h.stage_seconds)
+        # Both stage into buffers allocated by their first save and reused since: the same code blocks.
+        out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block), "durable_save_async": statistics.median(disk_block),
+                             "memory_snapshot_runs": mem_block, "durable_save_async_runs": disk_block}
         log(f"blocking: memory snapshot {out['blocking_s']['memory_snapshot']:.3f} s, durable save_async "
             f"{out['blocking_s']['durable_save_async']:.3f} s")
-        mem_restore, disk_restore = [], []
+        from rl_ckpt.core.reader import load_component
+
+        mem_restore, mem_zero_copy, disk_restore, resident = [], [], [], []
         newest_disk = engine.snapshots()[-1].snapshot_id
         newest_mem = tier.memory.snapshots()[-1].snapshot_id
+        mem_manifest = tier.memory.catalog.get(newest_mem).manifest
+        disk_run = os.path.join(base, run_name)
         for _ in range(args.repeat):
             started = time.perf_counter()
             tier.memory.restore(snapshot_id=newest_mem)
             mem_restore.append(time.perf_counter() - started)
-            cache.drop(os.path.join(base, run_name))
+            started = time.perf_counter()
+            loaded = load_component(tier.memory.storage, mem_manifest, "weights", readonly_ok=True)
+            state.load_state_dict(loaded)  # the one copy: the store's shared memory into the state
+            mem_zero_copy.append(time.perf_counter() - started)
+            del loaded
+            cache.drop(disk_run)
+            resident.append(resident_fraction(disk_run))
             started = time.perf_counter()
             engine.restore(snapshot_id=newest_disk)
             disk_restore.append(time.perf_counter() - started)
-        out["restore_s"] = {"memory": statistics.median(mem_restore), "disk_cold": statistics.median(disk_restore)}
-        out["restore_ratio"] = out["restore_s"]["memory"] / out["restore_s"]["disk_cold"]
-        log(f"restore: memory {out['restore_s']['memory']:.3f} s ({human(nbytes / out['restore_s']['memory'])}/s), "
-            f"disk cold {out['restore_s']['disk_cold']:.3f} s ({human(nbytes / out['restore_s']['disk_cold'])}/s): "
-            f"ratio {out['restore_ratio']:.2f}")
+        out["cache_check"] = (f"after each drop, {max(resident):.2%} of the durable run's file pages were still resident "
+                              "(mincore)")
+        out["restore_s"] = {"memory_engine_restore": statistics.median(mem_restore),
+                            "memory_zero_copy_load": statistics.median(mem_zero_copy),
+                            "disk_cold": statistics.median(disk_restore),
+                            "runs": {"memory_engine_restore": mem_restore, "memory_zero_copy_load": mem_zero_copy,
+                                     "disk_cold": disk_restore}}
+        disk = out["restore_s"]["disk_cold"]
+        out["restore_ratio"] = {"engine_restore": out["restore_s"]["memory_engine_restore"] / disk,
+                                "zero_copy_load": out["restore_s"]["memory_zero_copy_load"] / disk}
+        for key, label in (("memory_engine_restore", "memory (engine.restore)"),
+                           ("memory_zero_copy_load", "memory (zero-copy load)")):
+            took = out["restore_s"][key]
+            log(f"restore: {label} {took:.3f} s ({human(nbytes / took)}/s), ratio to disk cold {took / disk:.2f}")
+        log(f"restore: disk cold {disk:.3f} s ({human(nbytes / disk)}/s); {out['cache_check']}")
         memory_storage = tier.memory.storage
         tier.close()
-        del state, engine, tier
+        memory_storage.destroy()  # frees its snapshots before the trainer actors need the memory
+        del state, engine, tier, memory_storage
 
         # -- death to first step, with and without the memory tier -----------------------------------------
         out["death_to_first_step_s"] = {}
@@ -148,9 +222,15 @@ def run(args) -> dict:
             key = "memory_tier" if with_tier else "durable_only"
             out["death_to_first_step_s"][key] = last["first_step_at"] - killed_at
             out["death_to_first_step_s"][key + "_restored"] = f"{last['restored']} ({last['tier'] or 'durable'})"
-            log(f"death to first step ({key}): {out['death_to_first_step_s'][key]:.2f} s, restored {last['restored']}")
+            out["death_to_first_step_s"][key + "_phases"] = phases = {
+                "ray_restart_to_constructor": last["started_at"] - killed_at,
+                "build_state": last["built_at"] - last["started_at"],
+                "open_engines": last["opened_at"] - last["built_at"],
+                "restore": last["restored_at"] - last["opened_at"],
+                "first_step": last["first_step_at"] - last["restored_at"]}
+            log(f"death to first step ({key}): {out['death_to_first_step_s'][key]:.2f} s, restored {last['restored']}; "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
             ray.kill(actor, no_restart=True)
-        memory_storage.destroy()
         from rl_ckpt.storage import open_storage
 
         open_storage(f"raymem://mem/{run_name}-mem", {"replicas": 0}).destroy()

@@ -1,0 +1,135 @@
+"""Zero-copy reads from the memory tier: a store holds large files as objects it put into the node's object
+store; a reader maps them read-only, hashes them in place and decodes tensors over them; a flipped byte is
+still caught before anything is loaded, and nothing is ever written through the shared memory."""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from rl_ckpt import CheckpointEngine
+from rl_ckpt.core.reader import load_component, read_verified
+from rl_ckpt.errors import CorruptSnapshotError
+from rl_ckpt.format import safetensors_io
+from rl_ckpt.format.checksum import new_hasher
+
+
+class Big:
+    """A component of two tensors, one past the size from which a store keeps files in the object store."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.randn(300_000, generator=g)  # 1.2 MB
+        self.b = torch.arange(7, dtype=torch.int64) + seed
+
+    def state_dict(self) -> dict:
+        return {"w": self.w, "b": self.b}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w.copy_(state["w"])
+        self.b.copy_(state["b"])
+
+
+@pytest.fixture
+def mem(ray_cluster):
+    from rl_ckpt.storage import open_storage
+
+    storage = open_storage(f"raymem://mem/zc-{uuid.uuid4().hex[:8]}", {"replicas": 0})
+    yield storage
+    storage.destroy()
+
+
+def _saved(storage, seed: int = 1):
+    state = Big(seed)
+    engine = CheckpointEngine(base_dir="raymem://mem", run_name=storage.key.split("/", 1)[1], storage=storage,
+                              keep_latest=5, keep_best=0, post_load_check=False)
+    engine.register("big", state)
+    sid = engine.save(1).snapshot_id
+    manifest = engine.catalog.get(sid).manifest
+    return engine, state, manifest
+
+
+def _tensor_entry(manifest):
+    return next(f for f in manifest.files_of("big") if f.role == "tensors")
+
+
+@pytest.mark.ray
+def test_read_view_is_read_only_shared_and_hashed_in_place(mem):
+    engine, _state, manifest = _saved(mem)
+    entry = _tensor_entry(manifest)
+    path = f"{manifest.snapshot_id}/{entry.path}"
+    seen = []
+    view = mem.read_view(path, on_chunk=lambda piece: seen.append(bytes(piece)))
+    assert view.readonly and view.nbytes == entry.size
+    assert b"".join(seen) == bytes(view)  # on_chunk saw exactly the bytes returned
+    with pytest.raises(TypeError):
+        view[0] = 1
+    again = mem.read_view(path)
+    # Both views map the same object of the store (no copy per read).
+    assert np.frombuffer(view, np.uint8).ctypes.data == np.frombuffer(again, np.uint8).ctypes.data
+    copied = mem.read(path)  # the writable read is a private copy, equal byte for byte
+    assert bytes(copied) == bytes(view) and not memoryview(copied).readonly
+    copied[0] ^= 0xFF
+    assert bytes(mem.read_view(path)) == bytes(view)  # writing the copy left the store's bytes alone
+    engine.close()
+
+
+@pytest.mark.ray
+def test_zero_copy_load_decodes_over_the_store_and_loads_bitwise(mem):
+    engine, state, manifest = _saved(mem)
+    loaded = load_component(mem, manifest, "big", readonly_ok=True)
+    view = mem.read_view(f"{manifest.snapshot_id}/{_tensor_entry(manifest).path}")
+    start = np.frombuffer(view, np.uint8).ctypes.data
+    assert start <= loaded["w"].data_ptr() < start + view.nbytes  # the tensor is over the store's memory
+    fresh = Big(seed=9)
+    fresh.load_state_dict(loaded)
+    assert torch.equal(fresh.w, state.w) and torch.equal(fresh.b, state.b)
+    engine.close()
+
+
+@pytest.mark.ray
+def test_zero_copy_read_detects_a_flipped_byte(mem, ray_cluster):
+    engine, _state, manifest = _saved(mem)
+    entry = _tensor_entry(manifest)
+    path = f"{manifest.snapshot_id}/{entry.path}"
+    data = bytearray(mem.read(path))
+    data[len(data) // 2] ^= 0x01
+    store = next(iter(mem.stores().values()))
+    ray_cluster.get(store.put.remote(path, bytes(data)))  # the store now holds a corrupted copy
+    with pytest.raises(CorruptSnapshotError, match="checksum mismatch"):
+        read_verified(mem, manifest.snapshot_id, entry, readonly_ok=True)
+    with pytest.raises(CorruptSnapshotError, match="checksum mismatch"):
+        load_component(mem, manifest, "big", readonly_ok=True)
+    engine.close()
+
+
+@pytest.mark.ray
+def test_open_read_streams_the_view(mem):
+    payload = np.random.default_rng(4).integers(0, 255, (1 << 20) + 13, dtype=np.uint8)
+    mem.write("step_000000001/x.bin", [payload[:1000], payload[1000:]])  # two pieces: held as one object
+    hasher = new_hasher("xxh3_128")
+    with mem.open_read("step_000000001/x.bin") as f:
+        got = f.read()
+    hasher.update(got)
+    assert got == payload.tobytes()
+    assert mem.read_range("step_000000001/x.bin", 999, 3) == payload[999:1002].tobytes()
+
+
+def test_decoding_a_read_only_buffer():
+    """Pure logic: safetensors decodes a read-only buffer; tensors are views over it, without warnings."""
+    arrays = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int16)}
+    chunks, _meta = safetensors_io.encode(arrays)
+    blob = b"".join(bytes(c) for c in chunks)  # bytes: read-only memory
+    view = memoryview(blob)
+    assert view.readonly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = {k: safetensors_io.to_torch(code, shape, v) for k, (code, shape, v) in
+               safetensors_io.decode(view, where="x").items()}
+    assert torch.equal(out["a"], arrays["a"]) and torch.equal(out["b"], arrays["b"])
+    base = np.frombuffer(blob, np.uint8).ctypes.data
+    assert base <= out["a"].data_ptr() < base + len(blob)  # no copy
