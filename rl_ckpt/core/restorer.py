@@ -130,7 +130,9 @@ class Restorer:
             if reg.sharded is not None or "layout" in (manifest.components.get(key) or {}):
                 sharded[reg.name] = key  # loaded in place below, after every other check
                 continue
-            states[reg.name] = load_component(self.storage, manifest, key)
+            # A module copies every tensor into its own parameters: it may get views of read-only memory (the
+            # memory tier's shared object store: no copy out of it); anything else may keep what it is given.
+            states[reg.name] = load_component(self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj))
         if missing:
             msg = f"{sid}: registered component(s) {missing} are not in the snapshot"
             if strict and not all(self.registry.excluded(self.registry.get(m)) for m in missing):
@@ -252,6 +254,11 @@ def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: 
             if name in outputs and compare(ref, outputs[name], rtol=cfg.probe_rtol, atol=cfg.probe_atol):
                 return f"rank {r} computes a different {name!r} than rank 0 after loading", None
     return None, None
+
+
+def copies_on_load(obj: Any) -> bool:
+    """Whether ``obj.load_state_dict`` copies the tensors it is given (``torch.nn.Module``'s own does)."""
+    return isinstance(obj, torch.nn.Module) and type(obj).load_state_dict is torch.nn.Module.load_state_dict
 
 
 def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:

@@ -61,7 +61,7 @@ def flush_snapshot(memory: Storage, durable: Storage, snapshot_id: str, strategy
             if parent not in made:
                 durable.makedirs(parent)
                 made.add(parent)
-            data = read_verified(memory, snapshot_id, entry)  # verified on the way out of memory
+            data = read_verified(memory, snapshot_id, entry, readonly_ok=True)  # verified, no copy out of memory
             durable.write(path, [data], durable=True)
             del data
             if verify:
