@@ -154,8 +154,9 @@ class MemoryTierService:
         if manifest is None:
             return
         self.durable.catalog.add(SnapshotInfo.from_manifest(manifest))
-        try:
-            self.durable._after_commit()  # retention and best aliases, as after any durable commit
+        try:  # retention and best aliases, as after any durable commit (its problems come back as warnings)
+            for warning in self.durable.maintenance.after_commit():
+                log.warning("%s flushed, but housekeeping after the commit: %s", sid, warning)
         except CheckpointError as exc:
             log.warning("%s flushed, but housekeeping after the commit failed: %s", sid, exc)
         self.flushed.append(sid)
@@ -182,6 +183,7 @@ class MemoryTierService:
             "flush_lag_s": flush_lag, "not_flushed": [s.snapshot_id for s in waiting],
             "flushed": list(self.flushed[-10:]), "dropped": list(self.dropped[-10:]), "errors": list(self.errors[-5:]),
             "stores": stores, "tiers": [s.to_json() for s in view],
+            "replicas": self.config.memory_replicas, "updated_at": time.time(),
         }
         self._metrics.update(body)
         return body
