@@ -269,9 +269,12 @@ def learner_loop(config: dict) -> None:
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
                 learner.call_workers([workers[0].die.remote(step)], step)
             else:
+                front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
                 last_beat(engine, step)
                 os.kill(os.getpid(), signal.SIGKILL)
         values = {"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]}
+        if tier is not None and tier.due(step):
+            tier.wait()  # every due memory snapshot is taken (none skipped because the previous one still runs)
         handle = scheduler.step(step, metrics=values) if tier is None else tier.maybe_save(step, values)
         if handle is not None:  # the workers join the same snapshot: same step, same kind
             for w in workers:
