@@ -11,7 +11,6 @@ import urllib.request
 import uuid
 
 import pytest
-import torch
 
 from helpers import PPOState, wait_until
 from rl_ckpt import CheckpointEngine

@@ -200,7 +200,7 @@ def memory_summary(ref, crashed, mem, base: str, crash_at: int) -> tuple[str, bo
     flushed = list((mem.memory_status or {}).get("durable_snapshots", []))
     text = memory_comparison(durable, memory, durable_exact, memory_exact, MEMORY_DEFAULTS["memory_interval_steps"],
                              MEMORY_DEFAULTS["memory_flush_every"], flushed)
-    ok = memory_exact and memory["tier"] is not None and memory["steps_lost"] <= durable["steps_lost"]
+    ok = memory_exact and memory["tier"] == "memory" and memory["steps_lost"] <= durable["steps_lost"]
     return text, ok
 
 

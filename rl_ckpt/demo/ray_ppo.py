@@ -263,14 +263,15 @@ def learner_loop(config: dict) -> None:
         crasher = 0 if crash and crash["target"] == "rollout" else world - 1
         if crash and rank == crasher and step == crash["step"] and not os.path.exists(crash["marker"]):
             open(crash["marker"], "w").close()  # once per run: the restarted attempt goes on
-            _log(config, {"event": "kill", "step": step, "target": crash["target"]})
             if crash["target"] == "rollout":
                 # Wait for the kill to land (the actor may first finish a queued save): the call fails with
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
+                _log(config, {"event": "kill", "step": step, "target": "rollout"})
                 learner.call_workers([workers[0].die.remote(step)], step)
             else:
                 front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
                 last_beat(engine, step)
+                _log(config, {"event": "kill", "step": step, "target": "learner"})
                 os.kill(os.getpid(), signal.SIGKILL)
         values = {"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]}
         if tier is not None and tier.due(step):

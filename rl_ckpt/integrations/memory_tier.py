@@ -48,8 +48,10 @@ def memory_options(config, namespace: str = "rl_ckpt") -> dict:
 
 def memory_config(config):
     """The config of a run's memory tier: the same run, stored in ``raymem://mem/<run_name>``, no dedup (the
-    tier keeps whole snapshots)."""
-    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={})
+    tier keeps whole snapshots), and at least ``memory_flush_every`` memory snapshots kept (the flush of every
+    K-th one comes due when K of them are newer than durable storage's newest)."""
+    keep = max(config.keep_latest, config.memory_flush_every or 0)
+    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={}, keep_latest=keep)
 
 
 class MemoryTier:
@@ -76,7 +78,8 @@ class MemoryTier:
         storage = open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg, namespace))
         participants = list(engine.commit.expected) if engine.manager is not None and manager is not None else None
         self.memory = CheckpointEngine(memory_config(cfg), train_config=engine.train_config, storage=storage,
-                                       retention=KeepLatest(cfg.keep_latest), manager=manager, rank=engine.rank,
+                                       retention=KeepLatest(memory_config(cfg).keep_latest), manager=manager,
+                                       rank=engine.rank,
                                        world_size=engine.world_size, role=engine.role, participants=participants)
         self.last_memory_save = time.monotonic()
         self.last_handle = None
