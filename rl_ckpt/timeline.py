@@ -77,11 +77,17 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
                               "participant": _str(_failure(r).get("participant"))}}
                  for r in _records(storage, DECISIONS)]
     memory, restores = load_tier_events(storage)
+    free = list(restores)
     for d in decisions:  # a restart the memory tier answered: where training really resumed, and from which tier
-        got = next((r for r in restores if r["decision_time"] is not None and r["decision_time"] == d["time"]), None)
+        # The restore names the decision it followed; one planned before the failure record landed names none,
+        # and answers the first failure at or after the step it restored.
+        got = next((r for r in free if r["decision_time"] is not None and r["decision_time"] == d["time"]), None) or \
+            next((r for r in free if r["decision_time"] is None and d["step"] is not None and r["to"] <= d["step"]),
+                 None)
+        if got is not None:
+            free.remove(got)
         d["resumed_to"], d["tier"] = (got["to"], got["tier"]) if got else (d["to"], "durable")
-    answered = {d["time"] for d in decisions}
-    resumes = [r for r in restores if r["decision_time"] not in answered and r["failure_step"] is not None]
+    resumes = [r for r in free if r["failure_step"] is not None]
     return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
             "decisions": decisions, "metric": metric,
             "memory_snapshots": [{"id": m["id"], "step": m["step"], "kind": m["kind"],

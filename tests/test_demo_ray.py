@@ -130,8 +130,9 @@ def test_memory_tier_crash_restarts_from_memory(ray_cluster, reference):
     assert [w[:2] for w in resumed["workers"]] == [["step_000000022", 22]]  # rank 0's rollout worker: the same one
     assert result.done["digest"] == ref.done["digest"] and _last_losses(result) == _last_losses(ref)
     # Durable copies were made from memory by the service (one in 5 memory snapshots), none by the trainer.
-    flushed = result.memory_status["durable_snapshots"]
+    flushed = result.memory_status["flushed"]
     assert flushed and all(int(s.split("_")[1]) % 2 == 0 for s in flushed), flushed
+    assert set(result.memory_status["durable_snapshots"]) <= set(flushed)  # every durable snapshot came from memory
 
     text, ok = memory_summary(ref, durable, result, str(base), 23)
     assert ok, text

@@ -197,7 +197,7 @@ def memory_summary(ref, crashed, mem, base: str, crash_at: int) -> tuple[str, bo
     durable = crash_figures(crashed, load(open_storage(f"{base}/{crashed.run_name}")), crash_at)
     memory = crash_figures(mem, load(open_storage(f"{base}/{mem.run_name}")), crash_at)
     durable_exact, memory_exact = all(matches(ref, crashed, crash_at)), all(matches(ref, mem, crash_at))
-    flushed = list((mem.memory_status or {}).get("durable_snapshots", []))
+    flushed = list((mem.memory_status or {}).get("flushed", []))  # durable copies the service made from memory
     text = memory_comparison(durable, memory, durable_exact, memory_exact, MEMORY_DEFAULTS["memory_interval_steps"],
                              MEMORY_DEFAULTS["memory_flush_every"], flushed)
     ok = memory_exact and memory["tier"] == "memory" and memory["steps_lost"] <= durable["steps_lost"]

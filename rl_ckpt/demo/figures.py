@@ -60,7 +60,7 @@ def memory_comparison(durable: dict, memory: dict, durable_exact: bool, memory_e
     every = f"a durable copy of one in {flush_every}" if flush_every else "durable copies by time"
     return "\n".join([
         f"Memory tier: the same crash with memory snapshots every {interval} steps ({every}; "
-        f"flushed: {', '.join(flushed) or 'none'})",
+        f"durable copies made from memory: {', '.join(flushed) or 'none'})",
         row("", "durable only", "with memory tier"),
         row("restored from", f"{durable['tier']} {durable['snapshot']}", f"{memory['tier']} {memory['snapshot']}"),
         row("restored step", str(durable["restored_step"]), str(memory["restored_step"])),
