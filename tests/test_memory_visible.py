@@ -181,3 +181,12 @@ def dataclasses_replace(plan, **changes):
     import dataclasses
 
     return dataclasses.replace(plan, **changes)
+
+
+def test_demo_memory_tier_only_with_the_ray_drill():
+    from rl_ckpt.demo.__main__ import main
+
+    for extra in (["--local"], ["--sharded"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--memory-tier", *extra])
+        assert exc.value.code == 2

@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
+    if args.memory_tier and (args.local or args.sharded):
+        p.error("--memory-tier runs with the Ray PPO drill: leave out --local and --sharded")
     base = args.base_dir or tempfile.mkdtemp(prefix="rl-ckpt-demo-")
     if args.local:
         cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
