@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.engine import CheckpointEngine
