@@ -1,7 +1,8 @@
 """``/healthz``: a tiny JSON HTTP endpoint, bound to 127.0.0.1 by default.
 
 GET /healthz returns the manager's health dict (200 when ``status`` is "ok",
-503 when degraded); anything else is 404. It runs on its own thread inside the
+503 when degraded); GET /metrics the same facts as Prometheus text
+(``actors/metrics.py``, always 200); anything else is 404. It runs on its own thread inside the
 manager actor, so it answers even while a commit is in progress.
 """
 
@@ -13,6 +14,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from .metrics import prometheus_text
+
 log = logging.getLogger("rl_ckpt")
 
 
@@ -20,13 +23,18 @@ class HealthzServer:
     def __init__(self, health: Callable[[], dict], host: str = "127.0.0.1", port: int = 0) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                if self.path.split("?", 1)[0] not in ("/healthz", "/healthz/"):
-                    self.send_error(404, "try /healthz")
+                path = self.path.split("?", 1)[0].rstrip("/")
+                if path not in ("/healthz", "/metrics"):
+                    self.send_error(404, "try /healthz or /metrics")
                     return
                 body = health()
-                data = json.dumps(body, default=str).encode()
-                self.send_response(200 if body.get("status") == "ok" else 503)
-                self.send_header("Content-Type", "application/json")
+                if path == "/metrics":
+                    data, code, kind = prometheus_text(body).encode(), 200, "text/plain; version=0.0.4"
+                else:
+                    data, code = json.dumps(body, default=str).encode(), 200 if body.get("status") == "ok" else 503
+                    kind = "application/json"
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -53,6 +53,7 @@ from rl_ckpt.storage import join, open_storage
 from .commits import PAUSE_DIR_ENV, CommitProtocol
 from .decisions import SaveDecisions
 from .healthz import HealthzServer
+from .memory_health import memory_tier_section
 from .metrics import ManagerMetrics
 from .participants import LivenessWatch, ParticipantRegistry
 
@@ -307,7 +308,7 @@ class CheckpointManager:
         """The run's health: ``status`` is "degraded" (``/healthz`` answers 503) while a participant is lost
         (dead or silent) or a snapshot is quarantined; ``failure`` is then the newest failure recorded.
         ``maintenance_warnings``: what housekeeping after the newest commit could not do (the commit stands)."""
-        now = time.monotonic()
+        memory, now = memory_tier_section(self.config.run_name), time.monotonic()  # (bounded wait, outside the lock)
         with self._lock:
             newest = self.catalog.snapshots()
             parts = self.registry.status(now)
@@ -330,7 +331,7 @@ class CheckpointManager:
                 "storage_free_bytes": self.storage.free_bytes(),
                 "patrol": self.patrol.status() if self.patrol else {"enabled": False},
                 "committed": self.commits.committed, "aborted": self.commits.aborted,
-                "maintenance_warnings": dict(self.commits.maintenance_warnings),
+                "maintenance_warnings": dict(self.commits.maintenance_warnings), "memory_tier": memory,
             }
 
     def healthz_url(self) -> str | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.engine import CheckpointEngine
@@ -178,6 +177,7 @@ class MemoryTierService:
             "flush_lag_s": flush_lag, "not_flushed": [s.snapshot_id for s in waiting],
             "flushed": list(self.flushed[-10:]), "dropped": list(self.dropped[-10:]), "errors": list(self.errors[-5:]),
             "stores": stores, "tiers": [s.to_json() for s in view],
+            "replicas": self.config.memory_replicas, "updated_at": time.time(),
         }
         self._metrics.update(body)
         return body

@@ -2,9 +2,11 @@
 
 Steps on x; the reward curve (from snapshot metrics, or a per-step log);
 snapshots as marks (full/light, kept/deleted by retention, best starred);
-failures as red lines and restarts as green arrows back to the restored step.
+memory-tier snapshots as orange diamonds on a row of their own; failures as
+red lines and restarts as arrows back to the restored step (green from
+durable storage, orange from memory).
 Everything comes from the run folder: manifests, ``history/retired/``,
-``best/``, ``failures/`` and ``decisions/``.
+``best/``, ``failures/``, ``decisions/`` and the memory tier's ``memory_tier/``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from typing import Any
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.layout import BEST, DECISIONS, FAILURES, RETIRED
 from rl_ckpt.run.records import RecordStore
+from rl_ckpt.run.tier_events import load_tier_events
 from rl_ckpt.storage import Storage
+
+
+MEMORY_COLOR = "#e07b00"
 
 
 def _records(storage: Storage, folder: str) -> list[dict]:
@@ -66,15 +72,32 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
     failures = [{"step": _step(r.get("step")), "kind": str(r.get("kind")), "participant": _str(r.get("participant"))}
                 for r in _records(storage, FAILURES)]
     decisions = [{"step": _step(_failure(r).get("step")), "action": r.get("action"), "to": _step(r.get("global_step")),
-                  "snapshot": r.get("snapshot_id"),
+                  "snapshot": r.get("snapshot_id"), "time": _str(r.get("time")),
                   "failure": {"step": _step(_failure(r).get("step")), "kind": _str(_failure(r).get("kind")),
                               "participant": _str(_failure(r).get("participant"))}}
                  for r in _records(storage, DECISIONS)]
+    memory, restores = load_tier_events(storage)
+    free = list(restores)
+    for d in decisions:  # a restart the memory tier answered: where training really resumed, and from which tier
+        # The restore names the decision it followed; one planned before the failure record landed names none,
+        # and answers the first failure at or after the step it restored.
+        got = next((r for r in free if r["decision_time"] is not None and r["decision_time"] == d["time"]), None) or \
+            next((r for r in free if r["decision_time"] is None and d["step"] is not None and r["to"] <= d["step"]),
+                 None)
+        if got is not None:
+            free.remove(got)
+        d["resumed_to"], d["tier"] = (got["to"], got["tier"]) if got else (d["to"], "durable")
+    resumes = [r for r in free if r["failure_step"] is not None]
     return {"snapshots": sorted(snaps, key=lambda s: s["step"]), "best": best, "failures": failures,
-            "decisions": decisions, "metric": metric}
+            "decisions": decisions, "metric": metric,
+            "memory_snapshots": [{"id": m["id"], "step": m["step"], "kind": m["kind"],
+                                  "value": _num(m["metrics"].get(metric))} for m in memory],
+            "tier_restores": resumes}
 
 
-def plot(data: dict, out: str, step_log: list[dict] | None = None, title: str = "") -> None:
+def plot(data: dict, out: str, step_log: list[dict] | None = None, title: str = "") -> dict:
+    """Draw ``data`` (from :func:`load`) into the image ``out``; returns what was drawn: the legend entries and the
+    text notes (``{"legend": [...], "notes": [...]}``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,18 +137,27 @@ def plot(data: dict, out: str, step_log: list[dict] | None = None, title: str = 
         if f["step"] is not None:
             ax.axvline(f["step"], color="#d62728", ls="-", lw=1.5, label="failure" if i == 0 else None)
             ax.annotate(f["kind"], (f["step"], ymax), rotation=90, va="top", ha="right", fontsize=8, color="#d62728")
-    for i, d in enumerate(data["decisions"]):
-        if d["step"] is not None and d["to"] is not None:
+    memory = data.get("memory_snapshots", [])
+    if memory:
+        row = ymin - 0.14 * (ymax - ymin or 1.0)
+        ax.scatter([m["step"] for m in memory], [row] * len(memory), marker="D", color=MEMORY_COLOR, s=22, zorder=3,
+                   label="memory-tier snapshot (Ray memory)")
+    resumes = [(d["step"], d.get("resumed_to", d["to"]), d.get("tier", "durable")) for d in data["decisions"]]
+    resumes += [(r["failure_step"], r["to"], r["tier"]) for r in data.get("tier_restores", [])]
+    for start, to, tier in resumes:
+        if start is not None and to is not None:
             y = ymin + 0.85 * (ymax - ymin)
-            ax.annotate("", xy=(d["to"], y), xytext=(d["step"], y),
-                        arrowprops=dict(arrowstyle="->", color="#2a9d4b", lw=1.6))
-            ax.annotate(f"resume from step {d['to']}", (d["to"], y), xytext=(4, 4), textcoords="offset points",
-                        fontsize=8, color="#2a9d4b")
+            color = MEMORY_COLOR if tier == "memory" else "#2a9d4b"
+            ax.annotate("", xy=(to, y), xytext=(start, y), arrowprops=dict(arrowstyle="->", color=color, lw=1.6))
+            ax.annotate(f"resume from {'memory ' if tier == 'memory' else ''}step {to}", (to, y), xytext=(4, 4),
+                        textcoords="offset points", fontsize=8, color=color)
     ax.set_xlabel("training step")
     ax.set_ylabel(metric)
     ax.set_title(title or "rl_ckpt timeline")
     ax.grid(alpha=0.25)
     ax.legend(loc="upper left", fontsize=8, ncol=2, framealpha=0.85)
+    drawn = {"legend": ax.get_legend_handles_labels()[1], "notes": [t.get_text() for t in ax.texts if t.get_text()]}
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+    return drawn

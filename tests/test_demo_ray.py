@@ -34,13 +34,25 @@ def _last_losses(result) -> dict:
     return out
 
 
-@pytest.mark.parametrize("target,crash_at", [("learner", 23), ("rollout", 24)])
-def test_crash_then_exact_restart(ray_cluster, reference, target, crash_at):
+_CRASHED: dict = {}
+
+
+def _crashed(base, target: str, crash_at: int, memory_tier: bool = False):
+    """The crash run of ``target`` at ``crash_at`` in this module's folder (run once, shared by the tests)."""
     from rl_ckpt.demo.ray_ppo import run
 
+    key = (target, crash_at, memory_tier)
+    if key not in _CRASHED:
+        _CRASHED[key] = run(base_dir=str(base), run_name=f"crash-{target}" + ("-memory" if memory_tier else ""),
+                            steps=STEPS, engine_cfg=ENGINE, crash_at=crash_at, crash_target=target,
+                            memory_tier=memory_tier)
+    return _CRASHED[key]
+
+
+@pytest.mark.parametrize("target,crash_at", [("learner", 23), ("rollout", 24)])
+def test_crash_then_exact_restart(ray_cluster, reference, target, crash_at):
     base, ref = reference
-    result = run(base_dir=str(base), run_name=f"crash-{target}", steps=STEPS, engine_cfg=ENGINE, crash_at=crash_at,
-                 crash_target=target)
+    result = _crashed(base, target, crash_at)
     attempts = result.attempts
     assert len(attempts) == 2 and attempts[0]["restored"] is None
     restored = attempts[1]
@@ -100,3 +112,54 @@ def _check_summary(ref, result, base, target: str, crash_at: int) -> None:
     data = load(open_storage(str(base / result.run_name)))
     assert [f["step"] for f in data["failures"] if f["kind"] == "process_killed"] == [crash_step]
     assert [(d["step"], d["to"]) for d in data["decisions"]] == [(crash_step, resume_step)]
+
+
+def test_memory_tier_crash_restarts_from_memory(ray_cluster, reference):
+    """The same learner crash with the memory tier: every participant restores the step-22 memory snapshot (the
+    durable-only run loses back to step 20), the run ends bitwise equal to the uninterrupted one, the demo's
+    side-by-side figures agree with each other and with the run, and the timeline draws the memory tier."""
+    from rl_ckpt.demo.__main__ import memory_summary
+    from rl_ckpt.storage import open_storage
+    from rl_ckpt.timeline import load, plot
+
+    base, ref = reference
+    durable = _crashed(base, "learner", 23)
+    result = _crashed(base, "learner", 23, memory_tier=True)
+    resumed = result.attempts[-1]
+    assert (resumed["tier"], resumed["restored"], resumed["step"]) == ("memory", "step_000000022", 22)
+    assert [w[:2] for w in resumed["workers"]] == [["step_000000022", 22]]  # rank 0's rollout worker: the same one
+    assert result.done["digest"] == ref.done["digest"] and _last_losses(result) == _last_losses(ref)
+    # Durable copies were made from memory by the service (one in 5 memory snapshots), none by the trainer.
+    flushed = result.memory_status["flushed"]
+    assert flushed and all(int(s.split("_")[1]) % 2 == 0 for s in flushed), flushed
+    assert set(result.memory_status["durable_snapshots"]) <= set(flushed)  # every durable snapshot came from memory
+
+    text, ok = memory_summary(ref, durable, result, str(base), 23)
+    assert ok, text
+
+    def row(name):
+        m = re.search(rf"^  {name}\s+(.+?)\s{{2,}}(.+)$", text, re.M)
+        assert m, (name, text)
+        return m.group(1).strip(), m.group(2).strip()
+
+    tiers = row("restored from")
+    assert tiers == (f"durable {durable.attempts[-1]['restored']}", "memory step_000000022")
+    restored = [int(x) for x in row("restored step")]
+    failed = [int(x) for x in row("failure step")]
+    lost = [int(x) for x in row("steps lost")]
+    assert failed == [23, 23] and restored[1] == 22 and restored[0] == int(tiers[0].split("_")[-1])
+    assert lost == [failed[0] - restored[0], failed[1] - restored[1]] and lost[1] < lost[0]
+    restore_s = [float(x.split()[0]) for x in row("restore time")]
+    kill_s = [float(x.split()[0]) for x in row("kill to first step")]
+    assert all(0 < r < k for r, k in zip(restore_s, kill_s))  # the restore is part of the time from kill to step
+    assert row("exact restart") == ("YES", "YES")
+    first_after = min(m["step"] for m in result.log if m["event"] == "step" and m["t"] > resumed["t"])
+    assert first_after == restored[1] + 1
+
+    # The timeline: memory snapshots from memory_tier/ records, the restart drawn back to the memory snapshot.
+    data = load(open_storage(str(base / result.run_name)))
+    steps = [m["step"] for m in data["memory_snapshots"]]
+    assert steps[:11] == list(range(2, 23, 2)) and all(s % 2 == 0 for s in steps)
+    assert [(d["step"], d["resumed_to"], d["tier"]) for d in data["decisions"]] == [(23, 22, "memory")]
+    drawn = plot(data, str(base / "memory.png"))
+    assert "memory-tier snapshot (Ray memory)" in drawn["legend"] and "resume from memory step 22" in drawn["notes"]

@@ -16,6 +16,7 @@ import tempfile
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.storage import open_storage
 from rl_ckpt.demo.drill import crash_drill
+from rl_ckpt.demo.figures import crash_figures, matches, memory_comparison
 
 
 def _human(n: float) -> str:
@@ -75,27 +76,11 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
               for tensor in (section.get("objects") or {}).values() for digest, size in tensor]
     referenced = sum(size for _d, size in chunks)
     unique = sum(dict(chunks).values())
-    last = {}
-    for m in run.log:  # the resumed attempt re-logs the redone steps: the last value per step counts
-        if m["event"] == "step":
-            last[m["step"]] = m
-    ref_steps = {m["step"]: m for m in ref.log if m["event"] == "step"}
-    pre_crash = [m for m in run.log if m["event"] == "step" and m["step"] <= crash_at][:crash_at]
-    losses_equal = all(last[s]["loss"] == ref_steps[s]["loss"] for s in ref_steps) and \
-        all(m["loss"] == ref_steps[m["step"]]["loss"] for m in pre_crash)
-    params_equal = bool(run.done and ref.done and run.done["digest"] == ref.done["digest"])
-    attempts = run.attempts
-    resumed = attempts[-1] if len(attempts) > 1 else None
-    decisions = data["decisions"]
+    params_equal, losses_equal = matches(ref, run, crash_at)
     # The failure recovery answered (the decision names it), with its step and participant as recorded.
-    decision = decisions[0] if decisions else None
-    failure = decision["failure"] if decision else (data["failures"][0] if data["failures"] else None)
-    restored_step = resumed["step"] if resumed else 0
-    crash_step = failure["step"] if failure and failure["step"] is not None else crash_at
-    t_crash = max((m["t"] for m in run.log if m["event"] == "step" and m["step"] <= crash_step and m["t"] < resumed["t"]),
-                  default=None) if resumed else None
-    t_back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
-    downtime = (t_back - t_crash) if (t_crash and t_back) else float("nan")
+    fig = crash_figures(run, data, crash_at)
+    resumed, decision, failure = fig["resumed"], fig["decision"], fig["failure"]
+    restored_step, crash_step = fig["restored_step"], fig["crash_step"]
     full = [s for s in kept if s["kind"] == "full"]
     light = [s for s in kept if s["kind"] == "light"]
     deleted = [s for s in snaps if s["state"] == "deleted"]
@@ -112,8 +97,8 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
         f"(step {decision['to'] if decision else '-'})",
         f"  restored           {resumed['restored'] if resumed else '-'} (step {restored_step}); "
         f"rollout workers: {[w[0] for w in resumed['workers']] if resumed else '-'}",
-        f"  time lost          {crash_step - restored_step} steps redone; {downtime:.1f} s from the last step before the "
-        "crash to the first step after the restart",
+        f"  time lost          {fig['steps_lost']} steps redone; {fig['kill_to_first_step']:.1f} s from the kill to "
+        f"the first step after the restart (restore {fig['restore_seconds']:.2f} s)",
         f"  final avg reward   {run.done['avg_reward']:.1f} at step {steps}" if run.done else "  final avg reward   -",
         f"  matches uninterrupted run: parameters {'YES' if params_equal else 'NO'}, losses {'YES' if losses_equal else 'NO'}",
     ]
@@ -137,11 +122,15 @@ def main(argv=None) -> int:
                    "restart on fewer (examples/grpo_gpt2_fsdp.py)")
     p.add_argument("--learners", type=int, default=2, help="--sharded: FSDP2 learners before the crash (default 2)")
     p.add_argument("--restart-learners", type=int, default=1, help="--sharded: learners after it (default 1)")
+    p.add_argument("--memory-tier", action="store_true", help="also run the same crash with the memory tier (memory "
+                   "snapshots every 2 steps, durable copies made from memory) and print both side by side")
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.sharded else 50)
     args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
+    if args.memory_tier and (args.local or args.sharded):
+        p.error("--memory-tier runs with the Ray PPO drill: leave out --local and --sharded")
     base = args.base_dir or tempfile.mkdtemp(prefix="rl-ckpt-demo-")
     if args.local:
         cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
@@ -176,18 +165,45 @@ def main(argv=None) -> int:
         return 0 if report.ok else 1
     engine_cfg = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True,
                   "dedup_min_tensor_bytes": 4096}  # the CartPole layers are 16 KiB: dedup them, keep biases in files
-    print("1/2 uninterrupted reference run ...", file=sys.stderr)
+    n = 3 if args.memory_tier else 2
+    print(f"1/{n} uninterrupted reference run ...", file=sys.stderr)
     ref = run(base_dir=base, run_name="ppo_reference", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg)
-    print(f"2/2 run with a SIGKILL of a {args.crash_target} at step {args.crash_at} ...", file=sys.stderr)
+    print(f"2/{n} run with a SIGKILL of a {args.crash_target} at step {args.crash_at} ...", file=sys.stderr)
     crashed = run(base_dir=base, run_name="ppo_cartpole", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg,
                   crash_at=args.crash_at, crash_target=args.crash_target)
     png = os.path.join(base, "timeline.png")
     steps_log = [m for m in crashed.log if m["event"] == "step"]
     plot(load(open_storage(f"{base}/ppo_cartpole")), png, step_log=steps_log, title="rl-ckpt demo: PPO on CartPole-v1")
     text, ok = ray_summary(ref, crashed, base, args.steps, args.crash_at, png)
+    if args.memory_tier:
+        print("3/3 the same crash with the memory tier ...", file=sys.stderr)
+        mem = run(base_dir=base, run_name="ppo_cartpole_memory", steps=args.steps, seed=args.seed,
+                  engine_cfg=engine_cfg, crash_at=args.crash_at, crash_target=args.crash_target, memory_tier=True)
+        mem_png = os.path.join(base, "timeline_memory.png")
+        plot(load(open_storage(f"{base}/ppo_cartpole_memory")), mem_png, step_log=[m for m in mem.log if m["event"] ==
+             "step"], title="rl-ckpt demo: PPO on CartPole-v1, memory tier")
+        block, mem_ok = memory_summary(ref, crashed, mem, base, args.crash_at)
+        text += f"\n\n{block}\n  timeline           {mem_png}"
+        ok = ok and mem_ok
     print(text)
     ray.shutdown()
     return 0 if ok else 1
+
+
+def memory_summary(ref, crashed, mem, base: str, crash_at: int) -> tuple[str, bool]:
+    """The durable-only crash and the memory tier's crash side by side, and whether the memory run was exact
+    and its figures agree (restored from memory, fewer or as many steps lost)."""
+    from rl_ckpt.demo.ray_ppo import MEMORY_DEFAULTS
+    from rl_ckpt.timeline import load
+
+    durable = crash_figures(crashed, load(open_storage(f"{base}/{crashed.run_name}")), crash_at)
+    memory = crash_figures(mem, load(open_storage(f"{base}/{mem.run_name}")), crash_at)
+    durable_exact, memory_exact = all(matches(ref, crashed, crash_at)), all(matches(ref, mem, crash_at))
+    flushed = list((mem.memory_status or {}).get("flushed", []))  # durable copies the service made from memory
+    text = memory_comparison(durable, memory, durable_exact, memory_exact, MEMORY_DEFAULTS["memory_interval_steps"],
+                             MEMORY_DEFAULTS["memory_flush_every"], flushed)
+    ok = memory_exact and memory["tier"] == "memory" and memory["steps_lost"] <= durable["steps_lost"]
+    return text, ok
 
 
 if __name__ == "__main__":

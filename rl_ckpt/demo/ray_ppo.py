@@ -12,6 +12,10 @@
 - Saves: the learners' scheduler decides (layered: full + light, keep-best on
   ``avg_reward``); when it starts a save, each learner tells its workers to save
   the same step, and the manager commits the snapshot once all reported.
+- With the memory tier (``run(memory_tier=True)``) every participant saves
+  memory snapshots instead (``MemoryTier``, committed by the memory manager) and
+  the ``MemoryTierService`` makes the durable copies; a restart restores the
+  newest complete snapshot of either tier.
 - A failure anywhere (a killed learner rank or rollout worker) fails the
   attempt; the ``CheckpointCallback`` records it; Ray Train restarts the
   learners; every learner and worker restores the snapshot the coordinator
@@ -55,7 +59,8 @@ class ObsState:
 class RolloutWorker:
     """A Ray actor holding envs; collects experience with the weights it is sent."""
 
-    def __init__(self, index: int, ppo: dict, engine_cfg: dict, manager, participants: list[str]) -> None:
+    def __init__(self, index: int, ppo: dict, engine_cfg: dict, manager, participants: list[str],
+                 memory: dict | None = None) -> None:
         torch.set_num_threads(1)
         torch.use_deterministic_algorithms(True)
         cfg = PPOConfig(**ppo)
@@ -67,9 +72,11 @@ class RolloutWorker:
         self.model = ActorCritic(tuple(cfg.hidden_sizes))
         self.engine = CheckpointEngine(**engine_cfg, manager=manager, rank=index, world_size=1, role="rollout",
                                        participants=participants)
-        self.engine.register("policy", self.model)  # the weights it acts with
-        self.engine.register("env", self.envs)
-        self.engine.register("rng", RNGState())
+        self.tier = memory_tier(self.engine, memory, service=False)
+        front = self.tier or self.engine
+        front.register("policy", self.model)  # the weights it acts with
+        front.register("env", self.envs)
+        front.register("rng", RNGState())
         self.pending = None
         self.ready = False  # set by restore(): a worker Ray restarted must not serve fresh state
 
@@ -107,7 +114,7 @@ class RolloutWorker:
         """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
         self._check_ready()
         self._settle()  # one in flight
-        self.pending = self.engine.save_async(step, kind=kind)
+        self.pending = self.tier.save(step) if self.tier is not None else self.engine.save_async(step, kind=kind)
 
     def _settle(self) -> None:
         """Wait for the save in flight. Its failure is the snapshot's (the manager aborted it for every
@@ -121,7 +128,7 @@ class RolloutWorker:
 
     def restore(self, light: bool = False) -> tuple:
         self.pending = None
-        result = self.engine.restore(light=light)
+        result = self.tier.restore() if self.tier is not None else self.engine.restore(light=light)
         self.ready = True
         return result.snapshot_id, result.global_step
 
@@ -133,7 +140,16 @@ class RolloutWorker:
     def close(self) -> None:
         """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
         self._settle()
-        self.engine.close()
+        (self.tier or self.engine).close()
+
+
+def memory_tier(engine: CheckpointEngine, memory: dict | None, service: bool = True):
+    """``engine``'s ``MemoryTier`` when the run has one (``memory``: the memory manager and service handles)."""
+    if memory is None:
+        return None
+    from rl_ckpt.integrations.memory_tier import MemoryTier
+
+    return MemoryTier(engine, manager=memory["manager"], service=memory["service"] if service else None)
 
 
 def last_beat(engine: CheckpointEngine, step: int) -> None:
@@ -221,19 +237,25 @@ def learner_loop(config: dict) -> None:
     learner = Learner(ppo, workers, [f"rollout-{i}" for i in range(rank * k, (rank + 1) * k)])
     engine = CheckpointEngine(**config["engine"], manager=config["manager"], participants=config["participants"],
                               train_config={k2: v for k2, v in config["ppo"].items() if k2 != "seed"})
+    tier = memory_tier(engine, config.get("memory"))
+    front = tier or engine
     for name, component in learner.components().items():
-        engine.register(name, component, replicated=name in ("policy", "optimizer", "lr_scheduler"))
-    engine.register("rng", RNGState())
+        front.register(name, component, replicated=name in ("policy", "optimizer", "lr_scheduler"))
+    front.register("rng", RNGState())
     # Full snapshots only: that restore is exact (a light layer trades exactness for fresher bookkeeping).
     use_light = bool(config.get("use_light"))
-    result = engine.restore(light=use_light)
+    started = time.monotonic()
+    result = tier.restore() if tier is not None else engine.restore(light=use_light)
+    restore_seconds = time.monotonic() - started
     worker_restores = ray.get([w.restore.remote(use_light) for w in workers])
     start = result.global_step
     if rank == 0:
+        tier_name = tier.tier_restored if tier is not None else ("durable" if result.snapshot_id else None)
         _log(config, {"event": "attempt", "restored": result.snapshot_id, "step": start,
-                      "light": result.light_snapshot_id, "workers": worker_restores,
+                      "light": result.light_snapshot_id, "workers": worker_restores, "tier": tier_name,
+                      "restore_seconds": restore_seconds,
                       "plan": str(result.plan) if result.plan is not None else ""})
-    scheduler = engine.scheduler(start_step=start)
+    scheduler = engine.scheduler(start_step=start) if tier is None else None  # with the tier: memory saves only
     crash = config.get("crash")
     while learner.progress.global_step < config["steps"]:
         metrics = learner.train_step()
@@ -244,11 +266,17 @@ def learner_loop(config: dict) -> None:
             if crash["target"] == "rollout":
                 # Wait for the kill to land (the actor may first finish a queued save): the call fails with
                 # the actor's death here, at this step, and Ray Train restarts the attempt.
+                _log(config, {"event": "kill", "step": step, "target": "rollout"})
                 learner.call_workers([workers[0].die.remote(step)], step)
             else:
+                front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
                 last_beat(engine, step)
+                _log(config, {"event": "kill", "step": step, "target": "learner"})
                 os.kill(os.getpid(), signal.SIGKILL)
-        handle = scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
+        values = {"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]}
+        if tier is not None and tier.due(step):
+            tier.wait()  # every due memory snapshot is taken (none skipped because the previous one still runs)
+        handle = scheduler.step(step, metrics=values) if tier is None else tier.maybe_save(step, values)
         if handle is not None:  # the workers join the same snapshot: same step, same kind
             for w in workers:
                 w.save.remote(step, handle.kind)
@@ -256,12 +284,15 @@ def learner_loop(config: dict) -> None:
             _log(config, {"event": "step", "step": step, "loss": _num(metrics["loss"]), "avg_reward": metrics["avg_reward"]})
         if step % config.get("report_every", 10) == 0 or step == config["steps"]:
             report({"avg_reward": metrics["avg_reward"], "step": step}, engine)
-    scheduler.close()
+    if tier is not None:
+        tier.wait()
+    else:
+        scheduler.close()
     if rank == 0:
         digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in learner.model.state_dict().values())).hexdigest()
         _log(config, {"event": "done", "step": learner.progress.global_step, "digest": digest,
                       "avg_reward": learner.progress.avg_reward})
-    engine.close()
+    front.close()
 
 
 def _num(x: float) -> float | str:
@@ -279,6 +310,7 @@ class RunResult:
     log: list[dict]
     manager: Any
     seconds: float
+    memory_status: dict | None = None  # the MemoryTierService's figures at the end (memory tier runs)
 
     @property
     def done(self) -> dict | None:
@@ -294,8 +326,13 @@ class RunResult:
 
 def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_per_learner: int = 1,
         crash_at: int | None = None, crash_target: str = "learner", seed: int = 0, engine_cfg: dict | None = None,
-        ppo: dict | None = None, log_dir: str | None = None, max_failures: int = 2) -> RunResult:
-    """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle."""
+        ppo: dict | None = None, log_dir: str | None = None, max_failures: int = 2,
+        memory_tier: bool = False) -> RunResult:
+    """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle.
+
+    ``memory_tier``: memory snapshots (``MEMORY_DEFAULTS`` unless ``engine_cfg`` sets the ``memory_*`` keys)
+    instead of durable saves by the trainer; the run's memory manager, service and stores are removed at the
+    end (the durable copies stay)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -307,7 +344,7 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
     started = time.monotonic()
     engine_cfg = {"base_dir": base_dir, "run_name": run_name, "save_interval_steps": 10, "save_interval_seconds": None,
                   "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1, "commit_timeout_seconds": 20.0,
-                  **(engine_cfg or {})}
+                  **(MEMORY_DEFAULTS if memory_tier else {}), **(engine_cfg or {})}
     # Per learner: 4 envs and minibatches of 128; the two ranks' gradients are averaged (256 per update step).
     ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=4, minibatch_size=128)), **(ppo or {})}
     ppo["hidden_sizes"] = list(ppo["hidden_sizes"])
@@ -315,15 +352,16 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
                                               config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
     n_workers = learners * workers_per_learner
     participants = [f"learner-{r}" for r in range(learners)] + [f"rollout-{i}" for i in range(n_workers)]
+    memory = start_memory_tier(engine_cfg) if memory_tier else None
     worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
     workers = [worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True)
-               .remote(i, ppo, engine_cfg, manager, participants) for i in range(n_workers)]
+               .remote(i, ppo, engine_cfg, manager, participants, memory) for i in range(n_workers)]
     log_dir = log_dir or base_dir
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"{run_name}.log.jsonl")
     config = {"engine": engine_cfg, "ppo": ppo, "manager": manager, "workers": workers,
               "workers_per_learner": workers_per_learner, "participants": participants, "steps": steps,
-              "log": log_path}
+              "log": log_path, "memory": memory}
     if crash_at is not None:
         config["crash"] = {"step": crash_at, "target": crash_target, "marker": os.path.join(log_dir, f"{run_name}.crashed")}
     trainer = TorchTrainer(
@@ -338,6 +376,38 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
     ray.get([w.close.remote() for w in workers])  # finished, not lost
     for w in workers:
         ray.kill(w)
+    status = stop_memory_tier(memory, engine_cfg) if memory is not None else None
     with open(log_path) as f:
         log = [json.loads(line) for line in f]
-    return RunResult(run_name, log, manager, time.monotonic() - started)
+    return RunResult(run_name, log, manager, time.monotonic() - started, status)
+
+
+# The demo's memory tier: a memory snapshot every 2 steps, a durable copy of every 5th (every 10 steps, as the
+# durable-only run saves), one node so no replicas.
+MEMORY_DEFAULTS = {"memory_interval_steps": 2, "memory_flush_every": 5, "memory_replicas": 0}
+
+
+def start_memory_tier(engine_cfg: dict) -> dict:
+    """The run's memory manager and ``MemoryTierService`` handles."""
+    from actors.memory_tier import MemoryTierService, memory_manager
+    from rl_ckpt.config import CheckpointConfig
+
+    cfg = CheckpointConfig(**engine_cfg)
+    return {"manager": memory_manager(cfg), "service": MemoryTierService.get_or_create(cfg)}
+
+
+def stop_memory_tier(memory: dict, engine_cfg: dict) -> dict:
+    """The service's last figures; then the memory manager, the service and the run's memory stores go."""
+    import ray
+
+    from rl_ckpt.config import CheckpointConfig
+    from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
+    from rl_ckpt.storage import open_storage
+
+    cfg = CheckpointConfig(**engine_cfg)
+    status = ray.get(memory["service"].tick.remote(), timeout=120)
+    ray.get(memory["service"].stop.remote(), timeout=60)
+    for handle in (memory["service"], memory["manager"]):
+        ray.kill(handle, no_restart=True)
+    open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg)).destroy()
+    return status

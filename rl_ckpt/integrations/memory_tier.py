@@ -14,7 +14,10 @@ verify-after-write and commit (through the memory manager's two-phase commit
 with ``manager=``) of a durable one. The trainer blocks only while the state
 is staged, as in ``save_async``; replication is store-to-store and durable
 copies are made from memory by the ``MemoryTierService`` actor. The trainer
-never writes durable snapshots itself while the tier is on.
+never writes durable snapshots itself while the tier is on; one participant
+records each memory snapshot and each restore across tiers as a small JSON
+record in the durable run folder (``memory_tier/``, ``rl_ckpt/run/tier_events.py``),
+which the timeline draws.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.recovery.tiers import TieredPlan, plan_across_tiers
 from rl_ckpt.run.commit import retire_snapshot
 from rl_ckpt.run.retention import KeepLatest
+from rl_ckpt.run.tier_events import record_memory_snapshot, record_tier_restore
 from rl_ckpt.run.tiers import MEMORY
 from rl_ckpt.storage import open_storage
 
@@ -44,8 +48,10 @@ def memory_options(config, namespace: str = "rl_ckpt") -> dict:
 
 def memory_config(config):
     """The config of a run's memory tier: the same run, stored in ``raymem://mem/<run_name>``, no dedup (the
-    tier keeps whole snapshots)."""
-    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={})
+    tier keeps whole snapshots), and at least ``memory_flush_every`` memory snapshots kept (the flush of every
+    K-th one comes due when K of them are newer than durable storage's newest)."""
+    keep = max(config.keep_latest, config.memory_flush_every or 0)
+    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={}, keep_latest=keep)
 
 
 class MemoryTier:
@@ -72,7 +78,8 @@ class MemoryTier:
         storage = open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg, namespace))
         participants = list(engine.commit.expected) if engine.manager is not None and manager is not None else None
         self.memory = CheckpointEngine(memory_config(cfg), train_config=engine.train_config, storage=storage,
-                                       retention=KeepLatest(cfg.keep_latest), manager=manager, rank=engine.rank,
+                                       retention=KeepLatest(memory_config(cfg).keep_latest), manager=manager,
+                                       rank=engine.rank,
                                        world_size=engine.world_size, role=engine.role, participants=participants)
         self.last_memory_save = time.monotonic()
         self.last_handle = None
@@ -106,7 +113,25 @@ class MemoryTier:
         if self.service is not None:
             service = self.service
             handle.add_done_callback(lambda h: h.exception() is None and service.notify.remote())
+        if self.records_events:
+            handle.add_done_callback(self._record_snapshot)
         return handle
+
+    @property
+    def records_events(self) -> bool:
+        """Whether this participant writes the tier's records into the durable run folder (``memory_tier/``):
+        the first of a snapshot's participants by name, or the only one."""
+        expected = getattr(self.memory.commit, "expected", None) if self.memory.manager is not None else None
+        return self.memory.participant == min(expected) if expected else self.memory.rank == 0
+
+    def _record_snapshot(self, handle) -> None:
+        if handle.exception() is not None:
+            return
+        try:
+            record_memory_snapshot(self.durable.storage, handle.wait())
+        except CheckpointError as exc:  # a missing record never fails a snapshot
+            log.warning("memory snapshot %s: could not record it in %s: %s", handle.global_step,
+                        self.durable.storage.url, exc)
 
     def wait(self) -> None:
         """Wait for the memory snapshot in flight."""
@@ -138,10 +163,22 @@ class MemoryTier:
             result = self.durable.restore(tiered.durable or tiered.plan, strict=strict)
         result.warnings.insert(0, f"tier: {tiered.tier or 'none'} - {tiered.reason}")
         self.tier_restored = tiered.tier if result.snapshot_id is not None else None
+        if self.tier_restored is not None and self.records_events:
+            self._record_restore(tiered, result)
         self._retire_newer(result.global_step if result.snapshot_id is not None else -1)
         return result
 
     tier_restored: str | None = None
+
+    def _record_restore(self, tiered: TieredPlan, result: RestoreResult) -> None:
+        decision = tiered.durable.decision if tiered.durable is not None else None
+        plan = tiered.memory if self.tier_restored == MEMORY and tiered.memory is not None else tiered.plan
+        try:
+            record_tier_restore(self.durable.storage, self.tier_restored, result.snapshot_id, result.global_step,
+                                plan, decision)
+        except CheckpointError as exc:
+            log.warning("could not record the restore of %s in %s: %s", result.snapshot_id, self.durable.storage.url,
+                        exc)
 
     def _retire_newer(self, step: int) -> None:
         if self.memory.rank != 0:

@@ -14,6 +14,8 @@
       decisions/<time>-<action>.json  recovery coordinator decisions
       failures/<time>-<kind>.json     failures recorded by the manager
       history/retired/<id>.json  notes of what retention deleted
+      memory_tier/snapshot-<id>.json, <time>-restore-<tier>.json   memory snapshots committed and restores
+                                 across tiers, recorded by the memory tier
       save_decisions/<id>.json   the manager's save/skip decision per snapshot (horizon-<step>.json: steps
                                  answered "not due" under a time cadence), removed once a newer step commits
 
@@ -38,7 +40,7 @@ __all__ = [
     "ATTEMPT_FILE", "RESERVED", "Attempt", "snapshot_id", "parse_snapshot_id", "is_snapshot_name", "manifest_path",
     "snapshot_folders", "staged_attempt", "in_place_attempt", "parse_staged_name", "uncommitted_attempts",
     "committed_data_prefix", "report_name", "best_alias_path", "safe_name", "quarantine_path", "retired_path",
-    "timed_record_stem", "SAVE_DECISIONS",
+    "timed_record_stem", "SAVE_DECISIONS", "MEMORY_TIER_EVENTS",
 ]
 
 STAGING = ".staging"
@@ -50,6 +52,7 @@ DECISIONS = "decisions"
 FAILURES = "failures"
 RETIRED = "history/retired"
 SAVE_DECISIONS = "save_decisions"
+MEMORY_TIER_EVENTS = "memory_tier"  # the memory tier's record of its snapshots and restores (run/tier_events.py)
 ATTEMPT_FILE = "attempt.json"  # the manager's record of a sharded attempt: who is expected to report
 RESERVED = (STAGING, TRASH)  # top-level folders that are never snapshots, whatever they hold
 

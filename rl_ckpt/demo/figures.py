@@ -1,0 +1,72 @@
+"""The figures of a Ray demo run, read from its step log and run folder, and the memory tier comparison.
+
+One function computes them for every line that prints them, so the summary's
+numbers agree with each other: steps lost is the failure step minus the step
+restored, the restored step is the step of the snapshot named, kill-to-first-step
+runs from the ``kill`` event the crashing process logged to the first step the
+restarted attempt logged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def matches(ref, run, crash_at: int) -> tuple[bool, bool]:
+    """(final parameters equal, every logged loss equal) between ``run`` and the uninterrupted ``ref``."""
+    last = {}
+    for m in run.log:  # the resumed attempt re-logs the redone steps: the last value per step counts
+        if m["event"] == "step":
+            last[m["step"]] = m
+    ref_steps = {m["step"]: m for m in ref.log if m["event"] == "step"}
+    pre_crash = [m for m in run.log if m["event"] == "step" and m["step"] <= crash_at][:crash_at]
+    losses_equal = all(s in last and last[s]["loss"] == ref_steps[s]["loss"] for s in ref_steps) and \
+        all(m["loss"] == ref_steps[m["step"]]["loss"] for m in pre_crash)
+    params_equal = bool(run.done and ref.done and run.done["digest"] == ref.done["digest"])
+    return params_equal, losses_equal
+
+
+def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
+    """What the crash cost ``run``: the failure and decision recorded, the tier and snapshot restored, steps lost,
+    restore time (the learner's ``restore()`` call), and seconds from the kill to the first step after it."""
+    attempts = run.attempts
+    resumed = attempts[-1] if len(attempts) > 1 else None
+    decision = data["decisions"][0] if data["decisions"] else None
+    failure = decision["failure"] if decision else (data["failures"][0] if data["failures"] else None)
+    crash_step = failure["step"] if failure and failure["step"] is not None else crash_at
+    restored_step = resumed["step"] if resumed else 0
+    kill = next((m for m in run.log if m["event"] == "kill"), None)
+    back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
+    return {
+        "failure": failure, "decision": decision, "crash_step": crash_step, "resumed": resumed,
+        "tier": (resumed.get("tier") or "durable") if resumed and resumed["restored"] else None,
+        "snapshot": resumed["restored"] if resumed else None, "restored_step": restored_step,
+        "steps_lost": crash_step - restored_step,
+        "restore_seconds": resumed.get("restore_seconds", math.nan) if resumed else math.nan,
+        "kill_to_first_step": (back - kill["t"]) if (kill and back) else math.nan,
+    }
+
+
+def memory_comparison(durable: dict, memory: dict, durable_exact: bool, memory_exact: bool,
+                      interval: int, flush_every: int | None, flushed: list[str]) -> str:
+    """The two crash runs side by side (the lines ``tests/test_demo_memory.py`` parses)."""
+    def row(name: str, a: str, b: str) -> str:
+        return f"  {name:<20} {a:<28} {b}"
+
+    def seconds(x: float) -> str:
+        return f"{x:.2f} s"
+
+    every = f"a durable copy of one in {flush_every}" if flush_every else "durable copies by time"
+    return "\n".join([
+        f"Memory tier: the same crash with memory snapshots every {interval} steps ({every}; "
+        f"durable copies made from memory: {', '.join(flushed) or 'none'})",
+        row("", "durable only", "with memory tier"),
+        row("restored from", f"{durable['tier']} {durable['snapshot']}", f"{memory['tier']} {memory['snapshot']}"),
+        row("restored step", str(durable["restored_step"]), str(memory["restored_step"])),
+        row("failure step", str(durable["crash_step"]), str(memory["crash_step"])),
+        row("steps lost", str(durable["steps_lost"]), str(memory["steps_lost"])),
+        row("restore time", seconds(durable["restore_seconds"]), seconds(memory["restore_seconds"])),
+        row("kill to first step", seconds(durable["kill_to_first_step"]), seconds(memory["kill_to_first_step"])),
+        row("exact restart", "YES" if durable_exact else "NO", "YES" if memory_exact else "NO"),
+    ])
