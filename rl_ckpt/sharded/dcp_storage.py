@@ -42,7 +42,7 @@ from rl_ckpt.format.manifest import FileEntry
 from rl_ckpt.format.state_codec import decode_state, encode_state
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.storage import Storage, join
-from rl_ckpt.core.writer import verify_written, write_hashed
+from rl_ckpt.format.hashed_io import verify_written, write_hashed
 from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
