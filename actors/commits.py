@@ -28,7 +28,7 @@ from typing import Callable
 from rl_ckpt.errors import CheckpointError, CommitConflictError
 from rl_ckpt.format.manifest import Manifest, now_iso
 from rl_ckpt.integrations.managed import SnapshotAbortedError
-from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.commit import CommitStrategy
 from rl_ckpt.run.layout import (ATTEMPT_FILE, Attempt, committed_data_prefix, manifest_path, report_name,

@@ -194,7 +194,7 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
     from rl_ckpt.format.checksum import new_hasher
     from rl_ckpt.format.state_codec import encode_state
     from rl_ckpt.storage import LocalStorage
-    from rl_ckpt.core.writer import hash_file
+    from rl_ckpt.format.hashed_io import hash_file
 
     arrays = {f"t{i}": t for i, t in enumerate(staged_tensors)}
     storage = LocalStorage(os.path.join(workdir, "phases"))

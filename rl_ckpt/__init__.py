@@ -23,7 +23,7 @@ from rl_ckpt.errors import (
     StorageError,
     UnsafePathError,
 )
-from rl_ckpt.core.reader import VerifyReport
+from rl_ckpt.run.snapshot_files import VerifyReport
 
 __version__ = "0.1.0"
 

@@ -100,7 +100,7 @@ def _fmt_metrics(metrics: dict) -> str:
 
 
 def cmd_ls(args) -> int:
-    from rl_ckpt.core.reader import read_manifest, verify_snapshot
+    from rl_ckpt.run.snapshot_files import read_manifest, verify_snapshot
     from rl_ckpt.storage import join
 
     storage = _storage(args)
@@ -193,7 +193,7 @@ def _ls_tiers(args, storage) -> int:
 
 
 def cmd_verify(args) -> int:
-    from rl_ckpt.core.reader import read_manifest
+    from rl_ckpt.run.snapshot_files import read_manifest
     from rl_ckpt.run.verify import verify_run
 
     storage = _storage(args)
@@ -212,7 +212,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from rl_ckpt.core.reader import read_manifest
+    from rl_ckpt.run.snapshot_files import read_manifest
 
     storage = _storage(args)
     m = read_manifest(storage, _snapshot_arg(storage, args))
@@ -320,7 +320,7 @@ def cmd_gc(args) -> int:
 
 def cmd_export(args) -> int:
     from rl_ckpt.export import export_component, export_hf
-    from rl_ckpt.core.reader import read_manifest
+    from rl_ckpt.run.snapshot_files import read_manifest
 
     storage = _storage(args)
     manifest = read_manifest(storage, _snapshot_arg(storage, args))

@@ -15,13 +15,7 @@ MAX_CLASS_LINES = 250
 
 # Modules known to break a rule, each with who is fixing it. xfail(strict): once fixed, the test
 # passes, the xfail turns into a failure, and the entry must be removed.
-KNOWN = {
-    # Over the limits before this session and in no helper's files this session: still to be split.
-    ("size", "rl_ckpt.format.state_codec"): "580 lines: not split yet (no owner this session)",
-    ("size", "rl_ckpt.storage.local"): "575 lines: not split yet (no owner this session)",
-    ("size", "rl_ckpt.storage.fsspec_store"): "class FsspecStorage is 280 lines: not split yet (no owner this session)",
-    ("size", "rl_ckpt.tools.faults.powerloss"): "class PowerLossStorage is 281 lines: not split yet (no owner this session)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -189,3 +183,92 @@ def test_private_name_finder():
     assert _private_uses("rl_ckpt.run.gc", tree) == [
         "line 1: from rl_ckpt.run.commit import _x", "line 4: from rl_ckpt.run.layout import _y",
         "line 5: rl_ckpt.run.catalog._z"]
+
+
+# The package's layers, lowest first. A module may import (at import time, or later inside a
+# function: a lazy import that goes up counts too) modules of its own layer and of the layers below,
+# never above. A module belongs to the layer of its longest listed prefix; the top-level package
+# ``rl_ckpt`` itself (the public facade, re-exporting the engine) sits at the top.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundations", ("rl_ckpt.errors", "rl_ckpt.config", "rl_ckpt.components")),
+    ("storage", ("rl_ckpt.storage",)),
+    ("format", ("rl_ckpt.format",)),
+    ("run", ("rl_ckpt.run",)),
+    ("sharded state and the managed commit", ("rl_ckpt.sharded", "rl_ckpt.integrations.managed")),
+    ("recovery", ("rl_ckpt.recovery",)),
+    ("core", ("rl_ckpt.core",)),
+    ("fronts", ("rl_ckpt.integrations", "rl_ckpt.export", "rl_ckpt.timeline", "actors")),
+    ("applications and tools", ("rl_ckpt", "rl_ckpt.cli", "rl_ckpt.demo", "rl_ckpt.tools", "rl_ckpt.testing",
+                                "rl_ckpt.bench", "rl_ckpt.faults", "rl_ckpt.fault_suite")),
+)
+
+
+def _layer(module: str) -> int | None:
+    """Index in ``LAYERS`` of ``module`` (longest matching prefix; ``rl_ckpt`` matches only itself)."""
+    best, best_len = None, -1
+    for i, (_name, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            hit = module == p or (p != "rl_ckpt" and module.startswith(p + "."))
+            if hit and len(p) > best_len:
+                best, best_len = i, len(p)
+    return best
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Every import that can run: at import time or inside functions; not under ``if TYPE_CHECKING:``."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        todo += list(ast.iter_child_nodes(node))
+    return sorted(out, key=lambda n: n.lineno)
+
+
+def _import_targets(module: str, node: ast.stmt) -> list[str]:
+    """Our modules an import statement loads: ``from pkg import sub`` is ``pkg.sub``, ``from pkg import name`` is ``pkg``."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in MODULES]
+    source = _absolute(module, node)
+    if source not in MODULES:
+        return []
+    return sorted({f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names})
+
+
+def _upward_imports(module: str, tree: ast.Module) -> list[str]:
+    own = _layer(module)
+    found = []
+    for node in _runtime_imports(tree):
+        for target in _import_targets(module, node):
+            layer = _layer(target)
+            if target != module and layer is not None and own is not None and layer > own:
+                found.append(f"line {node.lineno}: {module} ({LAYERS[own][0]}) imports {target} ({LAYERS[layer][0]})")
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in MODULES if _layer(m) is None]
+    assert not unplaced, f"modules in no layer of LAYERS (place their package there): {unplaced}"
+
+
+@pytest.mark.parametrize("module", _params("layers"))
+def test_imports_point_down_the_layers(module):
+    up = _upward_imports(module, TREES[module])
+    assert not up, (f"{MODULES[module]} imports upward (move what it needs down, or the importer up; layers, "
+                    f"lowest first: {[name for name, _ in LAYERS]}): {up}")
+
+
+def test_layer_checker_sees_lazy_and_facade_imports():
+    tree = ast.parse("from rl_ckpt.format.manifest import Manifest\nfrom rl_ckpt import errors\n"
+                     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_ckpt.core.engine import E\n"
+                     "def f():\n    from rl_ckpt.core.reader import load_component\n"
+                     "    from rl_ckpt import CheckpointEngine\n    import rl_ckpt.recovery.plan\n")
+    assert _upward_imports("rl_ckpt.run.gc", tree) == [
+        "line 7: rl_ckpt.run.gc (run) imports rl_ckpt.core.reader (core)",
+        "line 8: rl_ckpt.run.gc (run) imports rl_ckpt (applications and tools)",
+        "line 9: rl_ckpt.run.gc (run) imports rl_ckpt.recovery.plan (recovery)"]
+    assert _layer("rl_ckpt.integrations.managed") < _layer("rl_ckpt.core.engine") < _layer("rl_ckpt.integrations.ray_train")
+    assert _layer("rl_ckpt.storage.local") < _layer("rl_ckpt.format.manifest") < _layer("rl_ckpt.run.catalog")

@@ -622,7 +622,7 @@ def test_local_large_read_with_prefault_is_exact(local):
     got = store.read("snap/big.bin", on_chunk=lambda v: pieces.append(len(v)))
     assert bytes(got) == data and sum(pieces) == len(data) and len(pieces) > 1
     # Out of the page cache, the same files are read with O_DIRECT (aligned sizes and an unaligned tail).
-    import rl_ckpt.storage.local as local_mod
+    import rl_ckpt.storage.local_io as local_mod
 
     modes = []
     real = local_mod._set_direct
@@ -691,7 +691,7 @@ def test_register_storage_adds_and_guards_protocols():
 
 def test_local_sparse_huge_files_refused_before_allocating(local, monkeypatch):
     """A 1 GiB and a 64 GiB sparse meta.json: refused from the open file's size, nothing allocated or read."""
-    import rl_ckpt.storage.local as local_mod
+    import rl_ckpt.storage.local_io as local_mod
 
     store, root, _ = local
     (root / "snap").mkdir()
@@ -716,7 +716,7 @@ def test_local_read_without_memory_is_a_storage_error(local, monkeypatch):
     """Without a cap, a file too large for memory still ends in a StorageError naming it (not a raw ENOMEM)."""
     import errno
 
-    import rl_ckpt.storage.local as local_mod
+    import rl_ckpt.storage.local_io as local_mod
 
     store, _root, _ = local
     put(store, "snap/meta.json", [b"{}"])
@@ -733,7 +733,7 @@ def test_local_read_without_memory_is_a_storage_error(local, monkeypatch):
 def test_os_errors_map_to_storage_errors_that_say_what_to_do():
     import errno
 
-    from rl_ckpt.storage.local import _storage_error
+    from rl_ckpt.storage.local_io import storage_error as _storage_error
 
     for code in (errno.EACCES, errno.EPERM):
         err = _storage_error(PermissionError(code, os.strerror(code)), "cannot open", "step_000000002/meta.json")

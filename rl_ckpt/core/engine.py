@@ -22,7 +22,7 @@ import torch
 
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.async_save import SaveHandle
-from rl_ckpt.core.reader import VerifyReport
+from rl_ckpt.run.snapshot_files import VerifyReport
 from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.restorer import Restorer, RestoreResult
 from rl_ckpt.core.save_pipeline import SavePipeline, recorded_config

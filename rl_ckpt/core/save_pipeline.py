@@ -23,7 +23,7 @@ import torch
 
 from rl_ckpt.config import CheckpointConfig, config_digest
 from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
-from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.core.registry import ComponentRegistry, Registered
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.core.writer import write_component

@@ -126,7 +126,7 @@ def learner_loop(config: dict) -> None:
         plan = result.plan
         saved_by = {}
         if result.snapshot_id is not None:  # who wrote the restored policy, as its manifest says
-            from rl_ckpt.core.reader import read_manifest
+            from rl_ckpt.run.snapshot_files import read_manifest
 
             section = read_manifest(engine.storage, result.snapshot_id).components.get("policy") or {}
             saved_by = (section.get("layout") or {}).get("saved_by", {})

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from rl_ckpt.config import changed_keys, config_digest
-from rl_ckpt.core.reader import read_manifest, verify_snapshot
+from rl_ckpt.run.snapshot_files import read_manifest, verify_snapshot
 from rl_ckpt.errors import CheckpointError, SchemaVersionError
 from rl_ckpt.format.manifest import Manifest, layout_object_bytes, now_iso
 from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, log_decision, make_decision
@@ -353,17 +353,25 @@ def _actions(plan: RecoveryPlan, components: Mapping[str, str] | None, probe: Pr
             plan.warnings.append(f"component {name!r} is not in {full.snapshot_id}: it keeps its current state "
                                  "(restore(strict=True) refuses this)")
             continue
-        files = source.files_of(name)
-        section = source.components[name]
-        obj_bytes = sum(size for chunks in (section.get("objects") or {}).values() for _d, size in chunks)
-        obj_bytes += layout_object_bytes(section.get("layout"))
-        plan.actions.append(LoadAction(name, kind, source.snapshot_id, len(files), sum(f.size for f in files) + obj_bytes))
+        plan.actions.append(_load_action(source, name, kind))
         if name in probes and probe is not None:
             plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
                                f"allclose(rtol={probe.rtol}, "
                                f"atol={probe.atol})")
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
+
+
+def _load_action(source: Manifest, name: str, kind: str) -> LoadAction:
+    """Loading component ``name`` from ``source``: its files, and its bytes in files and dedup objects
+    (plain tensors' objects and a sharded layout's)."""
+    files = source.files_of(name)
+    section = source.components[name]
+    chunks = (section.get("objects") or {}).values()
+    return LoadAction(name, kind, source.snapshot_id, len(files),
+                      sum(f.size for f in files) + sum(size for c in chunks for _d, size in c)
+                      + layout_object_bytes(section.get("layout")))
+
 
 def without_light(storage: Storage, plan: RecoveryPlan) -> RecoveryPlan:
     """``plan`` as followed by a caller that applies no light layer (``restore(light=False)``).
@@ -377,12 +385,7 @@ def without_light(storage: Storage, plan: RecoveryPlan) -> RecoveryPlan:
     actions = []
     for a in plan.actions:
         if a.snapshot_id == plan.light and a.component in full.components:
-            files = full.files_of(a.component)
-            section = full.components[a.component]
-            chunks = (section.get("objects") or {}).values()
-            a = LoadAction(a.component, a.kind, full.snapshot_id, len(files),
-                           sum(f.size for f in files) + sum(size for c in chunks for _d, size in c)
-                           + layout_object_bytes(section.get("layout")))
+            a = _load_action(full, a.component, a.kind)
         actions.append(a)
     return dataclasses.replace(plan, light=None, continue_from_step=full.global_step, actions=actions,
                                candidates=[c for c in plan.candidates if c.status != "light"])

@@ -18,7 +18,7 @@ from rl_ckpt.run.layout import RESERVED, manifest_path, snapshot_folders
 from rl_ckpt.run.quarantine import quarantined
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import Manifest, parse_snapshot_id
-from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")

@@ -20,8 +20,8 @@ import dataclasses
 import logging
 import time
 
-from rl_ckpt.core.reader import read_manifest, read_verified
-from rl_ckpt.core.writer import verify_written
+from rl_ckpt.run.snapshot_files import read_manifest, read_verified
+from rl_ckpt.format.hashed_io import verify_written
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_snapshot_id
 from rl_ckpt.run.commit import CommitStrategy

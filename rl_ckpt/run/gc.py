@@ -20,7 +20,7 @@ from rl_ckpt.run.catalog import lost_manifest
 from rl_ckpt.run.layout import MANIFEST_NAME, OBJECTS, STAGING, TRASH, is_snapshot_name, manifest_path, snapshot_folders
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.run.dedup import manifest_objects
-from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.storage import Storage, join
 
 DEFAULT_GRACE_SECONDS = 3600.0

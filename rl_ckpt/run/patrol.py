@@ -16,7 +16,7 @@ import time
 
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.quarantine import quarantine
-from rl_ckpt.core.reader import VerifyReport, verify_snapshot
+from rl_ckpt.run.snapshot_files import VerifyReport, verify_snapshot
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from rl_ckpt.core.reader import FileProblem, VerifyReport, verify_snapshot
+from rl_ckpt.run.snapshot_files import FileProblem, VerifyReport, verify_snapshot
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.run.catalog import Catalog
 

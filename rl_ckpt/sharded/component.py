@@ -9,7 +9,7 @@ module or optimizer whose parameters are DTensors is recognised at
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -20,12 +20,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.errors import ConfigError, CorruptSnapshotError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage
 from rl_ckpt.sharded.dcp_storage import DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, load_shards, stage_shards
 from rl_ckpt.sharded.layout import Layout
+
+if TYPE_CHECKING:  # a type only: sharded/ sits below core/ (tests/test_architecture.py LAYERS)
+    from rl_ckpt.core.staging import StagingArea
 
 
 class ShardedState:

@@ -16,7 +16,7 @@ import dataclasses
 import io
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -40,10 +40,12 @@ from rl_ckpt.run.dedup import ObjectWriter, object_path
 from rl_ckpt.errors import CorruptSnapshotError, SerializationError, StorageError
 from rl_ckpt.format.manifest import FileEntry
 from rl_ckpt.format.state_codec import decode_state, encode_state
-from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.storage import Storage, join
-from rl_ckpt.core.writer import verify_written, write_hashed
+from rl_ckpt.format.hashed_io import verify_written, write_hashed
 from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
+
+if TYPE_CHECKING:  # a type only: sharded/ sits below core/ (tests/test_architecture.py LAYERS)
+    from rl_ckpt.core.staging import StagingArea
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 MIN_BLOCK_BYTES = 64 * 1024  # smaller blocks cost more manifest than the bytes they save a resharding read

@@ -167,7 +167,7 @@ class DistributedCommit(CommitStrategy):
             return b"E" + _error_bytes(exc)
 
     def _landed(self, attempt: Attempt) -> bool:
-        from rl_ckpt.core.reader import read_manifest
+        from rl_ckpt.run.snapshot_files import read_manifest
 
         try:
             return read_manifest(self.storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id

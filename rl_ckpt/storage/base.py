@@ -152,6 +152,15 @@ class Storage(abc.ABC):
         than the cap is ever read, even if the file grows meanwhile).
         """
 
+    def read_view(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
+                  max_bytes: int | None = None):
+        """Like ``read``, but the result may be a READ-ONLY view of memory the backend shares (no copy).
+
+        For callers that only read the bytes (decode, copy out, write elsewhere) and never write to
+        them. The default is ``read``; the memory tier returns its object store's memory.
+        """
+        return self.read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of a regular file from offset ``start``.
 

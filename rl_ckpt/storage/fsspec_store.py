@@ -115,27 +115,13 @@ class FsspecStorage(Storage):
                     raise self._error(exc, "cannot write", path) from exc
                 total += view.nbytes
         except BaseException:
-            self._abandon(f, full)
+            _abandon(self.fs, f, full)
             raise
         try:
             f.close()  # the last part / one-shot PUT happens here
         except Exception as exc:
             raise self._error(exc, "cannot write", path) from exc
         return total
-
-    def _abandon(self, f, full: str) -> None:
-        """Throw away a half-written file without publishing it (best effort)."""
-        from fsspec.spec import AbstractBufferedFile
-
-        try:
-            if isinstance(f, AbstractBufferedFile):
-                f.discard()  # s3fs: abort the multipart upload
-                f.closed = True  # skip close()'s final flush, which would publish the partial object
-            else:
-                f.close()
-                self.fs.rm_file(full)  # e.g. memory://, where the file is visible from open()
-        except Exception as exc:  # best effort: gc removes whatever remains
-            log.warning("could not abandon partial upload of %s: %s", full, exc)
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         full = self._abs(path)
@@ -235,18 +221,7 @@ class FsspecStorage(Storage):
             return []
         except Exception as exc:
             raise self._error(exc, "cannot list", path or ".") from exc
-        out = []
-        prefix = full.rstrip("/") + "/"
-        for item in items:
-            name_full = item["name"].rstrip("/")
-            if name_full == full.rstrip("/") or not (name_full + "/").startswith(prefix):
-                continue  # the path itself (a file, or an S3 folder marker)
-            name = name_full.rsplit("/", 1)[-1]
-            if not name:
-                continue
-            mtime = item.get("LastModified") or item.get("mtime") or item.get("created")
-            out.append(Entry(name, item.get("type") == "directory", int(item.get("size") or 0), _ts(mtime)))
-        return out
+        return _entries(items, full)
 
     def exists(self, path: str) -> bool:
         full = self._abs(path, allow_root=True)
@@ -273,12 +248,7 @@ class FsspecStorage(Storage):
             return None
         except Exception as exc:
             raise self._error(exc, "cannot stat", path) from exc
-        size = int(info.get("size") or 0)
-        mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
-        tag = info.get("ETag") or info.get("VersionId")
-        # An object store replaces whole objects: its ETag (or time of the last PUT) names this content.
-        version = f"{tag}:{size}" if tag else (f"{mtime}:{size}" if mtime is not None else None)
-        return Entry(path.rsplit("/", 1)[-1], info.get("type") == "directory", size, _ts(mtime), version)
+        return _entry(path, info)
 
     def remove(self, path: str) -> None:
         full = self._abs(path)
@@ -308,21 +278,7 @@ class FsspecStorage(Storage):
     def _remove_tree_contents(self, full: str) -> None:
         """Delete ``full`` and everything under it, file by file (never fsspec's ``rm``, which expands
         glob characters such as ``[``, ``*``, ``?`` that are legal in a checkpoint name)."""
-        found = self.fs.find(full, withdirs=True, detail=True)
-        files = [n for n, info in found.items() if info.get("type") != "directory"]
-        dirs = [n for n, info in found.items() if info.get("type") == "directory"]
-        for name in files:
-            try:
-                self.fs.rm_file(name)
-            except FileNotFoundError:
-                pass
-        if self.fs.isdir(full) and full not in dirs:
-            dirs.append(full)
-        for name in sorted(dirs, key=len, reverse=True):  # deepest first
-            try:
-                self.fs.rmdir(name)
-            except (FileNotFoundError, NotADirectoryError):
-                pass
+        _remove_files_then_folders(self.fs, full)
 
     def makedirs(self, path: str) -> None:
         full = self._abs(path)
@@ -333,6 +289,66 @@ class FsspecStorage(Storage):
 
     def sync_dir(self, path: str) -> None:
         self._abs(path, allow_root=True)  # checked like every other path; nothing to sync
+
+
+def _abandon(fs, f, full: str) -> None:
+    """Throw away a half-written file without publishing it (best effort)."""
+    from fsspec.spec import AbstractBufferedFile
+
+    try:
+        if isinstance(f, AbstractBufferedFile):
+            f.discard()  # s3fs: abort the multipart upload
+            f.closed = True  # skip close()'s final flush, which would publish the partial object
+        else:
+            f.close()
+            fs.rm_file(full)  # e.g. memory://, where the file is visible from open()
+    except Exception as exc:  # best effort: gc removes whatever remains
+        log.warning("could not abandon partial upload of %s: %s", full, exc)
+
+
+def _entries(items: list, full: str) -> list[Entry]:
+    """The entries of an ``ls(full, detail=True)`` listing, without ``full`` itself."""
+    out = []
+    prefix = full.rstrip("/") + "/"
+    for item in items:
+        name_full = item["name"].rstrip("/")
+        if name_full == full.rstrip("/") or not (name_full + "/").startswith(prefix):
+            continue  # the path itself (a file, or an S3 folder marker)
+        name = name_full.rsplit("/", 1)[-1]
+        if not name:
+            continue
+        mtime = item.get("LastModified") or item.get("mtime") or item.get("created")
+        out.append(Entry(name, item.get("type") == "directory", int(item.get("size") or 0), _ts(mtime)))
+    return out
+
+
+def _entry(path: str, info: dict) -> Entry:
+    """The entry of ``path`` from its ``info()``, with a version naming this content."""
+    size = int(info.get("size") or 0)
+    mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+    tag = info.get("ETag") or info.get("VersionId")
+    # An object store replaces whole objects: its ETag (or time of the last PUT) names this content.
+    version = f"{tag}:{size}" if tag else (f"{mtime}:{size}" if mtime is not None else None)
+    return Entry(path.rsplit("/", 1)[-1], info.get("type") == "directory", size, _ts(mtime), version)
+
+
+def _remove_files_then_folders(fs, full: str) -> None:
+    """``full`` and everything under it, file by file, then the folders deepest first."""
+    found = fs.find(full, withdirs=True, detail=True)
+    files = [n for n, info in found.items() if info.get("type") != "directory"]
+    dirs = [n for n, info in found.items() if info.get("type") == "directory"]
+    for name in files:
+        try:
+            fs.rm_file(name)
+        except FileNotFoundError:
+            pass
+    if fs.isdir(full) and full not in dirs:
+        dirs.append(full)
+    for name in sorted(dirs, key=len, reverse=True):  # deepest first
+        try:
+            fs.rmdir(name)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
 
 
 def _ls_params(fs) -> tuple:

@@ -98,7 +98,57 @@ def _observe_fsync() -> None:
             os.fsync = _observing_fsync
 
 
-class PowerLossStorage(LocalStorage):
+class PowerSwitchStorage(LocalStorage):
+    """A :class:`LocalStorage` with a power switch: while ``halted``, every call raises :class:`PowerCut`.
+
+    The reads only check the switch; :class:`PowerLossStorage` adds the journal of what a cut undoes.
+    """
+
+    def __init__(self, root: "LocalStorage | str") -> None:
+        super().__init__(root.root if isinstance(root, LocalStorage) else root)
+        self.halted = False
+        self._lock = threading.RLock()
+
+    def _alive(self) -> None:
+        if self.halted:
+            raise PowerCut(f"power is off ({self.url}); call restart() to boot again")
+
+    def restart(self) -> None:
+        """Power is back: calls work again (after a cut, everything on disk is durable)."""
+        with self._lock:
+            self.halted = False
+
+    # -- reads -------------------------------------------------------------------
+    def read(self, path: str, *, on_chunk=None, max_bytes=None) -> bytearray:
+        self._alive()
+        return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        self._alive()
+        return super().read_range(path, start, length)
+
+    def open_read(self, path: str):
+        self._alive()
+        return super().open_read(path)
+
+    def list(self, path: str = ""):
+        self._alive()
+        return super().list(path)
+
+    def exists(self, path: str) -> bool:
+        self._alive()
+        return super().exists(path)
+
+    def size(self, path: str) -> int:
+        self._alive()
+        return super().size(path)
+
+    def stat(self, path: str):
+        self._alive()
+        return super().stat(path)
+
+
+class PowerLossStorage(PowerSwitchStorage):
     """A local disk that can lose power: ``power_cut()`` undoes every effect that was not made durable.
 
     A :class:`LocalStorage` (the real one: same files, same fsyncs) that keeps
@@ -131,24 +181,18 @@ class PowerLossStorage(LocalStorage):
     """
 
     def __init__(self, root: "LocalStorage | str", journal_dir: str | None = None) -> None:
-        super().__init__(root.root if isinstance(root, LocalStorage) else root)
+        super().__init__(root)
         self.journal: list[Effect] = []
-        self.halted = False
         self._own_journal_dir = journal_dir is None
         self.journal_dir = journal_dir or tempfile.mkdtemp(prefix="rlckpt-powerloss-")
         os.makedirs(self.journal_dir, exist_ok=True)
         self._backups = 0
-        self._lock = threading.RLock()
         _observe_fsync()
         _LIVE.add(self)
 
     # -- helpers -------------------------------------------------------------
     def _full(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/")) if path else self.root
-
-    def _alive(self) -> None:
-        if self.halted:
-            raise PowerCut(f"power is off ({self.url}); call restart() to boot again")
 
     def _backup(self, path: str) -> str | None:
         full = self._full(path)
@@ -208,11 +252,6 @@ class PowerLossStorage(LocalStorage):
                 self._drop(e)
             self.halted = halt
         return undone
-
-    def restart(self) -> None:
-        """Power is back: calls work again (the journal is empty: everything on disk now is durable)."""
-        with self._lock:
-            self.halted = False
 
     # -- writes ------------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -289,35 +328,6 @@ class PowerLossStorage(LocalStorage):
             if e.kind == "create" and not e.name_durable:
                 effect.kind, effect.backup = "create", None
             self._drop(e)
-
-    # -- reads -------------------------------------------------------------------
-    def read(self, path: str, *, on_chunk=None, max_bytes=None) -> bytearray:
-        self._alive()
-        return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
-
-    def read_range(self, path: str, start: int, length: int) -> bytes:
-        self._alive()
-        return super().read_range(path, start, length)
-
-    def open_read(self, path: str):
-        self._alive()
-        return super().open_read(path)
-
-    def list(self, path: str = ""):
-        self._alive()
-        return super().list(path)
-
-    def exists(self, path: str) -> bool:
-        self._alive()
-        return super().exists(path)
-
-    def size(self, path: str) -> int:
-        self._alive()
-        return super().size(path)
-
-    def stat(self, path: str):
-        self._alive()
-        return super().stat(path)
 
     # -- namespace -------------------------------------------------------------
     def remove(self, path: str) -> None:
