@@ -80,7 +80,8 @@ class Restorer:
 
         ``record``: write the coordinator decision the plan carries into the run's decision records.
         ``retire``: retire the snapshots newer than what was loaded (see the module docstring); False
-        for a look at an old snapshot that training will not continue from.
+        for a look at an old snapshot that training will not continue from. A plan for a snapshot the
+        caller named (``restore(snapshot_id=...)``) retires nothing either.
         """
         if plan.decision is not None and record:
             record_decision(self.storage, plan.decision)
@@ -118,7 +119,7 @@ class Restorer:
             result.plan = plan
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
-            if retire:
+            if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback
                 self._retire_newer(result, plan)
             return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())

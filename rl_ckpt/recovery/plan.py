@@ -74,6 +74,11 @@ class RecoveryPlan:
     def fresh(self) -> bool:
         return self.action == "start_fresh"
 
+    @property
+    def requested(self) -> bool:
+        """A plan for the snapshot a caller named (``snapshot_id=``), not one recovery chose."""
+        return self.action == "restore" and self.reason == "requested snapshot"
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["failure"] = self.failure.to_json() if self.failure else None

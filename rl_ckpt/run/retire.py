@@ -25,12 +25,14 @@ Per snapshot, in this order (each step is safe to repeat):
    subfolder, so nothing makes the folder look like a committed snapshot that
    lost its manifest; if something does, the next retire pass removes it once
    its copy is complete).
-3. a quarantine mark moves into the record (written in step 1) and is
-   released, so a new snapshot of that step is not fenced off by the old
-   one's mark. A kill before the release leaves a mark on no snapshot; the
-   next pass releases marks newer than the restored step whose snapshot is gone.
+Quarantined snapshots stay where they are, in quarantine, for a person to
+look at (as retention leaves them): they are never restored, but a save of
+their step conflicts until someone releases and deletes them, so each one
+newer than the restored step is named in a warning.
 
-Dedup chunks a retired snapshot references stay in ``objects/`` until
+The memory tier's ``raymem://`` stores keep no retired copies (they would hold
+RAM for good): there the snapshot is deleted as retention deletes, after its
+record. Dedup chunks a retired snapshot references stay in ``objects/`` until
 ``rl-ckpt gc``, which counts only committed snapshots' references.
 """
 
@@ -48,11 +50,13 @@ from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo, lost_manifest
 from rl_ckpt.run.layout import (MANIFEST_NAME, RETIRED, manifest_path, retired_record_path, retired_snapshot_dir,
                                 snapshot_folders)
-from rl_ckpt.run.quarantine import quarantined, release
+from rl_ckpt.run.commit import retire_snapshot
 from rl_ckpt.storage import Storage, join
+from rl_ckpt.storage.registry import protocol_of
 
 log = logging.getLogger("rl_ckpt")
 COPY_CHUNK = 8 << 20
+NO_COPIES = ("raymem",)  # storage protocols where a retired snapshot is deleted, not kept
 REASON = "newer than the snapshot a restore loaded: written by the timeline that failed"
 
 __all__ = ["RetireOutcome", "retire_newer", "retire_for_plan", "retire_one", "snapshot_tag"]
@@ -76,7 +80,7 @@ def snapshot_tag(info: SnapshotInfo) -> str:
 
 def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, loaded: Iterable[str | None],
                  restored: str | None, by: str) -> RetireOutcome:
-    """Retire every committed snapshot (full or light, quarantined too) of a step after ``continue_step``.
+    """Retire every committed snapshot (full or light; not quarantined ones) of a step after ``continue_step``.
 
     Args:
         continue_step: the step training continues after (the restored light layer's, else the full's).
@@ -94,6 +98,10 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
     for info in catalog.snapshots():
         if info.global_step <= continue_step or info.snapshot_id in keep:
             continue
+        if info.quarantined is not None:
+            outcome.warnings.append(f"{info.snapshot_id} is newer than step {continue_step} but quarantined: left in "
+                                    "quarantine for a person (a save of its step conflicts until it is deleted)")
+            continue
         try:
             if retire_one(storage, info, context):
                 outcome.retired.append(info.snapshot_id)
@@ -104,7 +112,7 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
         if parsed is not None and parsed[0] > continue_step:
             outcome.warnings.append(f"{bad.snapshot_id} is newer than step {continue_step} but unreadable "
                                     f"({bad.reason}); left in place for a person (a save of its step will conflict)")
-    outcome.warnings += _finish_interrupted(storage, continue_step, keep)
+    _finish_interrupted(storage, continue_step, keep)
     catalog.refresh()
     for w in outcome.warnings:
         log.warning("retiring the failed timeline: %s", w)
@@ -133,25 +141,24 @@ def retire_for_plan(storage: Storage, catalog: Catalog, plan, *, by: str) -> lis
 
 
 def retire_one(storage: Storage, info: SnapshotInfo, context: dict) -> bool:
-    """Record why, move ``info``'s snapshot into ``history/retired/``, release its quarantine mark.
+    """Record why, then move ``info``'s snapshot into ``history/retired/``.
+
+    ``moved_to`` in the record is None where no copy is kept (``NO_COPIES``).
 
     Returns False when it was already gone from the snapshot namespace.
     """
     sid, tag = info.snapshot_id, snapshot_tag(info)
-    dest = retired_snapshot_dir(sid, tag)
+    dest = retired_snapshot_dir(sid, tag) if protocol_of(storage.url) not in NO_COPIES else None
     body = {"snapshot_id": sid, "global_step": info.global_step, "kind": info.kind,
             "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "created_at": info.created_at,
-            **context, "moved_to": dest, "quarantined": info.quarantined, "retired_at": now_iso()}
+            **context, "moved_to": dest, "retired_at": now_iso()}
     storage.makedirs(RETIRED)
     try:
         storage.write_atomic(retired_record_path(sid, tag), json.dumps(body, allow_nan=False).encode(),
                              create_only=True)
     except CommitConflictError:
         pass  # a retire of this snapshot was interrupted after its record: the record stands
-    moved = _move(storage, sid, dest)
-    if info.quarantined is not None:
-        release(storage, sid)
-    return moved
+    return _move(storage, sid, dest) if dest is not None else retire_snapshot(storage, sid)
 
 
 def _move(storage: Storage, sid: str, dest: str) -> bool:
@@ -191,20 +198,12 @@ def _copy_tree(storage: Storage, src: str, dest: str) -> None:
             storage.write(join(dest, rel), iter(lambda: f.read(COPY_CHUNK), b""), durable=True)
 
 
-def _finish_interrupted(storage: Storage, continue_step: int, keep: set[str]) -> list[str]:
-    """Complete retires a kill interrupted after the move: stale quarantine marks, manifest-less leftovers."""
-    warnings = []
+def _finish_interrupted(storage: Storage, continue_step: int, keep: set[str]) -> None:
+    """Remove what a kill left of a move without rename once the retired copy is whole (see the module docstring)."""
     copies = {e.name.rsplit(".", 1)[0] for e in storage.list(RETIRED)
               if e.is_dir and storage.exists(join(RETIRED, e.name, MANIFEST_NAME))}
     for entry in snapshot_folders(storage):
         parsed = parse_snapshot_id(entry.name)
         if (parsed[0] > continue_step and entry.name not in keep and entry.name in copies
                 and not storage.exists(manifest_path(entry.name)) and lost_manifest(storage, entry.name)):
-            storage.remove_tree(entry.name)  # its retired copy is whole: what is left here is the rest of a move
-    for sid, reason in quarantined(storage).items():
-        parsed = parse_snapshot_id(sid)
-        gone = not storage.exists(manifest_path(sid)) and not lost_manifest(storage, sid)
-        if parsed[0] > continue_step and sid not in keep and gone:
-            release(storage, sid)
-            warnings.append(f"released the quarantine mark of {sid} (its snapshot is gone; it was: {reason})")
-    return warnings
+            storage.remove_tree(entry.name)
