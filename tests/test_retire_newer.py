@@ -93,6 +93,33 @@ def test_restore_without_light_retires_the_light_layer_and_it_saves_again(tmp_pa
     assert _engine(tmp_path, seed=2)[1].restore().light_snapshot_id == S(12) + ".light"
 
 
+def test_on_s3_the_newer_snapshot_is_copied_then_uncommitted(s3_url):
+    url, options = s3_url
+    base, run = url.rsplit("/", 1)
+    cfg = {"base_dir": base, "run_name": run, "storage_options": options, "retention": False}
+    state = PPOState(seed=0)
+    e = state.register(CheckpointEngine(**cfg))
+    for step in (1, 2):
+        state.train(1)
+        e.save(step)
+    manifest = e.catalog.get(S(2)).manifest
+    victim = next(f.path for f in manifest.files if f.path.endswith("policy.safetensors"))
+    data = bytearray(e.storage.read(f"{S(2)}/{victim}"))
+    data[len(data) // 2] ^= 1
+    e.storage.write(f"{S(2)}/{victim}", [bytes(data)])
+    e.close()
+    state = PPOState(seed=1)
+    e = state.register(CheckpointEngine(**cfg))
+    r = e.restore()
+    assert (r.snapshot_id, r.retired) == (S(1), [S(2)])
+    assert not e.storage.exists(f"{S(2)}/meta.json") and e.storage.list(S(2)) == []
+    (record,) = [x for x in e.storage.list("history/retired") if x.name.endswith(".json")]
+    moved = json.loads(bytes(e.storage.read(f"history/retired/{record.name}")))["moved_to"]
+    assert e.storage.exists(f"{moved}/meta.json") and bytes(e.storage.read(f"{moved}/{victim}")) == bytes(data)
+    state.train(1)
+    assert e.save(2).snapshot_id == S(2) and e.verify().ok
+
+
 def test_restore_of_the_newest_retires_nothing(tmp_path):
     state, e = _engine(tmp_path)
     for step in (1, 2):
