@@ -129,25 +129,6 @@ def test_restore_of_the_newest_retires_nothing(tmp_path):
     assert (r.snapshot_id, r.retired) == (S(2), []) and not (tmp_path / "r" / "history").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_newer_snapshot_with_a_broken_manifest_is_retired_too(tmp_path, damage):
-    state, e = _engine(tmp_path)
-    for step in (1, 2):
-        state.train(1)
-        e.save(step)
-    meta = tmp_path / "r" / S(2) / "meta.json"
-    meta.write_bytes(meta.read_bytes()[:40]) if damage == "truncate" else meta.unlink()
-    listing = sorted(p.name for p in (tmp_path / "r" / S(2)).iterdir())
-    state, e = _engine(tmp_path, seed=1)
-    r = e.restore()
-    assert (r.snapshot_id, r.retired) == (S(1), [S(2)]) and e.catalog.unreadable() == []
-    (moved,) = [p for p in (tmp_path / "r" / "history" / "retired").iterdir() if p.is_dir()]
-    assert sorted(p.name for p in moved.iterdir()) == listing
-    assert _records(tmp_path / "r")[S(2)]["unreadable"]
-    state.train(1)
-    assert e.save(2).snapshot_id == S(2) and e.verify().ok
-
-
 def test_a_named_snapshot_retires_nothing_and_quarantined_ones_stay(tmp_path):
     state, e = _engine(tmp_path)
     for step in (1, 2, 3):

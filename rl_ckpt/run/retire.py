@@ -25,9 +25,6 @@ Per snapshot, in this order (each step is safe to repeat):
    subfolder, so nothing makes the folder look like a committed snapshot that
    lost its manifest; if something does, the next retire pass removes it once
    its copy is complete).
-A snapshot whose manifest cannot be read is moved only where a rename can
-(its files cannot be listed from a manifest to copy them).
-
 Quarantined snapshots stay where they are, in quarantine, for a person to
 look at (as retention leaves them): they are never restored, but a save of
 their step conflicts until someone releases and deletes them, so each one
@@ -62,7 +59,7 @@ COPY_CHUNK = 8 << 20
 NO_COPIES = ("raymem",)  # storage protocols where a retired snapshot is deleted, not kept
 REASON = "newer than the snapshot a restore loaded: written by the timeline that failed"
 
-__all__ = ["RetireOutcome", "retire_newer", "retire_for_plan", "retire_one", "retire_unreadable", "snapshot_tag"]
+__all__ = ["RetireOutcome", "retire_newer", "retire_for_plan", "retire_one", "snapshot_tag"]
 
 
 @dataclasses.dataclass
@@ -83,8 +80,7 @@ def snapshot_tag(info: SnapshotInfo) -> str:
 
 def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, loaded: Iterable[str | None],
                  restored: str | None, by: str) -> RetireOutcome:
-    """Retire every committed snapshot (full or light, unreadable ones too; not quarantined ones) of a step
-    after ``continue_step``.
+    """Retire every committed snapshot (full or light; not quarantined ones) of a step after ``continue_step``.
 
     Args:
         continue_step: the step training continues after (the restored light layer's, else the full's).
@@ -113,18 +109,9 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
             outcome.warnings.append(f"could not retire {info.snapshot_id} (newer than step {continue_step}): {exc}")
     for bad in catalog.unreadable():
         parsed = parse_snapshot_id(bad.snapshot_id)
-        if parsed is None or parsed[0] <= continue_step or bad.snapshot_id in keep:
-            continue
-        if not storage.supports_rename:  # its files cannot be listed from a manifest to copy them
+        if parsed is not None and parsed[0] > continue_step:
             outcome.warnings.append(f"{bad.snapshot_id} is newer than step {continue_step} but unreadable "
                                     f"({bad.reason}); left in place for a person (a save of its step will conflict)")
-            continue
-        try:
-            if retire_unreadable(storage, bad.snapshot_id, bad.reason, context):
-                outcome.retired.append(bad.snapshot_id)
-        except CheckpointError as exc:
-            outcome.warnings.append(f"could not retire {bad.snapshot_id} (newer than step {continue_step}): {exc}")
-    outcome.retired.sort(key=lambda sid: parse_snapshot_id(sid)[0])
     _finish_interrupted(storage, continue_step, keep)
     catalog.refresh()
     for w in outcome.warnings:
@@ -162,36 +149,16 @@ def retire_one(storage: Storage, info: SnapshotInfo, context: dict) -> bool:
     """
     sid, tag = info.snapshot_id, snapshot_tag(info)
     dest = retired_snapshot_dir(sid, tag) if protocol_of(storage.url) not in NO_COPIES else None
-    _record(storage, sid, tag, {"snapshot_id": sid, "global_step": info.global_step, "kind": info.kind,
-                                "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes,
-                                "created_at": info.created_at, **context, "moved_to": dest})
-    return _move(storage, sid, dest) if dest is not None else retire_snapshot(storage, sid)
-
-
-def retire_unreadable(storage: Storage, sid: str, problem: str, context: dict) -> bool:
-    """Move a snapshot whose manifest cannot be read (or is lost) into ``history/retired/`` (rename only)."""
-    if not storage.exists(sid):
-        return False
-    listing = sorted((e.name, e.size, e.is_dir) for e in storage.list(sid))
-    tag = hashlib.sha256(json.dumps([sid, problem, listing]).encode()).hexdigest()[:12]
-    step, _branch, kind = parse_snapshot_id(sid)
-    dest = retired_snapshot_dir(sid, tag)
-    _record(storage, sid, tag, {"snapshot_id": sid, "global_step": step, "kind": kind, "unreadable": problem,
-                                **context, "moved_to": dest})
-    storage.rename_dir(sid, dest)
-    storage.sync_dir("")
-    storage.sync_dir(RETIRED)
-    return True
-
-
-def _record(storage: Storage, sid: str, tag: str, body: dict) -> None:
-    """Why ``sid`` is retired, written before it moves; a retried retire finds it there and keeps it."""
+    body = {"snapshot_id": sid, "global_step": info.global_step, "kind": info.kind,
+            "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "created_at": info.created_at,
+            **context, "moved_to": dest, "retired_at": now_iso()}
     storage.makedirs(RETIRED)
     try:
-        storage.write_atomic(retired_record_path(sid, tag), json.dumps({**body, "retired_at": now_iso()},
-                                                                       allow_nan=False).encode(), create_only=True)
+        storage.write_atomic(retired_record_path(sid, tag), json.dumps(body, allow_nan=False).encode(),
+                             create_only=True)
     except CommitConflictError:
         pass  # a retire of this snapshot was interrupted after its record: the record stands
+    return _move(storage, sid, dest) if dest is not None else retire_snapshot(storage, sid)
 
 
 def _move(storage: Storage, sid: str, dest: str) -> bool:
