@@ -129,6 +129,21 @@ def test_restore_of_the_newest_retires_nothing(tmp_path):
     assert (r.snapshot_id, r.retired) == (S(2), []) and not (tmp_path / "r" / "history").exists()
 
 
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_newer_snapshot_with_a_broken_manifest_stays_for_a_person(tmp_path, damage):
+    state, e = _engine(tmp_path)
+    for step in (1, 2):
+        state.train(1)
+        e.save(step)
+    meta = tmp_path / "r" / S(2) / "meta.json"
+    meta.write_bytes(meta.read_bytes()[:40]) if damage == "truncate" else meta.unlink()
+    listing = sorted(p.name for p in (tmp_path / "r" / S(2)).iterdir())
+    r = _engine(tmp_path, seed=1)[1].restore()
+    assert (r.snapshot_id, r.retired) == (S(1), [])
+    assert any(S(2) in w and "unreadable" in w for w in r.warnings)
+    assert sorted(p.name for p in (tmp_path / "r" / S(2)).iterdir()) == listing  # verify and ls still report it
+
+
 def test_a_named_snapshot_retires_nothing_and_quarantined_ones_stay(tmp_path):
     state, e = _engine(tmp_path)
     for step in (1, 2, 3):

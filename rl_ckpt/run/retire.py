@@ -28,7 +28,9 @@ Per snapshot, in this order (each step is safe to repeat):
 Quarantined snapshots stay where they are, in quarantine, for a person to
 look at (as retention leaves them): they are never restored, but a save of
 their step conflicts until someone releases and deletes them, so each one
-newer than the restored step is named in a warning.
+newer than the restored step is named in a warning. So are snapshots whose
+manifest cannot be read: ``verify`` and ``ls`` keep reporting them, gc keeps
+them, and a person decides.
 
 The memory tier's ``raymem://`` stores keep no retired copies (they would hold
 RAM for good): there the snapshot is deleted as retention deletes, after its
