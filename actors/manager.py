@@ -48,6 +48,7 @@ from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.commit import strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.run.patrol import HealthPatrol
+from rl_ckpt.run.retire import retire_for_plan
 from rl_ckpt.storage import join, open_storage
 
 from .commits import PAUSE_DIR_ENV, CommitProtocol
@@ -88,6 +89,12 @@ def get_or_create(run_name: str = "run", base_dir: str = "./checkpoints", storag
         max_task_retries=-1, get_if_exists=True, num_cpus=0, max_concurrency=64,
         **({"runtime_env": runtime_env} if runtime_env else {}))
     return actor.remote(values, healthz_port, "127.0.0.1", kill_hung, patrol_interval_seconds)
+
+
+def plan_key(failures: list, decisions: list, catalog: Catalog) -> tuple:
+    """What a cached plan stays valid for: the failures and decisions recorded, and the newest snapshot."""
+    newest = catalog.snapshots()
+    return (len(failures), len(decisions), newest[-1].snapshot_id if newest else None)
 
 
 class CheckpointManager:
@@ -261,8 +268,7 @@ class CheckpointManager:
             failures = self.failures()
             answered = {d.failure.time for d in decisions}
             open_failures = [f for f in failures if f.get("time") not in answered]
-            newest = self.catalog.snapshots()
-            key = (len(failures), len(decisions), newest[-1].snapshot_id if newest else None)
+            key = plan_key(failures, decisions, self.catalog)
             if self._plan_cache is not None and self._plan_cache[0][0] == key[0] and self._plan_cache[0][2] == key[2]:
                 return self._plan_cache[1]
             # Saves still pending belong to the timeline being recovered from: finishing one with the
@@ -276,8 +282,10 @@ class CheckpointManager:
                               failure=failure, deep=True, probes=probe_check(self.config))
             if plan.decision is not None:
                 record_decision(self.storage, plan.decision)
+            if plan.action == "restore":  # the failed timeline's newer snapshots, once for all (retire_for_plan)
+                plan.retired = retire_for_plan(self.storage, self.catalog, plan, by="manager")
             body = plan.to_json()
-            self._plan_cache = (key, body)
+            self._plan_cache = (plan_key(failures, decisions, self.catalog), body)  # as the next caller sees the run
             return body
 
     # -- liveness (participants.py) ----------------------------------------------

@@ -1,7 +1,7 @@
 """``rl-ckpt timeline URL -o FILE.png``: one picture of a run.
 
 Steps on x; the reward curve (from snapshot metrics, or a per-step log);
-snapshots as marks (full/light, kept/deleted by retention, best starred);
+snapshots as marks (full/light, kept/deleted by retention/retired by a restore, best starred);
 memory-tier snapshots as orange diamonds on a row of their own; failures as
 red lines and restarts as arrows back to the restored step (green from
 durable storage, orange from memory).
@@ -66,8 +66,10 @@ def load(storage: Storage, metric: str = "avg_reward") -> dict:
             continue  # a damaged note: the snapshot is gone either way
         if r["snapshot_id"] in listed:
             continue  # the note is written before the deletion: a crash in between leaves it listed
+        # A restore's retire record names what it restored; retention's notes do not.
+        state = "retired" if "restored_step" in r else "deleted"
         snaps.append({"id": r["snapshot_id"], "step": r["global_step"], "kind": r["kind"],
-                      "value": _num(r.get("metrics", {}).get(metric)), "state": "deleted"})
+                      "value": _num(r.get("metrics", {}).get(metric)), "state": state})
     best = {r.get("metric"): r.get("snapshot_id") for r in _records(storage, BEST) if isinstance(r.get("metric"), str)}
     failures = [{"step": _step(r.get("step")), "kind": str(r.get("kind")), "participant": _str(r.get("participant"))}
                 for r in _records(storage, FAILURES)]
@@ -119,10 +121,13 @@ def plot(data: dict, out: str, step_log: list[dict] | None = None, title: str = 
               ("full", "quarantined"): dict(marker="x", color="#d62728", s=60),
               ("light", "kept"): dict(marker="o", color="#8c8cd9", s=18),
               ("light", "deleted"): dict(marker="o", facecolors="none", edgecolors="#bbbbbb", s=18),
-              ("light", "quarantined"): dict(marker="x", color="#d62728", s=18)}
+              ("light", "quarantined"): dict(marker="x", color="#d62728", s=18),
+              ("full", "retired"): dict(marker="v", facecolors="none", edgecolors="#8c564b", s=60),
+              ("light", "retired"): dict(marker="o", facecolors="none", edgecolors="#8c564b", s=18)}
     labels = {("full", "kept"): "full snapshot (kept)", ("full", "deleted"): "full (deleted by retention)",
               ("full", "quarantined"): "quarantined", ("light", "kept"): "light snapshot (kept)",
-              ("light", "deleted"): "light (deleted)", ("light", "quarantined"): None}
+              ("light", "deleted"): "light (deleted)", ("light", "quarantined"): None,
+              ("full", "retired"): "full (retired: newer than a restore)", ("light", "retired"): "light (retired)"}
     for key, style in styles.items():
         xs = [s["step"] for s in snaps if (s["kind"], s["state"]) == key]
         if xs:

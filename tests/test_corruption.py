@@ -72,7 +72,9 @@ def test_corruption_detected_and_restore_falls_back(tmp_path, name, how):
     assert "step_000000004" in result.skipped
     assert_same_state(fresh, reference)
 
-    assert cli(["verify", cfg["base_dir"] + "/run"]) == 1
+    # A corrupt newer snapshot whose manifest reads was retired by the restore (history/retired/); one whose
+    # manifest cannot be read stays for a person, and verify still reports it.
+    assert cli(["verify", cfg["base_dir"] + "/run"]) == (1 if name == "meta.json" else 0)
     assert cli(["verify", cfg["base_dir"] + "/run", "step_000000002"]) == 0
 
 

@@ -296,12 +296,14 @@ def _overflowing_shape(header, data):  # no bytes, so only the shape can be wron
 def test_hostile_safetensors_header_falls_back(tmp_path, capsys, change):
     cfg, run, first = _two_steps(tmp_path)
     _header_with(run / "step_000000002", change)
-    _falls_back_to_step_1(cfg, first)
-    engine = CheckpointEngine(**cfg)
-    engine.register("policy", torch.nn.Linear(3, 2))
-    assert "policy.safetensors" in engine.restore().skipped["step_000000002"]
+    # The CLI first: the restore below retires the refused newer snapshot (history/retired/).
     rc, out = _cli_one_line(capsys, "export", str(run), "step_000000002", "policy", "-o", str(tmp_path / "x.safetensors"))
     assert rc == 1 and "policy.safetensors" in out
+    engine = CheckpointEngine(**cfg)
+    engine.register("policy", torch.nn.Linear(3, 2))
+    result = engine.restore()
+    assert "policy.safetensors" in result.skipped["step_000000002"] and result.retired == ["step_000000002"]
+    _falls_back_to_step_1(cfg, first)
 
 
 MANIFEST_CASES = {

@@ -8,12 +8,19 @@ going on. A snapshot that fails while loading is skipped with its reason;
 one whose probe disagrees is quarantined first. A component that does not fit
 its object (or a user object's own load error) stops the restore: falling back
 would not help.
+
+After a restore, committed snapshots of a later step than the one training
+continues after belong to the timeline that failed: they are retired into
+``history/retired/`` (``rl_ckpt.run.retire``), once per run: by rank 0 of an
+engine without a manager, by the manager when it hands out a managed run's
+plan (``RestoreResult.retired`` then repeats what it retired).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Mapping
 
 import torch
@@ -29,6 +36,7 @@ from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.run.catalog import Catalog, decode_metrics
 from rl_ckpt.run.quarantine import quarantine
+from rl_ckpt.run.retire import retire_newer
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
@@ -46,6 +54,8 @@ class RestoreResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     metrics: dict = dataclasses.field(default_factory=dict)
     plan: Any = dataclasses.field(default=None, repr=False)
+    # Snapshots newer than the restored step, moved into history/retired/ (the failed timeline).
+    retired: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def fresh(self) -> bool:
@@ -65,10 +75,13 @@ class Restorer:
         self._probe_outputs: dict = {}
 
     def restore(self, plan: RecoveryPlan, *, strict: bool = True, light: bool = True,
-                record: bool = True) -> RestoreResult:
+                record: bool = True, retire: bool = True) -> RestoreResult:
         """Follow ``plan``: its target, then its fallbacks; NoValidSnapshotError if none loads.
 
         ``record``: write the coordinator decision the plan carries into the run's decision records.
+        ``retire``: retire the snapshots newer than what was loaded (see the module docstring); False
+        for a look at an old snapshot that training will not continue from. A plan for a snapshot the
+        caller named (``restore(snapshot_id=...)``) retires nothing either.
         """
         if plan.decision is not None and record:
             record_decision(self.storage, plan.decision)
@@ -106,9 +119,31 @@ class Restorer:
             result.plan = plan
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
+            if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback
+                self._retire_newer(result, plan)
             return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
+
+    def _retire_newer(self, result: RestoreResult, plan: RecoveryPlan) -> None:
+        """Retire what is newer than ``result``: rank 0 without a manager; with one, the manager did."""
+        if self.registry.managed:
+            result.retired = list(plan.retired or [])
+            return
+        if self.registry.rank == 0:
+            loaded = f"{result.snapshot_id}" + (f" + light {result.light_snapshot_id}" if result.light_snapshot_id else "")
+            try:
+                outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
+                                       loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
+                                       by=f"engine rank 0 (pid {os.getpid()})")
+            except CheckpointError as exc:  # the state is loaded; the next restore retries
+                outcome = None
+                result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
+            if outcome is not None:
+                result.retired, plan.retired = outcome.retired, outcome.retired
+                result.warnings += outcome.warnings
+        if self._collective():
+            torch.distributed.barrier()  # no rank saves a step of the failed timeline before it is retired
 
     def _manifest(self, sid: str) -> Manifest:
         """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""

@@ -67,11 +67,17 @@ class RecoveryPlan:
     decision: Decision | None = None
     deep: bool = True
     layout: str = ""  # sharded components: the layout saved and the one restored onto (rl_ckpt.sharded.layout)
+    retired: list[str] | None = None  # newer snapshots moved into history/retired/ by the restore (None: not yet)
     created_at: str = dataclasses.field(default_factory=now_iso)
 
     @property
     def fresh(self) -> bool:
         return self.action == "start_fresh"
+
+    @property
+    def requested(self) -> bool:
+        """A plan for the snapshot a caller named (``snapshot_id=``), not one recovery chose."""
+        return self.action == "restore" and self.reason == "requested snapshot"
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -102,6 +108,8 @@ class RecoveryPlan:
             lines.append(f"  continue:  training resumes after step {self.continue_from_step}")
             if self.layout:
                 lines.append(f"  layout:    {self.layout}")
+            if self.retired:
+                lines.append(f"  retired:   {', '.join(self.retired)} (newer: the failed timeline, moved to history/retired/)")
         else:
             lines.append(f"  action:    {self.action.upper()} - {self.reason}")
         if self.candidates:

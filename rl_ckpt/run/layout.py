@@ -16,6 +16,8 @@
       history/retired/<id>.json  notes of what retention deleted
       memory_tier/snapshot-<id>.json, <time>-restore-<tier>.json   memory snapshots committed and restores
                                  across tiers, recorded by the memory tier
+      history/retired/<id>.<tag>/      a snapshot of an abandoned timeline, moved here whole after a restore
+      history/retired/<id>.<tag>.json  why it was retired (the restore that abandoned it)
       save_decisions/<id>.json   the manager's save/skip decision per snapshot (horizon-<step>.json: steps
                                  answered "not due" under a time cadence), removed once a newer step commits
 
@@ -40,7 +42,7 @@ __all__ = [
     "ATTEMPT_FILE", "RESERVED", "Attempt", "snapshot_id", "parse_snapshot_id", "is_snapshot_name", "manifest_path",
     "snapshot_folders", "staged_attempt", "in_place_attempt", "parse_staged_name", "uncommitted_attempts",
     "committed_data_prefix", "report_name", "best_alias_path", "safe_name", "quarantine_path", "retired_path",
-    "timed_record_stem", "SAVE_DECISIONS", "MEMORY_TIER_EVENTS",
+    "timed_record_stem", "SAVE_DECISIONS", "MEMORY_TIER_EVENTS", "retired_snapshot_dir", "retired_record_path",
 ]
 
 STAGING = ".staging"
@@ -163,6 +165,20 @@ def quarantine_path(snapshot: str) -> str:
 def retired_path(snapshot: str) -> str:
     """``history/retired/<id>.json``: what retention deleted, written before deleting it."""
     return f"{RETIRED}/{snapshot}.json"
+
+
+def retired_snapshot_dir(snapshot: str, tag: str) -> str:
+    """``history/retired/<id>.<tag>/``: where a snapshot of an abandoned timeline is kept, whole.
+
+    ``tag`` tells apart snapshots of one step retired after different restores (it is derived from the
+    retired snapshot's manifest, so a retried retire of the same snapshot lands in the same place).
+    """
+    return f"{RETIRED}/{snapshot}.{tag}"
+
+
+def retired_record_path(snapshot: str, tag: str) -> str:
+    """``history/retired/<id>.<tag>.json``: why the snapshot in ``retired_snapshot_dir`` was retired."""
+    return f"{RETIRED}/{snapshot}.{tag}.json"
 
 
 def timed_record_stem(time: str, what: str) -> str:

@@ -143,28 +143,7 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
     from rl_ckpt.run.snapshot_files import read_manifest
 
     variant, label = variant_name(case.dedup, True), f"{case.family}: {case.name}"
-    engine, model, buf = build(target.cfg, target.storage())
-    try:
-        listed = [i.snapshot_id for i in engine.snapshots()]
-        if case.foreign is not None and listed != ["step_000000001", NEWEST]:
-            res.violate(variant, label, "unexpected", f"listed {listed}")
-        result = engine.restore()
-        step = observed(model, buf)[0]
-        parsed = parse_snapshot_id(result.snapshot_id or "")
-        if result.snapshot_id not in ("step_000000001", NEWEST) or parsed is None or parsed[0] != step:
-            res.violate(variant, label, "corrupt_load", f"restored {result.snapshot_id!r} holding step {step}")
-        elif result.snapshot_id == NEWEST and case.must_refuse:
-            res.violate(variant, label, "not_refused", "restore loaded a snapshot it had to refuse")
-        else:
-            res.note("refused: restore fell back to step 1" if step == 1 else "harmless: step 2 loaded exactly")
-    except Mixed as exc:
-        res.violate(variant, label, "corrupt_load", str(exc))
-    except CheckpointError as exc:
-        res.violate(variant, label, "no_fallback", f"restore did not fall back to step 1: {exc}")
-    except Exception as exc:
-        res.violate(variant, label, "not_a_checkpoint_error", f"restore: {type(exc).__name__}: {exc}")
-    finally:
-        engine.close()
+    # The CLI first: a restore that falls back retires the refused newer snapshot (history/retired/).
     manifest_refused = True
     try:
         read_manifest(target.storage(), NEWEST)
@@ -189,6 +168,28 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
             res.violate(variant, label, "cli", f"rl-ckpt {command} exited {rc} though {NEWEST}'s manifest is refused")
         elif case.foreign is not None and argv[1:] == [target.run, "--deep"] and (rc != 1 or "FOREIGN" not in out):
             res.violate(variant, label, "cli", f"rl-ckpt ls --deep does not show the foreign folder (exit {rc})")
+    engine, model, buf = build(target.cfg, target.storage())
+    try:
+        listed = [i.snapshot_id for i in engine.snapshots()]
+        if case.foreign is not None and listed != ["step_000000001", NEWEST]:
+            res.violate(variant, label, "unexpected", f"listed {listed}")
+        result = engine.restore()
+        step = observed(model, buf)[0]
+        parsed = parse_snapshot_id(result.snapshot_id or "")
+        if result.snapshot_id not in ("step_000000001", NEWEST) or parsed is None or parsed[0] != step:
+            res.violate(variant, label, "corrupt_load", f"restored {result.snapshot_id!r} holding step {step}")
+        elif result.snapshot_id == NEWEST and case.must_refuse:
+            res.violate(variant, label, "not_refused", "restore loaded a snapshot it had to refuse")
+        else:
+            res.note("refused: restore fell back to step 1" if step == 1 else "harmless: step 2 loaded exactly")
+    except Mixed as exc:
+        res.violate(variant, label, "corrupt_load", str(exc))
+    except CheckpointError as exc:
+        res.violate(variant, label, "no_fallback", f"restore did not fall back to step 1: {exc}")
+    except Exception as exc:
+        res.violate(variant, label, "not_a_checkpoint_error", f"restore: {type(exc).__name__}: {exc}")
+    finally:
+        engine.close()
     try:
         target.gc()
     except Exception as exc:
