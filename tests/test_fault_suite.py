@@ -175,9 +175,9 @@ def test_hostile_cases_cover_every_manifest_field():
 def test_cli_exit_status_and_table(tmp_path, capsys):
     from rl_ckpt.tools.fault_suite import main
 
-    assert main(["--quick", "--only", "malicious", "-q", "--base-dir", str(tmp_path)]) == 0
+    assert main(["--quick", "--only", "concurrent", "-q", "--base-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| malicious" in out and "| TOTAL" in out and "OK: quick suite" in out
+    assert "| concurrent" in out and "| TOTAL" in out and "OK: quick suite" in out
     assert os.listdir(tmp_path) == []  # nothing failed: the working folder is gone
 
 
