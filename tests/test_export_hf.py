@@ -182,7 +182,7 @@ def test_export_peak_memory_figure(tmp_path):
     code = (
         "import sys; from pathlib import Path\n"
         "from rl_ckpt.export import export_hf\n"
-        "from rl_ckpt.core.reader import read_manifest\n"
+        "from rl_ckpt.run.snapshot_files import read_manifest\n"
         "from rl_ckpt.storage import open_storage\n"
         "import rl_ckpt.sharded.component  # its imports (torch.distributed) are not the export's memory\n"
         "def rss(field):\n"

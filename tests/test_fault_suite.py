@@ -249,7 +249,7 @@ def test_regression_dedup_rewrites_an_object_that_rotted(tmp_path):
     engine, model, buf = build(cfg)
     save_step(engine, model, buf, 1)
     from rl_ckpt.run.dedup import object_path
-    from rl_ckpt.core.reader import read_manifest
+    from rl_ckpt.run.snapshot_files import read_manifest
     from rl_ckpt.storage import open_storage
 
     section = read_manifest(open_storage(run_url(cfg)), "step_000000001").components["model"]

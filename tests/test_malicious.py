@@ -18,7 +18,7 @@ import torch
 from rl_ckpt import CheckpointEngine, CheckpointError, NoValidSnapshotError, SchemaVersionError, UnsafePathError
 from rl_ckpt.format.checksum import digest_bytes
 from rl_ckpt.format.manifest import manifest_checksum
-from rl_ckpt.core.reader import read_manifest
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.storage import open_storage
 
 

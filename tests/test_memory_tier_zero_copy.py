@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.core.reader import load_component, read_verified
+from rl_ckpt.core.reader import load_component
+from rl_ckpt.run.snapshot_files import read_verified
 from rl_ckpt.errors import CorruptSnapshotError
 from rl_ckpt.format import safetensors_io
 from rl_ckpt.format.checksum import new_hasher

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import PPOState
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.core.reader import verify_snapshot
+from rl_ckpt.run.snapshot_files import verify_snapshot
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.quarantine import quarantine, quarantined
 from rl_ckpt.run.retire import retire_newer

@@ -17,13 +17,10 @@ from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.format.state_codec import decode_state
 from rl_ckpt.format.untrusted import parse_json
 from rl_ckpt.run.dedup import read_tensor_bytes
-from rl_ckpt.run.snapshot_files import FileProblem, VerifyReport, check_file, read_manifest, read_verified, verify_snapshot
+from rl_ckpt.run.snapshot_files import read_verified
 from rl_ckpt.storage import Storage
 
-# The snapshot-file checks live in run/snapshot_files.py (run/ and recovery/ use them); the engine and
-# its callers may keep importing them from here.
-__all__ = ["FileProblem", "VerifyReport", "check_file", "load_arrays", "load_component", "read_manifest",
-           "read_verified", "verify_snapshot"]
+__all__ = ["load_arrays", "load_component"]
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
 

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.core.reader import load_component, read_manifest
+from rl_ckpt.core.reader import load_component
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.save_pipeline import recorded_config
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapshotError, RestoreError, StateMismatchError
