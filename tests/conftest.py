@@ -7,6 +7,15 @@
 ``(url, storage_options)``, e.g. ``("s3://rlckpt-1a2b.../runs/r1", {...})``,
 ready for ``open_storage(url, storage_options)``. The bucket is emptied and
 deleted afterwards.
+
+``ray_cluster`` (session): one local Ray cluster for every Ray test.
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in
+pyproject.toml, with the scheduler below): every file with Ray tests (the
+``ray`` marker or the ``ray_cluster`` fixture) goes to one worker, which runs
+them one after another on its one session cluster, while the other worker
+runs the other files; a file's tests stay together, so a module-scoped
+fixture runs once. ``-n 0`` runs everything in one process, in file order.
 """
 
 from __future__ import annotations
@@ -67,6 +76,46 @@ def s3_url(s3_endpoint):
             pass
 
 
+def _marks(path) -> tuple[bool, bool]:
+    """(has Ray tests, is marked slow) for a test file, from its text: the ``ray_cluster`` fixture or the
+    ``ray`` marker; the ``slow`` marker."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return False, False
+    return "ray_cluster" in text or "pytest.mark.ray" in text, "pytest.mark.slow" in text
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, except that every file with Ray tests is one unit: one worker runs them all, one
+    after another, on the one session cluster, while the other runs the rest file by file. Units go out
+    longest first: the Ray unit, then files marked slow, then the rest (most tests first)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    marks: dict[str, tuple[bool, bool]] = {}
+
+    def marks_of(file: str) -> tuple[bool, bool]:
+        if file not in marks:
+            marks[file] = _marks(config.rootpath / file)
+        return marks[file]
+
+    class RayFilesInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "ray" if marks_of(file)[0] else file
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in [s for s in self.workqueue if s != "ray" and marks_of(s)[1]][::-1]:
+                self.workqueue.move_to_end(scope, last=False)
+            if "ray" in self.workqueue:
+                self.workqueue.move_to_end("ray", last=False)
+            super()._assign_work_unit(node)
+
+    return RayFilesInOneWorker(config, log)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One local Ray cluster for the whole session (2 CPUs, token authentication left on)."""
@@ -75,7 +124,8 @@ def ray_cluster(tmp_path_factory):
 
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_tests",
+        # address="local": always a new cluster of this session's own, never one another process started
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_tests",
                  runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
     yield ray
     ray.shutdown()

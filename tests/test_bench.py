@@ -10,6 +10,8 @@ import pytest
 
 from rl_ckpt.tools import bench
 
+pytestmark = pytest.mark.slow  # the benchmarks run end to end on small sizes
+
 TOP_KEYS = ("mode", "url", "workdir", "repeat", "host", "cache", "load", "state", "results", "dedup", "ratios",
             "goals", "goals_met", "goals_total")
 

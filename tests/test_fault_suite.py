@@ -30,6 +30,8 @@ from rl_ckpt.tools.fault_suite import (
 )
 from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
+pytestmark = pytest.mark.slow  # the quick fault suite runs once for the module (~2.5 min)
+
 # -- the quick suite ------------------------------------------------------------------------------
 
 

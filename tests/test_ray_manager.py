@@ -75,6 +75,7 @@ def test_killed_rollout_worker_means_no_commit_and_the_next_one_commits(ray_clus
     mgr = make(commit_timeout_seconds=3.0)
     group = _group(ray, base, name, mgr, cfg={"commit_timeout_seconds": 3.0}, restarts=1)
     assert ray.get([p.save.remote(1) for p in group]) == ["step_000000001"] * 4
+    dead_pid = ray.get(group[3].pid.remote())
     group[3].die.remote()  # SIGKILL, before it reports step 2
     pending = [p.save.remote(2) for p in group[:3]]
     errors = []
@@ -86,7 +87,10 @@ def test_killed_rollout_worker_means_no_commit_and_the_next_one_commits(ray_clus
     assert len(errors) == 3 and all("aborted" in e for e in errors)
     assert [s["snapshot_id"] for s in ray.get(mgr.snapshots.remote())] == ["step_000000001"]
     # The worker was restarted by Ray (max_restarts=1): the next snapshot commits with everyone.
-    # (a call that reaches it while it is still restarting waits for the restart instead of failing)
+    # First wait for the restart to finish (a call that reaches it while it is still restarting waits for the
+    # restart instead of failing): a restart slower than the 3 s commit timeout must not abort step 3.
+    new_pid = ray.get(group[3].pid.options(max_task_retries=-1).remote(), timeout=120)
+    assert new_pid != dead_pid
     assert ray.get([p.save.options(max_task_retries=-1).remote(3) for p in group], timeout=120) == ["step_000000003"] * 4
     restored = ray.get([p.restore.remote() for p in group])
     assert all(r[1] == 3 and r[2] == 3 for r in restored)
