@@ -6,14 +6,13 @@
   snapshot every ``save_every`` steps, each rank writing only its own shards
   (the run's ``CheckpointManager`` commits).
 - Rollout actors: plain Ray actors, no process group. Before a rollout an
-  actor loads the whole policy from the newest snapshot into an ordinary
-  ``nn.Module`` with one ``engine.load_full_weights`` call, samples, and
-  returns answers with their log-probs; the learners' update is the clipped
-  GRPO objective against those log-probs.
+  actor loads the whole policy from the newest snapshot (durable or in
+  memory) into an ordinary ``nn.Module`` with one ``engine.load_full_weights``
+  call, samples, and returns answers with their log-probs; the learners'
+  update is the clipped GRPO objective against those log-probs.
 - Rank ``r`` of ``n`` learns on its slice of every step's global batch, so the
   data, and the mean of the gradients FSDP reduces, do not depend on ``n``: a
   run restored on fewer learners goes on with the same math.
-
 - With the memory tier (``Run.start(memory_tier=...)``) each learner rank puts
   its own shards into a memory snapshot instead (``MemoryTier``, committed by
   the memory manager) and ``MemoryTierService`` makes the durable copies.
