@@ -155,7 +155,10 @@ def main(argv=None) -> int:
     if args.address:
         ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
+        # "local": a new cluster of its own, even when a `ray start` cluster runs on this machine (ray.init would
+        # attach to that one, and refuse num_cpus).
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR",
+                 log_to_driver=False)
     if args.sharded:
         from rl_ckpt.demo.grpo import GRPOConfig
         from rl_ckpt.demo.sharded_drill import crash_drill as sharded_drill  # not a local `crash_drill`: --local uses that
