@@ -120,6 +120,28 @@ class ViewReader(io.RawIOBase):
         return n
 
 
+def first_answer(storage: "RayMemoryStorage", call: Callable[[Any], Any]) -> Any:
+    """``call(store)`` on the stores of ``storage`` that may hold a file until one answers something other than
+    None (None: none did). The stores already known are asked first, so a read costs one call to one store, not
+    a listing of the cluster's named actors; only when none of them holds the file is the cluster listed again
+    (a store started since, e.g. on a new node) and the others asked. A dead store is skipped."""
+    ray = _ray()
+    answered: set[str] = set()
+    for fresh in (False, True):
+        for node, handle in storage.holders(fresh):
+            if node in answered:
+                continue
+            try:
+                got = call(handle)
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                storage.forget(node)  # died (with its objects): another store may hold a copy
+                continue
+            answered.add(node)
+            if got is not None:
+                return got
+    return None
+
+
 class RayMemoryStorage(Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 
@@ -190,12 +212,16 @@ class RayMemoryStorage(Storage):
         ring = [n for n in alive if n > node_id] + [n for n in alive if n < node_id]
         return ring[:self.replicas]
 
-    def _holders(self, path: str) -> list[tuple[str, Any]]:
-        """Live stores to ask for ``path``: this node's first."""
-        stores = self.stores()
+    def holders(self, fresh: bool = True) -> list[tuple[str, Any]]:
+        """Stores to ask for a file, this node's first: listed now (``fresh``), else the ones already known."""
+        stores = self.stores() if fresh or not self._handles else dict(self._handles)
         local = self._node if self._node in stores else None
         order = ([local] if local else []) + sorted(n for n in stores if n != local)
         return [(n, stores[n]) for n in order]
+
+    def forget(self, node: str) -> None:
+        """Drop the handle of ``node``'s store (it died)."""
+        self._handles.pop(node, None)
 
     # -- writes -------------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -261,36 +287,29 @@ class RayMemoryStorage(Storage):
         ray = _ray()
         check_max_bytes(max_bytes)
         path = check_relpath(path)
-        for _node, handle in self._holders(path):
-            try:
-                got = ray.get(handle.get.remote(path, max_bytes))
-                if isinstance(got, list):  # [ObjectRef] of an object the store owns
-                    got = ray.get(got[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
-                continue  # died (with its objects): another store may hold a copy
-            if got is None:
-                continue
-            if isinstance(got, int):
-                raise too_large(path, got, max_bytes)
-            view = memoryview(got).cast("B")
-            return hash_in_place(view.toreadonly(), on_chunk)
-        raise self._missing(path)
+
+        def get(handle):
+            got = ray.get(handle.get.remote(path, max_bytes))
+            return ray.get(got[0]) if isinstance(got, list) else got  # [ObjectRef] of an object the store owns
+
+        got = first_answer(self, get)
+        if got is None:
+            raise self._missing(path)
+        if isinstance(got, int):
+            raise too_large(path, got, max_bytes)
+        view = memoryview(got).cast("B")
+        return hash_in_place(view.toreadonly(), on_chunk)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         ray = _ray()
         check_range(start, length)
         path = check_relpath(path)
-        for _node, handle in self._holders(path):
-            try:
-                got = ray.get(handle.get_range.remote(path, start, length))
-            except ray.exceptions.RayActorError:
-                continue
-            if got is None:
-                continue
-            if isinstance(got, int):
-                raise range_past_end(path, start, length, got)
-            return got
-        raise self._missing(path)
+        got = first_answer(self, lambda handle: ray.get(handle.get_range.remote(path, start, length)))
+        if got is None:
+            raise self._missing(path)
+        if isinstance(got, int):
+            raise range_past_end(path, start, length, got)
+        return got
 
     def open_read(self, path: str) -> BinaryIO:
         return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=_COPY_STEP)

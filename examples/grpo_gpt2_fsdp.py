@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     import ray
 
     from rl_ckpt.demo.grpo import GRPOConfig
-    from rl_ckpt.demo.sharded_grpo import Run, crash_drill
+    from rl_ckpt.demo.sharded_drill import crash_drill
+    from rl_ckpt.demo.sharded_grpo import Run
 
     if args.address:
         ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR")

@@ -314,7 +314,14 @@ def global_batch_loss(model, step: int, rank: int, world: int) -> torch.Tensor:
 
 
 def ray_train_loop(config: dict) -> None:
-    """A Ray Train worker: FSDP2 over all workers, restore from the run (any earlier world size), train, save."""
+    """A Ray Train worker: FSDP2 over all workers, restore from the run (any earlier world size), train, save.
+
+    With ``config["memory"]`` (the memory manager and service handles) the state goes through a ``MemoryTier``:
+    each rank puts its own shards into memory every ``memory_interval_steps`` (each snapshot finished before
+    training goes on), and the restore is across tiers. ``gather_at``: rank 0 also writes the gathered full state
+    of that step to ``out + ".gathered"``. Rank 0 writes the final full state to ``out`` and where it restored
+    from (world, step, tier, the plan's layout line) to ``out + ".json"``.
+    """
     import ray.train
     from safetensors.torch import save_file
 
@@ -326,20 +333,39 @@ def ray_train_loop(config: dict) -> None:
     model = shard(make_model(config["seed"]), (world,))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
-                              retention=False)
-    engine.register("policy", model)
-    engine.register("optim", optim)
-    start = engine.restore().global_step
+                              retention=False, **config.get("cfg", {}))
+    tier = None
+    if config.get("memory"):
+        from rl_ckpt.integrations.memory_tier import MemoryTier
+
+        tier = MemoryTier(engine, manager=config["memory"]["manager"], service=config["memory"]["service"])
+    saver = tier or engine
+    saver.register("policy", model)
+    saver.register("optim", optim)
+    result = saver.restore()
+    start = result.global_step
     for step in range(start + 1, config["steps"] + 1):
         if step == config.get("die_at") and rank == world - 1:
             os.kill(os.getpid(), 9)  # a lost node: this worker vanishes mid-run
         optim.zero_grad()
         global_batch_loss(model, step, rank, world).backward()
         optim.step()
-        if step in config["save_at"]:
+        if tier is not None:
+            handle = tier.maybe_save(step)
+            if handle is not None:
+                handle.wait()  # which steps are in memory does not depend on machine load
+        elif step in config["save_at"]:
             engine.save(step)
+        if step == config.get("gather_at"):
+            gathered = full_state(model, optim)
+            if rank == 0:
+                save_file(gathered, config["out"] + ".gathered")
     full = full_state(model, optim)
     if rank == 0:
         save_file(full, config["out"])
-        Path(config["out"] + ".json").write_text(json.dumps({"world": world, "restored_from": start}))
-    engine.close()
+        Path(config["out"] + ".json").write_text(json.dumps({
+            "world": world, "restored_from": start, "snapshot": result.snapshot_id,
+            "tier": tier.tier_restored if tier is not None else None,
+            "layout": result.plan.layout if result.plan is not None else "",
+            "reason": result.warnings[0] if tier is not None and result.warnings else ""}))
+    saver.close()

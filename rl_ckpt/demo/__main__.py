@@ -5,6 +5,11 @@ on average reward); the training process is SIGKILLed mid-run; a new process
 plans the recovery (the coordinator decides from the failure), restores,
 verifies the probe, and finishes the run. The result is compared with a run
 that never crashed, bit for bit. Exit 0 only if recovery was exact.
+
+On Ray (the default) the same crash is then run with the memory tier (memory
+snapshots every 2 steps, durable copies made from memory) and both are printed
+side by side; ``--no-memory-tier`` skips it. ``--sharded`` does the same with
+FSDP2 learners restarted on fewer ranks.
 """
 
 from __future__ import annotations
@@ -122,15 +127,14 @@ def main(argv=None) -> int:
                    "restart on fewer (examples/grpo_gpt2_fsdp.py)")
     p.add_argument("--learners", type=int, default=2, help="--sharded: FSDP2 learners before the crash (default 2)")
     p.add_argument("--restart-learners", type=int, default=1, help="--sharded: learners after it (default 1)")
-    p.add_argument("--memory-tier", action="store_true", help="also run the same crash with the memory tier (memory "
-                   "snapshots every 2 steps, durable copies made from memory) and print both side by side")
+    p.add_argument("--memory-tier", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the same crash with the memory tier (memory snapshots every 2 steps, durable copies "
+                   "made from memory) and print both side by side (the default; --no-memory-tier skips it; --local has no memory tier)")
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.sharded else 50)
     args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
-    if args.memory_tier and (args.local or args.sharded):
-        p.error("--memory-tier runs with the Ray PPO drill: leave out --local and --sharded")
     base = args.base_dir or tempfile.mkdtemp(prefix="rl-ckpt-demo-")
     if args.local:
         cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
@@ -151,15 +155,21 @@ def main(argv=None) -> int:
     if args.address:
         ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR", log_to_driver=False)
+        # "local": a new cluster of its own, even when a `ray start` cluster runs on this machine (ray.init would
+        # attach to that one, and refuse num_cpus).
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR",
+                 log_to_driver=False)
     if args.sharded:
         from rl_ckpt.demo.grpo import GRPOConfig
-        from rl_ckpt.demo.sharded_grpo import crash_drill as sharded_drill  # not a local `crash_drill`: --local uses that
+        from rl_ckpt.demo.sharded_drill import crash_drill as sharded_drill  # not a local `crash_drill`: --local uses that
+        from rl_ckpt.demo.sharded_drill import side_by_side
 
+        runs = "durable-only, then with the memory tier" if args.memory_tier else "durable-only"
         print(f"GRPO on {args.learners} FSDP2 learners, SIGKILL of one at step {args.crash_at}, restart on "
-              f"{args.restart_learners} ...", file=sys.stderr)
-        report = sharded_drill(base, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
-                             restart_learners=args.restart_learners, grpo=GRPOConfig(seed=args.seed))
+              f"{args.restart_learners} ({runs}) ...", file=sys.stderr)
+        drill = side_by_side if args.memory_tier else sharded_drill
+        report = drill(base, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
+                       restart_learners=args.restart_learners, save_every=6, grpo=GRPOConfig(seed=args.seed))
         print(report.text)
         ray.shutdown()
         return 0 if report.ok else 1

@@ -6,17 +6,21 @@
   snapshot every ``save_every`` steps, each rank writing only its own shards
   (the run's ``CheckpointManager`` commits).
 - Rollout actors: plain Ray actors, no process group. Before a rollout an
-  actor loads the whole policy from the newest snapshot into an ordinary
-  ``nn.Module`` with one ``engine.load_full_weights`` call, samples, and
-  returns answers with their log-probs; the learners' update is the clipped
-  GRPO objective against those log-probs.
+  actor loads the whole policy from the newest snapshot (durable or in
+  memory) into an ordinary ``nn.Module`` with one ``engine.load_full_weights``
+  call, samples, and returns answers with their log-probs; the learners'
+  update is the clipped GRPO objective against those log-probs.
 - Rank ``r`` of ``n`` learns on its slice of every step's global batch, so the
   data, and the mean of the gradients FSDP reduces, do not depend on ``n``: a
   run restored on fewer learners goes on with the same math.
+- With the memory tier (``Run.start(memory_tier=...)``) each learner rank puts
+  its own shards into a memory snapshot instead (``MemoryTier``, committed by
+  the memory manager) and ``MemoryTierService`` makes the durable copies.
 
-``run`` starts one attempt (``TorchTrainer.fit``) on some number of learners;
-``crash_drill`` SIGKILLs a learner mid-run and restarts the run on fewer.
-Every event goes to a JSON-lines log the summary is computed from.
+``Run.fit`` starts one attempt (``TorchTrainer.fit``) on some number of
+learners; ``rl_ckpt.demo.sharded_drill`` SIGKILLs a learner mid-run and
+restarts the run on fewer. Every event goes to a JSON-lines log the summary is
+computed from.
 """
 
 from __future__ import annotations
@@ -36,29 +40,47 @@ ENGINE_DEFAULTS = {"keep_latest": 4, "keep_best": 0, "commit_timeout_seconds": 6
 
 
 class RolloutActor:
-    """A Ray actor sampling answers with the policy of a committed snapshot (full weights, no process group)."""
+    """A Ray actor sampling answers with the policy of a committed snapshot (full weights, no process group).
 
-    def __init__(self, base_dir: str, run_name: str, grpo: dict, storage_options: dict | None = None) -> None:
-        from rl_ckpt import CheckpointEngine
+    Each call names where the snapshot lives (``source``: base_dir, run_name, storage_options: a durable run
+    folder or a run's ``raymem://`` memory tier), so one set of actors can serve several runs and both tiers."""
 
+    def __init__(self, grpo: dict) -> None:
         torch.set_num_threads(1)
         self.cfg = GRPOConfig(**grpo)
         self.model = make_policy(self.cfg).eval()  # its weights all come from the snapshot
-        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, retention=False,
-                                       **({"storage_options": storage_options} if storage_options else {}))
+        self.engines: dict[str, Any] = {}
         self.loaded: str | None = None
         self.loads = 0
 
-    def rollout(self, snapshot_id: str, step: int, indices: list[int]) -> dict:
-        """Answers to prompts ``indices`` of ``step``, sampled with the policy of ``snapshot_id``."""
-        if snapshot_id != self.loaded:
-            self.loaded = self.engine.load_full_weights("policy", self.model, snapshot_id)
+    def _engine(self, source: dict):
+        from rl_ckpt import CheckpointEngine
+
+        key = f"{source['base_dir'].rstrip('/')}/{source['run_name']}"
+        if key not in self.engines:
+            options = source.get("storage_options")
+            self.engines[key] = CheckpointEngine(base_dir=source["base_dir"], run_name=source["run_name"],
+                                                 retention=False, **({"storage_options": options} if options else {}))
+        return self.engines[key]
+
+    def rollout(self, source: dict, snapshot_id: str, step: int, indices: list[int]) -> dict:
+        """Answers to prompts ``indices`` of ``step``, sampled with the policy of ``snapshot_id`` in ``source``."""
+        key = f"{source['base_dir'].rstrip('/')}/{source['run_name']}/{snapshot_id}"
+        if key != self.loaded:
+            self._engine(source).load_full_weights("policy", self.model, snapshot_id)
+            self.loaded = key
             self.loads += 1
         out = {k: v.numpy() for k, v in sample(self.model, self.cfg, step, indices).items()}
-        return {**out, "snapshot": self.loaded}
+        return {**out, "snapshot": snapshot_id}
 
     def stats(self) -> dict:
         return {"loads": self.loads, "loaded": self.loaded}
+
+    def reset(self) -> None:
+        """Forget the runs served so far (their engines closed, the load count back to 0)."""
+        for engine in self.engines.values():
+            engine.close()
+        self.engines, self.loaded, self.loads = {}, None, 0
 
 
 def shard_policy(model: torch.nn.Module, world: int) -> torch.nn.Module:
@@ -93,7 +115,13 @@ def log_event(path: str, msg: dict) -> None:
 
 
 def learner_loop(config: dict) -> None:
-    """The Ray Train train function: restore from any layout, then rollout -> GRPO update -> save every k steps."""
+    """The Ray Train train function: restore from any layout, then rollout -> GRPO update -> save every k steps.
+
+    With ``config["memory"]`` (the memory manager, the service and the ``memory_*`` config keys) each rank puts
+    its own shards into a memory snapshot every ``memory_interval_steps`` through a ``MemoryTier`` (the
+    service makes the durable copies) and the restore is across tiers; otherwise the learners save durable
+    snapshots every ``save_every`` steps.
+    """
     import numpy as np
     import ray
     import ray.train
@@ -110,27 +138,41 @@ def learner_loop(config: dict) -> None:
     model = shard_policy(make_policy(cfg), world)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     progress = Progress()
+    memory = config.get("memory")
     options = {"storage_options": config["storage_options"]} if config.get("storage_options") else {}
     engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
-                              train_config=cfg.to_json(), **options)
-    engine.register("policy", model)
-    engine.register("optim", optim)
-    engine.register("rng", RNGState())
-    engine.register("progress", progress)
-    result = engine.restore()
+                              train_config=cfg.to_json(), **options, **(memory["cfg"] if memory else {}))
+    tier = None
+    if memory:
+        from rl_ckpt.integrations.memory_tier import MemoryTier
+
+        tier = MemoryTier(engine, manager=memory["manager"], service=memory["service"])
+    saver = tier or engine
+    saver.register("policy", model)
+    saver.register("optim", optim)
+    saver.register("rng", RNGState())
+    saver.register("progress", progress)
+    started = time.monotonic()
+    result = saver.restore()
+    restore_seconds = time.monotonic() - started
     start = result.global_step
+    tier_name = (tier.tier_restored if tier is not None else "durable") if result.snapshot_id else None
+    durable_source = {"base_dir": config["base_dir"], "run_name": config["run_name"], **options}
+    source = memory_source(engine.config) if tier_name == "memory" else durable_source
     newest = result.snapshot_id
     if newest is None:  # a fresh run: the rollout actors need weights to act with
-        newest = engine.save(0).snapshot_id
+        newest, source = save(tier, engine, 0), memory_source(engine.config) if tier else durable_source
     if rank == 0:
         plan = result.plan
         saved_by = {}
         if result.snapshot_id is not None:  # who wrote the restored policy, as its manifest says
             from rl_ckpt.run.snapshot_files import read_manifest
 
-            section = read_manifest(engine.storage, result.snapshot_id).components.get("policy") or {}
+            storage = tier.memory.storage if tier_name == "memory" else engine.storage
+            section = read_manifest(storage, result.snapshot_id).components.get("policy") or {}
             saved_by = (section.get("layout") or {}).get("saved_by", {})
         log_event(config["log"], {"event": "attempt", "world": world, "restored": result.snapshot_id, "step": start,
+                                  "tier": tier_name, "restore_seconds": restore_seconds,
                                   "target": plan.target if plan else None,
                                   "continue": plan.continue_from_step if plan else None,
                                   "saved_by": saved_by, "plan": str(plan) if plan else "",
@@ -146,7 +188,8 @@ def learner_loop(config: dict) -> None:
             log_event(config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank,
                                       "world": world})
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye
-        parts = ray.get([actors[j].rollout.remote(newest, step, idx) for j, idx in zip(ids, _split(mine, len(ids)))])
+        parts = ray.get([actors[j].rollout.remote(source, newest, step, idx)
+                         for j, idx in zip(ids, _split(mine, len(ids)))])
         batch = {k: torch.from_numpy(np.concatenate([p[k] for p in parts])) for k in ("seqs", "logps", "rewards")}
         loss = update(model, optim, batch, cfg)
         reward = batch["rewards"].mean().reshape(1)
@@ -154,20 +197,47 @@ def learner_loop(config: dict) -> None:
         progress.record(step, float(reward) / world)
         engine.beat(step)  # rate-limited: what the manager knows of this rank's progress
         saved = None
-        if step % config["save_every"] == 0 or step == config["steps"]:
-            saved = newest = engine.save(step).snapshot_id
+        if (tier.due(step) if tier else step % config["save_every"] == 0) or step == config["steps"]:
+            saved = newest = save(tier, engine, step)
+            source = memory_source(engine.config) if tier else durable_source
         if rank == 0:
             log_event(config["log"], {"event": "step", "step": step, "world": world, "reward": progress.rewards[-1],
                                       "loss": loss, "rollout_snapshot": parts[0]["snapshot"], "saved": saved})
     if rank == 0:
         log_event(config["log"], {"event": "done", "step": progress.global_step, "world": world,
                                   "reward": progress.rewards[-1] if progress.rewards else None})
-    engine.close()
+    saver.close()
+
+
+def save(tier, engine, step: int) -> str:
+    """Save ``step`` (a memory snapshot with a tier, each finished before training goes on) and return its id."""
+    return tier.save(step).wait().snapshot_id if tier is not None else engine.save(step).snapshot_id
+
+
+def memory_source(config) -> dict:
+    """Where a run's memory snapshots are, for the rollout actors."""
+    from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
+
+    return {"base_dir": MEMORY_BASE, "run_name": config.run_name, "storage_options": memory_options(config)}
+
+
+def start_actors(grpo: GRPOConfig, n_actors: int, actor_options: dict | None = None) -> list:
+    """``n_actors`` rollout actors (``num_cpus=0``; ``actor_options``: e.g. resources pinning them)."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=0)(RolloutActor)
+    return [actor_cls.options(**(actor_options or {})).remote(grpo.to_json()) for _ in range(n_actors)]
+
+
+# The sharded demo's memory tier: a memory snapshot every 2 steps, a durable copy of every 3rd (every 6 steps, as
+# the durable-only drill saves), one node so no replicas.
+MEMORY_DEFAULTS = {"memory_interval_steps": 2, "memory_flush_every": 3, "memory_replicas": 0}
 
 
 @dataclasses.dataclass
 class Run:
-    """A GRPO run on the connected Ray cluster: its manager, rollout actors and event log."""
+    """A GRPO run on the connected Ray cluster: its manager, rollout actors and event log (and, with the memory
+    tier, the memory manager and ``MemoryTierService`` handles)."""
 
     base_dir: str
     run_name: str
@@ -177,12 +247,17 @@ class Run:
     log: str
     storage_options: dict | None = None
     fits: int = 0
+    memory: dict | None = None
+    owns_actors: bool = True
 
     @classmethod
     def start(cls, base_dir: str, run_name: str, grpo: GRPOConfig | None = None, *, n_actors: int = 2,
               log_dir: str | None = None, storage_options: dict | None = None, engine_cfg: dict | None = None,
-              actor_options: dict | None = None) -> "Run":
-        """The run's manager and ``n_actors`` rollout actors (``actor_options``: e.g. resources pinning them)."""
+              actor_options: dict | None = None, actors: list | None = None, memory_tier: dict | None = None) -> "Run":
+        """The run's manager and ``n_actors`` rollout actors (``actor_options``: e.g. resources pinning them;
+        ``actors``: another run's rollout actors to share, left running by ``close``). ``memory_tier``: the
+        ``memory_*`` config keys of a run whose learners save memory snapshots (its memory manager and service
+        are started here, removed by ``close``)."""
         import ray
 
         from actors import CheckpointManager
@@ -191,13 +266,22 @@ class Run:
         cfg = {**ENGINE_DEFAULTS, **(engine_cfg or {})}
         manager = CheckpointManager.get_or_create(run_name=run_name, base_dir=base_dir, storage_options=storage_options,
                                                   config=cfg)
-        actor_cls = ray.remote(num_cpus=0)(RolloutActor)
-        actors = [actor_cls.options(**(actor_options or {})).remote(base_dir, run_name, grpo.to_json(), storage_options)
-                  for _ in range(n_actors)]
+        memory = None
+        if memory_tier is not None:
+            from rl_ckpt.demo.ray_ppo import start_memory_tier
+
+            memory = {**start_memory_tier({"base_dir": base_dir, "run_name": run_name, **cfg, **memory_tier,
+                                           **({"storage_options": storage_options} if storage_options else {})}),
+                      "cfg": dict(memory_tier)}
+        owns = actors is None
+        if actors is None:
+            actors = start_actors(grpo, n_actors, actor_options)
+        else:
+            ray.get([a.reset.remote() for a in actors])
         log_dir = log_dir or base_dir
         os.makedirs(log_dir, exist_ok=True)
         return cls(base_dir, run_name, grpo, manager, actors, os.path.join(log_dir, f"{run_name}.log.jsonl"),
-                   storage_options)
+                   storage_options, memory=memory, owns_actors=owns)
 
     def fit(self, learners: int | tuple[int, int], steps: int, *, save_every: int = 2, crash_at: int | None = None,
             max_failures: int = 0, resize_interval_s: float = 60.0,
@@ -211,7 +295,8 @@ class Run:
 
         config = {"base_dir": self.base_dir, "run_name": self.run_name, "manager": self.manager, "actors": self.actors,
                   "grpo": self.grpo.to_json(), "steps": steps, "save_every": save_every, "log": self.log,
-                  "storage_options": self.storage_options, "crash": {"step": crash_at} if crash_at else None}
+                  "storage_options": self.storage_options, "crash": {"step": crash_at} if crash_at else None,
+                  "memory": self.memory}
         self.fits += 1
         scaling = ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker=resources_per_worker or {"CPU": 0.5},
                                 elastic_resize_monitor_interval_s=resize_interval_s)
@@ -232,107 +317,26 @@ class Run:
 
         return ray.get([a.stats.remote() for a in self.actors])
 
-    def close(self) -> None:
+    def memory_status(self, flush_newest: bool = False) -> dict | None:
+        """The ``MemoryTierService``'s figures now (``flush_newest``: first make a durable copy of the newest
+        memory snapshot, e.g. the final one); None without the memory tier."""
         import ray
 
-        for a in self.actors:
-            ray.kill(a)
+        if self.memory is None:
+            return None
+        if flush_newest:
+            ray.get(self.memory["service"].flush_now.remote(), timeout=300)
+        return ray.get(self.memory["service"].tick.remote(), timeout=300)
 
+    def close(self) -> None:
+        """Kill the rollout actors this run started; stop its memory tier (service, manager, stores)."""
+        import ray
 
-@dataclasses.dataclass
-class DrillReport:
-    """What ``crash_drill`` prints, the figures behind it, and whether they agree with each other."""
+        if self.memory is not None:
+            from rl_ckpt.demo.ray_ppo import stop_memory_tier
 
-    text: str
-    figures: dict
-    problems: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners: int = 2, restart_learners: int = 1,
-                save_every: int = 2, grpo: GRPOConfig | None = None, n_actors: int = 2,
-                run_name: str = "grpo_gpt2") -> DrillReport:
-    """Train on ``learners`` FSDP2 ranks, SIGKILL the last one at ``crash_at``, restart on ``restart_learners``."""
-    from ray.train import TrainingFailedError
-
-    if not save_every < crash_at <= steps:
-        raise ValueError(f"crash_at={crash_at} must come after the first save (step {save_every}) and by step {steps}")
-    run = Run.start(base_dir, run_name, grpo, n_actors=n_actors)
-    try:
-        try:
-            run.fit(learners, steps, save_every=save_every, crash_at=crash_at)
-        except TrainingFailedError:
-            pass  # the attempt failed with its learner: what the drill is for
-        if not any(e["event"] == "kill" for e in run.events()):
-            raise RuntimeError("the first attempt ended without the planned SIGKILL of a learner")
-        run.fit(restart_learners, steps, save_every=save_every)
-        return summarize(run, learners, restart_learners, steps, save_every)
-    finally:
-        run.close()
-
-
-def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_every: int) -> DrillReport:
-    """The drill's figures, from the event log and the snapshots, checked against each other."""
-    from rl_ckpt.storage import open_storage
-    from rl_ckpt.timeline import load
-
-    events = run.events()
-    kill = next(e for e in events if e["event"] == "kill")
-    attempts = [e for e in events if e["event"] == "attempt"]
-    resumed = attempts[-1]
-    after = [e for e in events if e["event"] == "step" and e["t"] > resumed["t"]]
-    before = [e for e in events if e["event"] == "step" and e["t"] < resumed["t"]]
-    done = next((e for e in reversed(events) if e["event"] == "done"), None)
-    storage = open_storage(f"{run.base_dir.rstrip('/')}/{run.run_name}", run.storage_options or {})
-    committed = load(storage)["snapshots"]  # kept and since deleted by retention
-    saved_by = resumed.get("saved_by") or {}
-    newest_before_kill = max((s["step"] for s in committed if s["step"] <= kill["last_done"]), default=None)
-    redone = kill["last_done"] - resumed["step"]
-    downtime = after[0]["t"] - kill["t"] if after else float("nan")
-    rewards = {e["step"]: e["reward"] for e in before + after}  # a redone step counts as it was last run
-    first, final = rewards.get(1), done["reward"] if done else None
-    loads = sum(s["loads"] for s in run.rollout_stats())
-    figures = {"saved_world": saved_by.get("world_size"), "learners": learners, "restart_world": resumed["world"],
-               "killed_rank": kill["rank"], "kill_step": kill["last_done"], "restored": resumed["restored"],
-               "restored_step": resumed["step"], "plan_target": resumed["target"], "plan_continue": resumed["continue"],
-               "newest_before_kill": newest_before_kill, "steps_redone": redone, "downtime_s": downtime,
-               "first_step_after": after[0]["step"] if after else None, "first_reward": first, "final_reward": final,
-               "final_step": done["step"] if done else None, "layout": resumed["layout"], "weight_loads": loads}
-    problems = []
-    expect = [("the snapshot was saved by the first attempt's learners", saved_by.get("world_size"), learners),
-              ("the restart ran on the requested learners", resumed["world"], restart_learners),
-              ("the plan's target is the snapshot restored", resumed["target"], resumed["restored"]),
-              ("the plan continues from the restored step", resumed["continue"], resumed["step"]),
-              ("the restored snapshot is the newest committed before the kill", newest_before_kill, resumed["step"]),
-              ("the first step after the restart follows the restored one", figures["first_step_after"],
-               resumed["step"] + 1),
-              ("the run finished", figures["final_step"], steps)]
-    problems += [f"{what}: {got} != {want}" for what, got, want in expect if got != want]
-    if f"saved by {learners} ranks as FSDP({learners}) -> restored on {restart_learners} rank" not in resumed["layout"]:
-        problems.append(f"the plan's layout line does not name FSDP({learners}) -> {restart_learners}: "
-                        f"{resumed['layout']!r}")
-    if redone < 0 or not downtime > 0:
-        problems.append(f"time lost is negative: {redone} steps, {downtime} s")
-    lines = [
-        "rl_ckpt demo --sharded: GRPO on a tiny GPT-2, FSDP2 learners on Ray Train, SIGKILL, restart on fewer learners",
-        f"  storage            {storage.url}",
-        f"  task               repeat the prompt digit {run.grpo.gen_len} times; {run.grpo.prompts_per_step} prompts x "
-        f"{run.grpo.group_size} answers per step; a snapshot every {save_every} steps",
-        f"  failure            SIGKILL of learner rank {kill['rank']} of {kill['world']} after step {kill['last_done']}",
-        f"  layout             {resumed['layout'] or '-'}",
-        f"  restored           {resumed['restored']} (step {resumed['step']}) on {resumed['world']} learner(s)",
-        f"  time lost          {redone} step{'' if redone == 1 else 's'} redone"
-        + (f" (steps {resumed['step'] + 1}..{kill['last_done']})" if redone > 0 else "") + "; "
-        f"{downtime:.1f} s from the kill to the first step after the restart",
-        f"  reward             {first:.3f} at step 1 -> {final:.3f} at step {figures['final_step']}"
-        if first is not None and final is not None else "  reward             -",
-        f"  rollout actors     {len(run.actors)}, {loads} full-weight loads from snapshots (one call each)",
-        f"  consistent         {'YES' if not problems else 'NO: ' + '; '.join(problems)}",
-        "",
-        "Recovery plan followed by the restarted learner(s):",
-        resumed["plan"],
-    ]
-    return DrillReport("\n".join(lines), figures, problems)
+            stop_memory_tier(self.memory, {"base_dir": self.base_dir, "run_name": self.run_name, **self.memory["cfg"]})
+            self.memory = None
+        if self.owns_actors:
+            for a in self.actors:
+                ray.kill(a)

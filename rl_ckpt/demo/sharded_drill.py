@@ -1,0 +1,180 @@
+"""The sharded demo's crash drill: FSDP2 learners SIGKILLed mid-run, the run restarted on fewer, figures checked.
+
+``crash_drill`` runs it once: durable snapshots saved by the learners, or
+(``memory_tier=``) memory snapshots with durable copies made from memory by the
+run's ``MemoryTierService``. ``side_by_side`` runs it both ways on one set of
+rollout actors and prints time lost, restore time and kill-to-first-step of the
+two next to each other (``figures.memory_comparison``). Every figure comes from
+the run's JSON-lines event log and its run folder, and the figures are checked
+against each other: a disagreement is reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rl_ckpt.demo.figures import memory_comparison
+from rl_ckpt.demo.grpo import GRPOConfig
+from rl_ckpt.demo.sharded_grpo import MEMORY_DEFAULTS, Run, start_actors
+
+
+@dataclasses.dataclass
+class DrillReport:
+    """What ``crash_drill`` prints, the figures behind it, and whether they agree with each other."""
+
+    text: str
+    figures: dict
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners: int = 2, restart_learners: int = 1,
+                save_every: int = 2, grpo: GRPOConfig | None = None, n_actors: int = 2,
+                run_name: str = "grpo_gpt2", memory_tier: dict | None = None,
+                actors: list | None = None) -> DrillReport:
+    """Train on ``learners`` FSDP2 ranks, SIGKILL the last one at ``crash_at``, restart on ``restart_learners``.
+
+    ``save_every``: durable snapshots by the learners. ``memory_tier``: the ``memory_*`` config keys
+    (``MEMORY_DEFAULTS``) of a drill whose learners save memory snapshots instead, the durable copies made
+    from memory by the service (and the final snapshot flushed at the end). ``actors``: rollout actors to use
+    (default: the drill's own).
+    """
+    from ray.train import TrainingFailedError
+
+    first = memory_tier["memory_interval_steps"] if memory_tier else save_every
+    if not first < crash_at <= steps:
+        raise ValueError(f"crash_at={crash_at} must come after the first save (step {first}) and by step {steps}")
+    run = Run.start(base_dir, run_name, grpo, n_actors=n_actors, actors=actors, memory_tier=memory_tier)
+    try:
+        try:
+            run.fit(learners, steps, save_every=save_every, crash_at=crash_at)
+        except TrainingFailedError:
+            pass  # the attempt failed with its learner: what the drill is for
+        if not any(e["event"] == "kill" for e in run.events()):
+            raise RuntimeError("the first attempt ended without the planned SIGKILL of a learner")
+        run.fit(restart_learners, steps, save_every=save_every)
+        status = run.memory_status(flush_newest=True)
+        return summarize(run, learners, restart_learners, steps, save_every, status)
+    finally:
+        run.close()
+
+
+def side_by_side(base_dir: str, *, steps: int = 40, crash_at: int = 18, learners: int = 2, restart_learners: int = 1,
+                 save_every: int = 6, memory_tier: dict | None = None, grpo: GRPOConfig | None = None,
+                 n_actors: int = 2, run_name: str = "grpo_gpt2") -> DrillReport:
+    """The drill durable-only (a snapshot every ``save_every`` steps), then with the memory tier (``memory_tier``,
+    default ``MEMORY_DEFAULTS``: a memory snapshot every 2 steps, a durable copy of every 3rd), on one set of
+    rollout actors; the report holds both drills and the comparison table."""
+    import ray
+
+    memory_tier = dict(memory_tier or MEMORY_DEFAULTS)
+    grpo = grpo or GRPOConfig()
+    actors = start_actors(grpo, n_actors)
+    try:
+        common = {"steps": steps, "crash_at": crash_at, "learners": learners, "restart_learners": restart_learners,
+                  "save_every": save_every, "grpo": grpo, "actors": actors}
+        durable = crash_drill(base_dir, run_name=run_name, **common)
+        memory = crash_drill(base_dir, run_name=f"{run_name}_memory", memory_tier=memory_tier, **common)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    d, m = durable.figures, memory.figures
+    table = memory_comparison(d, m, None, None, memory_tier["memory_interval_steps"],
+                              memory_tier.get("memory_flush_every"), m["flushed"])
+    problems = [f"durable drill: {p}" for p in durable.problems] + [f"memory drill: {p}" for p in memory.problems]
+    if m["tier"] != "memory":
+        problems.append(f"the memory drill restored from {m['tier']}, not from memory")
+    if not m["steps_lost"] <= d["steps_lost"]:
+        problems.append(f"the memory tier lost more steps than durable-only: {m['steps_lost']} > {d['steps_lost']}")
+    text = "\n\n".join([durable.text, memory.text, table + f"\n  consistent           "
+                        f"{'YES' if not problems else 'NO: ' + '; '.join(problems)}"])
+    return DrillReport(text, {"durable": d, "memory": m}, problems)
+
+
+def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_every: int,
+              memory_status: dict | None = None) -> DrillReport:
+    """The drill's figures, from the event log and the snapshots, checked against each other."""
+    from rl_ckpt.storage import open_storage
+    from rl_ckpt.timeline import load
+
+    events = run.events()
+    kill = next(e for e in events if e["event"] == "kill")
+    attempts = [e for e in events if e["event"] == "attempt"]
+    resumed = attempts[-1]
+    after = [e for e in events if e["event"] == "step" and e["t"] > resumed["t"]]
+    before = [e for e in events if e["event"] == "step" and e["t"] < resumed["t"]]
+    done = next((e for e in reversed(events) if e["event"] == "done"), None)
+    storage = open_storage(f"{run.base_dir.rstrip('/')}/{run.run_name}", run.storage_options or {})
+    data = load(storage)
+    # Committed (kept and since deleted by retention) on durable storage, and in memory as recorded in the run.
+    committed = [s["step"] for s in data["snapshots"]] + [s["step"] for s in data["memory_snapshots"]]
+    saved_by = resumed.get("saved_by") or {}
+    newest_before_kill = max((s for s in committed if s <= kill["last_done"]), default=None)
+    redone = kill["last_done"] - resumed["step"]
+    downtime = after[0]["t"] - kill["t"] if after else float("nan")
+    rewards = {e["step"]: e["reward"] for e in before + after}  # a redone step counts as it was last run
+    first, final = rewards.get(1), done["reward"] if done else None
+    loads = sum(s["loads"] for s in run.rollout_stats())
+    memory = run.memory["cfg"] if run.memory else None
+    flushed = sorted((memory_status or {}).get("flushed", []))  # durable copies the service made from memory
+    tier = resumed.get("tier")
+    figures = {"saved_world": saved_by.get("world_size"), "learners": learners, "restart_world": resumed["world"],
+               "killed_rank": kill["rank"], "kill_step": kill["last_done"], "restored": resumed["restored"],
+               "restored_step": resumed["step"], "plan_target": resumed["target"], "plan_continue": resumed["continue"],
+               "newest_before_kill": newest_before_kill, "steps_redone": redone, "downtime_s": downtime,
+               "first_step_after": after[0]["step"] if after else None, "first_reward": first, "final_reward": final,
+               "final_step": done["step"] if done else None, "layout": resumed["layout"], "weight_loads": loads,
+               "flushed": flushed,
+               # The names figures.memory_comparison reads (the same figures).
+               "tier": tier, "snapshot": resumed["restored"], "crash_step": kill["last_done"], "steps_lost": redone,
+               "restore_seconds": resumed.get("restore_seconds", float("nan")), "kill_to_first_step": downtime}
+    problems = []
+    expect = [("the snapshot was saved by the first attempt's learners", saved_by.get("world_size"), learners),
+              ("the restart ran on the requested learners", resumed["world"], restart_learners),
+              ("the plan's target is the snapshot restored", resumed["target"], resumed["restored"]),
+              ("the plan continues from the restored step", resumed["continue"], resumed["step"]),
+              ("the restored snapshot is the newest committed before the kill", newest_before_kill, resumed["step"]),
+              ("the first step after the restart follows the restored one", figures["first_step_after"],
+               resumed["step"] + 1),
+              ("the run finished", figures["final_step"], steps)]
+    if memory:
+        expect.append(("the restart restored from memory", tier, "memory"))
+        expect.append(("the final snapshot has a durable copy made from memory", flushed[-1] if flushed else None,
+                       f"step_{steps:09d}"))
+    problems += [f"{what}: {got} != {want}" for what, got, want in expect if got != want]
+    if f"saved by {learners} ranks as FSDP({learners}) -> restored on {restart_learners} rank" not in resumed["layout"]:
+        problems.append(f"the plan's layout line does not name FSDP({learners}) -> {restart_learners}: "
+                        f"{resumed['layout']!r}")
+    if redone < 0 or not downtime > 0:
+        problems.append(f"time lost is negative: {redone} steps, {downtime} s")
+    cadence = (f"a memory snapshot every {memory['memory_interval_steps']} steps, a durable copy of one in "
+               f"{memory['memory_flush_every']} made from memory" if memory else f"a snapshot every {save_every} steps")
+    lines = [
+        "rl_ckpt demo --sharded: GRPO on a tiny GPT-2, FSDP2 learners on Ray Train, SIGKILL, restart on fewer learners"
+        + (", memory tier" if memory else ", durable snapshots only"),
+        f"  storage            {storage.url}" + (f" (memory: raymem://mem/{run.run_name})" if memory else ""),
+        f"  task               repeat the prompt digit {run.grpo.gen_len} times; {run.grpo.prompts_per_step} prompts x "
+        f"{run.grpo.group_size} answers per step; {cadence}",
+        f"  failure            SIGKILL of learner rank {kill['rank']} of {kill['world']} after step {kill['last_done']}",
+        f"  layout             {resumed['layout'] or '-'}",
+        f"  restored           {resumed['restored']} (step {resumed['step']}) on {resumed['world']} learner(s), "
+        f"from {tier or '-'} in {figures['restore_seconds']:.2f} s",
+        f"  time lost          {redone} step{'' if redone == 1 else 's'} redone"
+        + (f" (steps {resumed['step'] + 1}..{kill['last_done']})" if redone > 0 else "") + "; "
+        f"{downtime:.1f} s from the kill to the first step after the restart",
+    ]
+    if memory:
+        lines.append(f"  durable copies     {', '.join(flushed) or 'none'} (made from memory by the service)")
+    lines += [
+        f"  reward             {first:.3f} at step 1 -> {final:.3f} at step {figures['final_step']}"
+        if first is not None and final is not None else "  reward             -",
+        f"  rollout actors     {len(run.actors)}, {loads} full-weight loads from snapshots (one call each)",
+        f"  consistent         {'YES' if not problems else 'NO: ' + '; '.join(problems)}",
+        "",
+        "Recovery plan followed by the restarted learner(s):",
+        resumed["plan"],
+    ]
+    return DrillReport("\n".join(lines), figures, problems)
