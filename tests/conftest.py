@@ -11,11 +11,11 @@ deleted afterwards.
 ``ray_cluster`` (session): one local Ray cluster for every Ray test.
 
 The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in
-pyproject.toml, with the scheduler below): every file with Ray tests (the
-``ray`` marker or the ``ray_cluster`` fixture) goes to one worker, which runs
-them one after another on its one session cluster, while the other worker
-runs the other files; a file's tests stay together, so a module-scoped
-fixture runs once. ``-n 0`` runs everything in one process, in file order.
+pyproject.toml, with the scheduler below): every file using ``ray_cluster``
+goes to one worker, which runs them one after another on its one session
+cluster, while the other worker runs the other files; a file's tests stay
+together, so a module-scoped fixture runs once. ``-n 0`` runs everything in
+one process, in file order.
 """
 
 from __future__ import annotations
@@ -77,19 +77,21 @@ def s3_url(s3_endpoint):
 
 
 def _marks(path) -> tuple[bool, bool]:
-    """(has Ray tests, is marked slow) for a test file, from its text: the ``ray_cluster`` fixture or the
-    ``ray`` marker; the ``slow`` marker."""
+    """(uses the session's Ray cluster, long-running) for a test file, from its text: the ``ray_cluster``
+    fixture; the ``slow`` marker, or the ``ray`` marker on a file that starts a cluster of its own."""
     try:
         text = path.read_text()
     except OSError:
         return False, False
-    return "ray_cluster" in text or "pytest.mark.ray" in text, "pytest.mark.slow" in text
+    session_ray = "ray_cluster" in text
+    return session_ray, "pytest.mark.slow" in text or ("pytest.mark.ray" in text and not session_ray)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile``, except that every file with Ray tests is one unit: one worker runs them all, one
-    after another, on the one session cluster, while the other runs the rest file by file. Units go out
-    longest first: the Ray unit, then files marked slow, then the rest (most tests first)."""
+    """``--dist loadfile``, except that every file using the session's Ray cluster is one unit: one worker runs
+    them all, one after another, on its one cluster, while the other runs the rest file by file (files that
+    start a Ray cluster of their own, in a subprocess, among them). Units go out longest first: the Ray unit,
+    then long-running files, then the rest (most tests first)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling

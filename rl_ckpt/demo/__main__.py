@@ -127,10 +127,14 @@ def main(argv=None) -> int:
                    "restart on fewer (examples/grpo_gpt2_fsdp.py)")
     p.add_argument("--learners", type=int, default=2, help="--sharded: FSDP2 learners before the crash (default 2)")
     p.add_argument("--restart-learners", type=int, default=1, help="--sharded: learners after it (default 1)")
-    p.add_argument("--memory-tier", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--memory-tier", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the same crash with the memory tier (memory snapshots every 2 steps, durable copies "
-                   "made from memory) and print both side by side (the default; --no-memory-tier skips it; --local has no memory tier)")
+                   "made from memory) and print both side by side (the default on Ray; --no-memory-tier skips it; "
+                   "--local has no memory tier)")
     args = p.parse_args(argv)
+    if args.local and args.memory_tier:
+        p.error("--memory-tier needs Ray (the memory stores are Ray actors): leave out --local, or --memory-tier")
+    args.memory_tier = not args.local if args.memory_tier is None else args.memory_tier
     args.steps = args.steps or (40 if args.sharded else 50)
     args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
