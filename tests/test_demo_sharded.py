@@ -1,11 +1,18 @@
 """`rl-ckpt demo --sharded`: GRPO on a tiny GPT-2 with FSDP2 learners on Ray Train, a learner SIGKILLed after a
 commit, the run restarted on fewer learners; the plan names both layouts and the printed figures agree.
 
-The layout line and the GRPO math are also checked alone (no Ray)."""
+The drills run in a subprocess on a Ray cluster of their own (as `rl-ckpt demo --sharded` does), so this file
+runs next to the tests that share the session's cluster. The layout line and the GRPO math are also checked
+alone (no Ray)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import types
 import uuid
 
 import pytest
@@ -57,13 +64,39 @@ def test_rollout_data_do_not_depend_on_how_the_prompts_are_split():
     assert torch.equal(adv[4:], torch.zeros(4))  # a group that all scored the same teaches nothing
 
 
+DRILLS = """
+import json, os, sys
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+import ray
+from rl_ckpt.demo.sharded_drill import side_by_side
+ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR",
+         log_to_driver=False)
+try:
+    r = side_by_side(sys.argv[1], steps=12, crash_at=10, learners=2, restart_learners=1, save_every=6,
+                     run_name=sys.argv[2])
+    print("REPORT " + json.dumps({"text": r.text, "figures": r.figures, "problems": r.problems}))
+finally:
+    ray.shutdown()
+"""
+
+
+def _drills(base: str):
+    """Both drills (durable-only, then with the memory tier) on a Ray cluster of their own, in a subprocess."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", DRILLS, base, f"grpo-{uuid.uuid4().hex[:6]}"], env=env,
+                          capture_output=True, text=True, timeout=570)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(line[len("REPORT "):])
+    return types.SimpleNamespace(**report, ok=not report["problems"])
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sharded_demo_crash_and_restart_on_fewer_learners(ray_cluster, tmp_path):
-    from rl_ckpt.demo.sharded_drill import side_by_side
-
-    report = side_by_side(str(tmp_path), steps=12, crash_at=10, learners=2, restart_learners=1, save_every=6,
-                          run_name=f"grpo-{uuid.uuid4().hex[:6]}")
+def test_sharded_demo_crash_and_restart_on_fewer_learners(tmp_path):
+    pytest.importorskip("ray")
+    report = _drills(str(tmp_path))
     assert report.ok, report.problems
     durable_text, rest = report.text.split("\n\nrl_ckpt demo --sharded", 1)
     memory_text, table = rest.split("\n\nMemory tier:", 1)
