@@ -34,17 +34,13 @@ import threading
 import time
 from typing import Any, Iterable
 
-from rl_ckpt.errors import CommitConflictError, StorageError
+from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError  # noqa: F401
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 log = logging.getLogger("rl_ckpt")
 
 STORE_PREFIX = "rl_ckpt-mem"
 PLASMA_MIN_BYTES = 256 << 10  # files from this size are held in the object store, owned by the store actor
-
-
-class MemoryBudgetError(StorageError):
-    """A memory store cannot hold a file within its budget (``path``, ``size``, ``budget``, ``node``)."""
 
 
 def store_name(key: str, node_id: str) -> str:

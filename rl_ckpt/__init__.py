@@ -11,6 +11,17 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
 from rl_ckpt.errors import (
     CheckpointError,
+    FileTooLargeError,
+    ManagerUnavailableError,
+    MemoryBudgetError,
+    ParticipantFailedError,
+    ReadRangeError,
+    SnapshotAbortedError,
+    SnapshotSkippedError,
+    StorageArgumentError,
+    StoragePermissionError,
+    UnknownParticipantError,
+    UsageError,
     CommitConflictError,
     ConfigError,
     CorruptSnapshotError,
@@ -31,5 +42,7 @@ __all__ = [
     "CheckpointEngine", "CheckpointConfig", "Checkpointable", "RNGState", "TrainingProgress", "SnapshotInfo",
     "RestoreResult", "VerifyReport", "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError",
     "NoValidSnapshotError", "RestoreError", "SchemaVersionError", "SerializationError", "StateMismatchError",
-    "StorageError", "UnsafePathError", "PostCommitError",
+    "StorageError", "UnsafePathError", "PostCommitError", "FileTooLargeError", "ManagerUnavailableError",
+    "MemoryBudgetError", "ParticipantFailedError", "ReadRangeError", "SnapshotAbortedError", "SnapshotSkippedError",
+    "StorageArgumentError", "StoragePermissionError", "UnknownParticipantError", "UsageError",
 ]

@@ -13,15 +13,11 @@ import logging
 import sys
 from typing import Sequence
 
-from rl_ckpt.errors import CheckpointError, ConfigError
+from rl_ckpt.errors import CheckpointError, ConfigError, UsageError
 from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.run.layout import STAGING, manifest_path
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(CheckpointError):
-    """Bad command-line usage (exit 2)."""
 
 
 def _human(n: int) -> str:

@@ -98,3 +98,34 @@ class PostCommitError(CheckpointError):
 
     Never raised by a save; carried on the returned ``SnapshotInfo.warnings`` and handed
     to the scheduler's ``on_error`` (``snapshot_id``, ``problems``)."""
+
+
+class SnapshotAbortedError(CheckpointError):
+    """The manager aborted a sharded snapshot for every participant (``snapshot_id``, ``participant``, ``reason``)."""
+
+
+class SnapshotSkippedError(SnapshotAbortedError):
+    """The participants of a snapshot decided to skip it (a participant's previous save was still running)."""
+
+
+class ManagerUnavailableError(CheckpointError):
+    """The run's ``CheckpointManager`` actor is dead or does not answer (``manager``)."""
+
+
+class UnknownParticipantError(CheckpointError):
+    """A begin/report/abort call named a participant the manager has no registration for (``participant``)."""
+
+
+class ParticipantFailedError(CheckpointError):
+    """Raise it from the train function when a participant this rank drives (e.g. a rollout worker
+    actor) failed: ``participant`` is its name, ``step`` the last step it completed, ``kind`` a
+    FailureInfo kind, optionally ``actor_id``/``pid`` of the dead process. The callback records
+    exactly that, whatever restarted since."""
+
+
+class UsageError(CheckpointError):
+    """Bad command-line usage (exit 2)."""
+
+
+class MemoryBudgetError(StorageError):
+    """A memory store cannot hold a file within its budget (``path``, ``size``, ``budget``, ``node``)."""

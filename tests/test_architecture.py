@@ -272,3 +272,25 @@ def test_layer_checker_sees_lazy_and_facade_imports():
         "line 9: rl_ckpt.run.gc (run) imports rl_ckpt.recovery.plan (recovery)"]
     assert _layer("rl_ckpt.integrations.managed") < _layer("rl_ckpt.core.engine") < _layer("rl_ckpt.integrations.ray_train")
     assert _layer("rl_ckpt.storage.local") < _layer("rl_ckpt.format.manifest") < _layer("rl_ckpt.run.catalog")
+
+
+def test_every_error_class_lives_in_errors_and_is_exported():
+    """Product errors have one home, ``rl_ckpt/errors.py``, and the facade exports each; tools and tests keep their
+    own (they are not product)."""
+    import rl_ckpt
+    from rl_ckpt import errors
+
+    elsewhere = []
+    for module, tree in TREES.items():
+        if module == "rl_ckpt.errors" or module.startswith("rl_ckpt.tools"):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and (node.name.endswith("Error")
+                                                   or any(ast.unparse(b).endswith("Error") for b in node.bases)):
+                elsewhere.append(f"{module}.{node.name}")
+    assert not elsewhere, f"error classes outside rl_ckpt/errors.py: {elsewhere}"
+    defined = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)
+               and v.__module__ == errors.__name__]
+    assert all(issubclass(cls, errors.CheckpointError) for cls in defined)
+    missing = sorted(cls.__name__ for cls in defined if cls.__name__ not in rl_ckpt.__all__)
+    assert not missing, f"errors not exported from rl_ckpt: {missing}"

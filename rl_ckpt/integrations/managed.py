@@ -21,27 +21,17 @@ import time
 from typing import Any
 
 from rl_ckpt.run.commit import Attempt, CommitStrategy
-from rl_ckpt.errors import CheckpointError
+from rl_ckpt.errors import (  # noqa: F401  (importable from here too)
+    CheckpointError,
+    ManagerUnavailableError,
+    SnapshotAbortedError,
+    SnapshotSkippedError,
+    UnknownParticipantError,
+)
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage, join
 
 log = logging.getLogger("rl_ckpt")
-
-
-class SnapshotAbortedError(CheckpointError):
-    """The manager aborted a sharded snapshot for every participant (``snapshot_id``, ``participant``, ``reason``)."""
-
-
-class SnapshotSkippedError(SnapshotAbortedError):
-    """The participants of a snapshot decided to skip it (a participant's previous save was still running)."""
-
-
-class ManagerUnavailableError(CheckpointError):
-    """The run's ``CheckpointManager`` actor is dead or does not answer (``manager``)."""
-
-
-class UnknownParticipantError(CheckpointError):
-    """A begin/report/abort call named a participant the manager has no registration for (``participant``)."""
 
 
 def participant_name(role: str, rank: int) -> str:

@@ -36,16 +36,9 @@ import ray
 from ray.train import UserCallback
 
 from rl_ckpt.recovery.coordinator import FailureInfo
-from rl_ckpt.errors import CheckpointError
+from rl_ckpt.errors import CheckpointError, ParticipantFailedError  # noqa: F401
 
 log = logging.getLogger("rl_ckpt")
-
-
-class ParticipantFailedError(CheckpointError):
-    """Raise it from the train function when a participant this rank drives (e.g. a rollout worker
-    actor) failed: ``participant`` is its name, ``step`` the last step it completed, ``kind`` a
-    FailureInfo kind, optionally ``actor_id``/``pid`` of the dead process. The callback records
-    exactly that, whatever restarted since."""
 
 
 def _causes(exc: BaseException):

@@ -2,13 +2,16 @@
 
 Plain paths and ``file://`` go to :class:`LocalStorage` (real fsync, atomic
 rename), ``s3://``/``s3a://`` to :class:`S3Storage`, ``memory://`` to
-:class:`MemoryStorage`; any other protocol fsspec knows falls back to
+:class:`MemoryStorage`. Other packages add protocols through the ``rl_ckpt.storage``
+entry-point group (``[project.entry-points."rl_ckpt.storage"]``, name = protocol, value =
+the class), loaded on first use of that protocol; this is how ``raymem://`` (the Ray memory
+tier) comes in without this package naming it. Any other protocol fsspec knows falls back to
 :class:`FsspecStorage`. Every registered class is built as ``cls(url, storage_options)``.
 """
 
 from __future__ import annotations
 
-import importlib
+from importlib.metadata import entry_points
 
 from rl_ckpt.errors import ConfigError
 from rl_ckpt.storage.base import Storage
@@ -25,8 +28,7 @@ registry: dict[str, type[Storage]] = {
 }
 
 
-# Protocols served by modules that need Ray: imported on first use, so opening other URLs never imports Ray.
-_ON_FIRST_USE = {"raymem": "actors.memory_storage"}
+ENTRY_POINT_GROUP = "rl_ckpt.storage"
 
 
 def register_storage(protocol: str, cls: type[Storage], *, clobber: bool = False) -> None:
@@ -57,9 +59,25 @@ def protocol_of(url: str) -> str:
 def storage_class(url: str) -> type[Storage]:
     """The class that serves ``url``: the registered one, else :class:`FsspecStorage`."""
     protocol = protocol_of(url)
-    if protocol not in registry and protocol in _ON_FIRST_USE:
-        importlib.import_module(_ON_FIRST_USE[protocol])  # registers its class
+    if protocol not in registry:
+        _load_entry_point(protocol)
     return registry.get(protocol, FsspecStorage)
+
+
+def _load_entry_point(protocol: str) -> None:
+    """Register the class an installed package declares for ``protocol`` (imported only now, so opening other
+    URLs never imports, e.g., Ray)."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=protocol):
+        try:
+            cls = ep.load()
+        except Exception as exc:
+            raise ConfigError(
+                f"storage protocol {protocol!r}: its entry point {ep.value!r} failed to load ({exc}); "
+                "check that the package providing it is installed with its dependencies",
+                key=protocol,
+            ) from exc
+        register_storage(protocol, cls)
+        return
 
 
 def open_storage(url: str, storage_options: dict | None = None) -> Storage:
