@@ -13,6 +13,7 @@ from typing import Any
 
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError
 from rl_ckpt.format import safetensors_io
+from rl_ckpt.format.arrow_io import read_table
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.format.state_codec import decode_state
 from rl_ckpt.format.untrusted import parse_json
@@ -46,7 +47,7 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
         if entry is None:
             raise CorruptSnapshotError(f"{sid}: table {table_name!r} file {rel!r} not listed", snapshot_id=sid,
                                        problems=["table file missing from manifest"])
-        tables[table_name] = _read_arrow(read_verified(storage, sid, entry), f"{sid}/{rel}")
+        tables[table_name] = read_table(read_verified(storage, sid, entry), f"{sid}/{rel}")
     if "json" not in entries:
         raise CorruptSnapshotError(f"{sid}: component {name!r} has no JSON structure file", snapshot_id=sid,
                                    problems=["json missing"])
@@ -99,13 +100,3 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok:
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
 
-
-def _read_arrow(data: bytearray, where: str):
-    import pyarrow as pa
-
-    try:
-        table = pa.ipc.open_file(pa.py_buffer(bytes(data))).read_all()
-        table.validate(full=True)
-    except (pa.ArrowException, ValueError, OSError) as exc:
-        raise CorruptSnapshotError(f"{where}: not a valid Arrow IPC file ({exc})", problems=["bad arrow"]) from None
-    return table

@@ -35,7 +35,8 @@ from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.recovery.history import record_decision
 from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings
 from rl_ckpt.recovery.probe import compare, run_probe
-from rl_ckpt.run.catalog import Catalog, decode_metrics
+from rl_ckpt.format.metrics import decode_metrics
+from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.quarantine import quarantine
 from rl_ckpt.run.retire import retire_newer
 from rl_ckpt.storage import Storage

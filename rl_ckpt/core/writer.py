@@ -13,6 +13,7 @@ import json
 from typing import TYPE_CHECKING
 
 from rl_ckpt.format import safetensors_io
+from rl_ckpt.format.arrow_io import table_bytes
 from rl_ckpt.run.commit import Attempt
 from rl_ckpt.format.hashed_io import verify_written, write_hashed
 from rl_ckpt.format.manifest import FileEntry
@@ -65,17 +66,9 @@ def write_component(
     for i, (table_name, table) in enumerate(sorted(enc.tables.items())):
         file_name = f"{name}.t{i}.arrow"
         section["tables"][table_name] = attempt.manifest_path(file_name)
-        put(file_name, "table", [_arrow_bytes(table)])
+        put(file_name, "table", [table_bytes(table)])
     tree = json.dumps(enc.tree, separators=(",", ":"), allow_nan=False).encode()
     put(f"{name}.json", "json", [tree])
     return files, section
 
-
-def _arrow_bytes(table):
-    import pyarrow as pa
-
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue()
 

@@ -1,4 +1,5 @@
-"""Metrics as a manifest holds them: JSON numbers, with non-finite floats spelled as strings."""
+"""Metrics as a manifest holds them: JSON numbers, with non-finite floats spelled as strings; encoded by
+:func:`clean_metrics` at save, decoded by :func:`decode_metrics` when read back."""
 
 from __future__ import annotations
 
@@ -25,3 +26,8 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict:
         else:
             raise ConfigError(f"metric {key!r}: {type(value).__name__} is not a number", key=str(key))
     return out
+
+
+def decode_metrics(metrics: dict) -> dict:
+    """Manifest metrics back to numbers: non-finite floats are stored as 'nan', 'inf', '-inf'."""
+    return {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in metrics.items()}

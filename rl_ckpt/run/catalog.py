@@ -18,6 +18,7 @@ from rl_ckpt.run.layout import RESERVED, manifest_path, snapshot_folders
 from rl_ckpt.run.quarantine import quarantined
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import Manifest, parse_snapshot_id
+from rl_ckpt.format.metrics import decode_metrics
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.storage import Storage
 
@@ -51,10 +52,6 @@ class SnapshotInfo:
     def sort_key(self) -> tuple:
         return (self.global_step, self.kind == "light", self.branch, self.created_at)
 
-
-def decode_metrics(metrics: dict) -> dict:
-    """Manifest metrics back to numbers: non-finite floats are stored as 'nan', 'inf', '-inf'."""
-    return {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in metrics.items()}
 
 
 @dataclasses.dataclass
