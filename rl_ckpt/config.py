@@ -229,6 +229,20 @@ class CheckpointConfig:
         return self.base_dir.rstrip("/") + "/" + self.run_name
 
 
+# Config keys that change what training does or what a snapshot holds: a
+# difference between the snapshot and the running job is worth a warning.
+DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
+
+
+def recorded_config(cfg: CheckpointConfig, train_config: Mapping[str, Any] | None) -> dict:
+    """The config a manifest records (and a restore compares): DIGEST_KEYS plus ``train.<key>`` hyperparameters."""
+    rec = {k: cfg.public_dict()[k] for k in DIGEST_KEYS}
+    for key, value in (train_config or {}).items():
+        rec[f"train.{key}"] = value
+    # As the manifest will hold it (tuples become lists), so a comparison sees only real changes.
+    return json.loads(json.dumps(rec, default=str))
+
+
 def config_digest(recorded: Mapping[str, Any]) -> str:
     """Stable digest of the settings that shape training (base_dir and storage excluded)."""
     canon = {k: v for k, v in recorded.items() if k not in ("base_dir", "storage_options", "run_name")}

@@ -25,7 +25,8 @@ from rl_ckpt.core.async_save import SaveHandle
 from rl_ckpt.run.snapshot_files import VerifyReport
 from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.restorer import Restorer, RestoreResult
-from rl_ckpt.core.save_pipeline import SavePipeline, recorded_config
+from rl_ckpt.config import recorded_config
+from rl_ckpt.core.save_pipeline import SavePipeline
 from rl_ckpt.core.scheduler import CheckpointScheduler
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.state_codec import EncodedState

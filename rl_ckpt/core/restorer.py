@@ -29,7 +29,7 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.reader import load_component
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.core.registry import ComponentRegistry
-from rl_ckpt.core.save_pipeline import recorded_config
+from rl_ckpt.config import recorded_config
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapshotError, RestoreError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.recovery.history import record_decision

@@ -14,14 +14,13 @@ component registry) joined to a storage writer (the commit strategy).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, Mapping
 
 import torch
 
-from rl_ckpt.config import CheckpointConfig, config_digest
+from rl_ckpt.config import CheckpointConfig, config_digest, recorded_config
 from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.core.registry import ComponentRegistry, Registered
@@ -40,20 +39,6 @@ from rl_ckpt.run.maintenance import RunMaintenance, referenced_objects
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
-
-# Config keys that change what training does or what a snapshot holds: a
-# difference between the snapshot and the running job is worth a warning.
-DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema_version", "light_components", "dedup")
-
-
-def recorded_config(cfg: CheckpointConfig, train_config: Mapping[str, Any] | None) -> dict:
-    """The config a manifest records (and a restore compares): DIGEST_KEYS plus ``train.<key>`` hyperparameters."""
-    rec = {k: cfg.public_dict()[k] for k in DIGEST_KEYS}
-    for key, value in (train_config or {}).items():
-        rec[f"train.{key}"] = value
-    # As the manifest will hold it (tuples become lists), so a comparison sees only real changes.
-    return json.loads(json.dumps(rec, default=str))
-
 
 def check_step(step: Any) -> None:
     """ConfigError unless ``step`` is a non-negative int."""
@@ -332,4 +317,4 @@ def _state_of(reg: Registered) -> Any:
                                  "nothing was saved", component=reg.name, key="") from exc
 
 
-__all__ = ["SavePipeline", "recorded_config", "check_step", "DIGEST_KEYS"]
+__all__ = ["SavePipeline", "check_step"]
