@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from rl_ckpt.run.commit import Attempt, CommitStrategy
+from rl_ckpt.run.layout import report_name
 from rl_ckpt.errors import (  # noqa: F401  (importable from here too)
     CheckpointError,
     ManagerUnavailableError,
@@ -112,7 +113,7 @@ class ManagedCommit(CommitStrategy):
 
     def commit(self, attempt: Attempt, manifest: bytes) -> Manifest:
         """Report this participant's part; returns the merged manifest once the manager committed it."""
-        self.storage.write(join(attempt.data_prefix, f"{self.participant}.report.json"), [manifest], durable=True)
+        self.storage.write(join(attempt.data_prefix, report_name(self.participant)), [manifest], durable=True)
         self.bytes_sent += len(manifest)
         final = self._call("report", attempt.snapshot_id, attempt.attempt_id, self.participant, manifest,
                            timeout=self.commit_timeout + 30)
