@@ -64,7 +64,7 @@ try:
 except ImportError:  # pragma: no cover - running from a checkout without install
     sys.path.insert(0, str(REPO_ROOT))
 from rl_ckpt import CheckpointEngine  # noqa: E402
-from rl_ckpt.bench import LARGE, SMALL, CpuMeter, build_state, flat_tensors, fs_info, nbytes, size_mix  # noqa: E402
+from rl_ckpt.tools.bench import LARGE, SMALL, CpuMeter, build_state, flat_tensors, fs_info, nbytes, size_mix  # noqa: E402
 from rl_ckpt.config import CHECKSUM_ALGOS  # noqa: E402
 
 GIB = 1 << 30

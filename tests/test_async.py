@@ -10,7 +10,7 @@ import torch
 
 from helpers import PPOState
 from rl_ckpt import CheckpointEngine, StorageError
-from rl_ckpt.faults import FaultyStorage
+from rl_ckpt.tools.faults import FaultyStorage
 from rl_ckpt.storage import open_storage
 
 

@@ -28,7 +28,7 @@ def test_docstring_documents_every_key():
         if key.startswith("hash_") and key != "hash_sha256":
             assert key.split("_", 1)[1] in doc, key
             continue
-        assert key in doc, f"{key} is not documented in rl_ckpt/bench.py's docstring"
+        assert key in doc, f"{key} is not documented in rl_ckpt/tools/bench/__init__.py's docstring"
 
 
 def test_bench_json_table_and_plot(tmp_path):

@@ -1,7 +1,7 @@
 """The fault-injection suite (rl_ckpt.tools.fault_suite) and the power-loss model
 (rl_ckpt.tools.faults.PowerLossStorage).
 
-``test_quick_suite_*`` run ``python -m rl_ckpt.fault_suite --quick --json`` once (in a subprocess:
+``test_quick_suite_*`` run ``python -m rl_ckpt.tools.fault_suite --quick --json`` once (in a subprocess:
 its own forkserver with its own preloads, its own moto S3 endpoint, and the real entry point) and
 assert every invariant figure.
 
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow  # the quick fault suite runs once for the module 
 def quick(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("fault-suite")
     proc = subprocess.run(
-        [sys.executable, "-m", "rl_ckpt.fault_suite", "--quick", "--json", "-q", "--base-dir", str(base)],
+        [sys.executable, "-m", "rl_ckpt.tools.fault_suite", "--quick", "--json", "-q", "--base-dir", str(base)],
         capture_output=True, text=True, timeout=540,
     )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]

@@ -135,7 +135,7 @@ def test_without_rename_the_manifest_goes_first(fail_op):
     """Object stores: retiring removes the manifest before the data, so a crash never lists a partial snapshot."""
     import uuid
 
-    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.tools.faults import FaultyStorage
     from rl_ckpt.storage import open_storage
 
     base = f"memory://ret-{uuid.uuid4().hex}"
@@ -157,7 +157,7 @@ def test_without_rename_the_manifest_goes_first(fail_op):
 
 # -- housekeeping after a commit never fails the save -------------------------------------------------------------
 def _faulty(tmp_path, **cfg):
-    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.tools.faults import FaultyStorage
     from rl_ckpt.storage import open_storage
 
     storage = FaultyStorage(open_storage(str(tmp_path / "run")))

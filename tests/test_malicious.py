@@ -238,7 +238,7 @@ def _two_steps(tmp_path):
 def _forge(snap, mutate=None, raw: dict | None = None, checksum: bool = True) -> None:
     """Rewrite a manifest as someone who can write the storage would: checksum recomputed. ``raw`` puts text
     Python's json cannot write (a 5000-digit number, nesting 100 000 deep) in place of string values."""
-    from rl_ckpt.fault_suite import forge_json, reseal
+    from rl_ckpt.tools.fault_suite import forge_json, reseal
 
     meta = json.loads((snap / "meta.json").read_text())
     meta.pop("manifest_checksum")

@@ -251,7 +251,7 @@ def test_probe_recorded_in_full_by_an_older_version_still_compares():
 
 
 def test_a_restore_parses_each_manifest_once(tmp_path):
-    from rl_ckpt.faults import FaultyStorage
+    from rl_ckpt.tools.faults import FaultyStorage
     from rl_ckpt.storage import open_storage
 
     cfg, _ = _run(tmp_path, [(10, 1.0), (20, 2.0)])

@@ -904,7 +904,7 @@ def test_local_list_skips_an_entry_removed_while_listing(local, monkeypatch):
 
 def test_fault_injecting_wrappers_keep_the_interface(local):
     """The test storages pass the new arguments and operations through (and a cut power stops ranged reads)."""
-    from rl_ckpt.faults import FaultyStorage, PowerCut, PowerLossStorage
+    from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
     store, root, _ = local
     put(store, "snap/meta.json", [b"x" * 100])

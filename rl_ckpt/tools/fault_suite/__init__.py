@@ -1,6 +1,6 @@
 """The fault-injection suite: crash, cut, corrupt, fill, break and race real storage; print the figures.
 
-    python -m rl_ckpt.fault_suite [--quick | --long] [--json] [--base-dir DIR] [--only NAME ...]
+    python -m rl_ckpt.tools.fault_suite [--quick | --long] [--json] [--base-dir DIR] [--only NAME ...]
 
 Scenarios (each against real storage: the local disk under ``--base-dir``, and
 an S3 endpoint served by moto on 127.0.0.1, started here):
