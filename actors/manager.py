@@ -36,22 +36,21 @@ import threading
 import time
 from typing import Any
 
+from rl_ckpt.commit import strategy_for
+from rl_ckpt.commit.two_phase import PAUSE_DIR_ENV, CommitProtocol
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.errors import CheckpointError
-from rl_ckpt.integrations.managed import SnapshotSkippedError
 from rl_ckpt.format.manifest import MANIFEST_NAME, now_iso, parse_snapshot_id
 from rl_ckpt.recovery.coordinator import FailureInfo
 from rl_ckpt.recovery.history import load_decisions, load_failures, record_decision
 from rl_ckpt.recovery.history import record_failure as write_failure
 from rl_ckpt.recovery.plan import build_plan, coordinator_config, probe_check
 from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.commit import strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.run.patrol import HealthPatrol
 from rl_ckpt.run.retire import retire_for_plan
 from rl_ckpt.storage import join, open_storage
 
-from .commits import PAUSE_DIR_ENV, CommitProtocol
+from .commits import ManagerCommits
 from .decisions import SaveDecisions
 from .healthz import HealthzServer
 from .memory_health import memory_tier_section
@@ -117,6 +116,7 @@ class CheckpointManager:
         self.pending = self.commits.pending  # the same dicts: decide() and the watch read them under the lock
         self.refused = self.commits.refused
         self.save_decisions = SaveDecisions(self.storage)  # kept on storage: the same answers after a restart
+        self.calls = ManagerCommits(self.commits, self._lock, self.registry, self.save_decisions)
         self._plan_cache: tuple[tuple, dict] | None = None
         self._last_failure: dict | None = None  # the newest failure recorded by this manager process (for /healthz)
         self.started_at = now_iso()
@@ -144,21 +144,14 @@ class CheckpointManager:
     # -- handle ----------------------------------------------------------------
     get_or_create = staticmethod(get_or_create)
 
-    # -- two-phase commit (commits.py) -----------------------------------------
+    # -- two-phase commit (rl_ckpt/commit/two_phase.py, through commits.py) ---
     def begin(self, snapshot_id: str, expected: list[str], participant: str) -> dict:
         """The attempt every participant of ``snapshot_id`` writes into (the same one for all).
 
         Raises the abort error at once when another participant already failed
         this snapshot, or the participants decided to skip it.
         """
-        with self._lock:
-            self.registry.check(participant)
-            decision = self.save_decisions.get(snapshot_id)
-            if decision is not None and decision[0] == "skip":
-                raise SnapshotSkippedError(
-                    f"snapshot {snapshot_id} was skipped by every participant: {decision[1]}'s previous save was "
-                    "still running when it was due", snapshot_id=snapshot_id, participant=decision[1])
-            return self.commits.begin(snapshot_id, expected, participant)
+        return self.calls.begin(snapshot_id, expected, participant)
 
     def decide(self, snapshot_id: str, participant: str, busy: bool) -> str:
         """``"save"`` or ``"skip"``: one decision for every participant of a due snapshot.
@@ -185,17 +178,7 @@ class CheckpointManager:
 
     def report(self, snapshot_id: str, attempt_id: str, participant: str, part: bytes) -> bytes:
         """A participant's part (metadata only); returns the merged manifest once committed."""
-        with self._lock:
-            self.registry.check(participant)
-            pending = self.commits.report(snapshot_id, attempt_id, participant, part)
-        if isinstance(pending, bytes):
-            return pending  # committed already (a retried call)
-        wait = max(0.0, pending.deadline - time.monotonic()) + 5.0
-        if not pending.done.wait(wait):
-            raise CheckpointError(f"{snapshot_id}: not committed within the commit timeout", snapshot_id=snapshot_id)
-        if pending.error is not None:
-            raise pending.error
-        return pending.manifest
+        return self.calls.report(snapshot_id, attempt_id, participant, part)
 
     def abort(self, snapshot_id: str, attempt_id: str | None, participant: str, reason: str) -> None:
         """``participant``'s save of ``snapshot_id`` failed: abort the snapshot for every participant.
@@ -203,9 +186,7 @@ class CheckpointManager:
         ``attempt_id`` is None when it failed before ``begin``: participants
         that begin the snapshot later are refused at once.
         """
-        with self._lock:
-            self.registry.check(participant)
-            self.commits.abort(snapshot_id, attempt_id, participant, reason)
+        self.calls.abort(snapshot_id, attempt_id, participant, reason)
 
     def _check_participant(self, participant: str) -> None:
         self.registry.check(participant)

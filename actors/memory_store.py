@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError  # noqa: F401
+from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 log = logging.getLogger("rl_ckpt")

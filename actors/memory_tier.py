@@ -28,7 +28,7 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.engine import CheckpointEngine
 from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.run.flush import FlushPolicy, flush_snapshot
+from rl_ckpt.commit.flush import FlushPolicy, flush_snapshot
 from rl_ckpt.run.tiers import DURABLE, MEMORY, drop_incomplete, tier_view
 
 from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_config, memory_options

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.integrations.managed import UnknownParticipantError
+from rl_ckpt.errors import UnknownParticipantError
 from rl_ckpt.recovery.coordinator import FailureInfo
 
 from .metrics import ManagerMetrics

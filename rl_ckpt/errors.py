@@ -129,3 +129,8 @@ class UsageError(CheckpointError):
 
 class MemoryBudgetError(StorageError):
     """A memory store cannot hold a file within its budget (``path``, ``size``, ``budget``, ``node``)."""
+
+
+def post_commit_text(exc: BaseException) -> str:
+    """An error's text as seen after the commit point: a storage hint that nothing was committed is untrue here."""
+    return str(exc).replace("; nothing was committed by this save", "")

@@ -9,13 +9,13 @@ import torch
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.cli import main as cli
-from rl_ckpt.integrations.managed import ManagedCommit
+from rl_ckpt.commit.participant import ParticipantCommit
 from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.commit import CommitStrategy, ManifestLastCommit, StagedRenameCommit
+from rl_ckpt.commit import CommitStrategy, ManifestLastCommit, StagedRenameCommit
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.run.quarantine import quarantine
 from rl_ckpt.run.retention import KeepLatest
-from rl_ckpt.sharded.dist_commit import DistributedCommit
+from rl_ckpt.commit.collective import DistributedCommit
 from rl_ckpt.storage import open_storage
 
 
@@ -84,7 +84,7 @@ def test_engine_and_cli_verify_agree_on_a_quarantined_snapshot(tmp_path, capsys)
 
 
 def test_every_commit_path_is_a_commit_strategy():
-    for cls in (StagedRenameCommit, ManifestLastCommit, ManagedCommit, DistributedCommit):
+    for cls in (StagedRenameCommit, ManifestLastCommit, ParticipantCommit, DistributedCommit):
         assert issubclass(cls, CommitStrategy), cls
     # The engine relies on fail() for every strategy, with the default removing the attempt's files.
-    assert ManagedCommit.fail is not CommitStrategy.fail and DistributedCommit.fail is not CommitStrategy.fail
+    assert ParticipantCommit.fail is not CommitStrategy.fail and DistributedCommit.fail is not CommitStrategy.fail

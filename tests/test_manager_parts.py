@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from actors.commits import CommitProtocol, Pending
+from rl_ckpt.commit.two_phase import CommitProtocol, Pending
 from actors.participants import ParticipantRegistry
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.format.manifest import FileEntry, Manifest
-from rl_ckpt.integrations.managed import SnapshotAbortedError, UnknownParticipantError
+from rl_ckpt.errors import SnapshotAbortedError, UnknownParticipantError
 from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, FailureInfo
 from rl_ckpt.recovery.history import load_decisions, load_failures, record_decision, record_failure
 from rl_ckpt.recovery.plan import build_plan
 from rl_ckpt.run import layout
 from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.commit import strategy_for
+from rl_ckpt.commit import strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.storage import open_storage
 

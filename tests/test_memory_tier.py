@@ -12,11 +12,11 @@ import torch
 
 from helpers import PPOState, assert_same_state, tensors_of
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.errors import CommitConflictError, CorruptSnapshotError, StorageError
+from rl_ckpt.errors import CommitConflictError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.recovery.plan import RecoveryPlan
 from rl_ckpt.recovery.tiers import choose_tier
-from rl_ckpt.run.flush import FlushPolicy
+from rl_ckpt.commit.flush import FlushPolicy
 
 pytestmark = pytest.mark.ray
 

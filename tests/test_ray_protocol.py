@@ -178,7 +178,7 @@ def test_dead_manager_is_a_checkpoint_error_naming_it(cluster):
 
 def test_begin_report_abort_are_bound_to_registered_participants(cluster):
     ray, run_dir, manager, ranks = cluster
-    from rl_ckpt.integrations.managed import UnknownParticipantError
+    from rl_ckpt.errors import UnknownParticipantError
 
     mgr = manager()
     r0, r1 = ranks(mgr)

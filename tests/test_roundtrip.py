@@ -12,7 +12,7 @@ import torch
 
 from helpers import Bag, PPOState, assert_same_state, next_draws
 from rl_ckpt import CheckpointEngine, CheckpointError, SerializationError
-from rl_ckpt.run.commit import ManifestLastCommit, StagedRenameCommit
+from rl_ckpt.commit import ManifestLastCommit, StagedRenameCommit
 
 
 @pytest.fixture(params=["local", "local-manifest-last", "memory"])

@@ -9,7 +9,7 @@ import pytest
 
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.run import layout
-from rl_ckpt.run.commit import ManifestLastCommit, StagedRenameCommit
+from rl_ckpt.commit import ManifestLastCommit, StagedRenameCommit
 from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import open_storage
 

@@ -10,7 +10,7 @@ import torch
 from helpers import PPOState, assert_same_state
 from rl_ckpt import CheckpointEngine, CommitConflictError, StorageError
 from rl_ckpt.cli import main as cli
-from rl_ckpt.run.commit import ManifestLastCommit
+from rl_ckpt.commit import ManifestLastCommit
 
 
 def _cfg(s3_url, **extra):

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from rl_ckpt.run.commit import ManifestLastCommit
+from rl_ckpt.commit import ManifestLastCommit
 from rl_ckpt.errors import (CommitConflictError, ConfigError, FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError,
                             StoragePermissionError, UnsafePathError)
 from rl_ckpt.format.manifest import MANIFEST_NAME

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from rl_ckpt import errors
-from rl_ckpt.run.commit import Attempt, CommitStrategy
+from rl_ckpt.commit.base import Attempt, CommitStrategy
+from rl_ckpt.commit.parts import merge_parts
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.format.manifest import Manifest, now_iso
-from rl_ckpt.sharded.layout import merge_components
+from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.run.snapshot_files import read_manifest
 
 
 def _all_gather_bytes(data: bytes, group) -> list[bytes]:
@@ -60,24 +61,6 @@ def _raise(outcome: dict) -> None:
         cls = CheckpointError
     raise cls(outcome["message"])
 
-
-def merge_parts(parts: list[Manifest], attempt_id: str, participants: list[str]) -> Manifest:
-    """One manifest from every rank's part: files concatenated, sharded layouts unioned, rank 0's metrics first."""
-    head = parts[0]
-    steps = {(m.global_step, m.kind) for m in parts}
-    if len(steps) != 1:
-        raise CheckpointError(f"ranks disagree on the step/kind of this save: {sorted(steps)}; nothing was committed")
-    files, components, probes, tags, metrics = [], {}, {}, {}, {}
-    for m in parts:
-        files += m.files
-        merge_components(components, m.components)
-        probes.update((m.extra or {}).get("probes") or {})
-        tags.update(m.tags)
-        metrics.update(m.metrics)
-    metrics.update(head.metrics)
-    return dataclasses.replace(head, files=files, components=components, tags=tags, metrics=metrics,
-                               created_at=now_iso(), writer={"attempt": attempt_id, "participants": participants},
-                               extra={"probes": probes} if probes else {})
 
 
 class DistributedCommit(CommitStrategy):
@@ -153,8 +136,8 @@ class DistributedCommit(CommitStrategy):
             if failed:
                 raise CheckpointError(f"snapshot {attempt.snapshot_id} not committed: a rank's save failed ("
                                       + "; ".join(failed) + ")", snapshot_id=attempt.snapshot_id)
-            manifests = [Manifest.from_bytes(p[1:], attempt.snapshot_id) for p in parts]
-            merged = merge_parts(manifests, attempt.attempt_id, self.participants)
+            manifests = {name: Manifest.from_bytes(p[1:], attempt.snapshot_id) for name, p in zip(self.participants, parts)}
+            merged = merge_parts(manifests, attempt.attempt_id, self.participants, head=self.participants[0])
             data = merged.to_bytes()
             self.inner.commit(attempt, data)
             return b"M" + data
@@ -167,8 +150,6 @@ class DistributedCommit(CommitStrategy):
             return b"E" + _error_bytes(exc)
 
     def _landed(self, attempt: Attempt) -> bool:
-        from rl_ckpt.run.snapshot_files import read_manifest
-
         try:
             return read_manifest(self.storage, attempt.snapshot_id).writer.get("attempt") == attempt.attempt_id
         except CheckpointError:

@@ -24,7 +24,7 @@ from rl_ckpt.run.snapshot_files import read_manifest, read_verified
 from rl_ckpt.format.hashed_io import verify_written
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_snapshot_id
-from rl_ckpt.run.commit import CommitStrategy
+from rl_ckpt.commit.base import CommitStrategy
 from rl_ckpt.storage import Storage, join
 
 log = logging.getLogger("rl_ckpt")

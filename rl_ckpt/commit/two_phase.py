@@ -1,9 +1,11 @@
-"""The manager's commit protocol: one attempt per sharded snapshot, committed once every participant reported.
+"""The two-phase commit of several participants: one attempt per snapshot, committed once every participant
+reported. Pure Python, no Ray: the ``CheckpointManager`` actor drives it (``actors/commits.py``), a test drives
+it directly.
 
 ``begin`` gives every participant the same attempt folder (laid out by the
 run's commit strategy) and writes ``attempt.json`` there: who is expected.
 Each participant writes its files, then its part of the manifest
-(``<participant>.report.json``, see ``integrations/managed.py``), and calls
+(``<participant>.report.json``, see ``participant.py``), and calls
 ``report``. When the last expected part is in, the parts are merged into one
 manifest and committed through the strategy, then run maintenance (aliases,
 retention) runs; its warnings are kept for ``stats()``/``health()``. A
@@ -23,28 +25,43 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
-from rl_ckpt.errors import CheckpointError, CommitConflictError
+from rl_ckpt.commit.base import CommitStrategy
+from rl_ckpt.commit.parts import merge_parts
+from rl_ckpt.errors import CheckpointError, CommitConflictError, SnapshotAbortedError
 from rl_ckpt.format.manifest import Manifest, now_iso
-from rl_ckpt.integrations.managed import SnapshotAbortedError
-from rl_ckpt.run.snapshot_files import read_manifest
+from rl_ckpt.format.untrusted import read_json
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.run.commit import CommitStrategy
 from rl_ckpt.run.layout import (ATTEMPT_FILE, Attempt, committed_data_prefix, manifest_path, report_name,
                                 uncommitted_attempts)
 from rl_ckpt.run.maintenance import RunMaintenance
-from rl_ckpt.sharded.layout import merge_components
+from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.storage import Storage, join
-from rl_ckpt.format.untrusted import read_json
-
-from .metrics import ManagerMetrics
 
 log = logging.getLogger("rl_ckpt")
 # Test hook: with this set to a folder, the manager pauses where ``<folder>/pause-<point>-<snapshot id>``
 # exists (after writing ``paused-<point>-<snapshot id>`` there) until that file is removed.
 PAUSE_DIR_ENV = "RL_CKPT_TEST_PAUSE_DIR"
 MAX_ABORT_ERRORS = 256  # aborted attempts remembered for late reports
+
+
+class CommitCounters(Protocol):
+    """Where the protocol counts what it did (the manager's Prometheus metrics; :class:`NoCounters` in tests)."""
+
+    def committed(self, seconds: float, step: int, nbytes: int) -> None: ...
+
+    def aborted(self) -> None: ...
+
+
+class NoCounters:
+    """Counts nothing."""
+
+    def committed(self, seconds: float, step: int, nbytes: int) -> None:
+        pass
+
+    def aborted(self) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -69,32 +86,6 @@ class Refusal:
     waiting: set | None  # participants still to be told; None: every participant but ``by``
 
 
-def merge_parts(reports: dict[str, Manifest], attempt: Attempt, expected: list[str], reported_metrics: dict) -> Manifest:
-    """One manifest from every participant's part; CheckpointError when they disagree on step or kind.
-
-    ``learner-0``'s part heads it; metrics: Ray Train's reported ones (when not
-    newer than the snapshot), then every part's, then the head's.
-    """
-    parts = [reports[p] for p in sorted(reports)]
-    head = next((m for p, m in sorted(reports.items()) if p.startswith("learner-0")), parts[0])
-    steps = {(m.global_step, m.kind) for m in parts}
-    if len(steps) != 1:
-        raise CheckpointError(f"participants disagree on step/kind: {sorted(steps)}", snapshot_id=attempt.snapshot_id)
-    files, components, probes, metrics, tags = [], {}, {}, {}, {}
-    for m in parts:
-        files += m.files
-        merge_components(components, m.components)  # sharded layouts of one component: unioned
-        probes.update((m.extra or {}).get("probes") or {})
-        tags.update(m.tags)
-    if reported_metrics.get("step") is None or reported_metrics["step"] <= head.global_step:
-        metrics.update({k: v for k, v in reported_metrics.items() if k != "step"})
-    for m in parts:
-        metrics.update(m.metrics)
-    metrics.update(head.metrics)
-    return dataclasses.replace(
-        head, files=files, components=components, metrics=metrics, tags=tags, created_at=now_iso(),
-        writer={"attempt": attempt.attempt_id, "participants": expected}, extra={"probes": probes} if probes else {})
-
 
 def pause_point(point: str, snapshot_id: str) -> None:
     """The test hook (``RL_CKPT_TEST_PAUSE_DIR``): hold here while the test's pause file exists."""
@@ -115,14 +106,14 @@ class CommitProtocol:
     """Pending sharded commits of one run: begin, report, abort, commit, resume after a restart."""
 
     def __init__(self, storage: Storage, strategy: CommitStrategy, catalog: Catalog, maintenance: RunMaintenance,
-                 commit_timeout: float, metrics: ManagerMetrics,
+                 commit_timeout: float, metrics: CommitCounters | None = None,
                  on_commit: Callable[[SnapshotInfo], None] = lambda info: None) -> None:
         self.storage = storage
         self.strategy = strategy
         self.catalog = catalog
         self.maintenance = maintenance
         self.timeout = commit_timeout
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else NoCounters()
         self.on_commit = on_commit  # after each commit (the manager forgets older steps' decisions)
         self.pending: dict[str, Pending] = {}
         self.refused: dict[str, Refusal] = {}
@@ -221,7 +212,8 @@ class CommitProtocol:
     def _commit(self, snapshot_id: str, pending: Pending) -> None:
         started = time.monotonic()
         try:
-            merged = merge_parts(pending.reports, pending.attempt, pending.expected, self.reported_metrics)
+            merged = merge_parts(pending.reports, pending.attempt.attempt_id, pending.expected,
+                                 head=self._head(pending.reports), extra_metrics=self._reported(pending.reports))
         except CheckpointError as exc:
             self._abort(snapshot_id, pending, str(exc))
             return
@@ -250,6 +242,18 @@ class CommitProtocol:
         self.committed += 1
         self.metrics.committed(time.monotonic() - started, info.global_step, self.bytes_received.get(snapshot_id, 0))
         log.info("manager committed %s from %s", snapshot_id, ", ".join(pending.expected))
+
+    @staticmethod
+    def _head(reports: dict[str, Manifest]) -> str:
+        """The part whose header the merged manifest keeps: ``learner-0``'s, else the first by name."""
+        return next((p for p in sorted(reports) if p.startswith("learner-0")), sorted(reports)[0])
+
+    def _reported(self, reports: dict[str, Manifest]) -> dict:
+        """Ray Train's reported metrics, when they are not newer than the snapshot."""
+        step = self.reported_metrics.get("step")
+        if step is not None and step > reports[self._head(reports)].global_step:
+            return {}
+        return {k: v for k, v in self.reported_metrics.items() if k != "step"}
 
     def _tidy(self, pending: Pending) -> None:
         """Coordination files are not part of the snapshot: remove them (gc would too)."""

@@ -6,7 +6,7 @@ pieces that do the work and delegates to them:
 - :class:`~rl_ckpt.core.registry.ComponentRegistry`: what is registered, and
   under which manifest key each component lives for this participant;
 - :class:`~rl_ckpt.core.save_pipeline.SavePipeline`: stage -> persist ->
-  commit (through the commit strategy of ``rl_ckpt.run.commit``, a manager's,
+  commit (through the commit strategy of ``rl_ckpt.commit``, a manager's,
   or rank 0's of a torch.distributed group);
 - :class:`~rl_ckpt.run.maintenance.RunMaintenance`: best aliases and retention
   after each commit (the manager runs it instead in a sharded run);
@@ -30,12 +30,12 @@ from rl_ckpt.core.save_pipeline import SavePipeline
 from rl_ckpt.core.scheduler import CheckpointScheduler
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.state_codec import EncodedState
-from rl_ckpt.integrations.managed import join_manager
+from rl_ckpt.integrations.managed import ManagerClient, join_manager
 from rl_ckpt.recovery.coordinator import Decision, FailureInfo
 from rl_ckpt.recovery.history import load_decisions, record_decision
 from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, layout_line, probe_check, without_light
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.run.commit import CommitStrategy, strategy_for
+from rl_ckpt.commit import CommitStrategy, strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.run.patrol import HealthPatrol
 from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy
@@ -80,16 +80,17 @@ class CheckpointEngine:
         self.registry = ComponentRegistry(config, rank=self.rank, world_size=self.world_size, role=role,
                                           managed=manager is not None)
         commit: CommitStrategy = strategy_for(self.storage, config.atomic_write)
-        self.heartbeat = None
+        self.manager_client: ManagerClient | None = None
         if manager is not None:
-            self.registry.participant, self.heartbeat, commit = join_manager(
+            self.registry.participant, self.manager_client, commit = join_manager(
                 manager, self.storage, config, role, self.rank, self.world_size, participants, _current_actor())
+        self.heartbeat = self.manager_client.heartbeat if self.manager_client is not None else None
         # With a manager, the manager runs maintenance (retention once per committed snapshot).
         self.maintenance = RunMaintenance.from_config(self.storage, self.catalog, config,
                                                       retention=retention if manager is None else False)
         self.pipeline = SavePipeline(config, self.train_config, self.storage, self.catalog, self.registry, commit,
                                      maintenance=self.maintenance if manager is None else None,
-                                     managed=manager is not None, heartbeat=self.heartbeat)
+                                     client=self.manager_client)
         self.restorer = Restorer(config, self.train_config, self.storage, self.catalog, self.registry)
         self._patrol: HealthPatrol | None = None
         self._closed = False
@@ -214,7 +215,7 @@ class CheckpointEngine:
         """
         self._check_open()
         if self.manager is not None and snapshot_id is None:  # one plan for all, made (and recorded) by the manager
-            plan = RecoveryPlan.from_json(self.commit.recovery_plan(failure.to_json() if failure else None))
+            plan = RecoveryPlan.from_json(self.manager_client.recovery_plan(failure.to_json() if failure else None))
             plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's to know
             return plan
         return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
@@ -282,8 +283,8 @@ class CheckpointEngine:
             self.pipeline.close()
             if self.heartbeat is not None:
                 self.heartbeat.close()
-            if self.manager is not None and self.participant is not None:
-                self.manager.unregister.remote(self.participant)  # a clean exit is not a lost heartbeat
+            if self.manager_client is not None:
+                self.manager_client.unregister()  # a clean exit is not a lost heartbeat
             self._closed = True
             self.storage.close()
 

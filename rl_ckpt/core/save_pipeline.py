@@ -30,10 +30,11 @@ from rl_ckpt.errors import CheckpointError, ConfigError, SerializationError
 from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
 from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.format.state_codec import EncodedState, encode_state
-from rl_ckpt.integrations.managed import participant_name
+from rl_ckpt.integrations.managed import ManagerClient, participant_name
 from rl_ckpt.recovery.probe import run_probe
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.run.commit import Attempt, CommitStrategy, post_commit_text
+from rl_ckpt.commit import Attempt, CommitStrategy
+from rl_ckpt.errors import post_commit_text
 from rl_ckpt.run.dedup import ObjectWriter
 from rl_ckpt.run.maintenance import RunMaintenance, referenced_objects
 from rl_ckpt.storage import Storage
@@ -53,12 +54,12 @@ class SavePipeline:
         registry: what to save and under which manifest keys.
         commit: the commit strategy (may be replaced, e.g. when ranks start committing together).
         maintenance: run after each commit by this writer; None when someone else (the manager) runs it.
-        managed: a manager is the commit point (participants decide and fail snapshots together).
+        client: the manager client when a manager is the commit point (participants decide, fail together).
     """
 
     def __init__(self, config: CheckpointConfig, train_config: Mapping[str, Any], storage: Storage, catalog: Catalog,
                  registry: ComponentRegistry, commit: CommitStrategy, *, maintenance: RunMaintenance | None,
-                 managed: bool = False, heartbeat: Any = None) -> None:
+                 client: ManagerClient | None = None) -> None:
         self.config = config
         self.train_config = train_config
         self.storage = storage
@@ -66,8 +67,8 @@ class SavePipeline:
         self.registry = registry
         self.commit = commit
         self.maintenance = maintenance
-        self.managed = managed
-        self.heartbeat = heartbeat
+        self.client = client
+        self.managed, self.heartbeat = client is not None, client.heartbeat if client is not None else None
         self.staging = StagingArea()
         self._writer: BackgroundWriter | None = None
 
@@ -84,7 +85,7 @@ class SavePipeline:
             raise ConfigError(f"sharded state on rank {reg.rank} of {reg.world_size}: initialise torch.distributed "
                               "before registering it (the ranks commit each snapshot together), or pass a manager",
                               key="world_size")
-        from rl_ckpt.sharded.dist_commit import DistributedCommit  # (lazy: see registry.SHARDED_IMPORT)
+        from rl_ckpt.commit.collective import DistributedCommit  # (lazy: see registry.SHARDED_IMPORT)
 
         names = [participant_name(reg.role, r) for r in range(reg.world_size)]
         self.commit = DistributedCommit(self.commit, reg.rank, reg.world_size, names)
@@ -188,7 +189,7 @@ class SavePipeline:
         """
         if not self.managed:
             return not self.saving
-        return self.commit.decide(snapshot_id(global_step, kind), self.saving)
+        return self.client.decide(snapshot_id(global_step, kind), self.saving)
 
     @property
     def saving(self) -> bool:

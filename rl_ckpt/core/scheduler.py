@@ -88,8 +88,8 @@ class CheckpointScheduler:
     def _agree(self, global_step: int) -> tuple[str | None, bool]:
         """``(kind due, go)``: alone, by this process's clock; with a manager, one answer for every participant."""
         if self.every_seconds and self.engine.manager is not None:
-            return self.engine.commit.decide_step(global_step, self._due_by_steps(global_step), self.engine.saving,
-                                                  self.every_seconds)
+            return self.engine.manager_client.decide_step(global_step, self._due_by_steps(global_step),
+                                                          self.engine.saving, self.every_seconds)
         kind = self.due(global_step)
         return kind, kind is not None and self.engine.agree_to_save(global_step, kind)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from rl_ckpt.format import safetensors_io
 from rl_ckpt.format.arrow_io import table_bytes
-from rl_ckpt.run.commit import Attempt
+from rl_ckpt.run.layout import Attempt
 from rl_ckpt.format.hashed_io import verify_written, write_hashed
 from rl_ckpt.format.manifest import FileEntry
 from rl_ckpt.format.state_codec import EncodedState, array_nbytes

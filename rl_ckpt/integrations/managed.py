@@ -1,12 +1,6 @@
-"""The participant side of a sharded save through the ``CheckpointManager`` actor.
-
-Each learner rank and rollout worker writes its own shards *directly* to
-storage, inside the attempt the manager assigned, under a folder named after
-the participant (``learner-1/``, ``rollout-0/``) or ``shared/`` for state that
-is identical on every learner rank (written once, by rank 0). It then writes
-``<participant>.report.json`` (its part of the manifest) next to its files and
-sends the same metadata to the manager, which commits the snapshot once every
-expected participant has reported. Tensor bytes never go to the manager.
+"""A participant's link to the run's ``CheckpointManager`` actor: its manager client (decisions, plans,
+failures, and the calls of the commit protocol), its heartbeat, and :func:`join_manager`, which registers a
+process and hands it both plus its commit strategy (:class:`~rl_ckpt.commit.participant.ParticipantCommit`).
 
 Every manager call is idempotent: a Ray call that failed after it took effect
 (or was retried after a manager restart) does no harm.
@@ -20,17 +14,9 @@ import threading
 import time
 from typing import Any
 
-from rl_ckpt.run.commit import Attempt, CommitStrategy
-from rl_ckpt.run.layout import report_name
-from rl_ckpt.errors import (  # noqa: F401  (importable from here too)
-    CheckpointError,
-    ManagerUnavailableError,
-    SnapshotAbortedError,
-    SnapshotSkippedError,
-    UnknownParticipantError,
-)
-from rl_ckpt.format.manifest import Manifest
-from rl_ckpt.storage import Storage, join
+from rl_ckpt.commit.participant import ParticipantCommit
+from rl_ckpt.errors import CheckpointError, ManagerUnavailableError, UnknownParticipantError
+from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
 
@@ -63,28 +49,25 @@ def _ray_get(ref, timeout: float | None = None, name: str = "the checkpoint mana
         raise CheckpointError(f"checkpoint manager did not answer within {timeout} s") from exc
 
 
-class ManagedCommit(CommitStrategy):
-    """The commit strategy of one participant of a sharded save: the manager is the commit point.
+class ManagerClient:
+    """This participant's calls to the run's ``CheckpointManager``: the commit protocol's calls (for
+    :class:`~rl_ckpt.commit.participant.ParticipantCommit`), the save/skip and cadence decisions, the recovery
+    plan, failures. Separate from the commit strategy: deciding and planning are not committing.
 
-    ``commit`` reports this participant's part and returns the merged manifest the
-    manager committed; ``fail`` (also before ``begin``) makes the manager abort the
-    snapshot for every participant.
+    After a manager restart (registrations are not kept) a call that names this participant registers
+    again, once, through the heartbeat.
     """
 
-    def __init__(self, storage: Storage, manager, participant: str, expected: list[str], *,
-                 commit_timeout: float = 300.0, heartbeat: "Heartbeat | None" = None,
-                 name: str = "the checkpoint manager") -> None:
-        super().__init__(storage)
-        self.name = name
+    def __init__(self, manager, participant: str, *, commit_timeout: float = 300.0,
+                 heartbeat: "Heartbeat | None" = None, name: str = "the checkpoint manager") -> None:
         self.manager = manager
         self.participant = participant
-        self.expected = list(expected)
         self.commit_timeout = commit_timeout
         self.heartbeat = heartbeat
-        self.bytes_sent = 0
+        self.name = name
 
-    def _call(self, method: str, *args: Any, timeout: float | None) -> Any:
-        """A bound manager call; after a manager restart (registrations are not kept) register again, once."""
+    def call(self, method: str, *args: Any, timeout: float | None) -> Any:
+        """A bound manager call; every failure comes back as a ``CheckpointError``."""
         try:
             return _ray_get(getattr(self.manager, method).remote(*args), timeout=timeout, name=self.name)
         except UnknownParticipantError:
@@ -93,13 +76,9 @@ class ManagedCommit(CommitStrategy):
             self.heartbeat.register()
             return _ray_get(getattr(self.manager, method).remote(*args), timeout=timeout, name=self.name)
 
-    def begin(self, snapshot_id: str, attempt_id: str | None = None) -> Attempt:
-        got = self._call("begin", snapshot_id, self.expected, self.participant, timeout=self.commit_timeout)
-        return Attempt(**got)
-
     def decide(self, snapshot_id: str, busy: bool) -> bool:
         """Whether every participant saves ``snapshot_id``: the first to ask decides for all."""
-        return self._call("decide", snapshot_id, self.participant, busy, timeout=self.commit_timeout) == "save"
+        return self.call("decide", snapshot_id, self.participant, busy, timeout=self.commit_timeout) == "save"
 
     def decide_step(self, global_step: int, kind: str | None, busy: bool, interval_seconds: float) -> tuple[str | None, bool]:
         """Under a time cadence: ``(kind, save)`` for ``global_step``, by the manager's clock, the same for all.
@@ -107,42 +86,19 @@ class ManagedCommit(CommitStrategy):
         ``kind`` is what is due by step count alone; the answer's kind is None
         when nothing is due, and ``save`` False when the snapshot is skipped.
         """
-        got = self._call("decide_step", global_step, self.participant, kind, busy, interval_seconds,
-                         timeout=self.commit_timeout)
+        got = self.call("decide_step", global_step, self.participant, kind, busy, interval_seconds,
+                        timeout=self.commit_timeout)
         return got["kind"], got["save"]
-
-    def commit(self, attempt: Attempt, manifest: bytes) -> Manifest:
-        """Report this participant's part; returns the merged manifest once the manager committed it."""
-        self.storage.write(join(attempt.data_prefix, report_name(self.participant)), [manifest], durable=True)
-        self.bytes_sent += len(manifest)
-        final = self._call("report", attempt.snapshot_id, attempt.attempt_id, self.participant, manifest,
-                           timeout=self.commit_timeout + 30)
-        return Manifest.from_bytes(final, attempt.snapshot_id)
-
-    def fail(self, snapshot_id: str, attempt: Attempt | None, error: BaseException) -> None:
-        """Tell the manager this participant's save of ``snapshot_id`` failed, so it aborts it for everyone.
-
-        ``attempt`` is None when the save failed before ``begin`` (e.g. staging):
-        the manager then refuses the snapshot to the participants that begin it later.
-        """
-        # Other participants' files live in the same attempt: the manager aborts the snapshot and
-        # leaves the debris to gc, rather than each participant deleting pieces of it.
-        reason = f"{type(error).__name__}: {error}"
-        try:
-            self._call("abort", snapshot_id, attempt.attempt_id if attempt else None, self.participant, reason[:2000],
-                       timeout=30)
-        except CheckpointError as exc:
-            log.warning("could not tell the manager to abort %s: %s", snapshot_id, exc)
-
-    def abort(self, attempt: Attempt) -> None:
-        """Abort this participant's attempt: the manager aborts the snapshot for everyone."""
-        self.fail(attempt.snapshot_id, attempt, CheckpointError("a participant's save failed"))
 
     def recovery_plan(self, failure: dict | None) -> dict:
         """The manager's one recovery plan for every participant (JSON), after recording ``failure`` if given."""
         if failure is not None:
             _ray_get(self.manager.record_failure.remote(failure), timeout=60, name=self.name)
         return _ray_get(self.manager.plan.remote(), timeout=self.commit_timeout, name=self.name)
+
+    def unregister(self) -> None:
+        """A clean exit, not a lost heartbeat (fire and forget)."""
+        self.manager.unregister.remote(self.participant)
 
 
 class Heartbeat:
@@ -207,8 +163,9 @@ class Heartbeat:
 
 
 def join_manager(manager, storage: Storage, config, role: str, rank: int, world_size: int,
-                 participants: list[str] | None, actor_handle: Any = None) -> tuple[str, "Heartbeat", ManagedCommit]:
-    """Register this process with ``manager`` as ``<role>-<rank>``: its name, heartbeat and commit strategy.
+                 participants: list[str] | None, actor_handle: Any = None) -> tuple[str, ManagerClient, ParticipantCommit]:
+    """Register this process with ``manager`` as ``<role>-<rank>``: its name, manager client (with its heartbeat)
+    and commit strategy.
 
     ``participants``: every participant a snapshot waits for (default: the
     ``world_size`` participants of ``role``).
@@ -217,6 +174,7 @@ def join_manager(manager, storage: Storage, config, role: str, rank: int, world_
     expected = participants or [participant_name(role, r) for r in range(world_size)]
     label = f"CheckpointManager 'rl_ckpt:{config.run_name}'"
     heartbeat = Heartbeat(manager, participant, config.heartbeat_interval_seconds, actor_handle, name=label)
-    commit = ManagedCommit(storage, manager, participant, expected, commit_timeout=config.commit_timeout_seconds,
-                           heartbeat=heartbeat, name=label)
-    return participant, heartbeat, commit
+    client = ManagerClient(manager, participant, commit_timeout=config.commit_timeout_seconds, heartbeat=heartbeat,
+                           name=label)
+    commit = ParticipantCommit(storage, client, participant, expected, commit_timeout=config.commit_timeout_seconds)
+    return participant, client, commit

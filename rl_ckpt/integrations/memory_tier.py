@@ -30,7 +30,7 @@ from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
 from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
 from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.recovery.tiers import TieredPlan, plan_across_tiers
-from rl_ckpt.run.commit import retire_snapshot
+from rl_ckpt.run.delete import delete_snapshot
 from rl_ckpt.run.retention import KeepLatest
 from rl_ckpt.run.tier_events import record_memory_snapshot, record_tier_restore
 from rl_ckpt.run.tiers import MEMORY
@@ -188,7 +188,7 @@ class MemoryTier:
             parsed = parse_snapshot_id(entry.name)
             if entry.is_dir and parsed is not None and parsed[0] > step:
                 try:
-                    retire_snapshot(storage, entry.name)
+                    delete_snapshot(storage, entry.name)
                 except CheckpointError as exc:
                     log.warning("could not retire memory snapshot %s of the failed timeline: %s", entry.name, exc)
 

@@ -36,7 +36,7 @@ import ray
 from ray.train import UserCallback
 
 from rl_ckpt.recovery.coordinator import FailureInfo
-from rl_ckpt.errors import CheckpointError, ParticipantFailedError  # noqa: F401
+from rl_ckpt.errors import ParticipantFailedError
 
 log = logging.getLogger("rl_ckpt")
 

@@ -14,15 +14,20 @@ is still verified file by file while it loads (``engine.restore``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rl_ckpt.errors import ConfigError
 from rl_ckpt.recovery.plan import RecoveryPlan
 from rl_ckpt.run.tiers import DURABLE, MEMORY
 
 if TYPE_CHECKING:
-    from rl_ckpt.core.engine import CheckpointEngine
     from rl_ckpt.recovery.coordinator import FailureInfo
+
+
+class Planner(Protocol):
+    """What a tier needs to be planned: an engine's ``plan_recovery`` (``CheckpointEngine`` has it)."""
+
+    def plan_recovery(self, failure: "FailureInfo | None" = None, *, deep: bool = True) -> RecoveryPlan: ...
 
 
 @dataclasses.dataclass
@@ -83,7 +88,7 @@ def choose_tier(memory: RecoveryPlan | None, durable: RecoveryPlan | None) -> Ti
     return TieredPlan(None, chosen, f"no tier has a snapshot to restore: {chosen.reason}", memory, durable)
 
 
-def plan_across_tiers(memory: "CheckpointEngine | None", durable: "CheckpointEngine | None",
+def plan_across_tiers(memory: Planner | None, durable: Planner | None,
                       failure: "FailureInfo | None" = None, *, deep: bool = False) -> TieredPlan:
     """Plan each tier with its engine (``deep``: re-hash every candidate file first; either way every file
     is verified while it loads) and choose between them. Reads storage; writes nothing."""

@@ -24,7 +24,8 @@ from rl_ckpt.format.manifest import now_iso
 from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.format.untrusted import read_json
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.run.commit import post_commit_text, retire_snapshot
+from rl_ckpt.errors import post_commit_text
+from rl_ckpt.run.delete import delete_snapshot
 from rl_ckpt.run.dedup import manifest_objects, object_path
 from rl_ckpt.run.layout import BEST, RETIRED, best_alias_path, manifest_path, retired_path
 from rl_ckpt.run.retention import (RetentionDecision, RetentionPolicy, best_per_metric, normalize_best,
@@ -117,7 +118,7 @@ class RunMaintenance:
             if guarded(f"retention could not check {sid}", self.forget_if_vanished, sid):
                 continue
             guarded(f"retention: no tombstone for {sid}", self._tombstone, info)
-            retired = guarded(f"retention could not delete {sid}", retire_snapshot, self.storage, sid)
+            retired = guarded(f"retention could not delete {sid}", delete_snapshot, self.storage, sid)
             if retired is None:
                 continue  # still there: the next pass tries again
             if info is not None and info.manifest is not None:

@@ -52,7 +52,7 @@ from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo, lost_manifest
 from rl_ckpt.run.layout import (MANIFEST_NAME, RETIRED, manifest_path, retired_record_path, retired_snapshot_dir,
                                 snapshot_folders)
-from rl_ckpt.run.commit import retire_snapshot
+from rl_ckpt.run.delete import delete_snapshot
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.storage.registry import protocol_of
 
@@ -160,7 +160,7 @@ def retire_one(storage: Storage, info: SnapshotInfo, context: dict) -> bool:
                              create_only=True)
     except CommitConflictError:
         pass  # a retire of this snapshot was interrupted after its record: the record stands
-    return _move(storage, sid, dest) if dest is not None else retire_snapshot(storage, sid)
+    return _move(storage, sid, dest) if dest is not None else delete_snapshot(storage, sid)
 
 
 def _move(storage: Storage, sid: str, dest: str) -> bool:

@@ -17,7 +17,7 @@ import logging
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import MANIFEST_NAME, Manifest, parse_snapshot_id
 from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.commit import retire_snapshot
+from rl_ckpt.run.delete import delete_snapshot
 from rl_ckpt.storage import Storage, join
 
 log = logging.getLogger("rl_ckpt")
@@ -88,7 +88,7 @@ def drop_incomplete(memory: Storage, view: list[TierStatus]) -> list[str]:
     for status in view:
         if status.missing:
             try:
-                retire_snapshot(memory, status.snapshot_id)
+                delete_snapshot(memory, status.snapshot_id)
                 dropped.append(status.snapshot_id)
                 log.warning("memory tier: %s lost %s with its store (no replica survived): dropped from memory",
                             status.snapshot_id, ", ".join(status.missing[:3]))

@@ -1,8 +1,8 @@
 """Sharded training state (FSDP2 / DTensor): every rank saves its own shards, any layout restores.
 
 See ``component`` (what is saved), ``layout`` (the manifest's global layout),
-``dcp_storage`` (torch.distributed.checkpoint plugins), ``dist_commit``
-(manager-less multi-rank commit) and ``full_weights`` (rollout workers).
+``dcp_storage`` (torch.distributed.checkpoint plugins) and ``full_weights`` (rollout workers); the
+manager-less multi-rank commit is ``rl_ckpt.commit.collective``.
 """
 
 from rl_ckpt.sharded.component import ShardedState, as_sharded, is_sharded_section, load_sharded, sharded_view, stage_sharded

@@ -9,7 +9,7 @@ module or optimizer whose parameters are DTensors is recognised at
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -23,11 +23,10 @@ from torch.distributed.tensor import DTensor
 from rl_ckpt.errors import ConfigError, CorruptSnapshotError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage
-from rl_ckpt.sharded.dcp_storage import DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, load_shards, stage_shards
+from rl_ckpt.sharded.dcp_storage import (DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, TensorStager,
+                                         load_shards, stage_shards)
 from rl_ckpt.sharded.layout import Layout
 
-if TYPE_CHECKING:  # a type only: sharded/ sits below core/ (tests/test_architecture.py LAYERS)
-    from rl_ckpt.core.staging import StagingArea
 
 
 class ShardedState:
@@ -112,7 +111,7 @@ def as_sharded(name: str, obj: Any, objects: list[Any]) -> ShardedState | None:
 
 
 def stage_sharded(comp: ShardedState, rank: int, *, copy: bool, name: str = "",
-                  staging: StagingArea | None = None) -> StagedShards:
+                  staging: TensorStager | None = None) -> StagedShards:
     """This rank's local shards of ``comp``, planned by DCP (``copy``: taken out of the trainer's hands, into
     ``staging``'s reused host buffers under component ``name`` when given; complete after ``staging.finish()``)."""
     return stage_shards(comp.state_dict(), rank, copy=copy, saved_by=comp.saved_by(), name=name, staging=staging)

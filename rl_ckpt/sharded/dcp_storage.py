@@ -16,7 +16,7 @@ import dataclasses
 import io
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -35,7 +35,7 @@ from torch.futures import Future
 
 from rl_ckpt.format import safetensors_io
 from rl_ckpt.format.checksum import digest_bytes
-from rl_ckpt.run.commit import Attempt
+from rl_ckpt.run.layout import Attempt
 from rl_ckpt.run.dedup import ObjectWriter, object_path
 from rl_ckpt.errors import CorruptSnapshotError, SerializationError, StorageError
 from rl_ckpt.format.manifest import FileEntry
@@ -44,8 +44,12 @@ from rl_ckpt.storage import Storage, join
 from rl_ckpt.format.hashed_io import verify_written, write_hashed
 from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
 
-if TYPE_CHECKING:  # a type only: sharded/ sits below core/ (tests/test_architecture.py LAYERS)
-    from rl_ckpt.core.staging import StagingArea
+
+class TensorStager(Protocol):
+    """Where a save's shards are copied to host memory (``core/staging.py``'s ``StagingArea`` is one): the copy
+    of ``tensor`` under ``key``, complete once the stager's ``finish()`` returned."""
+
+    def stage_tensor(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor: ...
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 MIN_BLOCK_BYTES = 64 * 1024  # smaller blocks cost more manifest than the bytes they save a resharding read
@@ -72,7 +76,7 @@ class StagedSavePlanner(DefaultSavePlanner):
     fresh CPU tensors.
     """
 
-    def __init__(self, rank: int, copy: bool, *, name: str = "", staging: "StagingArea | None" = None) -> None:
+    def __init__(self, rank: int, copy: bool, *, name: str = "", staging: "TensorStager | None" = None) -> None:
         super().__init__()
         self.rank = rank
         self.copy = copy
@@ -127,7 +131,7 @@ class StagedShards:
 
 
 def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict, name: str = "",
-                 staging: "StagingArea | None" = None) -> StagedShards:
+                 staging: "TensorStager | None" = None) -> StagedShards:
     """Plan this rank's part of ``state_dict`` with DCP's planner (no collectives) and stage its data."""
     planner = StagedSavePlanner(rank, copy, name=name, staging=staging)
     planner.set_up_planner(state_dict, None, rank == 0)

@@ -11,7 +11,7 @@ Every method checks its path with :func:`check_relpath` first, so nothing
 outside the root is ever opened, listed or deleted.
 
 Call order of a save (what a kill -9 between two calls leaves is debris that
-no reader trusts, see ``rl_ckpt.run.commit``)::
+no reader trusts, see ``rl_ckpt.commit``)::
 
     makedirs(staging) -> write(file, chunks) ... -> [read back to verify]
     -> commit strategy publishes (rename_dir, or write(meta.json, create_only))
