@@ -88,6 +88,16 @@ def test_every_relative_link_resolves():
     assert len(readme_links) >= 10  # the README links its docs; the check above ran over them
 
 
+def test_every_repository_path_named_in_the_docs_exists():
+    """`tests/...`, `examples/...`, `rl_ckpt/...` and the like, written in backticks, name files that exist."""
+    missing = []
+    for page in PAGES:
+        named = re.findall(r"`((?:tests|examples|benchmarks|configs|rl_ckpt|actors)/[\w./*\-]+)`", page.read_text())
+        missing += [f"{page.relative_to(ROOT)}: {path}" for path in sorted(set(named))
+                    if not list(ROOT.glob(path.rstrip("/")))]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_python_blocks_compile_and_import_what_exists(page):
     """Every ```python block is valid Python, and every name it imports exists in the current API."""
