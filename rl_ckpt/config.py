@@ -169,9 +169,11 @@ and what is allowed. Defaults are written as YAML values.
 
 
 def reference_markdown() -> str:
-    """docs/configuration.md: every key of ``FIELDS`` with its default and help (tests/test_docs.py keeps it current)."""
-    rows = [f"| `{key}` | `{json.dumps(list(default) if isinstance(default, tuple) else default)}` | {text} |"
-            for key, (default, _check, text) in FIELDS.items()]
+    """docs/configuration.md: every key of ``FIELDS``, its default and help (tests/test_docs.py keeps it current)."""
+    rows = [
+        f"| `{key}` | `{json.dumps(list(default) if isinstance(default, tuple) else default)}` | {text} |"
+        for key, (default, _check, text) in FIELDS.items()
+    ]
     return _REFERENCE_HEAD + "\n".join(rows) + "\n"
 
 

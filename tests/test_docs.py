@@ -17,17 +17,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS]
-REGENERATE = """python -c "from rl_ckpt.config import reference_markdown as r; print(r(), end='')" > docs/configuration.md"""
+REGENERATE = (
+    """python -c "from rl_ckpt.config import reference_markdown as r; print(r(), end='')" > docs/configuration.md"""
+)
 
 
 def _blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
 
 
 def _readme_section(title: str) -> str:
     start = README.index(f"\n## {title}\n")
     end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else None]
+    return README[start : end if end != -1 else None]
 
 
 def test_configuration_reference_is_generated_from_the_config_fields():
@@ -64,8 +66,8 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(text: str) -> set[str]:
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    return {_slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose, re.M)}
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    return {_slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose, re.MULTILINE)}
 
 
 def test_every_relative_link_resolves():
@@ -73,7 +75,7 @@ def test_every_relative_link_resolves():
     broken = []
     for page in PAGES:
         text = page.read_text()
-        prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
         for target in re.findall(r"\]\(([^)\s]+)\)", prose):
             if re.match(r"[a-z]+:", target):
                 continue
@@ -93,8 +95,9 @@ def test_every_repository_path_named_in_the_docs_exists():
     missing = []
     for page in PAGES:
         named = re.findall(r"`((?:tests|examples|benchmarks|configs|rl_ckpt|actors)/[\w./*\-]+)`", page.read_text())
-        missing += [f"{page.relative_to(ROOT)}: {path}" for path in sorted(set(named))
-                    if not list(ROOT.glob(path.rstrip("/")))]
+        missing += [
+            f"{page.relative_to(ROOT)}: {path}" for path in sorted(set(named)) if not list(ROOT.glob(path.rstrip("/")))
+        ]
     assert not missing, missing
 
 
@@ -108,7 +111,8 @@ def test_python_blocks_compile_and_import_what_exists(page):
                 module = importlib.import_module(node.module)
                 for alias in node.names:
                     assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
-                        f"{page.name}: from {node.module} import {alias.name}")
+                        f"{page.name}: from {node.module} import {alias.name}"
+                    )
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     importlib.import_module(alias.name)
@@ -119,12 +123,12 @@ def test_readme_single_process_example_runs_and_resumes(tmp_path, monkeypatch):
     (example,) = _blocks(_readme_section("One process"), "python")
     monkeypatch.chdir(tmp_path)
     first: dict = {}
-    exec(compile(example, "README.md", "exec"), first)
+    exec(compile(example, "README.md", "exec"), first)  # noqa: S102 (the README's own example)
     assert first["result"].fresh
     newest = first["engine"].snapshots()[-1]
     assert newest.global_step > 0
     second: dict = {}
-    exec(compile(example, "README.md", "exec"), second)
+    exec(compile(example, "README.md", "exec"), second)  # noqa: S102
     assert second["result"].snapshot_id == newest.snapshot_id
     assert second["result"].global_step == newest.global_step
     assert second["progress"].global_step == 100
