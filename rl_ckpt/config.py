@@ -105,7 +105,7 @@ def _names(key: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-# key -> (default, validator, help). The README's config reference is generated from this table.
+# key -> (default, validator, help). docs/configuration.md is generated from this table (reference_markdown).
 FIELDS: dict[str, tuple[Any, Any, str]] = {
     "base_dir": ("./checkpoints", _str, "Where runs live: a plain path, file://, memory://, s3://bucket/prefix, or any fsspec URL."),
     "run_name": ("run", _run_name, "Folder under base_dir holding this run's snapshots."),
@@ -151,6 +151,30 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "min_free_bytes": (1 << 30, _int(0), "Health patrol: warn when the storage has less free space than this."),
     "scrub_bytes_per_second": (64 << 20, _int(1), "Health patrol: read-rate limit when re-hashing old snapshots."),
 }
+
+
+_REFERENCE_HEAD = """# Configuration
+
+<!-- Generated from rl_ckpt.config.FIELDS; do not edit. Regenerate with:
+python -c "from rl_ckpt.config import reference_markdown as r; print(r(), end='')" > docs/configuration.md -->
+
+Keys follow the YAML of `configs/ppo.yaml`. Build a config from keywords (`CheckpointConfig(keep_latest=3)`, or the
+same keywords on `CheckpointEngine(...)`), `CheckpointConfig.from_dict(...)` or `CheckpointConfig.from_yaml(path)`
+(keys at the top level or under `checkpoint:`). An unknown key or a bad value raises `ConfigError` naming the key
+and what is allowed. Defaults are written as YAML values.
+
+| key | default | meaning |
+|---|---|---|
+"""
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every key of ``FIELDS``, its default and help (tests/test_docs.py keeps it current)."""
+    rows = [
+        f"| `{key}` | `{json.dumps(list(default) if isinstance(default, tuple) else default)}` | {text} |"
+        for key, (default, _check, text) in FIELDS.items()
+    ]
+    return _REFERENCE_HEAD + "\n".join(rows) + "\n"
 
 
 class CheckpointConfig:

@@ -122,7 +122,7 @@ def test_bad_size_and_tensor_count():
 
 
 def test_async_benchmark_script_runs_and_reports_every_goal(tmp_path):
-    """benchmarks/async_save.py (the training-while-saving figures in the README) still runs end to end."""
+    """benchmarks/async_save.py (the training-while-saving figures in docs/performance.md) still runs end to end."""
     import json
     import subprocess
     import sys
