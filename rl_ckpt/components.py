@@ -28,7 +28,7 @@ class Checkpointable(Protocol):
     TensorDicts and plain data (str, int, float, complex, bool, None, bytes,
     list, tuple, dict/OrderedDict/defaultdict/Counter, torch.Size/device/dtype); each
     comes back with its exact type, anything else is refused at save (the
-    README's table has the details).
+    table in docs/usage.md has the details).
     """
 
     def state_dict(self) -> dict: ...
