@@ -1,48 +1,89 @@
 """rl_ckpt: verified, atomic snapshots of the whole RL training state.
 
-Public API (the README shows it in use)::
+The public surface is this package and ``actors`` (the Ray actors)::
 
     from rl_ckpt import CheckpointEngine, CheckpointConfig, Checkpointable, RNGState, CheckpointError
+    from rl_ckpt import MemoryTier, CheckpointCallback      # Ray; imported on first use
+    from actors import CheckpointManager
+
+Everything else is internal: its modules may change between versions.
 """
 
-from rl_ckpt.run.catalog import SnapshotInfo
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from rl_ckpt.components import Checkpointable, RNGState, TrainingProgress
 from rl_ckpt.config import CheckpointConfig
+from rl_ckpt.core.async_save import SaveHandle
 from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
+from rl_ckpt.core.scheduler import CheckpointScheduler
 from rl_ckpt.errors import (
     CheckpointError,
-    FileTooLargeError,
-    ManagerUnavailableError,
-    MemoryBudgetError,
-    ParticipantFailedError,
-    ReadRangeError,
-    SnapshotAbortedError,
-    SnapshotSkippedError,
-    StorageArgumentError,
-    StoragePermissionError,
-    UnknownParticipantError,
-    UsageError,
     CommitConflictError,
     ConfigError,
     CorruptSnapshotError,
+    FileTooLargeError,
+    ManagerUnavailableError,
+    MemoryBudgetError,
     NoValidSnapshotError,
+    ParticipantFailedError,
     PostCommitError,
+    ReadRangeError,
     RestoreError,
     SchemaVersionError,
     SerializationError,
+    SnapshotAbortedError,
+    SnapshotSkippedError,
     StateMismatchError,
+    StorageArgumentError,
     StorageError,
+    StoragePermissionError,
+    UnknownParticipantError,
     UnsafePathError,
+    UsageError,
 )
+from rl_ckpt.recovery.coordinator import Action, FailureInfo, FailureKind, RecoveryCoordinator
+from rl_ckpt.recovery.plan import RecoveryPlan
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.run.retention import AnyOf, KeepAll, KeepBest, KeepEveryNSteps, KeepLatest, RetentionPolicy
 from rl_ckpt.run.snapshot_files import VerifyReport
+from rl_ckpt.sharded.full_weights import load_full_weights
 
 __version__ = "0.1.0"
 
+# Names that need Ray: imported when first asked for, so `import rl_ckpt` never imports Ray.
+_RAY_NAMES = {
+    "MemoryTier": "rl_ckpt.integrations.memory_tier",
+    "CheckpointCallback": "rl_ckpt.integrations.ray_train",
+    "report": "rl_ckpt.integrations.ray_train",  # ray.train.report + this rank's newest snapshot
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RAY_NAMES:
+        value = getattr(importlib.import_module(_RAY_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rl_ckpt' has no attribute {name!r}")
+
+
 __all__ = [
-    "CheckpointEngine", "CheckpointConfig", "Checkpointable", "RNGState", "TrainingProgress", "SnapshotInfo",
-    "RestoreResult", "VerifyReport", "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError",
-    "NoValidSnapshotError", "RestoreError", "SchemaVersionError", "SerializationError", "StateMismatchError",
-    "StorageError", "UnsafePathError", "PostCommitError", "FileTooLargeError", "ManagerUnavailableError",
-    "MemoryBudgetError", "ParticipantFailedError", "ReadRangeError", "SnapshotAbortedError", "SnapshotSkippedError",
-    "StorageArgumentError", "StoragePermissionError", "UnknownParticipantError", "UsageError",
+    # the engine and what it returns
+    "CheckpointEngine", "CheckpointConfig", "CheckpointScheduler", "SaveHandle", "SnapshotInfo", "RestoreResult",
+    "VerifyReport", "RecoveryPlan",
+    # components
+    "Checkpointable", "RNGState", "TrainingProgress", "load_full_weights",
+    # policies and recovery
+    "RetentionPolicy", "KeepLatest", "KeepBest", "KeepEveryNSteps", "KeepAll", "AnyOf",
+    "RecoveryCoordinator", "FailureInfo", "FailureKind", "Action",
+    # Ray (lazy)
+    "MemoryTier", "CheckpointCallback", "report",
+    # errors
+    "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError", "FileTooLargeError",
+    "ManagerUnavailableError", "MemoryBudgetError", "NoValidSnapshotError", "ParticipantFailedError",
+    "PostCommitError", "ReadRangeError", "RestoreError", "SchemaVersionError", "SerializationError",
+    "SnapshotAbortedError", "SnapshotSkippedError", "StateMismatchError", "StorageArgumentError", "StorageError",
+    "StoragePermissionError", "UnknownParticipantError", "UnsafePathError", "UsageError",
 ]

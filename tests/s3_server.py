@@ -5,7 +5,7 @@ address only, so tests need no server running beforehand and never touch a
 real AWS endpoint or any other address.
 
 Requests carrying ``If-None-Match`` run one at a time, as on real S3
-(``rl_ckpt.testing.s3_endpoint`` says why).
+(``rl_ckpt.tools.s3_endpoint`` says why).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 
-from rl_ckpt.testing.s3_endpoint import LOOPBACK, client_options, serialize_conditional_writes
+from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options, serialize_conditional_writes
 
 @dataclasses.dataclass
 class S3Server:

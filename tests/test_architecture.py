@@ -246,7 +246,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("recovery", ("rl_ckpt.recovery",)),
     ("core", ("rl_ckpt.core",)),
     ("fronts", ("rl_ckpt.integrations", "rl_ckpt.export", "rl_ckpt.timeline", "actors")),
-    ("applications and tools", ("rl_ckpt", "rl_ckpt.cli", "rl_ckpt.demo", "rl_ckpt.tools", "rl_ckpt.testing")),
+    ("applications and tools", ("rl_ckpt", "rl_ckpt.cli", "rl_ckpt.demo", "rl_ckpt.tools")),
 )
 
 

@@ -11,7 +11,7 @@ import os
 import threading
 import uuid
 
-from rl_ckpt.testing.s3_endpoint import serialize_conditional_writes
+from rl_ckpt.tools.s3_endpoint import serialize_conditional_writes
 from rl_ckpt.tools.fault_suite.common import engine_cfg, run_url
 
 

@@ -1,1 +1,0 @@
-"""Test kit shipped with rl_ckpt, kept apart from the product: nothing in the engine imports it."""

@@ -1,0 +1,41 @@
+"""The public surface: what users import from ``rl_ckpt`` (and ``actors``) is all there, and ``import rl_ckpt``
+does not import Ray (the Ray names load on first use)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import rl_ckpt
+
+
+def test_import_rl_ckpt_does_not_import_ray():
+    code = "import sys, rl_ckpt; assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", [n for n in rl_ckpt.__all__ if n not in ("MemoryTier", "CheckpointCallback", "report")])
+def test_every_public_name_resolves(name):
+    assert getattr(rl_ckpt, name) is not None
+
+
+def test_ray_names_resolve_lazily_and_are_the_integration_classes():
+    pytest.importorskip("ray")
+    from rl_ckpt.integrations.memory_tier import MemoryTier
+    from rl_ckpt.integrations.ray_train import CheckpointCallback, report
+
+    assert (rl_ckpt.MemoryTier, rl_ckpt.CheckpointCallback, rl_ckpt.report) == (MemoryTier, CheckpointCallback, report)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no_such_name"):
+        rl_ckpt.no_such_name  # noqa: B018
+
+
+def test_the_engine_api_of_the_contract():
+    engine = rl_ckpt.CheckpointEngine
+    for method in ("register", "save", "save_async", "scheduler", "snapshots", "verify", "plan_recovery", "restore",
+                   "close"):
+        assert callable(getattr(engine, method)), method
