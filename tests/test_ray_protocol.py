@@ -209,7 +209,9 @@ def test_clean_ray_train_run_with_1s_heartbeats_records_no_lost_heartbeat(ray_cl
         assert [f for f in ray.get(result.manager.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
         wait_until(lambda: ray.get(result.manager.health.remote())["participants"] == {}, "every participant to unregister")
         steps = [s["global_step"] for s in ray.get(result.manager.snapshots.remote())]
-        assert steps[-1] == 20 and all(step % 5 == 0 for step in steps)
+        # Every 5 steps, unless a save was still running when one was due (then the next step saves): how many
+        # are skipped depends on the machine's load, so only the spacing is checked.
+        assert steps and all(b - a >= 5 for a, b in zip(steps, steps[1:])), steps
         assert ray.get(result.manager.stats.remote())["aborted"] == 0
     finally:
         ray.kill(result.manager)
