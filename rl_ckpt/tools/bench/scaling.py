@@ -70,7 +70,7 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
     row = {"size_request": size, "state_bytes": total, "tensors": len(tensors), "shape": shape, "results": res,
            "save_vs_raw": m("rl_save") / m("raw_write"), "restore_vs_raw": m("rl_restore") / m("raw_read"),
            "block_vs_clone": m("rl_async_block") / m("clone")}
-    del model, opt, tensors, views, rl
+    model = opt = tensors = views = rl = None  # drops the state (floor/ours capture part of it) before gc.collect()
     gc.collect()
     return row
 
