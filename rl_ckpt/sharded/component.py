@@ -66,9 +66,9 @@ class ShardedState:
         mesh = next((p.device_mesh for p in self.model.parameters() if isinstance(p, DTensor)), None)
         if mesh is None:
             return {"world_size": 1, "mesh": []}
-        first_dtensor = next(x for x in self.model.parameters() if isinstance(x, DTensor))
         return {"world_size": torch.distributed.get_world_size(), "mesh": list(mesh.shape),
-                "placements": [str(p) for p in first_dtensor.placements]}
+                "placements": [str(p) for p in next(x for x in self.model.parameters()
+                                                    if isinstance(x, DTensor)).placements]}
 
 
 def has_dtensors(params) -> bool:
