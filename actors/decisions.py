@@ -206,7 +206,8 @@ class SaveDecisions:
         if kind is None:
             self._extend_horizon(global_step, now, interval)
             return dict(NOT_DUE)
-        return {"kind": kind, "save": self.save_or_skip(snapshot_id(global_step, kind), participant, busy, started) == "save"}
+        decision = self.save_or_skip(snapshot_id(global_step, kind), participant, busy, started)
+        return {"kind": kind, "save": decision == "save"}
 
     def _extend_horizon(self, global_step: int, now: float, interval: float) -> None:
         """Make sure a restarted manager answers "not due" for ``global_step`` too: persist a horizon past it."""

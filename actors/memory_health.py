@@ -60,7 +60,8 @@ def summarize(status: dict, now: float | None = None) -> dict:
         "replication_lag_s": lag, "flush_lag_s": float(status.get("flush_lag_s", 0.0)),
         "not_flushed": list(status.get("not_flushed", [])),
         "newest_durable": durable[-1]["snapshot_id"] if durable else None,
-        "figures_age_s": round(max(0.0, (now or time.time()) - updated), 3) if isinstance(updated, (int, float)) else None,
+        "figures_age_s": (round(max(0.0, (now or time.time()) - updated), 3)
+                          if isinstance(updated, (int, float)) else None),
         "errors": list(status.get("errors", []))[-3:],
     }
 

@@ -64,7 +64,8 @@ def _escape(text: str) -> str:
 # name -> (help, how to read it from the health dict); every one a gauge of the run's current state
 _GAUGES = {
     "rl_ckpt_healthy": ("1 when /healthz answers 200, 0 when degraded", lambda h: h["status"] == "ok"),
-    "rl_ckpt_last_step": ("Furthest step a participant reported (or the newest snapshot's)", lambda h: h.get("last_step")),
+    "rl_ckpt_last_step": ("Furthest step a participant reported (or the newest snapshot's)",
+                          lambda h: h.get("last_step")),
     "rl_ckpt_participants_lost": ("Participants dead or silent", lambda h: len(h.get("lost", []))),
     "rl_ckpt_pending_commits": ("Sharded snapshots waiting for reports", lambda h: len(h.get("pending_commits", []))),
     "rl_ckpt_committed_total": ("Snapshots this manager process committed", lambda h: h.get("committed")),

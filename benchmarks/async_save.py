@@ -556,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds; medians reported (default 3)")
     ap.add_argument("--writer-nice", type=int, default=None,
                     help="writer_nice for the engine (default: the engine default); 0 = writer at normal priority")
-    ap.add_argument("--algo", default="xxh3_128", choices=CHECKSUM_ALGOS, help="checksum_algo (default xxh3_128, the engine default)")
+    ap.add_argument("--algo", default="xxh3_128", choices=CHECKSUM_ALGOS,
+                    help="checksum_algo (default xxh3_128, the engine default)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",

@@ -1,4 +1,4 @@
-"""PPO on CartPole-v1 on Ray, checkpointed by rl_ckpt, with an optional crash drill.
+r"""PPO on CartPole-v1 on Ray, checkpointed by rl_ckpt, with an optional crash drill.
 
     python examples/ppo_cartpole.py --steps 60                          # local Ray, ./checkpoints
     python examples/ppo_cartpole.py --steps 60 --crash-at 33            # SIGKILL a learner rank at step 33
@@ -6,7 +6,8 @@
     python examples/ppo_cartpole.py --storage s3://bucket/ckpt --config configs/ppo.yaml
     python examples/ppo_cartpole.py --address auto                      # attach to a running cluster (ray start --head)
     RAY_AUTH_MODE=token python examples/ppo_cartpole.py --address HOST:6379   # an explicit address needs the auth mode
-    RAY_AUTH_MODE=token RAY_ADDRESS=http://DASHBOARD_HOST:PORT ray job submit --working-dir . -- python examples/ppo_cartpole.py --address auto
+    RAY_AUTH_MODE=token RAY_ADDRESS=http://DASHBOARD_HOST:PORT \
+        ray job submit --working-dir . -- python examples/ppo_cartpole.py --address auto
     (`ray start --head` prints the dashboard's HOST:PORT; so does `ray.init(address="auto").dashboard_url`.)
 
 Learners are Ray Train TorchTrainer ranks (gloo); rollout workers are Ray actors; all of them

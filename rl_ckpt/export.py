@@ -89,7 +89,8 @@ class ComponentSource:
             for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 view = view.narrow(dim, off, size)
             # Whole checksum blocks per read, about buffer_bytes at a time, so a chunk never sits in memory twice.
-            per_read = max(1, self.buffer_bytes // max(1, chunk.row_bytes(t.dtype)) // chunk.block_rows) * chunk.block_rows
+            per_read = (max(1, self.buffer_bytes // max(1, chunk.row_bytes(t.dtype)) // chunk.block_rows)
+                        * chunk.block_rows)
             first = 0
             while first < chunk.rows:
                 count = min(per_read, chunk.rows - first)
@@ -109,7 +110,8 @@ def parse_size(text: str | int) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
         if not m:
-            raise ConfigError(f"size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 512MiB", key="max_shard_size")
+            raise ConfigError(f"size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 512MiB",
+                              key="max_shard_size")
         unit = (m.group(2) or "B").upper()
         scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                  "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
@@ -237,7 +239,8 @@ class HFExport:
 def export_hf(storage: Storage, manifest: Manifest, component: str, out_dir: str, *,
               max_shard_size: str | int = "5GB", strip_prefix: str | None = None,
               buffer_bytes: int = READ_BUFFER_BYTES) -> HFExport:
-    """Write ``component`` as a Hugging Face folder: ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``.
+    """Write ``component`` as a Hugging Face folder:
+    ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``.
 
     Tensor names are the snapshot's FQNs (``strip_prefix`` removed); shards
     are cut as ``save_pretrained`` cuts them (``max_shard_size``, default

@@ -131,7 +131,8 @@ def plot(data: dict, out: str, step_log: list[dict] | None = None, title: str = 
     for key, style in styles.items():
         xs = [s["step"] for s in snaps if (s["kind"], s["state"]) == key]
         if xs:
-            ax.scatter(xs, [s["value"] if s["value"] is not None else base for s in snaps if (s["kind"], s["state"]) == key]
+            ax.scatter(xs, [s["value"] if s["value"] is not None else base
+                            for s in snaps if (s["kind"], s["state"]) == key]
                        if key[0] == "full" else [base] * len(xs), label=labels[key], zorder=3, **style)
     best_id = data["best"].get(metric)
     best = next((s for s in snaps if s["id"] == best_id), None)

@@ -70,7 +70,8 @@ def s3_url(s3_endpoint):
         try:
             keys = [o["Key"] for o in fs.call_s3("list_objects_v2", Bucket=bucket).get("Contents", [])]
             if keys:
-                fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+                fs.call_s3("delete_objects", Bucket=bucket,
+                           Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
             fs.call_s3("delete_bucket", Bucket=bucket)
         except Exception:  # cleanup is best effort; the server dies with the session
             pass

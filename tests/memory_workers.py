@@ -134,5 +134,6 @@ def train_loop(config: dict) -> None:
     if rank == 0:
         save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, config["out"])
     Path(f"{config['out']}.rank{rank}.json").write_text(json.dumps(
-        {"restored_from": start, "tier": tier.tier_restored, "shard": hashlib.sha256(shard.data.tobytes()).hexdigest()}))
+        {"restored_from": start, "tier": tier.tier_restored,
+         "shard": hashlib.sha256(shard.data.tobytes()).hexdigest()}))
     tier.close()

@@ -282,7 +282,8 @@ def corrupt_job(rank: int, world: int, port: int, run: str, out: str) -> None:
 class ManagedFSDPLearner:
     """A Ray actor: one FSDP2 rank in a gloo group, checkpointing through the CheckpointManager."""
 
-    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world: int, init_method: str, seed: int) -> None:
+    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world: int, init_method: str,
+                 seed: int) -> None:
         from rl_ckpt import CheckpointEngine
 
         torch.set_num_threads(1)

@@ -66,7 +66,8 @@ def test_bench_json_table_and_plot(tmp_path):
 
     # The table, from the same function the CLI uses.
     text = bench.format_compare(out)
-    assert "rl_ckpt save (defaults: xxh3_128+verify)" in text and "torch.load(weights_only)" in text and "DCP save" in text
+    assert ("rl_ckpt save (defaults: xxh3_128+verify)" in text and "torch.load(weights_only)" in text
+            and "DCP save" in text)
     assert "goals (medians of this run)" in text and ("MET" in text or "MISSED" in text)
 
 

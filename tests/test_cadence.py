@@ -170,7 +170,8 @@ def cluster(ray_cluster, tmp_path):
 def _both_parts(run_dir: str, sid: str) -> bool:
     with open(os.path.join(run_dir, sid, MANIFEST_NAME), "rb") as f:
         writer = json.load(f)["writer"]
-    return writer["participants"] == ["learner-0", "learner-1"] and os.path.isdir(os.path.join(run_dir, sid, "learner-1"))
+    return (writer["participants"] == ["learner-0", "learner-1"]
+            and os.path.isdir(os.path.join(run_dir, sid, "learner-1")))
 
 
 @pytest.mark.ray
@@ -242,7 +243,8 @@ def test_a_restarted_manager_gives_the_second_rank_the_first_ranks_answer(cluste
     assert [x["snapshot_id"] for x in ray.get(mgr.snapshots.remote())] == ["step_000000002", "step_000000005"]
     assert ray.get(mgr.stats.remote())["aborted"] == 0
     # Records of steps older than the newest commit are gone.
-    assert sorted(n for n in os.listdir(os.path.join(run_dir, FOLDER)) if n.startswith("step_")) == ["step_000000005.json"]
+    assert (sorted(n for n in os.listdir(os.path.join(run_dir, FOLDER)) if n.startswith("step_"))
+            == ["step_000000005.json"])
 
 
 @pytest.mark.ray

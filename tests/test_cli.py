@@ -133,4 +133,5 @@ def test_hostile_manifest_is_one_line_not_a_traceback(tmp_path):
         out = run(*args)
         assert out.returncode == code, (args, out.stderr)
         assert "Traceback" not in out.stderr
-        assert len([line for line in out.stderr.splitlines() if line.startswith("rl-ckpt ")]) == (code == 1 and args[0] in ("inspect", "export"))
+        assert (len([line for line in out.stderr.splitlines() if line.startswith("rl-ckpt ")])
+                == (code == 1 and args[0] in ("inspect", "export")))

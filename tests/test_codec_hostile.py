@@ -25,9 +25,9 @@ from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.format.state_codec import MAX_DEPTH, decode_state
 from helpers import Bag
 
-TAGS = ("$tensor", "$ndarray", "$table", "$tuple", "$dict", "$float", "$np", "$bytes", "$odict", "$ddict", "$counter", "$td",
-        "$ntd", "$view", "$param", "$c128", "$nd", "$size", "$device", "$dtype", "$complex", "$int", "$bytearray",
-        "$unknown")
+TAGS = ("$tensor", "$ndarray", "$table", "$tuple", "$dict", "$float", "$np", "$bytes", "$odict", "$ddict", "$counter",
+        "$td", "$ntd", "$view", "$param", "$c128", "$nd", "$size", "$device", "$dtype", "$complex", "$int",
+        "$bytearray", "$unknown")
 JSON_VALUES: tuple = (None, True, 0, -1, 2**70, 1.5, float("inf"), "", "t", "x" * 100, [], {}, [1], ["t"], [[1, 2]],
                       [["t", 1]], [[[1], 2]], [["a"], 1], {"a": 1}, {"items": 5}, {"items": [[[], 1]]},
                       ["t", 0, [2], [1]], ["t", 0, [5], [1]], ["t", -1, [1], [1]], ["t", 0, [2**62], [2**62]],
@@ -115,8 +115,8 @@ def forge(snap: Path, rel: str, data: bytes) -> None:
     """Replace a file and fix its checksum and the manifest's own, as someone who can write the storage would."""
     (snap / rel).write_bytes(data)
     manifest = Manifest.from_bytes((snap / "meta.json").read_bytes(), snap.name)
-    manifest.files = [dataclasses.replace(f, size=len(data), checksum=digest_bytes(f.algo, data)) if f.path == rel else f
-                      for f in manifest.files]
+    manifest.files = [dataclasses.replace(f, size=len(data), checksum=digest_bytes(f.algo, data))
+                      if f.path == rel else f for f in manifest.files]
     (snap / "meta.json").write_bytes(manifest.to_bytes())
 
 
@@ -148,5 +148,7 @@ def test_snapshot_written_by_format_1_still_decodes(tmp_path):
     # Format 1 stored these as plain JSON, so they come back as it always did.
     assert s["od"] == {"b": 1, "a": 2} and s["f64"] == 0.5 and s["size"] == (2, 3) and s["big"] == 2**100
     assert s["tuple"] == (1, (2, "x")) and s["intkeys"] == {3: "a", 1: "b"} and s["dollar"] == {"$tensor": "not a tag"}
-    assert s["bytes"] == b"\x00\xff" and type(s["f32"]) is np.float32 and np.isnan(s["nan"]) and s["ninf"] == float("-inf")
-    assert s["none"] is None and s["flag"] is True and s["s"] == "text" and s["table"].column("x").to_pylist() == [1, 2, 3]
+    assert (s["bytes"] == b"\x00\xff" and type(s["f32"]) is np.float32 and np.isnan(s["nan"])
+            and s["ninf"] == float("-inf"))
+    assert (s["none"] is None and s["flag"] is True and s["s"] == "text"
+            and s["table"].column("x").to_pylist() == [1, 2, 3])

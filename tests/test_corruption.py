@@ -47,9 +47,9 @@ def _corrupt(path, how: str) -> None:
 
 
 # Every file kind a snapshot of this state has: tensors, JSON structure, Arrow table, and the manifest.
-FILES = ["policy.safetensors", "policy.json", "value.safetensors", "value.json", "optimizer.safetensors", "optimizer.json",
-         "lr_scheduler.json", "rng.safetensors", "rng.json", "progress.json", "replay_buffer.safetensors",
-         "replay_buffer.json", "replay_buffer.t0.arrow", "meta.json"]
+FILES = ["policy.safetensors", "policy.json", "value.safetensors", "value.json", "optimizer.safetensors",
+         "optimizer.json", "lr_scheduler.json", "rng.safetensors", "rng.json", "progress.json",
+         "replay_buffer.safetensors", "replay_buffer.json", "replay_buffer.t0.arrow", "meta.json"]
 
 
 def test_file_list_covers_every_file(tmp_path):

@@ -97,7 +97,8 @@ def _check_summary(ref, result, base, target: str, crash_at: int) -> None:
     restored = re.search(r"restored\s+(\S+) \(step (\d+)\)", text)
     redone = re.search(r"time lost\s+(\d+) steps redone", text)
     resumes = re.search(r"continue:\s+training resumes after step (\d+)", text)
-    dedup = re.search(r"tensor chunks ([\d.]+ \w+) referenced, ([\d.]+ \w+) stored \(dedup saved ([\d.]+) (\w+)\)", text)
+    dedup = re.search(r"tensor chunks ([\d.]+ \w+) referenced, ([\d.]+ \w+) stored "
+                      r"\(dedup saved ([\d.]+) (\w+)\)", text)
     assert failure and decision and restored and redone and resumes and dedup, text
     crash_step, resume_step = int(failure.group(2)), int(restored.group(2))
     assert failure.group(1) == ("learner-1" if target == "learner" else "rollout-0")

@@ -90,7 +90,8 @@ def test_schema_version_mismatch_refuses(tmp_path):
     with pytest.raises(NoValidSnapshotError, match="saved with schema_version 3, this job declares 4"):
         other.restore()
     e.save(2)  # an older layout never loads into the new one, but a matching snapshot still does
-    assert CheckpointEngine(base_dir=str(tmp_path), schema_version=3).restore(strict=False).snapshot_id == "step_000000002"
+    assert (CheckpointEngine(base_dir=str(tmp_path), schema_version=3).restore(strict=False).snapshot_id
+            == "step_000000002")
 
 
 def test_config_change_warns_with_changed_keys(tmp_path, caplog):

@@ -84,7 +84,8 @@ def test_sharded_component_exports_to_hf_folder_that_from_pretrained_loads(shard
                 "--max-shard-size", SHARD_SIZE]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.glob("*.safetensors"))
-    assert len(files) >= 3 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert len(files) >= 3 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                         for i in range(1, len(files) + 1)]
     assert sorted(set(index["weight_map"].values())) == files
     total = 0
     for name in files:
@@ -137,7 +138,8 @@ def test_corrupted_block_fails_the_export_and_leaves_no_folder(sharded_run, tmp_
     run = tmp_path / "run"
     shutil.copytree(sharded_run, run)
     meta = json.loads((run / "step_000000001" / "meta.json").read_text())
-    chunk = next(c for c in meta["components"]["policy"]["layout"]["tensors"]["transformer.h.1.mlp.c_fc.weight"]["chunks"]
+    chunk = next(c for c in
+                 meta["components"]["policy"]["layout"]["tensors"]["transformer.h.1.mlp.c_fc.weight"]["chunks"]
                  if c["offsets"][0] > 0)
     f = run / "step_000000001" / chunk["file"]
     data = bytearray(f.read_bytes())

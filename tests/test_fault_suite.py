@@ -103,8 +103,8 @@ def test_quick_suite_corruption_detected_equals_injected(quick):
         detected, injected = map(int, s["notes"][f"{kind} detected"].split("/"))
         assert detected == injected and injected > 0, kind
     assert s["notes"]["manifest bit flips"] >= 48
-    outcomes = ("caught by verify", "caught by restore only", "restore refused, no fallback", "unnoticed, load unaffected",
-                "corrupt load")
+    outcomes = ("caught by verify", "caught by restore only", "restore refused, no fallback",
+                "unnoticed, load unaffected", "corrupt load")
     assert sum(s["notes"][f"manifest flips {o}"] for o in outcomes) == s["notes"]["manifest bit flips"]
     assert s["notes"]["manifest flips corrupt load"] == 0
 
@@ -136,13 +136,16 @@ def test_quick_suite_concurrent_writers_exactly_one_commits(quick):
 def test_quick_suite_malicious_inputs_all_refused(quick):
     s = _scenario(quick, "malicious")
     assert s["ok"], s["violations"][:5]
-    assert s["notes"].get("refused with a CheckpointError", 0) + s["notes"].get("refused: never listed", 0) == len(MALICIOUS)
+    assert (s["notes"].get("refused with a CheckpointError", 0) + s["notes"].get("refused: never listed", 0)
+            == len(MALICIOUS))
     generated = s["tried"] - len(MALICIOUS)
     for family in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"):
         assert s["injected"][family] > 0, family
-    assert generated == sum(s["injected"][f] for f in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"))
+    assert generated == sum(s["injected"][f]
+                            for f in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"))
     # every generated case either made restore fall back or was loaded exactly (a field the core ignores)
-    assert s["notes"]["refused: restore fell back to step 1"] + s["notes"]["harmless: step 2 loaded exactly"] == generated
+    assert (s["notes"]["refused: restore fell back to step 1"] + s["notes"]["harmless: step 2 loaded exactly"]
+            == generated)
     assert s["notes"]["refused: restore fell back to step 1"] > generated / 2
 
 
@@ -169,7 +172,8 @@ def test_hostile_cases_cover_every_manifest_field():
     fields = {c.name.split(" = ")[0] for c in every}
     assert fields == {"global_step", "tags", "tags.a", "files", "files[0]", "files[0].size", "files[0].role"}
     assert len(json_paths(meta)) == len(fields)
-    assert sum(c.name.startswith("global_step = ") for c in every) == len(HOSTILE_TYPES) - 1  # all but the in-range int 7
+    # all but the in-range int 7
+    assert sum(c.name.startswith("global_step = ") for c in every) == len(HOSTILE_TYPES) - 1
     rotated = [c for c in hostile_cases({False: meta}, 2) if c.family == "wrong JSON type" and "/" not in c.name]
     assert len(rotated) == 2 * len(fields)
 
@@ -235,7 +239,8 @@ def test_regression_power_cut_keeps_the_dedup_objects_of_an_acknowledged_save(tm
 
 def test_regression_power_cut_keeps_an_acknowledged_manifest_last_snapshot_whole(tmp_path):
     """Finding 2, commit.py:ManifestLastCommit.commit: the data folder is fsynced before the manifest."""
-    cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=False, prior=(1, 2))  # retention syncs the run folder
+    # retention syncs the run folder
+    cfg, step = _save_then_cut(tmp_path, dedup=False, atomic_write=False, prior=(1, 2))
     _assert_survived(cfg, step)
 
 

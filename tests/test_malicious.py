@@ -72,7 +72,8 @@ def _snapshot_of_outside(outside):
     return {p.name: p.read_bytes() for p in outside.iterdir()}
 
 
-@pytest.mark.parametrize("bad_path", ["../../outside/secret.txt", "/etc/passwd", "a/../../x", "policy.safetensors/..", "", "a//b"])
+@pytest.mark.parametrize("bad_path", ["../../outside/secret.txt", "/etc/passwd", "a/../../x", "policy.safetensors/..",
+                                      "", "a//b"])
 def test_bad_paths_in_manifest_are_refused(tmp_path, bad_path):
     cfg, snap, outside = _setup(tmp_path)
     before = _snapshot_of_outside(outside)
@@ -121,7 +122,8 @@ def test_pickle_in_place_of_shard_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("case", ["huge-header", "header-past-end", "bad-json", "offsets-overlap", "bad-dtype", "short"])
+@pytest.mark.parametrize("case", ["huge-header", "header-past-end", "bad-json", "offsets-overlap", "bad-dtype",
+                                  "short"])
 def test_malformed_safetensors_is_a_clean_error(tmp_path, case):
     cfg, snap, _ = _setup(tmp_path)
     good = (snap / "policy.safetensors").read_bytes()
@@ -297,7 +299,8 @@ def test_hostile_safetensors_header_falls_back(tmp_path, capsys, change):
     cfg, run, first = _two_steps(tmp_path)
     _header_with(run / "step_000000002", change)
     # The CLI first: the restore below retires the refused newer snapshot (history/retired/).
-    rc, out = _cli_one_line(capsys, "export", str(run), "step_000000002", "policy", "-o", str(tmp_path / "x.safetensors"))
+    rc, out = _cli_one_line(capsys, "export", str(run), "step_000000002", "policy",
+                            "-o", str(tmp_path / "x.safetensors"))
     assert rc == 1 and "policy.safetensors" in out
     engine = CheckpointEngine(**cfg)
     engine.register("policy", torch.nn.Linear(3, 2))
@@ -384,7 +387,8 @@ FOREIGN = ["step_0000000003", "step_" + "\u0660" * 8 + "\u0663", "step_" + "\uff
 def test_only_canonical_names_are_snapshots():
     from rl_ckpt.format.manifest import parse_snapshot_id, snapshot_id
 
-    for name in FOREIGN + ["step_000000003.b1.light.light", "STEP_000000003", "step_" + "9" * 5000, "step_000000003.b" + "1" * 5000]:
+    for name in FOREIGN + ["step_000000003.b1.light.light", "STEP_000000003", "step_" + "9" * 5000,
+                           "step_000000003.b" + "1" * 5000]:
         assert parse_snapshot_id(name) is None, repr(name)
     for step, branch, kind in [(3, 0, "full"), (3, 2, "light"), (10**12, 0, "full"), (0, 1, "full")]:
         assert parse_snapshot_id(snapshot_id(step, kind, branch)) == (step, branch, kind)

@@ -69,7 +69,8 @@ def test_commit_when_every_part_is_in_then_maintenance(run):
         sid = layout.snapshot_id(step)
         attempts = [commits.begin(sid, PARTS, p) for p in PARTS]
         assert attempts[0] == attempts[1]  # one attempt for every participant
-        first = commits.report(sid, attempts[0]["attempt_id"], PARTS[0], write_part(storage, attempts[0], PARTS[0], step))
+        first = commits.report(sid, attempts[0]["attempt_id"], PARTS[0],
+                               write_part(storage, attempts[0], PARTS[0], step))
         assert isinstance(first, Pending) and not first.done.is_set()
         commits.report(sid, attempts[0]["attempt_id"], PARTS[1], write_part(storage, attempts[0], PARTS[1], step))
         assert first.done.is_set() and first.error is None

@@ -45,8 +45,9 @@ def fit(ray, tmp_path, name: str, die_at: int | None, max_failures: int) -> dict
 
     durable_meta = (tmp_path / "durable" / name / "step_000000006" / "meta.json")
     memory = open_storage(f"{MEMORY_BASE}/{name}", memory_options(config))
-    same_manifest = durable_meta.exists() and durable_meta.read_bytes() == bytes(memory.read("step_000000006/meta.json")) \
-        if "step_000000006" in status["memory_snapshots"] else durable_meta.exists()
+    same_manifest = (durable_meta.exists()
+                     and durable_meta.read_bytes() == bytes(memory.read("step_000000006/meta.json"))
+                     if "step_000000006" in status["memory_snapshots"] else durable_meta.exists())
     memory.destroy()
     for h in handles.values():
         ray.kill(h, no_restart=True)

@@ -63,7 +63,8 @@ def test_healthz_and_metrics_show_the_memory_tier(ray_cluster, tmp_path):
         held = sum(tier.memory.storage.store_info()[n]["bytes_held"] for n in section["bytes_per_node"])
         assert len(section["bytes_per_node"]) == 1 and section["bytes_total"] == held > 0
         assert section["replicas"] == 1 and not section["newest_replicated"]
-        assert section["status"] == "degraded" and "step_000000004 is not yet held on 2 nodes" in section["degraded_reason"]
+        assert (section["status"] == "degraded"
+                and "step_000000004 is not yet held on 2 nodes" in section["degraded_reason"])
         assert section["replication_lag_s"] >= 0 and section["flush_lag_s"] > 0
         assert section["newest_durable"] == "step_000000002" and section["not_flushed"] == ["step_000000004"]
 
@@ -137,7 +138,8 @@ def test_summary_and_prometheus_text():
               "aborted": 0, "storage_free_bytes": 123456789012, "memory_tier": ok}
     text = prometheus_text(health).splitlines()
     assert 'rl_ckpt_storage_free_bytes{run="r\\"1"} 123456789012' in text
-    assert 'rl_ckpt_memory_bytes{run="r\\"1",node="b"} 12' in text and 'rl_ckpt_memory_tier_degraded{run="r\\"1"} 0' in text
+    assert ('rl_ckpt_memory_bytes{run="r\\"1",node="b"} 12' in text
+            and 'rl_ckpt_memory_tier_degraded{run="r\\"1"} 0' in text)
     assert 'rl_ckpt_memory_flush_lag_seconds{run="r\\"1"} 3.5' in text
     assert not any("memory" in ln for ln in prometheus_text({**health, "memory_tier": None}).splitlines())
 

@@ -16,7 +16,8 @@ def test_import_rl_ckpt_does_not_import_ray():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("name", [n for n in rl_ckpt.__all__ if n not in ("MemoryTier", "CheckpointCallback", "report")])
+@pytest.mark.parametrize("name", [n for n in rl_ckpt.__all__
+                                  if n not in ("MemoryTier", "CheckpointCallback", "report")])
 def test_every_public_name_resolves(name):
     assert getattr(rl_ckpt, name) is not None
 

@@ -148,7 +148,8 @@ def test_healthz_degraded_while_a_heartbeat_is_lost(ray_cluster, manager, tmp_pa
     assert body["lost"] == ["learner-0"]
     assert body["failure"]["kind"] == "heartbeat_lost" and body["failure"]["participant"] == "learner-0"
     assert body["failure"]["step"] == 5
-    back = actor.remote(str(tmp_path), name, mgr, 0, 1, "learner", ["learner-0"], 4096, cfg)  # kept: a dropped handle ends the actor
+    # kept: a dropped handle ends the actor
+    back = actor.remote(str(tmp_path), name, mgr, 0, 1, "learner", ["learner-0"], 4096, cfg)
     assert ray.get(back.pid.remote(), timeout=60)
     wait_until(lambda: _get(url)[0] == 200, "/healthz back to 200 once the participant is back")
 

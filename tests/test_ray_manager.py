@@ -91,7 +91,8 @@ def test_killed_rollout_worker_means_no_commit_and_the_next_one_commits(ray_clus
     # restart instead of failing): a restart slower than the 3 s commit timeout must not abort step 3.
     new_pid = ray.get(group[3].pid.options(max_task_retries=-1).remote(), timeout=120)
     assert new_pid != dead_pid
-    assert ray.get([p.save.options(max_task_retries=-1).remote(3) for p in group], timeout=120) == ["step_000000003"] * 4
+    assert (ray.get([p.save.options(max_task_retries=-1).remote(3) for p in group], timeout=120)
+            == ["step_000000003"] * 4)
     restored = ray.get([p.restore.remote() for p in group])
     assert all(r[1] == 3 and r[2] == 3 for r in restored)
 

@@ -103,7 +103,8 @@ def test_manager_killed_between_last_report_and_commit_restarts_finishes_and_ser
     before = ray.get(mgr.stats.remote())
     (pause / "pause-before-commit-step_000000002").touch()
     saves = [r0.save.remote(2), r1.save.remote(2)]
-    wait_until(lambda: (pause / "paused-before-commit-step_000000002").exists(), "the manager to pause before the commit")
+    wait_until(lambda: (pause / "paused-before-commit-step_000000002").exists(),
+               "the manager to pause before the commit")
     ray.kill(mgr, no_restart=False)  # both reports are on storage; the commit has not happened
     (pause / "pause-before-commit-step_000000002").unlink()
     results = ray.get(saves, timeout=180)
@@ -207,7 +208,8 @@ def test_clean_ray_train_run_with_1s_heartbeats_records_no_lost_heartbeat(ray_cl
     try:
         assert result.done is not None and len(result.attempts) == 1
         assert [f for f in ray.get(result.manager.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
-        wait_until(lambda: ray.get(result.manager.health.remote())["participants"] == {}, "every participant to unregister")
+        wait_until(lambda: ray.get(result.manager.health.remote())["participants"] == {},
+                   "every participant to unregister")
         steps = [s["global_step"] for s in ray.get(result.manager.snapshots.remote())]
         # Every 5 steps, unless a save was still running when one was due (then the next step saves): how many
         # are skipped depends on the machine's load, so only the spacing is checked.
@@ -225,7 +227,8 @@ def test_manager_starts_whatever_the_staging_folder_holds(cluster):
     staging = os.path.join(run_dir, ".staging")
     for name, attempt, report in (
             ("step_000000007.a", b"{not json", None),
-            ("step_000000008.b", json.dumps({"expected": ["learner-0"]}).encode(), b'{"schema_version": 1, "files": 5}'),
+            ("step_000000008.b", json.dumps({"expected": ["learner-0"]}).encode(),
+             b'{"schema_version": 1, "files": 5}'),
             ("step_000000009.c", json.dumps({"expected": 7}).encode(), None)):
         os.makedirs(os.path.join(staging, name))
         with open(os.path.join(staging, name, "attempt.json"), "wb") as f:

@@ -51,7 +51,8 @@ def test_torchrl_replay_buffer_samples_the_same_batch_after_restore(tmp_path, wi
     eng.register("replay_buffer", rb)
     eng.save(1)
 
-    fresh = make_buffer(without_replacement)  # empty, lazily-initialised storage: everything must come from the snapshot
+    # empty, lazily-initialised storage: everything must come from the snapshot
+    fresh = make_buffer(without_replacement)
     e2 = engine(tmp_path)
     e2.register("replay_buffer", fresh)
     e2.restore()
@@ -201,7 +202,8 @@ class SB3RolloutBuffer:
     def load_state_dict(self, state: dict) -> None:
         for f in self.FIELDS:
             setattr(self.buffer, f, state[f].copy())
-        self.buffer.pos, self.buffer.full, self.buffer.generator_ready = state["pos"], state["full"], state["generator_ready"]
+        self.buffer.pos, self.buffer.full, self.buffer.generator_ready = (state["pos"], state["full"],
+                                                                          state["generator_ready"])
 
 
 def sb3_ppo(seed: int):
@@ -237,7 +239,8 @@ def test_sb3_ppo_policy_optimizer_and_rollout_buffer_round_trip(tmp_path):
     for f in SB3RolloutBuffer.FIELDS:
         a, b = getattr(model.rollout_buffer, f), getattr(fresh.rollout_buffer, f)
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f
-    assert (fresh.rollout_buffer.pos, fresh.rollout_buffer.full) == (model.rollout_buffer.pos, model.rollout_buffer.full)
+    assert ((fresh.rollout_buffer.pos, fresh.rollout_buffer.full)
+            == (model.rollout_buffer.pos, model.rollout_buffer.full))
     # One more round of PPO updates over the restored rollout gives the same parameters.
     for m in (model, fresh):
         torch.manual_seed(0)
@@ -275,7 +278,8 @@ def schedulers(make_opt) -> dict:
     s = torch.optim.lr_scheduler
     out = {
         "StepLR": lambda o: s.StepLR(o, 2), "MultiStepLR": lambda o: s.MultiStepLR(o, [1, 3]),
-        "ConstantLR": lambda o: s.ConstantLR(o), "LinearLR": lambda o: s.LinearLR(o), "ExponentialLR": lambda o: s.ExponentialLR(o, 0.9),
+        "ConstantLR": lambda o: s.ConstantLR(o), "LinearLR": lambda o: s.LinearLR(o),
+        "ExponentialLR": lambda o: s.ExponentialLR(o, 0.9),
         "PolynomialLR": lambda o: s.PolynomialLR(o), "CosineAnnealingLR": lambda o: s.CosineAnnealingLR(o, 5),
         "CosineAnnealingWarmRestarts": lambda o: s.CosineAnnealingWarmRestarts(o, 2),
         "CyclicLR": lambda o: s.CyclicLR(o, 0.01, 0.1, step_size_up=2),

@@ -13,9 +13,11 @@ from rl_ckpt.sharded.layout import Layout, merge_components
 def part(rank: int, rows: int = 4) -> dict:
     chunk = {"offsets": [rank * rows, 0], "sizes": [rows, 3], "file": f"p.rank{rank}.safetensors", "start": 64,
              "block_rows": 2, "checksums": "a" * 32 + "b" * 32}
-    layout = {"version": 1, "algo": "xxh3_128", "saved_by": {"world_size": 2}, "values": {"lr": {"v": 0.1}} if rank == 0 else {},
+    layout = {"version": 1, "algo": "xxh3_128", "saved_by": {"world_size": 2},
+              "values": {"lr": {"v": 0.1}} if rank == 0 else {},
               "tensors": {"w": {"dtype": "F32", "shape": [2 * rows, 3], "chunks": [chunk]}}}
-    return {"p": {"tensors": {"w": {"dtype": "F32", "shape": [8, 3]}}, "tables": {}, "layout": layout, "kind": "module"}}
+    return {"p": {"tensors": {"w": {"dtype": "F32", "shape": [8, 3]}}, "tables": {}, "layout": layout,
+                  "kind": "module"}}
 
 
 def test_merge_unions_chunks_of_the_same_component_and_keeps_other_sections():

@@ -79,16 +79,18 @@ def test_staging_area_copies_exact_bytes_reuses_and_releases():
     alloc = RecordingAllocator()
     area = StagingArea(alloc)
     g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(100), "half": torch.randn(7, generator=g).half(),
-             "np": np.arange(12, dtype=np.int32).reshape(3, 4)}
+    state = {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(100),
+             "half": torch.randn(7, generator=g).half(), "np": np.arange(12, dtype=np.int32).reshape(3, 4)}
     staged = area.stage("c", encode_state("c", state, host=False))
     area.finish()
     for key, value in encode_state("c", state, host=False).arrays.items():
         src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
-        dst = staged.arrays[key] if isinstance(staged.arrays[key], torch.Tensor) else torch.from_numpy(staged.arrays[key])
+        dst = (staged.arrays[key] if isinstance(staged.arrays[key], torch.Tensor)
+               else torch.from_numpy(staged.arrays[key]))
         assert dst.dtype == src.dtype and dst.shape == src.shape
         assert dst.contiguous().view(torch.uint8).equal(src.contiguous().view(torch.uint8)), key  # bitwise
-    assert area.bytes_copied == sum(t.nbytes for t in state.values() if not isinstance(t, np.ndarray)) + state["np"].nbytes
+    assert (area.bytes_copied
+            == sum(t.nbytes for t in state.values() if not isinstance(t, np.ndarray)) + state["np"].nbytes)
     before = {k: v.clone() if isinstance(v, torch.Tensor) else v.copy() for k, v in staged.arrays.items()}
     state["w"].add_(1.0)  # the trainer changes its tensor right after the blocking phase
     for k, v in staged.arrays.items():

@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from rl_ckpt.commit import ManifestLastCommit
-from rl_ckpt.errors import (CommitConflictError, ConfigError, FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError,
-                            StoragePermissionError, UnsafePathError)
+from rl_ckpt.errors import (CommitConflictError, ConfigError, FileTooLargeError, ReadRangeError, StorageArgumentError,
+                            StorageError, StoragePermissionError, UnsafePathError)
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.storage import (FsspecStorage, LocalStorage, MemoryStorage, S3Storage, Storage, join, open_storage,
                              register_storage, storage_class)
@@ -151,7 +151,8 @@ CHUNKINGS = {
     "bytearray": ([bytearray(b"\x00\x01\x02" * 1000)], b"\x00\x01\x02" * 1000),
     "memoryview": ([memoryview(b"abcdef")[1:5]], b"bcde"),
     "typed-memoryview": ([memoryview(array.array("i", range(100)))], array.array("i", range(100)).tobytes()),
-    "multi-chunk": ([b"a" * 10, bytearray(b"b" * 100_000), memoryview(b"c" * 7), b""], b"a" * 10 + b"b" * 100_000 + b"c" * 7),
+    "multi-chunk": ([b"a" * 10, bytearray(b"b" * 100_000), memoryview(b"c" * 7), b""],
+                    b"a" * 10 + b"b" * 100_000 + b"c" * 7),
     "empty-file": ([], b""),
     "empty-chunk": ([b""], b""),
 }
@@ -746,7 +747,8 @@ def test_os_errors_map_to_storage_errors_that_say_what_to_do():
     assert type(err) is StorageError and err.errno == errno.EIO
     store = open_storage("memory://rlckpt-perm/run")
     err = store._error(PermissionError("Access Denied"), "cannot read", "step_000000002/meta.json")
-    assert isinstance(err, StoragePermissionError) and "credentials" in str(err) and err.path == "step_000000002/meta.json"
+    assert (isinstance(err, StoragePermissionError) and "credentials" in str(err)
+            and err.path == "step_000000002/meta.json")
 
 
 _PERMISSION_CHILD = r"""
@@ -1091,7 +1093,8 @@ def test_s3_capped_read_of_a_large_object_gets_nothing(s3_url, monkeypatch):
     assert [m for m, _ in sent] == ["head_object"]
     sent.clear()
     assert bytes(store.read("snap/meta.json", max_bytes=1 << 20)) == b"x" * (1 << 20)
-    assert [(m, kw.get("Range")) for m, kw in sent] == [("head_object", None), ("get_object", f"bytes=0-{(1 << 20) - 1}")]
+    assert ([(m, kw.get("Range")) for m, kw in sent]
+            == [("head_object", None), ("get_object", f"bytes=0-{(1 << 20) - 1}")])
 
 
 def test_s3_create_only_is_a_conditional_put(s3_url, monkeypatch):

@@ -81,7 +81,8 @@ class DistributedCommit(CommitStrategy):
         payload = None
         if self.rank == 0:
             try:
-                payload = json.dumps({"ok": True, **dataclasses.asdict(self.inner.begin(snapshot_id, attempt_id))}).encode()
+                begun = dataclasses.asdict(self.inner.begin(snapshot_id, attempt_id))
+                payload = json.dumps({"ok": True, **begun}).encode()
             except CheckpointError as exc:
                 payload = _error_bytes(exc)
         outcome = json.loads(_broadcast_bytes(payload, self.group))
@@ -115,7 +116,8 @@ class DistributedCommit(CommitStrategy):
             return  # the outcome was already agreed (the error came from the commit itself)
         exc = sys.exc_info()[1]
         try:
-            self._settle(attempt, b"\x00" + f"rank {self.rank}: {type(exc).__name__ if exc else 'error'}: {exc}".encode())
+            self._settle(attempt,
+                         b"\x00" + f"rank {self.rank}: {type(exc).__name__ if exc else 'error'}: {exc}".encode())
         except CheckpointError:
             pass  # the caller re-raises its own error
 
@@ -136,7 +138,8 @@ class DistributedCommit(CommitStrategy):
             if failed:
                 raise CheckpointError(f"snapshot {attempt.snapshot_id} not committed: a rank's save failed ("
                                       + "; ".join(failed) + ")", snapshot_id=attempt.snapshot_id)
-            manifests = {name: Manifest.from_bytes(p[1:], attempt.snapshot_id) for name, p in zip(self.participants, parts)}
+            manifests = {name: Manifest.from_bytes(p[1:], attempt.snapshot_id)
+                         for name, p in zip(self.participants, parts)}
             merged = merge_parts(manifests, attempt.attempt_id, self.participants, head=self.participants[0])
             data = merged.to_bytes()
             self.inner.commit(attempt, data)

@@ -319,7 +319,8 @@ class CommitProtocol:
                 continue
             self.pending[sid] = pending
             on_resumed(sid)
-            log.info("resumed pending commit of %s (%d of %d reports)", sid, len(pending.reports), len(pending.expected))
+            log.info("resumed pending commit of %s (%d of %d reports)",
+                     sid, len(pending.reports), len(pending.expected))
             if set(pending.reports) >= set(pending.expected):
                 try:
                     self._commit(sid, pending)

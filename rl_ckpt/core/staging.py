@@ -65,7 +65,7 @@ class HostBufferPool:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def buffer(self, key: Hashable, shape, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
-        """A host tensor of ``shape``/``dtype`` for ``key``: the one from the last round when it fits, else a new one."""
+        """A host tensor of ``shape``/``dtype`` for ``key``: last round's one when it fits, else a new one."""
         numel = 1
         for n in shape:
             numel *= int(n)

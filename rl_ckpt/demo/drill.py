@@ -54,8 +54,8 @@ def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: i
         if step == settle_at:
             engine.wait()
         newest = engine.snapshots()
-        report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]), "avg_reward": metrics["avg_reward"],
-                "committed": newest[-1].global_step if newest else None})
+        report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]),
+                "avg_reward": metrics["avg_reward"], "committed": newest[-1].global_step if newest else None})
     scheduler.close()
     engine.close()
     report({"event": "done", "step": trainer.progress.global_step, "digest": param_digest(trainer.model),

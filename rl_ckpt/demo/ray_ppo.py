@@ -210,8 +210,8 @@ class Learner(PPOTrainer):
     def _collect(self) -> None:
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         step = self.progress.global_step
-        batches = self.call_workers([w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers],
-                                    step)
+        batches = self.call_workers(
+            [w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers], step)
         for t in range(self.cfg.steps_per_train_step):
             self.buffer.add(**{k: np.concatenate([b[k][t] for b in batches]) for k in
                                ("obs", "actions", "logprobs", "rewards", "dones", "values")})
@@ -281,7 +281,8 @@ def learner_loop(config: dict) -> None:
             for w in workers:
                 w.save.remote(step, handle.kind)
         if rank == 0:
-            _log(config, {"event": "step", "step": step, "loss": _num(metrics["loss"]), "avg_reward": metrics["avg_reward"]})
+            _log(config, {"event": "step", "step": step, "loss": _num(metrics["loss"]),
+                          "avg_reward": metrics["avg_reward"]})
         if step % config.get("report_every", 10) == 0 or step == config["steps"]:
             report({"avg_reward": metrics["avg_reward"], "step": step}, engine)
     if tier is not None:
@@ -348,8 +349,9 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
     # Per learner: 4 envs and minibatches of 128; the two ranks' gradients are averaged (256 per update step).
     ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=4, minibatch_size=128)), **(ppo or {})}
     ppo["hidden_sizes"] = list(ppo["hidden_sizes"])
-    manager = CheckpointManager.get_or_create(run_name=run_name, base_dir=base_dir,
-                                              config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
+    manager = CheckpointManager.get_or_create(
+        run_name=run_name, base_dir=base_dir,
+        config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
     n_workers = learners * workers_per_learner
     participants = [f"learner-{r}" for r in range(learners)] + [f"rollout-{i}" for i in range(n_workers)]
     memory = start_memory_tier(engine_cfg) if memory_tier else None
@@ -363,7 +365,8 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
               "workers_per_learner": workers_per_learner, "participants": participants, "steps": steps,
               "log": log_path, "memory": memory}
     if crash_at is not None:
-        config["crash"] = {"step": crash_at, "target": crash_target, "marker": os.path.join(log_dir, f"{run_name}.crashed")}
+        config["crash"] = {"step": crash_at, "target": crash_target,
+                           "marker": os.path.join(log_dir, f"{run_name}.crashed")}
     trainer = TorchTrainer(
         learner_loop, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker={"CPU": 0.5}),

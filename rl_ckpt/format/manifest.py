@@ -101,7 +101,8 @@ class Manifest:
         """Logical size: every file plus the dedup objects its tensors reference."""
         objects = sum(size for sec in self.components.values() if isinstance(sec, dict)
                       for chunks in (sec.get("objects") or {}).values() for _d, size in chunks)
-        objects += sum(layout_object_bytes(sec.get("layout")) for sec in self.components.values() if isinstance(sec, dict))
+        objects += sum(layout_object_bytes(sec.get("layout"))
+                       for sec in self.components.values() if isinstance(sec, dict))
         return sum(f.size for f in self.files) + objects
 
     def files_of(self, component: str) -> list[FileEntry]:

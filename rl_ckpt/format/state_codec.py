@@ -52,8 +52,8 @@ __all__ = ["MAX_DEPTH", "EncodedState", "array_nbytes", "decode_state", "encode_
 
 _ALLOWED = (
     "tensors (torch.Tensor, nn.Parameter), NumPy arrays and scalars, pyarrow tables, TensorDicts, and plain data "
-    "(str, int, float, complex, bool, None, bytes, bytearray, list, tuple, dict/OrderedDict/defaultdict/Counter with str/int "
-    "keys, torch.Size, torch.device, torch.dtype)"
+    "(str, int, float, complex, bool, None, bytes, bytearray, list, tuple, "
+    "dict/OrderedDict/defaultdict/Counter with str/int keys, torch.Size, torch.device, torch.dtype)"
 )
 SMALL_INT_BITS = 64  # larger ints are stored as hex: exact in any JSON reader, and no 4300-digit limit
 _CONTAINERS = (tuple, list, dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
@@ -187,7 +187,8 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             return {"$param": [tensor(value, path), bool(value.requires_grad)]}
         if kind is np.ndarray:
             if value.dtype.name not in safetensors_io.NUMPY_TO_CODE and value.dtype.name != "complex128":
-                why = ("object/string arrays go in a pyarrow.Table" if value.dtype == object or value.dtype.kind in "USV"
+                why = ("object/string arrays go in a pyarrow.Table"
+                       if value.dtype == object or value.dtype.kind in "USV"
                        else f"dtype {value.dtype} has no safetensors encoding; convert it")
                 raise _bad(component, path, value, why)
             arr = value
@@ -239,7 +240,8 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
         if kind is collections.OrderedDict:
             extra = set(vars(value)) - {"_metadata"}
             if extra:
-                raise _bad(component, path, value, f"an OrderedDict with attributes {sorted(extra)} (only _metadata is kept)")
+                raise _bad(component, path, value,
+                           f"an OrderedDict with attributes {sorted(extra)} (only _metadata is kept)")
             node: dict = {"items": pairs(value, path, depth)}
             if "_metadata" in vars(value):
                 node["meta"] = enc(value._metadata, path + ("_metadata",), depth + 1)
@@ -249,7 +251,8 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             name = getattr(factory, "__name__", None)
             if factory is not None and DEFAULTDICT_FACTORIES.get(name) is not factory:
                 raise _bad(component, path, value, f"a defaultdict whose default_factory is {factory!r}: only None and "
-                           f"{', '.join(sorted(DEFAULTDICT_FACTORIES))} can be restored without importing code; convert it to a dict")
+                           f"{', '.join(sorted(DEFAULTDICT_FACTORIES))} can be restored without importing code; "
+                           "convert it to a dict")
             return {"$ddict": [name if factory is not None else None, pairs(value, path, depth)]}
         if kind is collections.Counter:
             return {"$counter": pairs(value, path, depth)}
@@ -329,8 +332,8 @@ def _hint(value: Any) -> str:
         return "a set: store sorted(value) as a list"
     for base in (str, int, float, list, tuple, dict, bytes, np.ndarray, torch.Tensor):
         if isinstance(value, base):
-            return (f"a {kind.__module__}.{kind.__qualname__} (a subclass of {base.__name__}) would come back as a plain "
-                    f"{base.__name__}; convert it to one")
+            return (f"a {kind.__module__}.{kind.__qualname__} (a subclass of {base.__name__}) "
+                    f"would come back as a plain {base.__name__}; convert it to one")
     if isinstance(value, Mapping):
         return f"a {kind.__module__}.{kind.__qualname__} mapping would come back as a dict; convert it to dict(value)"
     return f"a {kind.__module__}.{kind.__qualname__} fits none of: {_ALLOWED}"

@@ -142,9 +142,10 @@ class _Decoder:
                 od._metadata = self.dec(val["meta"], depth + 1)
             return od
         if tag == "$ddict":
-            if not (isinstance(val, list) and len(val) == 2) or not (val[0] is None or (isinstance(val[0], str)
-                                                                                       and val[0] in DEFAULTDICT_FACTORIES)):
-                raise self.fail(f"$ddict must hold [factory, pairs] with a factory among {sorted(DEFAULTDICT_FACTORIES)}")
+            if not (isinstance(val, list) and len(val) == 2) or not (
+                    val[0] is None or (isinstance(val[0], str) and val[0] in DEFAULTDICT_FACTORIES)):
+                raise self.fail("$ddict must hold [factory, pairs] with a factory among "
+                                f"{sorted(DEFAULTDICT_FACTORIES)}")
             return collections.defaultdict(DEFAULTDICT_FACTORIES[val[0]] if val[0] else None, self.pairs(val[1], depth))
         if tag == "$counter":
             return collections.Counter(dict(self.pairs(val, depth)))

@@ -80,7 +80,8 @@ class ManagerClient:
         """Whether every participant saves ``snapshot_id``: the first to ask decides for all."""
         return self.call("decide", snapshot_id, self.participant, busy, timeout=self.commit_timeout) == "save"
 
-    def decide_step(self, global_step: int, kind: str | None, busy: bool, interval_seconds: float) -> tuple[str | None, bool]:
+    def decide_step(self, global_step: int, kind: str | None, busy: bool,
+                    interval_seconds: float) -> tuple[str | None, bool]:
         """Under a time cadence: ``(kind, save)`` for ``global_step``, by the manager's clock, the same for all.
 
         ``kind`` is what is due by step count alone; the answer's kind is None
@@ -163,7 +164,8 @@ class Heartbeat:
 
 
 def join_manager(manager, storage: Storage, config, role: str, rank: int, world_size: int,
-                 participants: list[str] | None, actor_handle: Any = None) -> tuple[str, ManagerClient, ParticipantCommit]:
+                 participants: list[str] | None,
+                 actor_handle: Any = None) -> tuple[str, ManagerClient, ParticipantCommit]:
     """Register this process with ``manager`` as ``<role>-<rank>``: its name, manager client (with its heartbeat)
     and commit strategy.
 

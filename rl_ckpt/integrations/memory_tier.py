@@ -94,7 +94,8 @@ class MemoryTier:
         """Whether ``step`` is due for a memory snapshot (``memory_interval_steps`` / ``_seconds``)."""
         cfg = self.memory.config
         by_steps = bool(cfg.memory_interval_steps) and step % cfg.memory_interval_steps == 0
-        by_time = bool(cfg.memory_interval_seconds) and time.monotonic() - self.last_memory_save >= cfg.memory_interval_seconds
+        by_time = (bool(cfg.memory_interval_seconds)
+                   and time.monotonic() - self.last_memory_save >= cfg.memory_interval_seconds)
         return by_steps or by_time
 
     def maybe_save(self, step: int, metrics: Mapping[str, Any] | None = None):

@@ -46,7 +46,8 @@ def _newest_mtime(storage: Storage, path: str, depth: int = 3) -> float | None:
     return newest
 
 
-def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, now: float | None = None) -> list[Debris]:
+def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS,
+                now: float | None = None) -> list[Debris]:
     now = time.time() if now is None else now
 
     def old(path: str, entry_mtime: float | None, is_dir: bool) -> bool:
@@ -89,7 +90,8 @@ def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, 
             if inner.name not in listed:
                 path = join(name, inner.name)
                 if old(path, inner.mtime, inner.is_dir):
-                    found.append(Debris(path, "not listed in the snapshot's manifest (losing or crashed writer)", inner.is_dir))
+                    found.append(Debris(path, "not listed in the snapshot's manifest (losing or crashed writer)",
+                                        inner.is_dir))
     return found
 
 

@@ -78,7 +78,8 @@ def _number(value: object) -> float | None:
 
 
 def normalize_best(metric: str | Sequence[str], mode: str | Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``best_metric``/``best_mode`` (one or a list each) as two tuples of equal length; ConfigError if they do not match."""
+    """``best_metric``/``best_mode`` (one or a list each) as two tuples of equal length;
+    ConfigError if they do not match."""
     metrics = (metric,) if isinstance(metric, str) else tuple(metric)
     modes = (mode,) * len(metrics) if isinstance(mode, str) else tuple(mode)
     if not metrics or len(modes) != len(metrics):

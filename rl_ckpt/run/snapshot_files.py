@@ -46,7 +46,8 @@ class VerifyReport:
         return [p for p in self.problems if p.snapshot_id == snapshot_id]
 
     def __str__(self) -> str:
-        lines = [f"verified {len(self.checked)} snapshot(s): " + ("all OK" if self.ok else f"{len(self.bad_snapshots)} bad")]
+        lines = [f"verified {len(self.checked)} snapshot(s): "
+                 + ("all OK" if self.ok else f"{len(self.bad_snapshots)} bad")]
         lines += [f"  BAD {p}" for p in self.problems]
         return "\n".join(lines)
 

@@ -53,7 +53,8 @@ def _plain(metrics: dict) -> dict:
     """Metrics a JSON record can hold (finite numbers, strings, bools); anything else is left out."""
     out = {}
     for k, v in metrics.items():
-        if isinstance(v, (bool, str)) or (isinstance(v, (int, float)) and v == v and v not in (float("inf"), float("-inf"))):
+        finite = isinstance(v, (int, float)) and v == v and v not in (float("inf"), float("-inf"))
+        if isinstance(v, (bool, str)) or finite:
             out[str(k)] = v
     return out
 
@@ -75,5 +76,6 @@ def load_tier_events(storage: Storage) -> tuple[list[dict], list[dict]]:
             fstep = r.get("failure_step")
             restores.append({"tier": r["tier"], "snapshot": r["snapshot_id"], "to": step,
                              "failure_step": fstep if type(fstep) is int else None,
-                             "decision_time": r.get("decision_time") if isinstance(r.get("decision_time"), str) else None})
+                             "decision_time": (r.get("decision_time")
+                                               if isinstance(r.get("decision_time"), str) else None)})
     return sorted(snaps.values(), key=lambda s: s["step"]), restores

@@ -5,7 +5,9 @@ See ``component`` (what is saved), ``layout`` (the manifest's global layout),
 manager-less multi-rank commit is ``rl_ckpt.commit.collective``.
 """
 
-from rl_ckpt.sharded.component import ShardedState, as_sharded, is_sharded_section, load_sharded, sharded_view, stage_sharded
+from rl_ckpt.sharded.component import (
+    ShardedState, as_sharded, is_sharded_section, load_sharded, sharded_view, stage_sharded,
+)
 from rl_ckpt.sharded.dcp_storage import StagedShards, write_shards
 from rl_ckpt.sharded.full_weights import load_full_weights
 from rl_ckpt.sharded.layout import Layout, merge_components

@@ -67,7 +67,8 @@ class ShardedState:
         if mesh is None:
             return {"world_size": 1, "mesh": []}
         return {"world_size": torch.distributed.get_world_size(), "mesh": list(mesh.shape),
-                "placements": [str(p) for p in next(x for x in self.model.parameters() if isinstance(x, DTensor)).placements]}
+                "placements": [str(p) for p in next(x for x in self.model.parameters()
+                                                    if isinstance(x, DTensor)).placements]}
 
 
 def has_dtensors(params) -> bool:
@@ -89,9 +90,9 @@ def sharded_view(name: str, obj: Any, objects: list[Any]) -> ShardedState:
     if isinstance(obj, torch.optim.Optimizer):
         model = _owner_module(obj, [o.model if isinstance(o, ShardedState) else o for o in objects])
         if model is None:
-            raise ConfigError(f"component {name!r}: a sharded optimizer is saved by parameter name, so its model must be "
-                              "registered first (register the model, then the optimizer), or register "
-                              "ShardedState(model, optimizer)", key=name)
+            raise ConfigError(f"component {name!r}: a sharded optimizer is saved by parameter name, "
+                              "so its model must be registered first (register the model, then the optimizer), "
+                              "or register ShardedState(model, optimizer)", key=name)
         like = next((o for o in objects if isinstance(o, ShardedState) and o.model is model), None)
         sizes = {"block_bytes": like.block_bytes, "min_block_bytes": like.min_block_bytes} if like else {}
         return ShardedState(model, obj, **sizes)

@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -53,7 +55,8 @@ class TensorStager(Protocol):
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 MIN_BLOCK_BYTES = 64 * 1024  # smaller blocks cost more manifest than the bytes they save a resharding read
-BLOCKS_PER_CHUNK = 32  # at least this many checksum blocks per chunk: a resharding read overshoots by <= 2/32 of a chunk
+# At least this many checksum blocks per chunk: a resharding read overshoots by <= 2/32 of a chunk.
+BLOCKS_PER_CHUNK = 32
 
 
 def owns(obj: Any, rank: int) -> bool:
@@ -283,9 +286,9 @@ class ChunkReader:
         data = self._read(fqn, chunk, r0 * row_bytes, length)
         self.bytes_read += len(data)
         if len(data) != length:
-            raise CorruptSnapshotError(f"{self.snapshot_id}/{self._where(chunk)}: short read of {fqn!r} ({len(data)} of "
-                                       f"{length} bytes): the file was truncated", snapshot_id=self.snapshot_id,
-                                       path=self._where(chunk), problems=["short read"])
+            raise CorruptSnapshotError(f"{self.snapshot_id}/{self._where(chunk)}: short read of {fqn!r} "
+                                       f"({len(data)} of {length} bytes): the file was truncated",
+                                       snapshot_id=self.snapshot_id, path=self._where(chunk), problems=["short read"])
         if isinstance(data, bytes):
             data = bytearray(data)  # a tensor over it must be writable
         view = memoryview(data).cast("B")
@@ -353,7 +356,8 @@ class RlckptStorageReader(StorageReader):
         for fqn, t in layout.tensors.items():
             md[fqn] = TensorStorageMetadata(TensorProperties(dtype=safetensors_io.CODE_TO_TORCH[t.dtype]),
                                             torch.Size(t.shape),
-                                            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks])
+                                            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                                             for c in t.chunks])
             for i, c in enumerate(t.chunks):
                 storage_data[MetadataIndex(fqn, c.offsets, i)] = (fqn, c)
         for fqn in layout.values:
@@ -386,9 +390,9 @@ class RlckptStorageReader(StorageReader):
                 src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
             target = planner.resolve_tensor(item).detach()
             if target.shape != src.shape:
-                raise CorruptSnapshotError(f"{self.chunks.snapshot_id}: {fqn!r}: a planned read of {list(src.shape)} does "
-                                           f"not fit its target {list(target.shape)}", snapshot_id=self.chunks.snapshot_id,
-                                           problems=["shape mismatch"])
+                raise CorruptSnapshotError(f"{self.chunks.snapshot_id}: {fqn!r}: a planned read of "
+                                           f"{list(src.shape)} does not fit its target {list(target.shape)}",
+                                           snapshot_id=self.chunks.snapshot_id, problems=["shape mismatch"])
             target.copy_(src)
             planner.commit_tensor(item, target)
         fut: Future = Future()

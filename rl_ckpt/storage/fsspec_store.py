@@ -22,7 +22,8 @@ import logging
 from typing import BinaryIO, Iterable
 
 from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError
-from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large)
+from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end,
+                                  too_large)
 
 log = logging.getLogger("rl_ckpt")
 
@@ -91,7 +92,8 @@ class FsspecStorage(Storage):
         return StorageError(f"{what} {self.url}/{path}: {type(exc).__name__}: {exc}", path=path)
 
     def _conflict(self, path: str) -> CommitConflictError:
-        return CommitConflictError(f"{path} already exists: another writer committed it first", path=path, snapshot_id=path)
+        return CommitConflictError(f"{path} already exists: another writer committed it first",
+                                   path=path, snapshot_id=path)
 
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -214,7 +216,8 @@ class FsspecStorage(Storage):
         full = self._abs(path, allow_root=True)
         self._fresh(full)
         try:
-            items = self.fs.ls(full, detail=True, refresh=True) if "refresh" in _ls_params(self.fs) else self.fs.ls(full, detail=True)
+            items = (self.fs.ls(full, detail=True, refresh=True) if "refresh" in _ls_params(self.fs)
+                     else self.fs.ls(full, detail=True))
         except FileNotFoundError:
             return []
         except NotADirectoryError:

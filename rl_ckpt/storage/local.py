@@ -42,7 +42,8 @@ class LocalStorage(Storage):
         self.url = self.root
 
     # -- paths -------------------------------------------------------------
-    def _abs(self, path: str, *, check_links: bool = True, allow_root: bool = False, last_may_be_link: bool = False) -> str:
+    def _abs(self, path: str, *, check_links: bool = True, allow_root: bool = False,
+             last_may_be_link: bool = False) -> str:
         """Absolute path of ``path`` under the root; links in it are refused (``local_io.resolve``)."""
         return resolve(self.root, path, check_links=check_links, allow_root=allow_root,
                        last_may_be_link=last_may_be_link)

@@ -209,7 +209,8 @@ class CacheDropper:
                 f.write("3\n")
         elif self.method == "fadvise":
             for path in paths:
-                files = [path] if os.path.isfile(path) else [os.path.join(r, n) for r, _d, fs in os.walk(path) for n in fs]
+                files = ([path] if os.path.isfile(path)
+                         else [os.path.join(r, n) for r, _d, fs in os.walk(path) for n in fs])
                 for name in files:
                     try:
                         fd = os.open(name, os.O_RDONLY)

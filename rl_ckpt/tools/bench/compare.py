@@ -13,7 +13,9 @@ from rl_ckpt.tools.bench.common import (
     CacheDropper, CpuMeter, HASH_ALGOS, RATIOS, RESULT_KEYS, Samples, human, log, parse_size, quiesce, rmtree,
     tree_bytes,
 )
-from rl_ckpt.tools.bench.state import build_state, byte_views, flat_tensors, mutate_quarter, nbytes, size_mix, state_dict_of
+from rl_ckpt.tools.bench.state import (
+    build_state, byte_views, flat_tensors, mutate_quarter, nbytes, size_mix, state_dict_of,
+)
 
 
 def bench_engine(workdir: str, run: str, **kw):
@@ -207,7 +209,8 @@ def evaluate_goals(sm: Samples) -> list[dict]:
     thr = (m("raw_write") / m("rl_save")) if m("raw_write") and m("rl_save") else None
     goal("save_vs_raw_write", thr, 0.8, "rl save throughput >= 0.8 x raw write throughput", lower_is_better=False)
     goal("save_faster_than_torch_save", ratio("rl_save", "torch_save"), 1.0, "rl save time < torch.save+fsync time")
-    goal("save_faster_than_st_save", ratio("rl_save", "st_save"), 1.0, "rl save time < safetensors.save_file+fsync time")
+    goal("save_faster_than_st_save", ratio("rl_save", "st_save"), 1.0,
+         "rl save time < safetensors.save_file+fsync time")
     goal("block_vs_save", ratio("rl_async_block", "rl_save"), 0.10, "save_async blocking <= 0.10 x sync save")
     goal("block_vs_clone", ratio("rl_async_block", "clone"), 1.5, "save_async blocking <= 1.5 x memory copy (clone)")
     goal("restore_vs_raw_read", ratio("rl_restore", "raw_read"), 1.3, "restore <= 1.3 x raw read time")

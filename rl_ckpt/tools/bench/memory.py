@@ -11,9 +11,9 @@ For a state of ``--size`` bytes (default 1 GiB, one participant):
   ``mincore`` that none of the snapshot's pages stayed resident (the figure says how many did);
 - blocking: how long the trainer is blocked by a memory snapshot vs by a durable ``save_async`` (median of
   ``--repeat``, after one save of each that allocates its staging buffers; the two alternate who goes first);
-- death to first step: a trainer actor force-killed (``ray.kill``) and restarted by Ray (``max_restarts=1``): the time from the
-  kill until the restarted process finished its first training step after restoring, with the memory tier and
-  without it (durable storage, cold page cache), split into its phases: Ray restarting the process, the
+- death to first step: a trainer actor force-killed (``ray.kill``) and restarted by Ray (``max_restarts=1``): the
+  time from the kill until the restarted process finished its first training step after restoring, with the memory
+  tier and without it (durable storage, cold page cache), split into its phases: Ray restarting the process, the
   engines opening the run, the restore, the first step.
 
 Prints the figures and writes them as JSON (``--json``). Needs a machine with room for a few copies of the
@@ -113,8 +113,8 @@ class Trainer:
         restored = time.time()
         self.state.step()
         with open(out, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "started_at": started, "built_at": built, "opened_at": opened, "restored_at": restored,
-                                "first_step_at": time.time(), "restored": result.snapshot_id,
+            f.write(json.dumps({"pid": os.getpid(), "started_at": started, "built_at": built, "opened_at": opened,
+                                "restored_at": restored, "first_step_at": time.time(), "restored": result.snapshot_id,
                                 "tier": getattr(self.tier, "tier_restored", None)}) + "\n")
 
     def save(self, step: int) -> float:
@@ -156,7 +156,8 @@ def run(args) -> dict:
                 if i:
                     times.append(h.stage_seconds)
         # Both stage into buffers allocated by their first save and reused since: the same code blocks.
-        out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block), "durable_save_async": statistics.median(disk_block),
+        out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block),
+                             "durable_save_async": statistics.median(disk_block),
                              "memory_snapshot_runs": mem_block, "durable_save_async_runs": disk_block}
         log(f"blocking: memory snapshot {out['blocking_s']['memory_snapshot']:.3f} s, durable save_async "
             f"{out['blocking_s']['durable_save_async']:.3f} s")
@@ -181,8 +182,8 @@ def run(args) -> dict:
             started = time.perf_counter()
             engine.restore(snapshot_id=newest_disk)
             disk_restore.append(time.perf_counter() - started)
-        out["cache_check"] = (f"after each drop, {max(resident):.2%} of the durable run's file pages were still resident "
-                              "(mincore)")
+        out["cache_check"] = (f"after each drop, {max(resident):.2%} of the durable run's file pages "
+                              "were still resident (mincore)")
         out["restore_s"] = {"memory_engine_restore": statistics.median(mem_restore),
                             "memory_zero_copy_load": statistics.median(mem_zero_copy),
                             "disk_cold": statistics.median(disk_restore),

@@ -60,13 +60,15 @@ def format_compare(out: dict) -> str:
         f"{fmt_num(out['load']['loadavg_start'], '{:.2f}')} -> {fmt_num(out['load']['loadavg_end'], '{:.2f}')}",
     ]
     if out["host"].get("page_reporting"):
-        lines.append("note: this VM reports freed memory to its host (virtio_balloon free page reporting): the first touch "
-                     "of fresh memory (new buffers, page cache) is slow and erratic; reused buffers are not")
+        lines.append("note: this VM reports freed memory to its host (virtio_balloon free page reporting): "
+                     "the first touch of fresh memory (new buffers, page cache) is slow and erratic; "
+                     "reused buffers are not")
     lines += [
         "",
         "time ratios: x floor / x torch / x safetensors / x DCP = this row's seconds / theirs (same op; < 1 is faster)",
     ]
-    head = f"{'op':<6} {'method':<32} {'seconds':>8} {'GB/s':>7} {'x floor':>8} {'x torch':>8} {'x safet.':>8} {'x DCP':>7}"
+    head = (f"{'op':<6} {'method':<32} {'seconds':>8} {'GB/s':>7} "
+            f"{'x floor':>8} {'x torch':>8} {'x safet.':>8} {'x DCP':>7}")
     lines += [head, "-" * len(head)]
     for op, key, label in LABELS:
         r = res.get(key)
@@ -102,7 +104,8 @@ def format_compare(out: dict) -> str:
 
 def format_scaling(out: dict) -> str:
     sc = out["scaling"]
-    lines = [f"rl-ckpt bench --scaling {out['url']}: medians of {out['repeat']} repeat(s); cache: {out['cache']['note']}",
+    lines = [f"rl-ckpt bench --scaling {out['url']}: medians of {out['repeat']} repeat(s); "
+             f"cache: {out['cache']['note']}",
              "", "state size (GB/s; ratios are time ratios):"]
     head = (f"{'size':>10} {'tensors':>7} {'rawW GB/s':>9} {'save GB/s':>9} {'save/raw':>8} {'rawR GB/s':>9} "
             f"{'rest GB/s':>9} {'rest/raw':>8} {'clone s':>8} {'block s':>8} {'blk/clone':>9} {'save s/GiB':>10}")
@@ -110,10 +113,12 @@ def format_scaling(out: dict) -> str:
     for row in sc["sizes"]:
         r = row["results"]
         per_gib = r["rl_save"]["median_s"] / (row["state_bytes"] / GIB)
-        lines.append(f"{human(row['state_bytes']):>10} {row['tensors']:>7} {fmt_num(r['raw_write']['gbps'], '{:.2f}'):>9} "
+        lines.append(f"{human(row['state_bytes']):>10} {row['tensors']:>7} "
+                     f"{fmt_num(r['raw_write']['gbps'], '{:.2f}'):>9} "
                      f"{fmt_num(r['rl_save']['gbps'], '{:.2f}'):>9} {row['save_vs_raw']:>8.2f} "
                      f"{fmt_num(r['raw_read']['gbps'], '{:.2f}'):>9} {fmt_num(r['rl_restore']['gbps'], '{:.2f}'):>9} "
-                     f"{row['restore_vs_raw']:>8.2f} {r['clone']['median_s']:>8.3f} {r['rl_async_block']['median_s']:>8.3f} "
+                     f"{row['restore_vs_raw']:>8.2f} {r['clone']['median_s']:>8.3f} "
+                     f"{r['rl_async_block']['median_s']:>8.3f} "
                      f"{row['block_vs_clone']:>9.2f} {per_gib:>10.2f}")
     lines += ["", "catalog operations over N tiny snapshots (seconds; per-snapshot cost in microseconds):"]
     head = (f"{'N':>6} {'create/s':>8} {'snapshots()':>11} {'us/snap':>8} {'refresh':>8} {'us/snap':>8} "
@@ -123,10 +128,12 @@ def format_scaling(out: dict) -> str:
     for row in sc["catalog"]:
         p = row["per_snapshot_us"]
         lines.append(f"{row['count']:>6} {fmt_num(row['create_per_s'], '{:.0f}'):>8} {row['snapshots_s']:>11.5f} "
-                     f"{p['snapshots']:>8.2f} {row['refresh_s']:>8.4f} {p['refresh']:>8.1f} {row['plan_recovery_s']:>12.4f} "
+                     f"{p['snapshots']:>8.2f} {row['refresh_s']:>8.4f} {p['refresh']:>8.1f} "
+                     f"{row['plan_recovery_s']:>12.4f} "
                      f"{p['plan_recovery']:>8.1f} {row['retention_s']:>9.5f} {p['retention']:>8.2f} "
                      f"{row['open_s']:>8.4f} {p['open']:>8.1f} {fmt_num(row['plan_recovery_cold_s'], '{:.4f}'):>9}")
-    lines += ["create/s: saves per second while growing to N (engine.save, tiny state, verify_after_write=False, fsync on)",
+    lines += ["create/s: saves per second while growing to N "
+              "(engine.save, tiny state, verify_after_write=False, fsync on)",
               "snapshots(): the in-memory catalog; refresh: re-list storage, stat each manifest, parse only new or",
               "changed ones; plan(deep=F): plan_recovery (a refresh + checks of the chosen snapshot); retention: one",
               "policy pass; open: a new engine's first listing (parses every manifest: what a restarted process pays",

@@ -97,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main_args(args) -> int:
     """Run the bench for parsed ``args``; prints the table (or JSON); returns the exit code."""
     if args.sharded:
-        from rl_ckpt.tools.bench.sharded import main_args as sharded_main  # spawns gloo processes: imported only when asked
+        # spawns gloo processes: imported only when asked
+        from rl_ckpt.tools.bench.sharded import main_args as sharded_main
 
         return sharded_main(args)
     try:

@@ -65,12 +65,13 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
             g()
     rl.close()
     rmtree(os.path.join(workdir, run))
-    res = {k: sm.result(k, total) for k in ("raw_write", "raw_read", "clone", "rl_save", "rl_restore", "rl_async_block")}
+    res = {k: sm.result(k, total)
+           for k in ("raw_write", "raw_read", "clone", "rl_save", "rl_restore", "rl_async_block")}
     m = sm.median
     row = {"size_request": size, "state_bytes": total, "tensors": len(tensors), "shape": shape, "results": res,
            "save_vs_raw": m("rl_save") / m("raw_write"), "restore_vs_raw": m("rl_restore") / m("raw_read"),
            "block_vs_clone": m("rl_async_block") / m("clone")}
-    del model, opt, tensors, views, rl
+    model = opt = tensors = views = rl = None  # drops the state (floor/ours capture part of it) before gc.collect()
     gc.collect()
     return row
 

@@ -194,7 +194,8 @@ def format_report(out: dict) -> str:
              "medians; rl_ckpt saves hash, fsync, verify after write and commit",
              "save              rl_ckpt     DCP    ratio (goal <= 1.0)"]
     for s in out["saves"]:
-        lines.append(f"  on {s['ranks']} ranks       {s['rl_ckpt_s']:7.3f}s {s['dcp_s']:7.3f}s  {s['rl_ckpt_s'] / s['dcp_s']:.2f}x")
+        lines.append(f"  on {s['ranks']} ranks       {s['rl_ckpt_s']:7.3f}s {s['dcp_s']:7.3f}s  "
+                     f"{s['rl_ckpt_s'] / s['dcp_s']:.2f}x")
     lines.append("restore N -> M     rl_ckpt     DCP    ratio   max read/share (goal <= 1.25)   max peak RSS growth / "
                  "(shard + 2 chunks) (goal <= 1.0)")
     for r in out["restores"]:

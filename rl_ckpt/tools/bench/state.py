@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+from typing import TYPE_CHECKING
 
 from rl_ckpt.tools.bench.common import GIB, LARGE, SMALL
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 _CLASSES: tuple | None = None
@@ -79,7 +84,7 @@ def plan_shape(size_bytes: int, tensors: int | None = None) -> dict:
     return {"hidden": h, "blocks": layers, "large_rows": rows}
 
 
-def build_state(size_bytes: int, tensors: int | None = None, seed: int = 0) -> tuple[SyntheticPolicy, torch.optim.Adam, dict]:
+def build_state(size_bytes: int, tensors: int | None = None, seed: int = 0) -> tuple[nn.Module, torch.optim.Adam, dict]:
     """A model + Adam after one real step, ~size_bytes in total."""
     import torch
 

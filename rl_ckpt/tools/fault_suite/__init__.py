@@ -53,8 +53,9 @@ from rl_ckpt.tools.fault_suite.tamper import forge_json, reseal
 from rl_ckpt.tools.fault_suite.targets import LocalTarget, S3Endpoint, S3Target
 
 __all__ = [
-    "HOSTILE_TYPES", "MALICIOUS", "PROFILES", "RUNS", "SCENARIOS", "VALUE_BASE", "VARIANTS", "HostileCase", "LocalTarget",
-    "Mixed", "Profile", "S3Endpoint", "S3Target", "ScenarioResult", "Suite", "SuiteBuffer", "SuiteModel", "SuiteReport",
+    "HOSTILE_TYPES", "MALICIOUS", "PROFILES", "RUNS", "SCENARIOS", "VALUE_BASE", "VARIANTS", "HostileCase",
+    "LocalTarget", "Mixed", "Profile", "S3Endpoint", "S3Target", "ScenarioResult", "Suite", "SuiteBuffer", "SuiteModel",
+    "SuiteReport",
     "Violation", "build", "check_hostile", "engine_cfg", "forge_json", "hostile_cases", "json_paths", "machine_info",
     "main", "observed", "op_phases", "reseal", "run_suite", "run_url", "save_step", "stamp", "variant_name",
 ]

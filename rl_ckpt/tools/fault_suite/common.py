@@ -101,7 +101,8 @@ class SuiteModel:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.writer = state["step"], state["writer"]
-        self.weight, self.counts, self.frozen = state["weight"].clone(), state["counts"].clone(), state["frozen"].clone()
+        self.weight, self.counts, self.frozen = (state["weight"].clone(), state["counts"].clone(),
+                                                 state["frozen"].clone())
         self.info = state["info"]
 
 
@@ -120,8 +121,10 @@ class SuiteBuffer:
         import pyarrow as pa
 
         value = stamp(self.step, self.writer)
-        table = pa.table({"stamp": pa.array([value] * 32, type=pa.int64()), "episode": pa.array(range(32), type=pa.int64()),
-                          "rewards": pa.array([[float(value)] * (i % 3) for i in range(32)], type=pa.list_(pa.float64()))})
+        table = pa.table({"stamp": pa.array([value] * 32, type=pa.int64()),
+                          "episode": pa.array(range(32), type=pa.int64()),
+                          "rewards": pa.array([[float(value)] * (i % 3) for i in range(32)],
+                                              type=pa.list_(pa.float64()))})
         return {"obs": self.obs, "episodes": table, "step": self.step, "writer": self.writer}
 
     def load_state_dict(self, state: dict) -> None:

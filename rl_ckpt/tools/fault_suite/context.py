@@ -21,7 +21,8 @@ class Suite:
     most of a case's time is fsync, child processes and HTTP, which do not hold the GIL."""
 
     def __init__(self, mode: str = "quick", base_dir: str | None = None, *, s3_storage_options: dict | None = None,
-                 progress: Callable[[str], None] | None = None, keep_failed: int = 20, workers: int | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, keep_failed: int = 20,
+                 workers: int | None = None) -> None:
         if mode not in PROFILES:
             raise ValueError(f"mode must be one of {sorted(PROFILES)}")
         self.profile = PROFILES[mode]
@@ -202,7 +203,8 @@ class Suite:
             else:
                 if result.fresh:
                     if listed or must_list:
-                        bad("acked_lost" if must_list else "restore_failed", f"restore started fresh with {listed} listed")
+                        bad("acked_lost" if must_list else "restore_failed",
+                            f"restore started fresh with {listed} listed")
                 else:
                     try:
                         step, who = observed(model, buf)
@@ -246,8 +248,8 @@ class Suite:
                 else:
                     report = engine.verify()
                     if set(report.bad_snapshots) - damaged:
-                        bad("broken_listed", f"a later save (step {save_after}) returned, but verify then says: {report}",
-                            len(set(report.bad_snapshots) - damaged))
+                        bad("broken_listed", f"a later save (step {save_after}) returned, "
+                            f"but verify then says: {report}", len(set(report.bad_snapshots) - damaged))
                 engine.close()
         except Exception as exc:  # anything that is not a CheckpointError where one was due, or a suite bug
             bad("crash", f"{type(exc).__name__}: {exc}")

@@ -199,7 +199,8 @@ def corrupt_file(path: str, how: str, rnd: random.Random) -> None:
         f.write(data)
 
 
-MANIFEST_KEY_FIELDS = ("global_step", "kind", "snapshot_id", "schema_version", "state_schema_version", "base_snapshot_id")
+MANIFEST_KEY_FIELDS = ("global_step", "kind", "snapshot_id", "schema_version", "state_schema_version",
+                       "base_snapshot_id")
 
 
 def json_value_span(manifest: bytes, key: str) -> range:

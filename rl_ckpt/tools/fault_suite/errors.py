@@ -127,7 +127,8 @@ def plant_debris(run: str) -> None:
         with open(full, "wb") as f:
             f.write(data)
 
-    shutil.copytree(os.path.join(run, "step_000000002"), os.path.join(run, ".staging", "step_000000005.host-1-2-dead0001"))
+    shutil.copytree(os.path.join(run, "step_000000002"),
+                    os.path.join(run, ".staging", "step_000000005.host-1-2-dead0001"))
     put("step_000000006/host-1-2-dead0002/model.json")  # manifest-last attempt that never committed
     put(".trash/step_000000000.host-1-2-dead0003/model.json")  # an interrupted retirement
     put(".tmp-host-1-2-dead0004-meta.json")  # an interrupted write_atomic

@@ -26,8 +26,8 @@ HOSTILE_TYPES: tuple = (None, True, 7, -1, 2**64, 1.5, "x", [], {}, [["x", 1]])
 # names a careless parser reads as step 2 or 3; only the canonical ``step_000000002`` is a snapshot
 FOREIGN_NAMES = ("step_0000000002", "step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0663",
                  "step_\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff13", "step_000000003\n",
-                 "step_000000003.b0", "step_000000003.b01", " step_000000003", "step_000000003.light ", "STEP_000000003",
-                 "step_00000003", "step_000000003.b1.light.light")
+                 "step_000000003.b0", "step_000000003.b01", " step_000000003", "step_000000003.light ",
+                 "STEP_000000003", "step_00000003", "step_000000003.b1.light.light")
 RECORD_FOLDERS = ("decisions", "quarantine", "failures", "history/retired", "best")
 
 
@@ -163,7 +163,8 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
             continue
         errors = [line for line in err.splitlines() if line.startswith("rl-ckpt ")]  # log records aside
         if rc not in (0, 1) or "Traceback" in err or len(errors) > 1:
-            res.violate(variant, label, "cli", f"rl-ckpt {command} exited {rc} with {len(errors)} error lines: {err[-300:]}")
+            res.violate(variant, label, "cli",
+                        f"rl-ckpt {command} exited {rc} with {len(errors)} error lines: {err[-300:]}")
         elif manifest_refused and argv[0] in ("ls", "verify", "inspect", "export") and rc != 1:
             res.violate(variant, label, "cli", f"rl-ckpt {command} exited {rc} though {NEWEST}'s manifest is refused")
         elif case.foreign is not None and argv[1:] == [target.run, "--deep"] and (rc != 1 or "FOREIGN" not in out):
@@ -229,7 +230,8 @@ def hostile_cases(manifests: dict[bool, dict], types_per_path: int | None) -> li
         cases.append(HostileCase("nesting depth", f"safetensors __metadata__ nested {depth}", False,
                                  _in_safetensors_header("__metadata__", text), must_refuse=depth >= 1000))
         for folder in RECORD_FOLDERS:
-            cases.append(HostileCase("nesting depth", f"{folder}/ record nested {depth}", False, _plant_record(folder, text)))
+            cases.append(HostileCase("nesting depth", f"{folder}/ record nested {depth}", False,
+                                     _plant_record(folder, text)))
     for digits in HOSTILE_DIGITS:
         text = "9" * digits
         for label, path in {**free, **core}.items():
@@ -239,10 +241,12 @@ def hostile_cases(manifests: dict[bool, dict], types_per_path: int | None) -> li
                                  must_refuse=digits > 4300))
         for where in ("__metadata__", "weight:shape:0", "weight:data_offsets:1"):
             cases.append(HostileCase("number size", f"safetensors {where} of {digits} digits", False,
-                                     _in_safetensors_header(where, text), must_refuse=where != "__metadata__" or digits > 4300))
+                                     _in_safetensors_header(where, text),
+                                     must_refuse=where != "__metadata__" or digits > 4300))
         for folder in RECORD_FOLDERS:
             cases.append(HostileCase("number size", f"{folder}/ record of {digits} digits", False,
-                                     _plant_record(folder, f'{{"snapshot_id": "{NEWEST}", "step": {text}, "global_step": {text}}}')))
+                                     _plant_record(folder, f'{{"snapshot_id": "{NEWEST}", "step": {text}, '
+                                                           f'"global_step": {text}}}')))
     for shape in ([0, 2**64], [0, 2**62, 2**62], [0] + [2**40] * 3, [0] * 65):
         cases.append(HostileCase("number size", f"safetensors empty tensor of shape {shape[:5]}", False,
                                  _in_safetensors_header("empty tensor", json.dumps(shape)), must_refuse=True))

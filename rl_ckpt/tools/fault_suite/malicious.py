@@ -51,7 +51,8 @@ def malicious(suite: Suite) -> ScenarioResult:
                     res.violate(variant, name, "restore_failed", f"restore failed on an unlisted snapshot: {exc}")
             else:
                 if not result.fresh:
-                    res.violate(variant, name, "corrupt_load", f"restore loaded the hostile snapshot {result.snapshot_id}")
+                    res.violate(variant, name, "corrupt_load",
+                                f"restore loaded the hostile snapshot {result.snapshot_id}")
                 elif expect != "unlisted":
                     res.violate(variant, name, "unexpected", f"restore started fresh with {listed} listed")
                 else:

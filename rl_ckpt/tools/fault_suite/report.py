@@ -123,9 +123,11 @@ class SuiteReport:
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
 
         def line(cells):
-            return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+            return ("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                      for i, (c, w) in enumerate(zip(cells, widths))) + " |")
 
-        out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"]
+        out = [line(head),
+               "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"]
         out += [line(r) for r in rows]
         out.append("")
         out.append("Faults injected, by kind:")

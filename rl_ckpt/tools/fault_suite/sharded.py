@@ -107,7 +107,8 @@ class _Rank:
             for i, (_k, t) in enumerate(self.tensors().items()):
                 full = expected(step, i, tuple(t.shape)).to(t.dtype)
                 if isinstance(t, DTensor):
-                    t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+                    t.to_local().copy_(
+                        distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
                 else:
                     t.copy_(full)
 
@@ -282,7 +283,8 @@ def _damage(suite: Suite, part: ScenarioResult, tpl: str, comp: str, rank: int, 
         meta = json.load(f)
     name = f"{comp}.rank{rank}.safetensors"
     path = os.path.join(target.run, sid, name)
-    chunks = [c for t in meta["components"][comp]["layout"]["tensors"].values() for c in t["chunks"] if c["file"] == name]
+    chunks = [c for t in meta["components"][comp]["layout"]["tensors"].values()
+              for c in t["chunks"] if c["file"] == name]
     chunk = max(chunks, key=lambda c: c["start"])  # the last chunk: a truncation cuts into it too
     with open(path, "r+b") as f:
         if how == "flip":

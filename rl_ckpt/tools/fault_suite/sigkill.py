@@ -74,7 +74,8 @@ def _random_kills(suite: Suite, res: ScenarioResult, dedup: bool, aw: bool) -> N
         send.close()
         acks: list[int] = []
         if recv.poll(60) and recv.recv_bytes() == b"ready":
-            if i % 4 == 3 and recv.poll(60):  # every 4th kill comes after an acknowledged save, however slow the machine
+            # every 4th kill comes after an acknowledged save, however slow the machine
+            if i % 4 == 3 and recv.poll(60):
                 acks.append(int(recv.recv_bytes()))
             time.sleep(rnd.uniform(0.0, suite.profile.random_kill_max_delay))
         os.kill(proc.pid, signal.SIGKILL)

@@ -40,7 +40,8 @@ def reseal(text: str) -> str:
     if not body.endswith("}"):
         return body
     body = body[:-1].rstrip()
-    return body + ("" if body.endswith("{") else ", ") + json.dumps("manifest_checksum") + ": " + json.dumps(checksum) + "}"
+    return (body + ("" if body.endswith("{") else ", ") + json.dumps("manifest_checksum") + ": "
+            + json.dumps(checksum) + "}")
 
 
 def edit_manifest(target: LocalTarget, mutate: Callable[[dict], None], sid: str = "step_000000001",

@@ -100,7 +100,8 @@ class S3Target:
 
     def outside(self) -> dict:
         return {k: v for k, v in self.s3.keys(self.bucket).items()
-                if not k.startswith(self.run_key + "/") and (k.startswith(self.prefix + "/") or not k.startswith("case-"))}
+                if not k.startswith(self.run_key + "/")
+                and (k.startswith(self.prefix + "/") or not k.startswith("case-"))}
 
     def gc(self) -> int:
         return run_gc(self.storage())
@@ -178,8 +179,9 @@ class S3Endpoint:
         recv.close()
         if what != "ok":
             raise RuntimeError(f"moto S3 server failed to start: {value}")
-        return {"endpoint_url": f"http://{LOOPBACK}:{value}", "key": "testing-access-key", "secret": "testing-secret-key",
-                "client_kwargs": {"region_name": "us-east-1"}, "config_kwargs": {"s3": {"addressing_style": "path"}}}
+        return {"endpoint_url": f"http://{LOOPBACK}:{value}", "key": "testing-access-key",
+                "secret": "testing-secret-key", "client_kwargs": {"region_name": "us-east-1"},
+                "config_kwargs": {"s3": {"addressing_style": "path"}}}
 
     def bucket(self) -> str:
         name = f"rlckpt-faults-{uuid.uuid4().hex[:16]}"

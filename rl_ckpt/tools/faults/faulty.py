@@ -95,7 +95,8 @@ class FaultyStorage(Storage):
             raise StorageError(f"injected fault: {op} {shown}: {os.strerror(rule.error)}", path=shown, errno=rule.error)
 
     def write(self, path, chunks, *, create_only=False, durable=True):
-        return self._call("write", path, lambda: self.inner.write(path, chunks, create_only=create_only, durable=durable))
+        return self._call("write", path,
+                          lambda: self.inner.write(path, chunks, create_only=create_only, durable=durable))
 
     def write_atomic(self, path, data, *, create_only=False):
         return self._call("write_atomic", path, lambda: self.inner.write_atomic(path, data, create_only=create_only))
