@@ -98,3 +98,8 @@ class PostCommitError(CheckpointError):
 
     Never raised by a save; carried on the returned ``SnapshotInfo.warnings`` and handed
     to the scheduler's ``on_error`` (``snapshot_id``, ``problems``)."""
+
+
+class DataPositionError(CheckpointError, ValueError):
+    """A saved data position does not fit the data given at restore, or cannot be saved exactly
+    (``component``, ``field``, ``saved``, ``given``)."""
