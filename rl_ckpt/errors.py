@@ -100,6 +100,6 @@ class PostCommitError(CheckpointError):
     to the scheduler's ``on_error`` (``snapshot_id``, ``problems``)."""
 
 
-class DataPositionError(CheckpointError, ValueError):
+class DataPositionError(StateMismatchError, ValueError):
     """A saved data position does not fit the data given at restore, or cannot be saved exactly
     (``component``, ``field``, ``saved``, ``given``)."""
