@@ -26,6 +26,7 @@ class Rollout:
     logps: list[float]
     generator: torch.Generator
     resumed: bool = False  # restored from a snapshot rather than begun in this process
+    restored_tokens: int = 0  # how many of ``tokens`` came from the snapshot
 
     @property
     def key(self) -> str:
@@ -94,6 +95,7 @@ class InflightRollouts:
             gen.set_state(torch.as_tensor(s["generator"]).to(torch.uint8))
             r = Rollout(int(s["prompt"]), int(s["epoch"]), [int(t) for t in torch.as_tensor(s["tokens"]).tolist()],
                         [float(v) for v in torch.as_tensor(s["logps"]).tolist()], gen, resumed=True)
+            r.restored_tokens = len(r.tokens)
             if r.key != key:
                 raise DataPositionError(f"{self.name}: saved rollout {key!r} names prompt {r.key!r}",
                                         component=self.name, field="key", saved=key, given=r.key)
