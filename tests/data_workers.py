@@ -119,3 +119,13 @@ class DataRollout:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+DataLearner.node = lambda self: _node()
+DataRollout.node = lambda self: _node()
