@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.data import (ConsumptionAuditor, DataLoaderPosition, EpisodeStream, InflightRollouts, IterablePosition,
-                          PromptSampler, replay_log)
+from rl_ckpt.data import (
+    ConsumptionAuditor,
+    DataLoaderPosition,
+    EpisodeStream,
+    InflightRollouts,
+    IterablePosition,
+    PromptSampler,
+    replay_log,
+)
 from rl_ckpt.errors import DataPositionError
 
 

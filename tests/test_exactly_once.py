@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from data_workers import GEN, expected_tokens
 
 pytestmark = pytest.mark.ray

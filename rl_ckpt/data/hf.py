@@ -10,7 +10,8 @@ over a map-style dataset instead.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from rl_ckpt.data.checks import require_same, state_int
 from rl_ckpt.errors import DataPositionError

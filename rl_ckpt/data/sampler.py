@@ -10,7 +10,7 @@ epoch nor replays the last.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
