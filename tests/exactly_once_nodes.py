@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import uuid
 
 SIZE, EPOCHS, PER_STEP, SAVE_EVERY = 12, 3, 2, 3
@@ -74,6 +75,8 @@ def scenario(ray, cluster, base_dir: str) -> dict:
     from actors import CheckpointManager
     from rl_ckpt.data import replay_log
 
+    t0 = time.monotonic()
+    marks = {}
     run = f"once-{uuid.uuid4().hex[:6]}"
     manager = CheckpointManager.get_or_create(run_name=run, base_dir=base_dir, healthz_port=None,
                                               config={"heartbeat_interval_seconds": 60.0, "keep_best": 0})
@@ -83,6 +86,7 @@ def scenario(ray, cluster, base_dir: str) -> dict:
     log = os.path.join(base_dir, "audit.jsonl")
     loop = Loop(ray, base_dir, run, manager, log)
     nodes = loop.nodes()
+    marks["started"] = time.monotonic() - t0
     for kill_after, failure in ((5, "learner"), (10, "rollout"), (16, "node")):
         while loop.step < kill_after:
             loop.run_step()
@@ -95,6 +99,7 @@ def scenario(ray, cluster, base_dir: str) -> dict:
         else:
             cluster.remove_node(worker)  # the learner and rollout worker 0 go with it
             loop.lost(True, [0], "head")
+        marks[failure] = time.monotonic() - t0
     for _ in range(200):  # the rest: until 3 epochs are handed out and every rollout is trained on
         loop.run_step()
         stats = ray.get([w.stats.remote() for w in loop.workers])
@@ -103,7 +108,8 @@ def scenario(ray, cluster, base_dir: str) -> dict:
     out = {"nodes": nodes, "restores": loop.restores, "saves": loop.saves,
            "report": ray.get(loop.learner.report.remote()),
            "replayed": replay_log(log, SIZE).report(complete_below=EPOCHS).to_json(),
-           "trained": [r for _, done in loop.trained for r in done], "epochs": EPOCHS, "size": SIZE}
+           "trained": [r for _, done in loop.trained for r in done], "epochs": EPOCHS, "size": SIZE,
+           "seconds": {**marks, "done": time.monotonic() - t0}}  # where the time goes (not asserted)
     for p in [loop.learner, *loop.workers, manager]:
         ray.kill(p, no_restart=True)
     return out
