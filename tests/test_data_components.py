@@ -226,3 +226,29 @@ def test_auditor_counts_skips_and_duplicates_and_its_log_agrees_after_a_rollback
     with pytest.raises(DataPositionError, match="dataset_size=4.*dataset_size=5"):
         ConsumptionAuditor(5).load_state_dict(snap)
     assert os.path.getsize(log) > 0
+
+
+def test_the_data_position_travels_with_the_weights_never_in_a_light_snapshot(tmp_path):
+    cfg = dict(base_dir=str(tmp_path), run_name="light", light_components=["progress", "sampler"])
+
+    def engine_with(model, sampler, progress):
+        engine = CheckpointEngine(**cfg)
+        for name, obj in (("policy", model), ("sampler", sampler), ("progress", progress)):
+            engine.register(name, obj)
+        return engine
+
+    from rl_ckpt import TrainingProgress
+
+    model, sampler, progress = torch.nn.Linear(2, 2), PromptSampler(10, seed=0), TrainingProgress()
+    engine = engine_with(model, sampler, progress)
+    sampler.take(4)
+    engine.save(4)  # full: weights and the data they trained on
+    sampler.take(4)
+    progress.global_step = 8
+    engine.save(8, kind="light")  # listed, yet the sampler is left out: the weights of step 8 are not saved
+    engine.close()
+    fresh = PromptSampler(10, seed=0)
+    engine = engine_with(torch.nn.Linear(2, 2), fresh, TrainingProgress())
+    engine.restore()
+    engine.close()
+    assert (fresh.epoch, fresh.position) == (0, 4)  # the position the restored weights trained to

@@ -62,7 +62,8 @@ class ConsumptionAuditor:
     exactly once is folded into a count, so the state stays small in a long run.
     """
 
-    checkpoint_kind = "progress"
+    checkpoint_kind = "progress"  # replicated on learners by default: it records the global batch
+    data_position = True  # never in a light snapshot: it travels with the weights
     name = "ConsumptionAuditor"
 
     def __init__(self, dataset_size: int, log_path: str | None = None) -> None:

@@ -25,7 +25,8 @@ class EpisodeStream:
         ... when the episode ends: stream.finish(i)
     """
 
-    checkpoint_kind = "progress"
+    checkpoint_kind = "other"  # per participant: each rollout worker its own envs
+    data_position = True  # never in a light snapshot: it travels with the weights
     name = "EpisodeStream"
 
     def __init__(self, n_envs: int, seed: int = 0) -> None:

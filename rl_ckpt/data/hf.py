@@ -49,7 +49,8 @@ class IterablePosition:
         for row in prompts: ...
     """
 
-    checkpoint_kind = "progress"
+    checkpoint_kind = "other"  # per rank by default (each rank its own shards); replicated=True to share one
+    data_position = True  # never in a light snapshot: it travels with the weights
     name = "IterablePosition"
 
     def __init__(self, dataset, fingerprint: str | None = None) -> None:

@@ -49,7 +49,8 @@ class InflightRollouts:
         done = inflight.finish(r.key)                     # handed to the learner
     """
 
-    checkpoint_kind = "buffer"
+    checkpoint_kind = "other"  # not a replay buffer: saved whatever save_replay_buffer says, per participant
+    data_position = True  # never in a light snapshot: it travels with the weights
     name = "InflightRollouts"
 
     def __init__(self) -> None:

@@ -56,7 +56,8 @@ class DataLoaderPosition:
         engine.register("data", DataLoaderPosition(loader), replicated=False)
     """
 
-    checkpoint_kind = "progress"
+    checkpoint_kind = "other"  # per rank by default (each rank its own loader); replicated=True to share one
+    data_position = True  # never in a light snapshot: it travels with the weights
     name = "DataLoaderPosition"
 
     def __init__(self, loader) -> None:

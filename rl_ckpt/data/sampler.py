@@ -35,7 +35,8 @@ class PromptSampler(torch.utils.data.Sampler[int]):
         for epoch, idx in sampler.take(16): ...
     """
 
-    checkpoint_kind = "progress"
+    checkpoint_kind = "progress"  # replicated on learners by default: every rank draws the same global batch
+    data_position = True  # never in a light snapshot: it travels with the weights
     name = "PromptSampler"
 
     def __init__(self, dataset_size: int, seed: int = 0, shuffle: bool = True) -> None:
