@@ -225,6 +225,12 @@ def test_auditor_counts_skips_and_duplicates_and_its_log_agrees_after_a_rollback
     assert replay_log(log, 4).report() == report
     with pytest.raises(DataPositionError, match="dataset_size=4.*dataset_size=5"):
         ConsumptionAuditor(5).load_state_dict(snap)
+    # A run killed before its first snapshot starts again from nothing: the first attempt's updates are not counted.
+    log2 = str(tmp_path / "audit2.jsonl")
+    ConsumptionAuditor(4, log_path=log2).record(1, [(0, 0), (0, 1)])
+    again = ConsumptionAuditor(4, log_path=log2)  # nothing to restore
+    again.record(1, [(0, 0), (0, 1)])
+    assert replay_log(log2, 4).report() == again.report() and again.report().duplicated == 0
     assert os.path.getsize(log) > 0
 
 

@@ -73,6 +73,8 @@ class ConsumptionAuditor:
         self.exact_epochs: list[int] = []  # epochs folded away: every prompt exactly once
         self.resumed = 0
         self.last_step = 0
+        if log_path:  # a new process: until a restore says otherwise, it starts from nothing (see replay_log)
+            _append(log_path, {"event": "begin"})
 
     def record(self, step: int, pairs: list[tuple[int, int]], resumed: int = 0) -> None:
         """The update of ``step`` trained on these ``(epoch, prompt)`` pairs (``resumed`` of them resumed in flight)."""
@@ -131,18 +133,26 @@ class ConsumptionAuditor:
 def replay_log(path: str, dataset_size: int) -> ConsumptionAuditor:
     """The auditor rebuilt from its append-only log: each restore to step ``s`` drops the updates after ``s``.
 
-    A torn last line (a kill mid-write) is ignored; what it described was not in any snapshot either.
+    A process that began and trained without restoring anything (no snapshot yet) started from nothing: the
+    updates before it are dropped too. A torn last line (a kill mid-write) is ignored; what it described was
+    not in any snapshot either.
     """
     updates: list[dict] = []
+    fresh = False  # a process began and has not restored (yet)
     with open(path) as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("event") == "restore":
-                updates = [u for u in updates if u["step"] <= rec["step"]]
-            elif rec.get("event") == "consume":
+            event = rec.get("event")
+            if event == "begin":
+                fresh = True
+            elif event == "restore":
+                updates, fresh = [u for u in updates if u["step"] <= rec["step"]], False
+            elif event == "consume":
+                if fresh:
+                    updates, fresh = [], False
                 updates.append(rec)
     audit = ConsumptionAuditor(dataset_size)
     for u in updates:
