@@ -12,6 +12,7 @@ against each other: a disagreement is reported, never hidden.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from rl_ckpt.demo.figures import memory_comparison
 from rl_ckpt.demo.grpo import GRPOConfig
@@ -52,12 +53,13 @@ def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners:
         raise ValueError(f"crash_at={crash_at} must come after the first save (step {first}) and by step {steps}")
     run = Run.start(base_dir, run_name, grpo, n_actors=n_actors, actors=actors, memory_tier=memory_tier)
     try:
+        failed = None
         try:
             run.fit(learners, steps, save_every=save_every, crash_at=crash_at)
-        except TrainingFailedError:
-            pass  # the attempt failed with its learner: what the drill is for
-        if not any(e["event"] == "kill" for e in run.events()):
-            raise RuntimeError("the first attempt ended without the planned SIGKILL of a learner")
+        except TrainingFailedError as exc:
+            failed = exc  # the attempt failed with its learner: what the drill is for
+        if not os.path.exists(run.log) or not any(e["event"] == "kill" for e in run.events()):
+            raise RuntimeError(f"the first attempt ended without the planned SIGKILL of a learner: {failed}") from failed
         run.fit(restart_learners, steps, save_every=save_every)
         status = run.memory_status(flush_newest=True)
         return summarize(run, learners, restart_learners, steps, save_every, status)
