@@ -115,6 +115,33 @@ def test_pickled_bytes_in_a_loader_state_are_refused_at_save():
         DataLoaderPosition(dl).state_dict()
 
 
+def test_plain_bytes_in_a_dataset_state_come_back_as_bytes(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Cursor(torch.utils.data.Dataset):
+        def __init__(self):
+            self.token = b""
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return i
+
+        def state_dict(self):
+            return {"token": b"\x00\x01 resume-token \xff", "shard": 3}
+
+        def load_state_dict(self, state):
+            self.token = state["token"]
+
+    dl = StatefulDataLoader(Cursor(), batch_size=2)
+    it = iter(dl)
+    next(it)
+    fresh = _roundtrip(tmp_path, "data", DataLoaderPosition(dl), DataLoaderPosition(StatefulDataLoader(Cursor(), batch_size=2)))
+    assert [b.tolist() for b in fresh.loader] == [[2, 3], [4, 5]]
+    assert fresh.loader.dataset.token == b"\x00\x01 resume-token \xff"  # exact bytes, exact type
+
+
 def _hf(num_shards: int = 3, rows: int = 10):
     from datasets import Dataset
 
