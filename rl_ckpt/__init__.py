@@ -24,6 +24,7 @@ from rl_ckpt.errors import (
     CommitConflictError,
     ConfigError,
     CorruptSnapshotError,
+    DataPositionError,
     FileTooLargeError,
     ManagerUnavailableError,
     MemoryBudgetError,
@@ -43,6 +44,15 @@ from rl_ckpt.errors import (
     UnknownParticipantError,
     UnsafePathError,
     UsageError,
+)
+from rl_ckpt.data import (
+    AuditReport,
+    ConsumptionAuditor,
+    DataLoaderPosition,
+    EpisodeStream,
+    InflightRollouts,
+    IterablePosition,
+    PromptSampler,
 )
 from rl_ckpt.recovery.coordinator import Action, FailureInfo, FailureKind, RecoveryCoordinator
 from rl_ckpt.recovery.plan import RecoveryPlan
@@ -75,13 +85,16 @@ __all__ = [
     "VerifyReport", "RecoveryPlan",
     # components
     "Checkpointable", "RNGState", "TrainingProgress", "load_full_weights",
+    # the data position and in-flight rollouts (exactly-once data)
+    "PromptSampler", "DataLoaderPosition", "IterablePosition", "EpisodeStream", "InflightRollouts",
+    "ConsumptionAuditor", "AuditReport",
     # policies and recovery
     "RetentionPolicy", "KeepLatest", "KeepBest", "KeepEveryNSteps", "KeepAll", "AnyOf",
     "RecoveryCoordinator", "FailureInfo", "FailureKind", "Action",
     # Ray (lazy)
     "MemoryTier", "CheckpointCallback", "report",
     # errors
-    "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError", "FileTooLargeError",
+    "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError", "DataPositionError", "FileTooLargeError",
     "ManagerUnavailableError", "MemoryBudgetError", "NoValidSnapshotError", "ParticipantFailedError",
     "PostCommitError", "ReadRangeError", "RestoreError", "SchemaVersionError", "SerializationError",
     "SnapshotAbortedError", "SnapshotSkippedError", "StateMismatchError", "StorageArgumentError", "StorageError",

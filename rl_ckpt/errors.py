@@ -134,3 +134,8 @@ class MemoryBudgetError(StorageError):
 def post_commit_text(exc: BaseException) -> str:
     """An error's text as seen after the commit point: a storage hint that nothing was committed is untrue here."""
     return str(exc).replace("; nothing was committed by this save", "")
+
+
+class DataPositionError(StateMismatchError, ValueError):
+    """A saved data position does not fit the data given at restore, or cannot be saved exactly
+    (``component``, ``field``, ``saved``, ``given``)."""

@@ -236,7 +236,7 @@ def test_private_name_finder():
 # never above. A module belongs to the layer of its longest listed prefix; the top-level package
 # ``rl_ckpt`` itself (the public facade, re-exporting the engine) sits at the top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("rl_ckpt.errors", "rl_ckpt.config", "rl_ckpt.components")),
+    ("foundations", ("rl_ckpt.errors", "rl_ckpt.config", "rl_ckpt.components", "rl_ckpt.data")),
     ("storage", ("rl_ckpt.storage",)),
     ("format", ("rl_ckpt.format",)),
     ("run", ("rl_ckpt.run",)),

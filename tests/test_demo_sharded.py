@@ -124,6 +124,12 @@ def test_sharded_demo_crash_and_restart_on_fewer_learners(tmp_path):
     # resharded, and redoes 1 step where durable-only redid 3.
     m, text = report.figures["memory"], memory_text
     assert "consistent         YES" in text
+    # The prompts: 12 steps x 16 from a dataset of 40, in a PromptSampler's order, through the kill and the
+    # restart on fewer learners: 4 complete epochs, each prompt trained on once per epoch as of the final snapshot.
+    for figs, txt in ((f, durable_text), (m, memory_text)):
+        assert figs["audit"] == {"consumed": 192, "skipped": 0, "duplicated": 0, "resumed_in_flight": 0, "epochs": 4}
+        assert re.search(r"data\s+40 prompts .*192 trained on over 4 complete epoch\(s\): skipped 0, duplicated 0, "
+                         r"resumed in flight 0", txt)
     assert (m["kill_step"], m["restored_step"], m["steps_redone"], m["first_step_after"]) == (9, 8, 1, 9)
     assert (m["saved_world"], m["restart_world"], m["final_step"], m["tier"]) == (2, 1, 12, "memory")
     assert re.search(r"restored\s+step_000000008 \(step 8\) on 1 learner\(s\), from memory in \d+\.\d\d s", text)

@@ -132,7 +132,9 @@ class ComponentRegistry:
                 continue
             if reg.kind == "buffer" and not cfg.save_replay_buffer:
                 continue
-            if kind == "light" and reg.name not in cfg.light_components:
+            if kind == "light" and (reg.name not in cfg.light_components or getattr(reg.obj, "data_position", False)):
+                # A light snapshot is laid over an older full one's weights: a data position (rl_ckpt.data) in it
+                # would be ahead of what those weights trained on, so the data stays with the weights.
                 continue
             if reg.replicated and self.rank != 0:
                 continue  # rank 0 writes replicated state once for everyone

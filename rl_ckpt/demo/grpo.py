@@ -7,7 +7,9 @@ answer's advantage is its reward minus its group's mean, over the group's
 standard deviation (GRPO: no value network). The update maximises the
 clipped importance ratio of the new policy against the one that sampled.
 
-Sampling draws its noise from a generator seeded by (seed, step, prompt),
+The prompts are rows of a small Hugging Face dataset (``prompt_dataset``);
+the learners draw each step's ids with a ``PromptSampler`` (a new order each
+epoch). Sampling draws its noise from a generator seeded by (seed, step, prompt),
 so which rollout actor samples which prompt changes nothing: a run's data
 do not depend on how many learners or actors there are.
 """
@@ -15,6 +17,7 @@ do not depend on how many learners or actors there are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ class GRPOConfig:
 
     seed: int = 0
     prompts_per_step: int = 16  # the global batch: divisible by every learner count used
+    dataset_size: int = 40  # prompts in the dataset, drawn in a new order each epoch (a PromptSampler)
     group_size: int = 8
     gen_len: int = 3
     lr: float = 5e-3
@@ -55,10 +59,22 @@ def make_policy(cfg: GRPOConfig) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def prompt_digits(cfg: GRPOConfig, step: int) -> torch.Tensor:
-    """The global batch of prompt digits for ``step`` (the same on every process)."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    return torch.randint(0, DIGITS, (cfg.prompts_per_step,), generator=g)
+@functools.lru_cache(maxsize=4)
+def prompt_dataset(seed: int, size: int):
+    """The prompt dataset: a Hugging Face ``datasets.Dataset`` of ``size`` rows (``id``, ``digit``), built here
+    from ``seed`` (nothing is downloaded); the same on every process."""
+    try:
+        from datasets import Dataset
+    except ImportError as exc:
+        raise ImportError("the GRPO demo reads its prompts from a Hugging Face dataset: pip install 'rl-ckpt[data]'") from exc
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7)
+    digits = torch.randint(0, DIGITS, (size,), generator=g).tolist()
+    return Dataset.from_dict({"id": list(range(size)), "digit": digits})
+
+
+def prompt_digits(cfg: GRPOConfig, ids: list[int]) -> torch.Tensor:
+    """The digits of prompts ``ids`` of the dataset."""
+    return torch.tensor(prompt_dataset(cfg.seed, cfg.dataset_size)[list(ids)]["digit"], dtype=torch.long)
 
 
 def _noise(cfg: GRPOConfig, step: int, index: int) -> torch.Tensor:
@@ -68,8 +84,8 @@ def _noise(cfg: GRPOConfig, step: int, index: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, cfg: GRPOConfig, step: int, indices: list[int]) -> dict[str, torch.Tensor]:
-    """``group_size`` answers to each prompt ``indices`` of ``step``: sequences, their log-probs and rewards."""
-    digits = prompt_digits(cfg, step)[indices]
+    """``group_size`` answers to each prompt ``indices`` (dataset ids) at ``step``: sequences, log-probs, rewards."""
+    digits = prompt_digits(cfg, indices)
     n = len(indices) * cfg.group_size
     seqs = torch.empty(n, PROMPT_LEN + cfg.gen_len, dtype=torch.long)
     seqs[:, 0], seqs[:, 1], seqs[:, 2] = BOS, digits.repeat_interleave(cfg.group_size), SEP

@@ -12,10 +12,14 @@ against each other: a disagreement is reported, never hidden.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from rl_ckpt.demo.figures import memory_comparison
 from rl_ckpt.demo.grpo import GRPOConfig
 from rl_ckpt.demo.sharded_grpo import MEMORY_DEFAULTS, Run, start_actors
+
+
+AUDIT_KEYS = ("consumed", "skipped", "duplicated", "resumed_in_flight", "epochs")
 
 
 @dataclasses.dataclass
@@ -49,12 +53,13 @@ def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners:
         raise ValueError(f"crash_at={crash_at} must come after the first save (step {first}) and by step {steps}")
     run = Run.start(base_dir, run_name, grpo, n_actors=n_actors, actors=actors, memory_tier=memory_tier)
     try:
+        failed = None
         try:
             run.fit(learners, steps, save_every=save_every, crash_at=crash_at)
-        except TrainingFailedError:
-            pass  # the attempt failed with its learner: what the drill is for
-        if not any(e["event"] == "kill" for e in run.events()):
-            raise RuntimeError("the first attempt ended without the planned SIGKILL of a learner")
+        except TrainingFailedError as exc:
+            failed = exc  # the attempt failed with its learner: what the drill is for
+        if not os.path.exists(run.log) or not any(e["event"] == "kill" for e in run.events()):
+            raise RuntimeError(f"the first attempt ended without the planned SIGKILL of a learner: {failed}") from failed
         run.fit(restart_learners, steps, save_every=save_every)
         status = run.memory_status(flush_newest=True)
         return summarize(run, learners, restart_learners, steps, save_every, status)
@@ -107,6 +112,7 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
     after = [e for e in events if e["event"] == "step" and e["t"] > resumed["t"]]
     before = [e for e in events if e["event"] == "step" and e["t"] < resumed["t"]]
     done = next((e for e in reversed(events) if e["event"] == "done"), None)
+    audit = next((e for e in reversed(events) if e["event"] == "audit"), None)
     storage = open_storage(f"{run.base_dir.rstrip('/')}/{run.run_name}", run.storage_options or {})
     data = load(storage)
     # Committed (kept and since deleted by retention) on durable storage, and in memory as recorded in the run.
@@ -130,7 +136,8 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
                "flushed": flushed,
                # The names figures.memory_comparison reads (the same figures).
                "tier": tier, "snapshot": resumed["restored"], "crash_step": kill["last_done"], "steps_lost": redone,
-               "restore_seconds": resumed.get("restore_seconds", float("nan")), "kill_to_first_step": downtime}
+               "restore_seconds": resumed.get("restore_seconds", float("nan")), "kill_to_first_step": downtime,
+               "audit": {k: audit[k] for k in AUDIT_KEYS} if audit else None}
     problems = []
     expect = [("the snapshot was saved by the first attempt's learners", saved_by.get("world_size"), learners),
               ("the restart ran on the requested learners", resumed["world"], restart_learners),
@@ -140,6 +147,13 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
               ("the first step after the restart follows the restored one", figures["first_step_after"],
                resumed["step"] + 1),
               ("the run finished", figures["final_step"], steps)]
+    if audit:
+        expect += [("no prompt skipped", audit["skipped"], 0), ("no prompt trained on twice", audit["duplicated"], 0),
+                   ("the auditor's log agrees with its snapshot",
+                    {k: audit["replayed"][k] for k in AUDIT_KEYS}, figures["audit"]),
+                   ("every step's prompts trained on", audit["consumed"], steps * run.grpo.prompts_per_step)]
+    else:
+        problems.append("the learners reported no audit")
     if memory:
         expect.append(("the restart restored from memory", tier, "memory"))
         expect.append(("the final snapshot has a durable copy made from memory", flushed[-1] if flushed else None,
@@ -172,6 +186,10 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
         f"  reward             {first:.3f} at step 1 -> {final:.3f} at step {figures['final_step']}"
         if first is not None and final is not None else "  reward             -",
         f"  rollout actors     {len(run.actors)}, {loads} full-weight loads from snapshots (one call each)",
+        f"  data               {run.grpo.dataset_size} prompts (a Hugging Face dataset), a PromptSampler's order; "
+        + (f"{audit['consumed']} trained on over {audit['epochs']} complete epoch(s): skipped {audit['skipped']}, "
+           f"duplicated {audit['duplicated']}, resumed in flight {audit['resumed_in_flight']} (rollouts are "
+           "synchronous here: none is in flight at a snapshot)" if audit else "no audit"),
         f"  consistent         {'YES' if not problems else 'NO: ' + '; '.join(problems)}",
         "",
         "Recovery plan followed by the restarted learner(s):",

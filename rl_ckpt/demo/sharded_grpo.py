@@ -10,6 +10,9 @@
   memory) into an ordinary ``nn.Module`` with one ``engine.load_full_weights``
   call, samples, and returns answers with their log-probs; the learners'
   update is the clipped GRPO objective against those log-probs.
+- Prompts: rows of a Hugging Face dataset; every rank draws the step's global
+  batch of ids from the same ``PromptSampler`` and a ``ConsumptionAuditor``
+  records what each update trained on, both in the snapshot (replicated).
 - Rank ``r`` of ``n`` learns on its slice of every step's global batch, so the
   data, and the mean of the gradients FSDP reduces, do not depend on ``n``: a
   run restored on fewer learners goes on with the same math.
@@ -152,6 +155,14 @@ def learner_loop(config: dict) -> None:
     saver.register("optim", optim)
     saver.register("rng", RNGState())
     saver.register("progress", progress)
+    # The data position and what was trained on: replicated (the same on every rank), in the same snapshot.
+    from rl_ckpt.data import ConsumptionAuditor, PromptSampler
+
+    sampler = PromptSampler(cfg.dataset_size, seed=cfg.seed)
+    audit_log = audit_log_path(config["log"])
+    auditor = ConsumptionAuditor(cfg.dataset_size, log_path=audit_log if rank == 0 else None)
+    saver.register("sampler", sampler)
+    saver.register("auditor", auditor)
     started = time.monotonic()
     result = saver.restore()
     restore_seconds = time.monotonic() - started
@@ -178,8 +189,6 @@ def learner_loop(config: dict) -> None:
                                   "saved_by": saved_by, "plan": str(plan) if plan else "",
                                   "layout": plan.layout if plan else ""})
     actors = config["actors"]
-    mine = list(range(cfg.prompts_per_step))[rank * cfg.prompts_per_step // world:
-                                              (rank + 1) * cfg.prompts_per_step // world]
     ids = actors_of(rank, world, len(actors))
     crash = config.get("crash") or {}
     for step in range(start + 1, config["steps"] + 1):
@@ -188,6 +197,8 @@ def learner_loop(config: dict) -> None:
             log_event(config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank,
                                       "world": world})
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye
+        pairs = sampler.take(cfg.prompts_per_step)  # (epoch, prompt id): the global batch, on every rank
+        mine = [p for _, p in pairs][rank * cfg.prompts_per_step // world:(rank + 1) * cfg.prompts_per_step // world]
         parts = ray.get([actors[j].rollout.remote(source, newest, step, idx)
                          for j, idx in zip(ids, _split(mine, len(ids)))])
         batch = {k: torch.from_numpy(np.concatenate([p[k] for p in parts])) for k in ("seqs", "logps", "rewards")}
@@ -195,6 +206,7 @@ def learner_loop(config: dict) -> None:
         reward = batch["rewards"].mean().reshape(1)
         torch.distributed.all_reduce(reward)  # equal slices: the mean of the ranks' means is the global mean
         progress.record(step, float(reward) / world)
+        auditor.record(step, pairs)
         engine.beat(step)  # rate-limited: what the manager knows of this rank's progress
         saved = None
         if (tier.due(step) if tier else step % config["save_every"] == 0) or step == config["steps"]:
@@ -204,9 +216,19 @@ def learner_loop(config: dict) -> None:
             log_event(config["log"], {"event": "step", "step": step, "world": world, "reward": progress.rewards[-1],
                                       "loss": loss, "rollout_snapshot": parts[0]["snapshot"], "saved": saved})
     if rank == 0:
+        from rl_ckpt.data import replay_log
+
         log_event(config["log"], {"event": "done", "step": progress.global_step, "world": world,
                                   "reward": progress.rewards[-1] if progress.rewards else None})
+        log_event(config["log"], {"event": "audit", **auditor.report(complete_below=sampler.epoch).to_json(),
+                                  "replayed": replay_log(audit_log, cfg.dataset_size).report(
+                                      complete_below=sampler.epoch).to_json()})
     saver.close()
+
+
+def audit_log_path(log: str) -> str:
+    """The auditor's append-only log beside the run's event log."""
+    return log[:-len(".log.jsonl")] + ".audit.jsonl" if log.endswith(".log.jsonl") else log + ".audit.jsonl"
 
 
 def save(tier, engine, step: int) -> str:
