@@ -379,6 +379,24 @@ class RayMemoryStorage(Storage):
         """Block until every store's queued copies are done (True), or ``timeout`` passed (False)."""
         return all(self._each("wait_replicated", timeout).values())
 
+    # -- readers of policy versions: pins and placement (actors/memory_pins.py) -------------------------------
+    def pin(self, snapshot: str, holder: str, paths: list[str], seconds: float) -> bool:
+        """Pin ``paths`` for ``holder`` in every live store; whether one of them still holds the manifest."""
+        return any(self._each("pin", snapshot, holder, list(paths), seconds).values())
+
+    def unpin(self, snapshot: str, holder: str) -> None:
+        self._each("unpin", snapshot, holder)
+
+    def pins(self) -> dict[str, dict[str, int]]:
+        """node id -> {snapshot: readers pinning it}."""
+        return self._each("pins")
+
+    def fetch_here(self, paths: list[str]) -> int:
+        """Copy ``paths`` this node's store lacks into it from the other live stores; returns bytes copied."""
+        stores = self.stores()
+        local = self._store(self.node_id)
+        return _ray().get(local.fetch.remote(list(paths), [h for n, h in sorted(stores.items()) if n != self.node_id]))
+
     def store_info(self) -> dict[str, dict]:
         """node id -> what its store holds and its replication state (``MemoryStore.info``)."""
         return self._each("info")

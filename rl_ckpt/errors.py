@@ -98,3 +98,8 @@ class PostCommitError(CheckpointError):
 
     Never raised by a save; carried on the returned ``SnapshotInfo.warnings`` and handed
     to the scheduler's ``on_error`` (``snapshot_id``, ``problems``)."""
+
+
+class VersionNotFoundError(CheckpointError):
+    """A policy version that is not (or no longer) published was asked for (``version``, ``newest``,
+    ``available``)."""
