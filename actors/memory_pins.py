@@ -63,7 +63,7 @@ class PinsAndFetch:
         moved = 0
         for path in paths:
             with self._lock:
-                self._fetched.wait_for(lambda: path not in self._fetching)
+                self._fetched.wait_for(lambda p=path: p not in self._fetching)
                 if path in self._files:
                     continue
                 self._fetching.add(path)

@@ -135,8 +135,15 @@ class PolicyVersions:
         not write). Returns after the version is committed and verified."""
         if self.engine is None:
             return None
-        # Versions kept past retention while a worker pinned them come back into view, to be retired now.
-        self.engine.catalog.refresh()
+        # Versions kept past retention while a worker pinned them come back into view and are retired now,
+        # before the new one needs room in the budget (retention also runs after the commit, as always).
+        if self.rank == 0:
+            self.engine.catalog.refresh()
+            for warning in self.engine.maintenance.after_commit():
+                log.warning("policy versions of %s: %s", self.run_name, warning)
+        if self.sharded:  # no rank reuses an object of a version rank 0 is retiring right now
+            torch.distributed.barrier()
+            self.engine.catalog.refresh()
         tags = {"policy_version": step, "policy_dtype": str(self.dtype).replace("torch.", "") if self.dtype else "as trained"}
         info = self.engine.save(step, metrics, tags=tags)
         return info.snapshot_id
@@ -166,7 +173,7 @@ def versions_status(storage: RayMemoryStorage) -> dict:
             faults.append(json.loads(bytes(storage.read(path))))
         except (CheckpointError, ValueError):
             continue
-    pins = storage.pins() if info else {}
+    pins = storage.each("pins") if info else {}
     return {"versions": list(published(storage)), "bytes_per_node": {n: i["bytes_held"] for n, i in info.items()},
             "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
             "pinned": {n: p for n, p in pins.items() if p},

@@ -145,19 +145,19 @@ class WeightSubscriber:
         manifest = read_manifest(self.storage, sid)
         pieces = component_pieces(manifest, self.key)
         paths = pieces.paths()
-        if not self.storage.pin(sid, self.holder, paths, self.lease_seconds):
+        if not any(self.storage.each("pin", sid, self.holder, paths, self.lease_seconds).values()):
             raise StorageError(f"{sid} was retired before it could be pinned", path=sid)
         try:
             copied = 0
             if self.placement:
                 try:
-                    copied = self.storage.fetch_here(paths)
+                    copied = fetch_here(self.storage, paths)
                 except CheckpointError as exc:  # e.g. no room on this node: read from the peers instead
                     log.warning("policy version %s not placed on this node (%s); reading it from its stores", sid, exc)
             return puller.pull(self.storage, manifest, pieces), copied
         finally:
             try:
-                self.storage.unpin(sid, self.holder)
+                self.storage.each("unpin", sid, self.holder)
             except Exception as exc:  # the lease runs out by itself
                 log.warning("could not unpin %s: %s", sid, exc)
 
@@ -197,5 +197,13 @@ class WeightSubscriber:
                 "status": "degraded" if self.faults else "ok"}
 
 
+def fetch_here(storage, paths: list[str]) -> int:
+    """Copy ``paths`` this node's store lacks into it from the run's other live stores; returns bytes copied."""
+    import ray
+
+    others = [h for n, h in sorted(storage.stores().items()) if n != storage.node_id]
+    return ray.get(storage.store_of(storage.node_id).fetch.remote(list(paths), others))
+
+
 def _why(reasons: dict[str, Any]) -> str:
-    return "; ".join(f"{k}: {v}" for k, v in reasons.items())[:2000] or "no reason recorded"
+    return "; ".join(v if v.startswith(k) else f"{k}: {v}" for k, v in reasons.items())[:2000] or "no reason recorded"
