@@ -414,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rl_ckpt.demo.__main__ import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:2] == ["bench", "weights"]:  # policy versions to rollout actors, on a Ray cluster of its own
+        from rl_ckpt.tools.bench.weights import main as weights_main
+
+        return weights_main(argv[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
