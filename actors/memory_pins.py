@@ -16,6 +16,8 @@ import time
 
 from rl_ckpt.format.manifest import MANIFEST_NAME
 
+FETCH_BATCH = 16  # files moved from a peer at once (objects of up to 8 MiB each)
+
 
 class PinsAndFetch:
     # -- pins: files a reader is using are not removed under it ------------------------
@@ -52,43 +54,57 @@ class PinsAndFetch:
                 out[sid] = out.get(sid, 0) + 1
             return out
 
+    def get_many(self, paths: list[str]) -> list:
+        """``get`` of each of ``paths`` in one call (a reader of many files pays one round trip, not one each)."""
+        return [self.get(p) for p in paths]
+
     # -- placement: copies pulled in from peer stores ------------------------------
     def fetch(self, paths: list[str], sources: list) -> int:
-        """Copy each of ``paths`` this store lacks from the first of ``sources`` (peer stores) holding it, in
-        order (a manifest last: it tells this store the snapshot is whole here). Callers asking at once for
-        the same file wait for the copy in flight instead of making another, so N readers on a node cost one
-        transfer to it. Returns the bytes this call copied in."""
+        """Copy each of ``paths`` this store lacks from the first of ``sources`` (peer stores) holding it: data
+        first, manifests last (a manifest tells this store the snapshot is whole here), many at once. Callers
+        asking at once for the same file wait for the copy in flight instead of making another, so N readers
+        on a node cost one transfer to it. Returns the bytes this call copied in."""
         import ray
 
+        with self._lock:
+            mine = [p for p in dict.fromkeys(paths) if p not in self._files and p not in self._fetching]
+            self._fetching.update(mine)
         moved = 0
-        for path in paths:
+        try:
+            manifests = [p for p in mine if p.endswith("/" + MANIFEST_NAME)]
+            for group in ([p for p in mine if p not in manifests], manifests):
+                moved += self._fetch_many(ray, group, sources)
+        finally:
             with self._lock:
-                self._fetched.wait_for(lambda p=path: p not in self._fetching)
-                if path in self._files:
-                    continue
-                self._fetching.add(path)
-            try:
-                moved += self._fetch_one(ray, path, sources)
-            finally:
-                with self._lock:
-                    self._fetching.discard(path)
-                    self._fetched.notify_all()
+                self._fetching.difference_update(mine)
+                self._fetched.notify_all()
+        with self._lock:  # copies of the same files that other callers are making
+            self._fetched.wait_for(lambda: not self._fetching.intersection(paths))
         return moved
 
-    def _fetch_one(self, ray, path: str, sources: list) -> int:
+    def _fetch_many(self, ray, paths: list[str], sources: list) -> int:
+        moved, todo = 0, list(paths)
         for source in sources:
+            if not todo:
+                break
             try:
-                got = ray.get(source.get.remote(path))
-                if got is None or isinstance(got, int):
-                    continue
-                owned, size = self.take(ray.get(got[0]) if isinstance(got, list) else got)
+                answers = ray.get([source.get.remote(p) for p in todo])
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
-                continue  # that peer died: another may hold the file
-            with self._lock:
-                if path in self._files:
-                    return 0
-                self._store(path, owned, size)
-                self.fetched_bytes += size
-            return size
-        return 0
-
+                continue  # that peer died: another may hold the files
+            found = [(p, a) for p, a in zip(todo, answers) if a is not None and not isinstance(a, int)]
+            for i in range(0, len(found), FETCH_BATCH):  # objects move in parallel, a batch at a time
+                batch = found[i:i + FETCH_BATCH]
+                try:
+                    datas = ray.get([a[0] for _p, a in batch if isinstance(a, list)])
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                    continue
+                datas.reverse()
+                for path, answer in batch:
+                    owned, size = self.take(datas.pop() if isinstance(answer, list) else answer)
+                    with self._lock:
+                        if path not in self._files:
+                            self._store(path, owned, size)
+                            self.fetched_bytes += size
+                            moved += size
+            todo = [p for p in todo if p not in self._files]
+        return moved

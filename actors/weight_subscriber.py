@@ -52,6 +52,7 @@ class PullResult:
     bytes_total: int  # bytes of the whole policy
     node_bytes_copied: int  # bytes this call had copied to this node's store (0 when already there)
     seconds: float
+    place_seconds: float = 0.0  # of ``seconds``: copying the version to this node's store
     fell_back_from: int | None = None  # the version asked for, when a fault made the worker take another
     reason: str = ""
 
@@ -117,19 +118,19 @@ class WeightSubscriber:
         for step in [s for s in sorted(available, reverse=True) if s <= target]:
             sid = available[step]
             try:
-                stats, copied = self._pull_version(puller, sid)
+                stats, copied, placed = self._pull_version(puller, sid)
             except (CorruptSnapshotError, StorageError) as exc:
                 reasons[sid] = str(exc)
                 self._fault(sid, exc, target)
                 continue
             return self._done(PullResult(step, sid, "memory", stats.bytes_moved, stats.bytes_total, copied,
-                                         time.monotonic() - started, None if step == target else target,
+                                         time.monotonic() - started, placed, None if step == target else target,
                                          "" if step == target else _why(reasons)))
         if self.durable is not None:
             sid, stats = self._pull_durable(puller, reasons)
             step = parse_snapshot_id(sid)[0]
             return self._done(PullResult(step, sid, "durable", stats.bytes_moved, stats.bytes_total, 0,
-                                         time.monotonic() - started, target, _why(reasons)))
+                                         time.monotonic() - started, 0.0, target, _why(reasons)))
         raise NoValidSnapshotError(f"no policy version of run {self.run_name!r} up to {target} could be loaded and "
                                    f"no durable fallback is configured; {_why(reasons)}. The module keeps what it "
                                    "held", reasons=reasons)
@@ -148,13 +149,16 @@ class WeightSubscriber:
         if not any(self.storage.each("pin", sid, self.holder, paths, self.lease_seconds).values()):
             raise StorageError(f"{sid} was retired before it could be pinned", path=sid)
         try:
-            copied = 0
+            copied, placing = 0, time.monotonic()
             if self.placement:
                 try:
                     copied = fetch_here(self.storage, paths)
                 except CheckpointError as exc:  # e.g. no room on this node: read from the peers instead
                     log.warning("policy version %s not placed on this node (%s); reading it from its stores", sid, exc)
-            return puller.pull(self.storage, manifest, pieces), copied
+            placed = time.monotonic() - placing
+            todo = {path for piece in puller.needed(pieces) for path in piece.paths(pieces.algo)}
+            views = local_views(self.storage, sorted(todo))
+            return puller.pull(self.storage, manifest, pieces, views=views), copied, placed
         finally:
             try:
                 self.storage.each("unpin", sid, self.holder)
@@ -203,6 +207,24 @@ def fetch_here(storage, paths: list[str]) -> int:
 
     others = [h for n, h in sorted(storage.stores().items()) if n != storage.node_id]
     return ray.get(storage.store_of(storage.node_id).fetch.remote(list(paths), others))
+
+
+def local_views(storage, paths: list[str]) -> dict:
+    """Read-only views of those of ``paths`` this node's store holds, in one call to it and one ``ray.get`` (the
+    rest are read one by one later). Nothing is verified here: the puller hashes each view before using it."""
+    import ray
+
+    if not paths:
+        return {}
+    try:
+        answers = ray.get(storage.store_of(storage.node_id).get_many.remote(list(paths)))
+    except ray.exceptions.RayActorError:
+        return {}
+    refs = [(p, a[0]) for p, a in zip(paths, answers) if isinstance(a, list)]
+    out = {p: memoryview(a).toreadonly() for p, a in zip(paths, answers) if isinstance(a, bytes)}
+    for (p, _ref), data in zip(refs, ray.get([r for _p, r in refs])):
+        out[p] = memoryview(data).cast("B").toreadonly()
+    return out
 
 
 def _why(reasons: dict[str, Any]) -> str:

@@ -35,6 +35,8 @@ from rl_ckpt.sharded.component import chunk_reader, is_sharded_section
 from rl_ckpt.sharded.layout import Chunk, Layout
 from rl_ckpt.storage import Storage
 
+HASH_STEP = 8 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -70,12 +72,12 @@ class Pieces:
         return sum(p.size for p in self.pieces)
 
     def paths(self) -> list[str]:
-        """Every storage path (run-relative) holding this component's bytes, its manifest first."""
+        """Every storage path (run-relative) holding this component's bytes, its manifest last."""
         sid = self.manifest.snapshot_id
-        out = [f"{sid}/meta.json"] + [f"{sid}/{f.path}" for f in self.manifest.files_of(self.key)]
+        out = [f"{sid}/{f.path}" for f in self.manifest.files_of(self.key)]
         for p in self.pieces:
             out += p.paths(self.algo)
-        return list(dict.fromkeys(out))
+        return list(dict.fromkeys(out + [f"{sid}/meta.json"]))
 
 
 def component_pieces(manifest: Manifest, key: str) -> Pieces:
@@ -141,13 +143,20 @@ def check_fits(pieces: Pieces, module: torch.nn.Module) -> dict[str, torch.Tenso
     return targets
 
 
-def read_object(storage: Storage, algo: str, digest: str, size: int, sid: str) -> memoryview:
-    """A dedup object's bytes, hashed where they lie (``read_view``: no copy) and checked against its name."""
+def read_object(storage: Storage, algo: str, digest: str, size: int, sid: str,
+                view: memoryview | None = None) -> memoryview:
+    """A dedup object's bytes, hashed where they lie (``read_view``: no copy) and checked against its name.
+    ``view``: its bytes read already (unverified), hashed here the same way."""
     path = object_path(algo, digest)
     hasher = new_hasher(algo)
     reader: Callable[..., Any] = getattr(storage, "read_view", None) or storage.read
     try:
-        data = memoryview(reader(path, on_chunk=hasher.update)).cast("B")
+        if view is None:
+            data = memoryview(reader(path, on_chunk=hasher.update)).cast("B")
+        else:
+            data = memoryview(view).cast("B")
+            for start in range(0, data.nbytes, HASH_STEP):
+                hasher.update(data[start:start + HASH_STEP])
     except StorageError as exc:
         raise CorruptSnapshotError(f"{sid}: object {path}: {exc}", snapshot_id=sid, path=path,
                                    problems=["object unreadable"]) from exc
@@ -181,13 +190,15 @@ class WeightPuller:
         """The pieces whose content at their slot differs from what the module holds."""
         return [p for p in pieces.pieces if self.held.get(p.slot) != p.address]
 
-    def pull(self, storage: Storage, manifest: Manifest, pieces: Pieces | None = None) -> PullStats:
-        """Move the changed pieces of ``manifest`` into the module; every one verified before any is applied."""
+    def pull(self, storage: Storage, manifest: Manifest, pieces: Pieces | None = None, *,
+             views: dict[str, memoryview] | None = None) -> PullStats:
+        """Move the changed pieces of ``manifest`` into the module; every one verified before any is applied.
+        ``views``: run-relative path -> bytes read already (e.g. many in one call), verified here like any."""
         pieces = pieces or component_pieces(manifest, self.key)
         targets = check_fits(pieces, self.module)
         todo = self.needed(pieces)
         sid = manifest.snapshot_id
-        fetched = [(p, self._fetch(storage, pieces, p)) for p in todo]  # phase 1: read and verify all
+        fetched = [(p, self._fetch(storage, pieces, p, views or {})) for p in todo]  # phase 1: read, verify all
         with torch.no_grad():  # phase 2: apply (nothing here can fail on the data)
             for piece, src in fetched:
                 self._apply(targets, pieces, piece, src)
@@ -201,7 +212,7 @@ class WeightPuller:
         self.held, self.snapshot_id = {}, None
 
     @staticmethod
-    def _fetch(storage: Storage, pieces: Pieces, piece: Piece) -> Any:
+    def _fetch(storage: Storage, pieces: Pieces, piece: Piece, views: dict) -> Any:
         sid = pieces.manifest.snapshot_id
         if piece.entry is not None:
             raw = read_verified(storage, sid, piece.entry, readonly_ok=True)
@@ -215,12 +226,13 @@ class WeightPuller:
                 out[k] = to_torch(code, shape, view)
             return out
         if piece.objects:
-            views = [read_object(storage, pieces.algo, d, n, sid) for d, n in piece.objects]
-            if len(views) == 1:
-                return views[0]
-            joined = bytearray(sum(v.nbytes for v in views))
+            got = [read_object(storage, pieces.algo, d, n, sid, views.get(object_path(pieces.algo, d)))
+                   for d, n in piece.objects]
+            if len(got) == 1:
+                return got[0]
+            joined = bytearray(sum(v.nbytes for v in got))
             pos = 0
-            for v in views:
+            for v in got:
                 joined[pos:pos + v.nbytes] = v
                 pos += v.nbytes
             return memoryview(joined)

@@ -159,6 +159,7 @@ def run(args) -> dict:
         out["full_s"] = out["publish_s"] + out["pull_s"]
         out["full_vs_floor"] = out["full_s"] / out["floor_s"]
         out["full_bytes"] = pulls[0]["bytes_total"]
+        out["full_pulls"] = [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")} for p in pulls]
         out["node_bytes_copied"] = sum(p["node_bytes_copied"] for p in pulls)
         want = float(sum(t.double().sum() for t in policy.state_dict().values()))
         out["full_checked"] = all(abs(c - want) < 1e-6 * abs(want) + 1e-6
