@@ -144,9 +144,27 @@ class PolicyVersions:
         if self.sharded:  # no rank reuses an object of a version rank 0 is retiring right now
             torch.distributed.barrier()
             self.engine.catalog.refresh()
+        held = published(self.storage)
+        if step in held:  # published already on this timeline (a restored step): the same weights
+            return held[step]
         tags = {"policy_version": step, "policy_dtype": str(self.dtype).replace("torch.", "") if self.dtype else "as trained"}
         info = self.engine.save(step, metrics, tags=tags)
         return info.snapshot_id
+
+    def rewind(self, step: int) -> list[str]:
+        """After the learners restored ``step``: retire the versions newer than it (they belong to the timeline
+        that failed; the steps are published anew). Rank 0 does it; returns the snapshot ids retired."""
+        from rl_ckpt.run.commit import retire_snapshot
+
+        if self.engine is None or self.rank != 0:
+            return []
+        gone = [sid for v, sid in published(self.storage).items() if v > step]
+        for sid in gone:
+            retire_snapshot(self.storage, sid)
+        self.engine.catalog.refresh()
+        if gone:
+            log.info("policy versions of %s: retired %s (newer than the restored step %d)", self.run_name, gone, step)
+        return gone
 
     def versions(self) -> list[int]:
         """The versions published and not retired, oldest first."""
