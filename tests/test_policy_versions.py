@@ -156,5 +156,9 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
     assert (got.source, got.version, got.fell_back_from) == ("durable", 1, 2) and bad in got.reason
     assert all(torch.equal(expected[k], v) for k, v in worker.state_dict().items())
     assert sub.status()["status"] == "degraded" and pv.status()["faults"][0]["path"] == bad
+    from actors.versions_health import lookup
+
+    section = lookup(versions_run)  # what the manager's /healthz shows as "policy_versions"
+    assert section["status"] == "degraded" and section["faults"][0]["snapshot_id"] == "step_000000002"
     pv.close()
     durable.close()
