@@ -22,6 +22,7 @@ from rl_ckpt.errors import (
     StateMismatchError,
     StorageError,
     UnsafePathError,
+    VersionNotFoundError,
 )
 from rl_ckpt.run.snapshot_files import VerifyReport
 
@@ -31,5 +32,5 @@ __all__ = [
     "CheckpointEngine", "CheckpointConfig", "Checkpointable", "RNGState", "TrainingProgress", "SnapshotInfo",
     "RestoreResult", "VerifyReport", "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError",
     "NoValidSnapshotError", "RestoreError", "SchemaVersionError", "SerializationError", "StateMismatchError",
-    "StorageError", "UnsafePathError", "PostCommitError",
+    "StorageError", "UnsafePathError", "PostCommitError", "VersionNotFoundError",
 ]
