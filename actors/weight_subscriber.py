@@ -41,6 +41,10 @@ from .policy_versions import COMPONENT, FAULTS, not_found, published, versions_s
 log = logging.getLogger("rl_ckpt")
 
 
+class _Gone(Exception):
+    """The version was retired between the listing and the pin (retention, not a fault)."""
+
+
 @dataclasses.dataclass
 class PullResult:
     """What a pull left in the module and what it cost."""
@@ -101,7 +105,7 @@ class WeightSubscriber:
             puller = self._pullers[id(module)] = WeightPuller(module, self.key)
         return puller
 
-    def pull(self, module: torch.nn.Module, version: int | str = "latest") -> PullResult:
+    def pull(self, module: torch.nn.Module, version: int | str = "latest", *, _tries: int = 3) -> PullResult:
         """Make ``module`` hold ``version`` ("latest" or a version number); returns what it holds and the cost."""
         started = time.monotonic()
         available = published(self.storage)
@@ -119,6 +123,12 @@ class WeightSubscriber:
             sid = available[step]
             try:
                 stats, copied, placed = self._pull_version(puller, sid)
+            except _Gone:
+                if version == "latest" and _tries > 1:  # a newer one was published meanwhile: take that
+                    return self.pull(module, version, _tries=_tries - 1)
+                if step == target:
+                    raise not_found(self.run_name, version, list(published(self.storage))) from None
+                continue
             except (CorruptSnapshotError, StorageError) as exc:
                 reasons[sid] = str(exc)
                 self._fault(sid, exc, target)
@@ -143,11 +153,17 @@ class WeightSubscriber:
         return result
 
     def _pull_version(self, puller: WeightPuller, sid: str):
-        manifest = read_manifest(self.storage, sid)
+        try:
+            manifest = read_manifest(self.storage, sid)
+        except CorruptSnapshotError:  # also what an unreadable (e.g. just removed) manifest gives
+            if sid not in published(self.storage).values():
+                raise _Gone(sid) from None
+            raise
         pieces = component_pieces(manifest, self.key)
         paths = pieces.paths()
         if not any(self.storage.each("pin", sid, self.holder, paths, self.lease_seconds).values()):
-            raise StorageError(f"{sid} was retired before it could be pinned", path=sid)
+            self.storage.each("unpin", sid, self.holder)
+            raise _Gone(sid)
         try:
             copied, placing = 0, time.monotonic()
             if self.placement:
