@@ -73,13 +73,16 @@ class WeightSubscriber:
             "storage_options"}`` of the run's durable snapshots (their ``key`` component), or None.
         lease_seconds: how long a pin outlives a worker that died while reading.
         placement: copy versions to this node's store before reading (False: read from wherever they are).
+        budget_bytes: the memory budget of this node's version store when this worker is the one creating it
+            (as ``PolicyVersions``'; a placement that does not fit is skipped and the version read from its peers).
     """
 
     def __init__(self, run_name: str, *, key: str = COMPONENT, namespace: str = "rl_ckpt",
-                 durable: dict | None = None, lease_seconds: float = 300.0, placement: bool = True) -> None:
+                 durable: dict | None = None, lease_seconds: float = 300.0, placement: bool = True,
+                 budget_bytes: int | None = None) -> None:
         self.run_name = run_name
         self.key = key
-        self.storage = versions_storage(run_name, namespace=namespace, replicas=0)
+        self.storage = versions_storage(run_name, namespace=namespace, replicas=0, budget_bytes=budget_bytes)
         self.durable = durable
         self.lease_seconds = lease_seconds
         self.placement = placement
