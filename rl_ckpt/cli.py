@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rl_ckpt.tools.bench import add_arguments as _bench_arguments
 
     s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
-                       description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)")
+                       description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
+                                   "`rl-ckpt bench weights --help`: policy versions to rollout actors")
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p
