@@ -53,7 +53,7 @@ from rl_ckpt.storage import join, open_storage
 from .commits import ManagerCommits
 from .decisions import SaveDecisions
 from .healthz import HealthzServer
-from .memory_health import memory_tier_section
+from .versions_health import health_sections
 from .metrics import ManagerMetrics
 from .participants import LivenessWatch, ParticipantRegistry
 
@@ -297,7 +297,7 @@ class CheckpointManager:
         """The run's health: ``status`` is "degraded" (``/healthz`` answers 503) while a participant is lost
         (dead or silent) or a snapshot is quarantined; ``failure`` is then the newest failure recorded.
         ``maintenance_warnings``: what housekeeping after the newest commit could not do (the commit stands)."""
-        memory, now = memory_tier_section(self.config.run_name), time.monotonic()  # (bounded wait, outside the lock)
+        (memory, versions), now = health_sections(self.config.run_name), time.monotonic()  # (bounded, outside the lock)
         with self._lock:
             newest = self.catalog.snapshots()
             parts = self.registry.status(now)
@@ -319,7 +319,7 @@ class CheckpointManager:
                 "participants": parts, "lost": lost, "failure": failure, "pending_commits": sorted(self.pending),
                 "storage_free_bytes": self.storage.free_bytes(),
                 "patrol": self.patrol.status() if self.patrol else {"enabled": False},
-                "committed": self.commits.committed, "aborted": self.commits.aborted,
+                "committed": self.commits.committed, "aborted": self.commits.aborted, "policy_versions": versions,
                 "maintenance_warnings": dict(self.commits.maintenance_warnings), "memory_tier": memory,
             }
 

@@ -165,7 +165,7 @@ class RayMemoryStorage(Storage):
             self._node = _ray().get_runtime_context().get_node_id()
         return self._node
 
-    def _store(self, node_id: str):
+    def store_of(self, node_id: str):
         handle = self._handles.get(node_id)
         if handle is None:
             handle = store_actor(self.key, node_id, self.budget_bytes, self.namespace)
@@ -189,7 +189,7 @@ class RayMemoryStorage(Storage):
         self._handles = {n: h for n, h in self._handles.items() if n in found} | found
         return found
 
-    def _each(self, method: str, *args: Any, stores: dict | None = None) -> dict[str, Any]:
+    def each(self, method: str, *args: Any, stores: dict | None = None) -> dict[str, Any]:
         """``method(*args)`` on every live store at once: node id -> result (dead stores are left out)."""
         ray = _ray()
         stores = self.stores() if stores is None else stores
@@ -236,19 +236,19 @@ class RayMemoryStorage(Storage):
         else:  # one copy into the object store; the store copies it into its own heap
             payload = ray.put([np.frombuffer(p, dtype=np.uint8) for p in pieces if p.nbytes])
         if create_only:
-            held = [n for n, st in self._each("stat", path).items() if st is not None]
+            held = [n for n, st in self.each("stat", path).items() if st is not None]
             if held:
                 raise CommitConflictError(f"{self.url}/{path} already exists (in the memory store of node "
                                           f"{held[0][:12]}): another writer committed it first", path=path,
                                           snapshot_id=path.split("/", 1)[0])
         local = self.node_id
-        peers = [self._store(n) for n in self.peers(local)]
+        peers = [self.store_of(n) for n in self.peers(local)]
         try:
-            got = ray.get(self._store(local).put.remote(path, payload, create_only, peers))
+            got = ray.get(self.store_of(local).put.remote(path, payload, create_only, peers))
         except ray.exceptions.RayActorError:
             # The store of this node died: whatever it held is gone; a new one takes this write.
             self._handles.pop(local, None)
-            got = ray.get(self._store(local).put.remote(path, payload, create_only, peers))
+            got = ray.get(self.store_of(local).put.remote(path, payload, create_only, peers))
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, StorageError):
@@ -262,7 +262,7 @@ class RayMemoryStorage(Storage):
         """A committed manifest also goes to every other store holding files of its snapshot."""
         sid = path.split("/", 1)[0]
         stores = self.stores()
-        held = self._each("inventory", sid, stores=stores)
+        held = self.each("inventory", sid, stores=stores)
         for node, files in held.items():
             if node != written_on and files:
                 try:
@@ -322,7 +322,7 @@ class RayMemoryStorage(Storage):
         """What every live store holds under ``prefix``: node id -> {path: size}."""
         if prefix:
             check_relpath(prefix)
-        return self._each("inventory", prefix)
+        return self.each("inventory", prefix)
 
     def list(self, path: str = "") -> list[Entry]:
         if path:
@@ -347,7 +347,7 @@ class RayMemoryStorage(Storage):
 
     def stat(self, path: str) -> Entry | None:
         path = check_relpath(path)
-        for node, st in sorted(self._each("stat", path).items()):
+        for node, st in sorted(self.each("stat", path).items()):
             if st is not None:
                 return Entry(path.rsplit("/", 1)[-1], False, st[0], version=f"{node[:12]}:{st[1]}")
         return None
@@ -360,10 +360,10 @@ class RayMemoryStorage(Storage):
 
     # -- removal --------------------------------------------------------------------
     def remove(self, path: str) -> None:
-        self._each("remove", check_relpath(path))
+        self.each("remove", check_relpath(path))
 
     def remove_tree(self, path: str) -> None:
-        self._each("remove_prefix", check_relpath(path))
+        self.each("remove_prefix", check_relpath(path))
 
     def makedirs(self, path: str) -> None:
         check_relpath(path)  # folders are implied by the files in them
@@ -372,16 +372,16 @@ class RayMemoryStorage(Storage):
         """Room left in this node's store within its budget (None: no budget)."""
         if self.budget_bytes is None:
             return None
-        held = self._each("bytes_held", stores={self.node_id: self._store(self.node_id)})
+        held = self.each("bytes_held", stores={self.node_id: self.store_of(self.node_id)})
         return self.budget_bytes - held.get(self.node_id, 0)
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Block until every store's queued copies are done (True), or ``timeout`` passed (False)."""
-        return all(self._each("wait_replicated", timeout).values())
+        return all(self.each("wait_replicated", timeout).values())
 
     def store_info(self) -> dict[str, dict]:
         """node id -> what its store holds and its replication state (``MemoryStore.info``)."""
-        return self._each("info")
+        return self.each("info")
 
     def destroy(self) -> None:
         """Kill every store of this run (their memory is freed; nothing is flushed)."""

@@ -37,6 +37,8 @@ from typing import Any, Iterable
 from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 
+from .memory_pins import PinsAndFetch
+
 log = logging.getLogger("rl_ckpt")
 
 STORE_PREFIX = "rl_ckpt-mem"
@@ -93,7 +95,7 @@ def _snapshot_of(path: str) -> str | None:
     return top if parse_snapshot_id(top) is not None else None
 
 
-class MemoryStore:
+class MemoryStore(PinsAndFetch):
     """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
 
     def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:
@@ -113,6 +115,10 @@ class MemoryStore:
         self.evicted: list[str] = []
         self.replicated_bytes = 0
         self.replication_errors: list[str] = []
+        self._pins: dict[tuple[str, str], tuple[float, frozenset]] = {}  # (snapshot, holder) -> (until, paths)
+        self._fetching: set[str] = set()
+        self._fetched = threading.Condition(self._lock)
+        self.fetched_bytes = 0
         self._thread = threading.Thread(target=self._replicate_loop, name="rl_ckpt-mem-replicate", daemon=True)
         self._thread.start()
 
@@ -130,6 +136,11 @@ class MemoryStore:
             if peers:
                 self._enqueue(path, peers)
         return size
+
+    @staticmethod
+    def take(data: Any) -> tuple[Any, int]:
+        """A copy of ``data`` this store owns, and its size (bytes, or the ref of an object it put)."""
+        return _owned(data)
 
     def put_replica(self, path: str, data: Any, source_node: str) -> bool:
         """A peer's copy of ``path``: kept unless this store holds it already (replicas are idempotent)."""
@@ -185,7 +196,8 @@ class MemoryStore:
         if not committed:
             return []
         newest = parse_snapshot_id(committed[-1])
-        older = [s for s in folders if parse_snapshot_id(s) < newest and s != protect]
+        pinned = self._pinned_snapshots()
+        older = [s for s in folders if parse_snapshot_id(s) < newest and s != protect and s not in pinned]
         leftovers = sorted((s for s in older if not folders[s]), key=parse_snapshot_id)
         return leftovers + sorted((s for s in older if folders[s]), key=parse_snapshot_id)
 
@@ -200,16 +212,19 @@ class MemoryStore:
             self._versions.pop(path, None)
 
     def remove(self, path: str) -> None:
-        """Forget one file (missing is fine)."""
+        """Forget one file (missing is fine; a pinned one is kept until its pin ends)."""
         with self._lock:
-            self._drop(path)
+            if path not in self._pinned_paths():
+                self._drop(path)
 
     def remove_prefix(self, prefix: str) -> int:
-        """Forget every file under the folder ``prefix`` ("" : everything); returns how many."""
+        """Forget every file under the folder ``prefix`` ("" : everything) but pinned ones; returns how many."""
         with self._lock:
-            if prefix and f"{prefix}/{MANIFEST_NAME}" in self._files:
+            pinned = self._pinned_paths()
+            if prefix and f"{prefix}/{MANIFEST_NAME}" in self._files and f"{prefix}/{MANIFEST_NAME}" not in pinned:
                 self._drop(f"{prefix}/{MANIFEST_NAME}")
-            gone = [p for p in self._files if not prefix or p == prefix or p.startswith(prefix + "/")]
+            gone = [p for p in self._files if (not prefix or p == prefix or p.startswith(prefix + "/"))
+                    and p not in pinned]
             for p in gone:
                 self._drop(p)
             return len(gone)
@@ -321,7 +336,8 @@ class MemoryStore:
             return {"node_id": self.node_id, "key": self.key, "bytes_held": self._held,
                     "budget_bytes": self.budget_bytes, "files": len(self._files), "snapshots": committed,
                     "replication_queue": len(self._queue) + self._busy, "replication_lag_s": self.replication_lag(),
-                    "replicated_bytes": self.replicated_bytes, "replication_errors": list(self.replication_errors[-5:]),
+                    "replicated_bytes": self.replicated_bytes, "fetched_bytes": self.fetched_bytes,
+                    "replication_errors": list(self.replication_errors[-5:]),
                     "evicted": list(self.evicted[-20:])}
 
     def ping(self) -> str:

@@ -44,6 +44,7 @@ from rl_ckpt.errors import (
     UnknownParticipantError,
     UnsafePathError,
     UsageError,
+    VersionNotFoundError,
 )
 from rl_ckpt.data import (
     AuditReport,
@@ -99,4 +100,5 @@ __all__ = [
     "PostCommitError", "ReadRangeError", "RestoreError", "SchemaVersionError", "SerializationError",
     "SnapshotAbortedError", "SnapshotSkippedError", "StateMismatchError", "StorageArgumentError", "StorageError",
     "StoragePermissionError", "UnknownParticipantError", "UnsafePathError", "UsageError",
+    "VersionNotFoundError",
 ]

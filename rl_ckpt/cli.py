@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rl_ckpt.tools.bench import add_arguments as _bench_arguments
 
     s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
-                       description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)")
+                       description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
+                                   "`rl-ckpt bench weights --help`: policy versions to rollout actors")
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p
@@ -410,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rl_ckpt.demo.__main__ import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:2] == ["bench", "weights"]:  # policy versions to rollout actors, on a Ray cluster of its own
+        from rl_ckpt.tools.bench.weights import main as weights_main
+
+        return weights_main(argv[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -139,3 +139,8 @@ def post_commit_text(exc: BaseException) -> str:
 class DataPositionError(StateMismatchError, ValueError):
     """A saved data position does not fit the data given at restore, or cannot be saved exactly
     (``component``, ``field``, ``saved``, ``given``)."""
+
+
+class VersionNotFoundError(CheckpointError):
+    """A policy version that is not (or no longer) published was asked for (``version``, ``newest``,
+    ``available``)."""

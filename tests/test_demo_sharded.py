@@ -106,6 +106,9 @@ def test_sharded_demo_crash_and_restart_on_fewer_learners(tmp_path):
     assert (f["kill_step"], f["restored_step"], f["steps_redone"], f["first_step_after"]) == (9, 6, 3, 7)
     assert (f["saved_world"], f["restart_world"], f["final_step"], f["tier"]) == (2, 1, 12, "durable")
     assert f["downtime_s"] > 0 and f["weight_loads"] >= 12 // 6
+    # The rollout actors pulled policy versions: a first full pull each, then only changed chunks.
+    assert f["version_pulls"] == f["weight_loads"] and f["version_bytes_full"] > 0 and f["version_bytes_delta"] > 0
+    assert re.search(r"policy versions pulled, [\d.]+ MiB full \(first pulls\) \+ [\d.]+ MiB delta", text)
     # What is printed says the same as the figures, line by line.
     assert "saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)" in text
     assert re.search(r"SIGKILL of learner rank 1 of 2 after step 9\b", text)

@@ -123,7 +123,9 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
     downtime = after[0]["t"] - kill["t"] if after else float("nan")
     rewards = {e["step"]: e["reward"] for e in before + after}  # a redone step counts as it was last run
     first, final = rewards.get(1), done["reward"] if done else None
-    loads = sum(s["loads"] for s in run.rollout_stats())
+    stats = run.rollout_stats()
+    loads = sum(s["loads"] for s in stats)
+    moved = {k: sum(s.get("moved", {}).get(k, 0) for s in stats) for k in ("full", "delta", "pulls")}
     memory = run.memory["cfg"] if run.memory else None
     flushed = sorted((memory_status or {}).get("flushed", []))  # durable copies the service made from memory
     tier = resumed.get("tier")
@@ -133,6 +135,8 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
                "newest_before_kill": newest_before_kill, "steps_redone": redone, "downtime_s": downtime,
                "first_step_after": after[0]["step"] if after else None, "first_reward": first, "final_reward": final,
                "final_step": done["step"] if done else None, "layout": resumed["layout"], "weight_loads": loads,
+               "version_bytes_full": moved["full"], "version_bytes_delta": moved["delta"],
+               "version_pulls": moved["pulls"],
                "flushed": flushed,
                # The names figures.memory_comparison reads (the same figures).
                "tier": tier, "snapshot": resumed["restored"], "crash_step": kill["last_done"], "steps_lost": redone,
@@ -185,7 +189,10 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
     lines += [
         f"  reward             {first:.3f} at step 1 -> {final:.3f} at step {figures['final_step']}"
         if first is not None and final is not None else "  reward             -",
-        f"  rollout actors     {len(run.actors)}, {loads} full-weight loads from snapshots (one call each)",
+        f"  rollout actors     {len(run.actors)}, {loads} weight loads"
+        + (f": policy versions pulled, {moved['full'] / 2**20:.1f} MiB full (first pulls) + "
+           f"{moved['delta'] / 2**20:.1f} MiB delta (changed chunks only) in {moved['pulls']} pulls"
+           if moved["pulls"] else " of full weights from snapshots (one call each)"),
         f"  data               {run.grpo.dataset_size} prompts (a Hugging Face dataset), a PromptSampler's order; "
         + (f"{audit['consumed']} trained on over {audit['epochs']} complete epoch(s): skipped {audit['skipped']}, "
            f"duplicated {audit['duplicated']}, resumed in flight {audit['resumed_in_flight']} (rollouts are "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import time
@@ -38,6 +39,8 @@ from typing import Any
 import torch
 
 from rl_ckpt.demo.grpo import GRPOConfig, Progress, make_policy, sample, update
+
+log = logging.getLogger("rl_ckpt")
 
 ENGINE_DEFAULTS = {"keep_latest": 4, "keep_best": 0, "commit_timeout_seconds": 60.0}
 
@@ -55,6 +58,8 @@ class RolloutActor:
         self.engines: dict[str, Any] = {}
         self.loaded: str | None = None
         self.loads = 0
+        self.subs: dict[str, Any] = {}  # versions run -> WeightSubscriber
+        self.moved = {"full": 0, "delta": 0, "pulls": 0}
 
     def _engine(self, source: dict):
         from rl_ckpt import CheckpointEngine
@@ -70,20 +75,44 @@ class RolloutActor:
         """Answers to prompts ``indices`` of ``step``, sampled with the policy of ``snapshot_id`` in ``source``."""
         key = f"{source['base_dir'].rstrip('/')}/{source['run_name']}/{snapshot_id}"
         if key != self.loaded:
-            self._engine(source).load_full_weights("policy", self.model, snapshot_id)
+            if source.get("versions") and self._pull(source["versions"], snapshot_id):
+                pass
+            else:
+                self._engine(source).load_full_weights("policy", self.model, snapshot_id)
             self.loaded = key
             self.loads += 1
         out = {k: v.numpy() for k, v in sample(self.model, self.cfg, step, indices).items()}
         return {**out, "snapshot": snapshot_id}
 
+    def _pull(self, run: str, snapshot_id: str) -> bool:
+        """The policy version of ``snapshot_id``'s step (the learners publish one per snapshot): only the chunks
+        that changed since the version held move (the first pull moves all)."""
+        from actors.weight_subscriber import WeightSubscriber
+        from rl_ckpt.format.manifest import parse_snapshot_id
+
+        from rl_ckpt.errors import CheckpointError
+
+        sub = self.subs.get(run) or self.subs.setdefault(run, WeightSubscriber(run))
+        first = sub.version is None
+        try:
+            got = sub.pull(self.model, parse_snapshot_id(snapshot_id)[0])
+        except CheckpointError as exc:  # e.g. every copy lost with a node: the snapshot itself is still there
+            log.warning("rollout actor: policy version of %s not pulled (%s); loading the snapshot", snapshot_id, exc)
+            self.subs.pop(run, None)
+            return False
+        self.moved["full" if first else "delta"] += got.bytes_moved
+        self.moved["pulls"] += 1
+        return True
+
     def stats(self) -> dict:
-        return {"loads": self.loads, "loaded": self.loaded}
+        return {"loads": self.loads, "loaded": self.loaded, "moved": dict(self.moved)}
 
     def reset(self) -> None:
         """Forget the runs served so far (their engines closed, the load count back to 0)."""
         for engine in self.engines.values():
             engine.close()
         self.engines, self.loaded, self.loads = {}, None, 0
+        self.subs, self.moved = {}, {"full": 0, "delta": 0, "pulls": 0}
 
 
 def shard_policy(model: torch.nn.Module, world: int) -> torch.nn.Module:
@@ -152,6 +181,11 @@ def learner_loop(config: dict) -> None:
         tier = MemoryTier(engine, manager=memory["manager"], service=memory["service"])
     saver = tier or engine
     saver.register("policy", model)
+    versions = None
+    if config.get("versions"):  # the rollout actors get the policy as versions (every rank publishes its shards)
+        from actors.policy_versions import PolicyVersions
+
+        versions = PolicyVersions(config["run_name"], model, keep=4, replicas=1)  # a node lost keeps them
     saver.register("optim", optim)
     saver.register("rng", RNGState())
     saver.register("progress", progress)
@@ -173,6 +207,10 @@ def learner_loop(config: dict) -> None:
     newest = result.snapshot_id
     if newest is None:  # a fresh run: the rollout actors need weights to act with
         newest, source = save(tier, engine, 0), memory_source(engine.config) if tier else durable_source
+    if versions is not None:  # versions of the failed timeline go; the restored step is (re)published
+        versions.rewind(parse_step(newest))
+        versions.publish(parse_step(newest))
+        source = {**source, "versions": config["run_name"]}
     if rank == 0:
         plan = result.plan
         saved_by = {}
@@ -212,6 +250,9 @@ def learner_loop(config: dict) -> None:
         if (tier.due(step) if tier else step % config["save_every"] == 0) or step == config["steps"]:
             saved = newest = save(tier, engine, step)
             source = memory_source(engine.config) if tier else durable_source
+            if versions is not None:
+                versions.publish(step)
+                source = {**source, "versions": config["run_name"]}
         if rank == 0:
             log_event(config["log"], {"event": "step", "step": step, "world": world, "reward": progress.rewards[-1],
                                       "loss": loss, "rollout_snapshot": parts[0]["snapshot"], "saved": saved})
@@ -223,12 +264,20 @@ def learner_loop(config: dict) -> None:
         log_event(config["log"], {"event": "audit", **auditor.report(complete_below=sampler.epoch).to_json(),
                                   "replayed": replay_log(audit_log, cfg.dataset_size).report(
                                       complete_below=sampler.epoch).to_json()})
+    if versions is not None:
+        versions.close()
     saver.close()
 
 
 def audit_log_path(log: str) -> str:
     """The auditor's append-only log beside the run's event log."""
     return log[:-len(".log.jsonl")] + ".audit.jsonl" if log.endswith(".log.jsonl") else log + ".audit.jsonl"
+
+
+def parse_step(snapshot_id: str) -> int:
+    from rl_ckpt.format.manifest import parse_snapshot_id
+
+    return parse_snapshot_id(snapshot_id)[0]
 
 
 def save(tier, engine, step: int) -> str:
@@ -271,6 +320,7 @@ class Run:
     fits: int = 0
     memory: dict | None = None
     owns_actors: bool = True
+    versions: bool = True  # the rollout actors pull policy versions (False: full weights from each snapshot)
 
     @classmethod
     def start(cls, base_dir: str, run_name: str, grpo: GRPOConfig | None = None, *, n_actors: int = 2,
@@ -318,7 +368,7 @@ class Run:
         config = {"base_dir": self.base_dir, "run_name": self.run_name, "manager": self.manager, "actors": self.actors,
                   "grpo": self.grpo.to_json(), "steps": steps, "save_every": save_every, "log": self.log,
                   "storage_options": self.storage_options, "crash": {"step": crash_at} if crash_at else None,
-                  "memory": self.memory}
+                  "memory": self.memory, "versions": self.versions}
         self.fits += 1
         scaling = ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker=resources_per_worker or {"CPU": 0.5},
                                 elastic_resize_monitor_interval_s=resize_interval_s)
@@ -359,6 +409,10 @@ class Run:
 
             stop_memory_tier(self.memory, {"base_dir": self.base_dir, "run_name": self.run_name, **self.memory["cfg"]})
             self.memory = None
+        if self.versions:
+            from actors.policy_versions import versions_storage
+
+            versions_storage(self.run_name).destroy()
         if self.owns_actors:
             for a in self.actors:
                 ray.kill(a)

@@ -1,0 +1,202 @@
+"""Policy versions: the learners publish their policy weights into the memory tier; rollout workers pull them.
+
+    # learners (every rank of an FSDP2 group calls it; with replicated learners rank 0 writes, the rest skip)
+    versions = PolicyVersions("grpo", model, dtype=torch.bfloat16)
+    versions.publish(step)
+
+    # a rollout worker, on any node
+    sub = WeightSubscriber("grpo")
+    result = sub.pull(policy)                      # "latest", or a version number (the learners' step)
+    result.version, result.bytes_moved             # what it holds now; what moved (only changed chunks)
+
+A version is a snapshot of one component (``policy``) in the run's version stores (``raymem://versions/
+<run>``, a ``MemoryStore`` per node): the same manifest, per-chunk checksums, verify-after-write and
+create-only commit as any snapshot, written by a ``CheckpointEngine`` with ``dedup`` on, so each tensor's
+8 MiB chunks are content-addressed objects and versions share what did not change. Retention keeps the
+newest ``keep`` versions; a version a worker is reading is pinned and stays until it lets go.
+
+Publishing cast (``dtype=torch.bfloat16``) writes the floating-point tensors in that dtype and records it
+in the manifest's tags (``policy_dtype``); the learners' fp32 state stays theirs (and in their snapshots).
+The pulling side is :class:`~actors.weight_subscriber.WeightSubscriber`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rl_ckpt.errors import CheckpointError, ConfigError, VersionNotFoundError
+from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
+
+from .memory_storage import RayMemoryStorage
+
+log = logging.getLogger("rl_ckpt")
+
+VERSIONS_BASE = "raymem://versions"
+COMPONENT = "policy"
+
+
+def versions_storage(run_name: str, *, namespace: str = "rl_ckpt", replicas: int = 1,
+                     budget_bytes: int | None = None, node_id: str | None = None) -> RayMemoryStorage:
+    """The ``raymem://`` storage of run ``run_name``'s policy versions (its stores are created on first write)."""
+    opts: dict[str, Any] = {"namespace": namespace, "replicas": replicas, "budget_bytes": budget_bytes}
+    if node_id is not None:
+        opts["node_id"] = node_id
+    return RayMemoryStorage(f"{VERSIONS_BASE}/{run_name}", opts)
+
+
+def published(storage: RayMemoryStorage) -> dict[int, str]:
+    """Committed versions in any live store: version (step) -> snapshot id, oldest first (one call per store)."""
+    sids = set()
+    for files in storage.inventory("").values():
+        for path in files:
+            sid, _, rest = path.partition("/")
+            parsed = parse_snapshot_id(sid)
+            if rest == MANIFEST_NAME and parsed is not None and parsed[2] == "full":
+                sids.add(sid)
+    by_step: dict[int, str] = {}
+    for sid in sorted(sids, key=parse_snapshot_id):
+        by_step[parse_snapshot_id(sid)[0]] = sid  # a later branch of the same step wins
+    return dict(sorted(by_step.items()))
+
+
+def not_found(run_name: str, version: Any, available: list[int]) -> VersionNotFoundError:
+    newest = available[-1] if available else None
+    what = "no policy version is published yet" if not available else (
+        f"newest available: {newest} (available: {', '.join(map(str, available[-8:]))})")
+    return VersionNotFoundError(f"policy version {version!r} of run {run_name!r} is unknown or retired; {what}. "
+                                "Ask for 'latest' or one of those", version=version, newest=newest,
+                                available=list(available))
+
+
+class CastPolicy:
+    """The module's state with its floating-point tensors cast to ``dtype`` (publishing only)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.module = module
+        self.dtype = dtype
+
+    def state_dict(self) -> dict:
+        return {k: (v.detach().to(self.dtype) if v.is_floating_point() else v.detach())
+                for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise CheckpointError("a cast policy version is published, never restored into the learners: their "
+                              "full-precision state is in their own snapshots")
+
+
+class PolicyVersions:
+    """The learners' side: ``publish(step)`` makes the policy of that step a version (module docstring).
+
+    Args:
+        run_name: the run (its version stores are ``raymem://versions/<run_name>``).
+        module: the policy: a plain module (replicated learners) or an FSDP2 one (every rank publishes its shards).
+        keep: versions kept (older ones are retired after each publish, unless a worker pins them).
+        replicas: peer stores each file is copied to as it is written (besides placement to pulling nodes).
+        budget_bytes: per-store memory budget (a publish that does not fit is refused, nothing held is lost).
+        dtype: publish floating-point tensors cast to this dtype (plain modules), recorded in the manifest.
+        rank, world_size: this learner's place (default: torch.distributed's, else 0 of 1). With a plain
+            module only rank 0 writes (the weights are the same on every rank).
+        min_object_bytes: tensors from this size are content-addressed objects (smaller ones share a file).
+    """
+
+    def __init__(self, run_name: str, module: torch.nn.Module, *, keep: int = 4, replicas: int = 1,
+                 budget_bytes: int | None = None, dtype: torch.dtype | None = None, rank: int | None = None,
+                 world_size: int | None = None, namespace: str = "rl_ckpt", min_object_bytes: int = 0) -> None:
+        from rl_ckpt.core.engine import CheckpointEngine
+        from rl_ckpt.run.retention import KeepLatest
+        from rl_ckpt.sharded.component import has_dtensors
+
+        if keep < 1:
+            raise ConfigError(f"PolicyVersions: keep={keep!r}; allowed: an integer >= 1", key="keep", allowed=">= 1")
+        self.run_name = run_name
+        self.sharded = has_dtensors(module.parameters())
+        if dtype is not None and self.sharded:
+            raise ConfigError("PolicyVersions: dtype= casts plain modules; an FSDP2 module is published as it is "
+                              "sharded (give its params the dtype wanted, or publish from a plain copy)", key="dtype")
+        if not self.sharded:
+            if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+                rank = torch.distributed.get_rank()
+            rank, world_size = 0 if not rank else rank, 1  # one writer: the weights are the same on every rank
+        self.rank = rank or 0
+        self.dtype = dtype
+        self.storage = versions_storage(run_name, namespace=namespace, replicas=replicas, budget_bytes=budget_bytes)
+        self.engine = None
+        if self.sharded or self.rank == 0:
+            self.engine = CheckpointEngine(base_dir=VERSIONS_BASE, run_name=run_name, storage=self.storage,
+                                           retention=KeepLatest(keep), dedup=True, keep_latest=keep, keep_best=0,
+                                           dedup_min_tensor_bytes=min_object_bytes, rank=rank, world_size=world_size)
+            self.engine.register(COMPONENT, CastPolicy(module, dtype) if dtype is not None else module)
+
+    def publish(self, step: int, metrics: dict | None = None) -> str | None:
+        """Publish the policy as version ``step`` (returns its snapshot id; None on a replicated rank that does
+        not write). Returns after the version is committed and verified."""
+        if self.engine is None:
+            return None
+        # Versions kept past retention while a worker pinned them come back into view and are retired now,
+        # before the new one needs room in the budget (retention also runs after the commit, as always).
+        if self.rank == 0:
+            self.engine.catalog.refresh()
+            for warning in self.engine.maintenance.after_commit():
+                log.warning("policy versions of %s: %s", self.run_name, warning)
+        if self.sharded:  # no rank reuses an object of a version rank 0 is retiring right now
+            torch.distributed.barrier()
+            self.engine.catalog.refresh()
+        held = published(self.storage)
+        if step in held:  # published already on this timeline (a restored step): the same weights
+            return held[step]
+        tags = {"policy_version": step, "policy_dtype": str(self.dtype).replace("torch.", "") if self.dtype else "as trained"}
+        info = self.engine.save(step, metrics, tags=tags)
+        return info.snapshot_id
+
+    def rewind(self, step: int) -> list[str]:
+        """After the learners restored ``step``: retire the versions newer than it (they belong to the timeline
+        that failed; the steps are published anew). Rank 0 does it; returns the snapshot ids retired."""
+        from rl_ckpt.run.delete import delete_snapshot
+
+        if self.engine is None or self.rank != 0:
+            return []
+        gone = [sid for v, sid in published(self.storage).items() if v > step]
+        for sid in gone:
+            delete_snapshot(self.storage, sid)
+        self.engine.catalog.refresh()
+        if gone:
+            log.info("policy versions of %s: retired %s (newer than the restored step %d)", self.run_name, gone, step)
+        return gone
+
+    def versions(self) -> list[int]:
+        """The versions published and not retired, oldest first."""
+        return list(published(self.storage))
+
+    def status(self) -> dict:
+        """Versions held, bytes per node, pins and the faults rollout workers reported (for /healthz)."""
+        return versions_status(self.storage)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def versions_status(storage: RayMemoryStorage) -> dict:
+    """What the run's version stores hold: versions, bytes per node, copies pulled in, pins, reported faults."""
+    import json
+
+    info = storage.store_info()
+    faults = []
+    paths = sorted({p for files in storage.inventory(FAULTS).values() for p in files})
+    for path in paths[-20:]:
+        try:
+            faults.append(json.loads(bytes(storage.read(path))))
+        except (CheckpointError, ValueError):
+            continue
+    pins = storage.each("pins") if info else {}
+    return {"versions": list(published(storage)), "bytes_per_node": {n: i["bytes_held"] for n, i in info.items()},
+            "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
+            "pinned": {n: p for n, p in pins.items() if p},
+            "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
+            "status": "degraded" if faults else "ok"}
+
+
+FAULTS = "faults"

@@ -1,0 +1,232 @@
+"""``rl-ckpt bench weights``: a policy delivered to rollout actors as versions, next to the object-store floor.
+
+    rl-ckpt bench weights [--size 256MiB] [--receivers 4] [--changed 0.05] [--json FILE]
+
+On a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: the head, where the learner
+(this process) publishes, and a worker node), ``--receivers`` rollout actors, half on each node, each holding
+a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured in the same run, each once,
+in this order:
+
+- ``floor``: ``ray.put`` of the policy once, ``ray.get`` by every receiver at once and a copy into its module
+  (what any delivery must at least do: move the bytes to each node and into each module); the second of two
+  rounds (the first pays for first transfers);
+- ``safetensors``: the policy written to one ``.safetensors`` file (``save_file``, timed apart), then every
+  receiver loading it (``load_file``) and copying it into its module, at once (warm page cache: same disk);
+- ``full``: ``PolicyVersions.publish`` (write, verify, commit) of a version whose every chunk changed, then
+  every receiver's ``WeightSubscriber.pull`` of it at once (after a version 0 that started the stores; placement on the worker node, verification, copy
+  into the module); ``full_vs_floor`` is (publish + pulls) / floor, ``pull_vs_floor`` the pulls alone / floor;
+- ``delta``: ``--changed`` of the 8 MiB chunks changed (one element each), published and pulled:
+  ``delta_bytes_fraction`` = bytes moved into a module / the policy's bytes;
+- ``restart``: a receiver on the worker node killed and started again: seconds from asking for the new actor
+  to it holding the newest version (``restart_total_s``; the pull alone: ``restart_pull_s``).
+
+Every figure is wall-clock time on this machine as it is (a shared machine's load shows in ``loadavg``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+
+from rl_ckpt.tools.bench.common import human, log, parse_size, rmtree
+
+TENSORS = 16
+CHUNK = 8 << 20  # run/dedup.py's chunk size: what "a changed chunk" means
+
+
+def make_policy(nbytes: int):
+    import torch
+
+    per = max(nbytes // TENSORS // 4, 1)
+    module = torch.nn.Module()
+    for i in range(TENSORS):
+        module.register_parameter(f"w{i:02d}", torch.nn.Parameter(torch.zeros(per), requires_grad=False))
+    return module
+
+
+class Receiver:
+    """A rollout actor: a module of the policy's shape, and the three ways of getting weights into it."""
+
+    def __init__(self, run: str, nbytes: int, namespace: str) -> None:
+        import torch
+
+        from actors.weight_subscriber import WeightSubscriber
+
+        torch.set_num_threads(1)
+        self.module = make_policy(nbytes)
+        self.sub = WeightSubscriber(run, namespace=namespace)
+
+    def ready(self) -> str:
+        return self.sub.storage.node_id
+
+    def from_object(self, refs: list) -> float:
+        import numpy as np
+        import ray
+
+        started = time.perf_counter()
+        state = ray.get(refs[0])
+        for k, t in self.module.state_dict().items():
+            np.copyto(t.detach().numpy(), state[k])
+        return time.perf_counter() - started
+
+    def from_file(self, path: str) -> float:
+        import torch
+        from safetensors.torch import load_file
+
+        started = time.perf_counter()
+        state = load_file(path)
+        with torch.no_grad():
+            for k, t in self.module.state_dict().items():
+                t.copy_(state[k])
+        return time.perf_counter() - started
+
+    def pull(self) -> dict:
+        return self.sub.pull(self.module).to_json()
+
+    def checksum(self) -> float:
+        return float(sum(t.double().sum() for t in self.module.state_dict().values()))
+
+
+def run(args) -> dict:
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+
+    from actors.policy_versions import PolicyVersions, versions_storage
+
+    nbytes, n = parse_size(args.size), args.receivers
+    store = nbytes * 6 + (256 << 20)  # room for every copy in flight: a full object store spills to disk
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 64},
+                                                            "object_store_memory": store})
+    cluster.add_node(num_cpus=1, resources={"worker": 64}, object_store_memory=store)
+    cluster.wait_for_nodes()
+    namespace, run_name = "bench-weights", f"bench-{uuid.uuid4().hex[:6]}"
+    ray.init(address=cluster.address, namespace=namespace, logging_level="ERROR")
+    tmp = tempfile.mkdtemp(prefix="rl-ckpt-bench-weights-", dir=args.dir)
+    out: dict = {"bytes": nbytes, "receivers": n, "loadavg_start": os.getloadavg()}
+    try:
+        torch.set_num_threads(1)
+        policy = make_policy(nbytes)
+        with torch.no_grad():
+            for i, t in enumerate(policy.state_dict().values()):
+                t.copy_(torch.arange(t.numel(), dtype=torch.float32).mul_(1e-6).add_(i))
+        cls = ray.remote(num_cpus=0, max_restarts=0)(Receiver)
+        sides = ["head" if i % 2 == 0 else "worker" for i in range(n)]
+        receivers = [cls.options(resources={s: 1}).remote(run_name, nbytes, namespace) for s in sides]
+        nodes = ray.get([r.ready.remote() for r in receivers])
+        log(f"{n} receivers on {len(set(nodes))} nodes; policy {human(nbytes)}")
+
+        for _warm_then_timed in range(2):  # the first round pays for the receivers' first object transfers
+            started = time.perf_counter()
+            ref = ray.put({k: v.numpy() for k, v in policy.state_dict().items()})
+            ray.get([r.from_object.remote([ref]) for r in receivers])
+            out["floor_s"] = time.perf_counter() - started
+            del ref
+        log(f"object-store floor: {out['floor_s']:.2f} s")
+
+        from safetensors.torch import save_file
+
+        path = os.path.join(tmp, "policy.safetensors")
+        started = time.perf_counter()
+        save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, path)
+        out["safetensors_write_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        ray.get([r.from_file.remote(path) for r in receivers])
+        out["safetensors_load_s"] = time.perf_counter() - started
+        log(f"safetensors: write {out['safetensors_write_s']:.2f} s, every receiver loading it "
+            f"{out['safetensors_load_s']:.2f} s")
+
+        versions = PolicyVersions(run_name, policy, replicas=0, namespace=namespace, keep=2)
+        # Version 0 starts the version stores (an actor process per node) and fills the receivers once: what
+        # is timed below is a run's steady state, every chunk of version 1 new.
+        versions.publish(0)
+        ray.get([r.pull.remote() for r in receivers])
+        with torch.no_grad():
+            for t in policy.state_dict().values():
+                t.add_(0.5)  # (+1 would make tensor i equal to version 0's tensor i + 1: content addressing sees it)
+        started = time.perf_counter()
+        versions.publish(1)
+        out["publish_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        pulls = ray.get([r.pull.remote() for r in receivers])
+        out["pull_s"] = time.perf_counter() - started
+        out["full_s"] = out["publish_s"] + out["pull_s"]
+        out["full_vs_floor"] = out["full_s"] / out["floor_s"]
+        out["pull_vs_floor"] = out["pull_s"] / out["floor_s"]  # the receivers' side alone
+        out["full_bytes"] = pulls[0]["bytes_total"]
+        out["full_pulls"] = [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")} for p in pulls]
+        out["node_bytes_copied"] = sum(p["node_bytes_copied"] for p in pulls)
+        want = float(sum(t.double().sum() for t in policy.state_dict().values()))
+        out["full_checked"] = all(abs(c - want) < 1e-6 * abs(want) + 1e-6
+                                  for c in ray.get([r.checksum.remote() for r in receivers]))
+        log(f"full version: publish {out['publish_s']:.2f} s + pulls {out['pull_s']:.2f} s = "
+            f"{out['full_vs_floor']:.2f} x floor (the pulls alone {out['pull_vs_floor']:.2f} x); "
+            f"{human(out['node_bytes_copied'])} copied between nodes")
+
+        chunks = [(t, start) for t in policy.state_dict().values()
+                  for start in range(0, t.numel() * t.element_size(), CHUNK)]
+        every = max(1, round(1 / args.changed)) if args.changed > 0 else len(chunks) + 1
+        changed = 0
+        with torch.no_grad():
+            for i, (t, start) in enumerate(chunks):
+                if i % every == every // 2:  # spread evenly: one element of every ``every``-th chunk
+                    t.view(-1)[start // t.element_size()].add_(1.0)
+                    changed += 1
+        out["chunks_changed"], out["chunks"] = changed, len(chunks)
+        started = time.perf_counter()
+        versions.publish(2)
+        out["delta_publish_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        pulls = ray.get([r.pull.remote() for r in receivers])
+        out["delta_pull_s"] = time.perf_counter() - started
+        out["delta_bytes"] = pulls[0]["bytes_moved"]
+        out["delta_bytes_fraction"] = out["delta_bytes"] / out["full_bytes"]
+        log(f"delta ({changed} chunks changed): {human(out['delta_bytes'])} moved per receiver = "
+            f"{out['delta_bytes_fraction']:.3f} of full; publish {out['delta_publish_s']:.2f} s, pulls "
+            f"{out['delta_pull_s']:.2f} s")
+
+        victim = sides.index("worker") if "worker" in sides else 0
+        ray.kill(receivers[victim], no_restart=True)
+        started = time.perf_counter()
+        receivers[victim] = cls.options(resources={sides[victim]: 1}).remote(run_name, nbytes, namespace)
+        ray.get(receivers[victim].ready.remote())
+        got = ray.get(receivers[victim].pull.remote())
+        out["restart_total_s"] = time.perf_counter() - started
+        out["restart_pull_s"] = got["seconds"]
+        out["restart_version"] = got["version"]
+        log(f"restarted receiver: version {got['version']} after {out['restart_total_s']:.2f} s "
+            f"(the pull {got['seconds']:.2f} s)")
+        versions.close()
+        versions_storage(run_name, namespace=namespace).destroy()
+        out["loadavg_end"] = os.getloadavg()
+    finally:
+        rmtree(tmp)
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rl-ckpt bench weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="256MiB", help="bytes of the fp32 policy (default 256MiB)")
+    parser.add_argument("--receivers", type=int, default=4, help="rollout actors, half on each node (default 4)")
+    parser.add_argument("--changed", type=float, default=0.05, help="fraction of chunks changed for the delta")
+    parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    out = run(args)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

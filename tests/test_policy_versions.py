@@ -1,0 +1,164 @@
+"""Policy versions on one node: the puller's delta and verification (local storage, no Ray), then pins against
+retention and the budget, publishing cast to bf16, and the fall back to durable storage (session Ray cluster)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from rl_ckpt import CheckpointEngine
+from rl_ckpt.errors import CorruptSnapshotError, StateMismatchError
+from rl_ckpt.run.snapshot_files import read_manifest
+from rl_ckpt.sharded.weight_pull import WeightPuller, component_pieces
+
+
+def policy(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+
+
+def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_puller_moves_only_changed_pieces_and_never_a_bad_one(tmp_path):
+    learner, worker = policy(0), policy(1)
+    # Tensors from 4 KiB are objects; the biases and the norm share the snapshot's small-tensor file.
+    engine = CheckpointEngine(base_dir=str(tmp_path), run_name="p", dedup=True, dedup_min_tensor_bytes=4096,
+                              keep_best=0)
+    engine.register("policy", learner)
+    puller = WeightPuller(worker)
+    stats = puller.pull(engine.storage, read_manifest(engine.storage, engine.save(1).snapshot_id))
+    assert same(learner, worker) and stats.bytes_moved == stats.bytes_total and stats.pieces_moved == 3
+    with torch.no_grad():
+        learner[1].weight.mul_(0.5)  # one layer's weight: one object
+    stats = puller.pull(engine.storage, read_manifest(engine.storage, engine.save(2).snapshot_id))
+    assert same(learner, worker) and (stats.bytes_moved, stats.pieces_moved) == (64 * 64 * 4, 1)
+    with torch.no_grad():
+        learner[2].bias.add_(1.0)  # a small tensor: its file moves
+    manifest = read_manifest(engine.storage, engine.save(3).snapshot_id)
+    stats = puller.pull(engine.storage, manifest)
+    assert same(learner, worker) and stats.pieces_moved == 1 and stats.bytes_moved < 64 * 64 * 4
+    # Version 4 changes both weights; one of its new objects rots on disk: nothing of version 4 is loaded.
+    with torch.no_grad():
+        learner[0].weight.add_(1.0)
+        learner[1].weight.add_(1.0)
+    before = {k: v.clone() for k, v in worker.state_dict().items()}
+    manifest4 = read_manifest(engine.storage, engine.save(4).snapshot_id)
+    pieces = component_pieces(manifest4, "policy")
+    bad = sorted(p for p in pieces.paths() if p.startswith("objects/"))[-1]
+    path = tmp_path / "p" / bad
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptSnapshotError, match="does not match its content address"):
+        puller.pull(engine.storage, manifest4)
+    assert all(torch.equal(before[k], v) for k, v in worker.state_dict().items())
+    assert puller.snapshot_id == manifest.snapshot_id  # it still holds version 3
+    with pytest.raises(StateMismatchError, match="does not fit"):
+        WeightPuller(torch.nn.Linear(3, 3)).pull(engine.storage, manifest)
+    engine.close()
+
+
+@pytest.fixture
+def versions_run(ray_cluster):
+    from actors.policy_versions import versions_storage
+
+    run = f"pv-{uuid.uuid4().hex[:6]}"
+    yield run
+    versions_storage(run).destroy()
+
+
+def test_pinned_version_outlives_retention_and_the_budget_holds(versions_run):
+    from actors.memory_store import MemoryBudgetError
+    from actors.policy_versions import PolicyVersions
+    from actors.weight_subscriber import WeightSubscriber
+
+    learner, worker = policy(0), policy(1)
+    size = sum(t.numel() * 4 for t in learner.state_dict().values())
+    pv = PolicyVersions(versions_run, learner, keep=1, replicas=0, budget_bytes=int(2.6 * size))
+    pv.publish(1)
+    sub = WeightSubscriber(versions_run)
+    manifest = read_manifest(pv.storage, "step_000000001")
+    assert any(pv.storage.each("pin", "step_000000001", "reader", component_pieces(manifest, "policy").paths(), 60).values())
+
+    def bump():
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(1.0)
+
+    bump()
+    pv.publish(2)  # retention keeps 1 version: version 1 is pinned, so it stays, whole
+    assert pv.versions() == [1, 2]
+    assert sub.pull(worker, 1).version == 1 and same(worker, policy(0))
+    bump()
+    with pytest.raises(MemoryBudgetError, match="budget"):
+        pv.publish(3)  # 3 versions do not fit and the pinned one is not evicted: refused, nothing lost
+    assert pv.versions() == [1, 2] and sub.pull(worker, 1).bytes_moved == 0
+    pv.storage.each("unpin", "step_000000001", "reader")
+    pv.publish(3)  # version 1 retired now, its objects swept; version 3 fits
+    assert pv.versions() == [3]
+    assert sub.pull(worker).version == 3 and same(worker, learner)
+    live = set(component_pieces(read_manifest(pv.storage, "step_000000003"), "policy").paths())
+    held = {p for files in pv.storage.inventory("").values() for p in files if p.startswith("objects/")}
+    assert held <= live  # the retired versions' objects are gone
+    pv.close()
+
+
+def test_publish_cast_to_bf16(versions_run):
+    from actors.policy_versions import PolicyVersions
+    from actors.weight_subscriber import WeightSubscriber
+
+    learner = policy(0)
+    pv = PolicyVersions(versions_run, learner, replicas=0, dtype=torch.bfloat16)
+    pv.publish(5)
+    manifest = read_manifest(pv.storage, "step_000000005")
+    assert manifest.tags["policy_dtype"] == "bfloat16"
+    assert {m["dtype"] for m in manifest.components["policy"]["tensors"].values()} == {"BF16"}
+    worker = policy(1).to(torch.bfloat16)
+    got = WeightSubscriber(versions_run).pull(worker)
+    assert got.bytes_total == sum(t.numel() * 2 for t in learner.state_dict().values())
+    assert same(worker, policy(0).to(torch.bfloat16))
+    assert all(t.dtype == torch.float32 for t in learner.state_dict().values())  # the learner keeps fp32
+    with pytest.raises(StateMismatchError, match="BF16"):
+        WeightSubscriber(versions_run).pull(policy(1))  # an fp32 module does not take a bf16 version
+    pv.close()
+
+
+def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path):
+    import ray
+
+    from actors.policy_versions import PolicyVersions
+    from actors.weight_subscriber import WeightSubscriber
+
+    learner = policy(0)
+    durable = CheckpointEngine(base_dir=str(tmp_path), run_name="d", keep_best=0)
+    durable.register("policy", learner)
+    durable.save(1)
+    expected = {k: v.clone() for k, v in learner.state_dict().items()}
+    with torch.no_grad():
+        learner[0].weight.add_(1.0)
+    pv = PolicyVersions(versions_run, learner, replicas=0)
+    pv.publish(2)
+    bad = next(p for p in component_pieces(read_manifest(pv.storage, "step_000000002"), "policy").paths()
+               if p.startswith("objects/"))
+    for handle in pv.storage.stores().values():
+        got = ray.get(handle.get.remote(bad))
+        data = bytearray(ray.get(got[0]) if isinstance(got, list) else got)
+        data[0] ^= 0xFF
+        ray.get(handle.put.remote(bad, bytes(data)))
+    worker = policy(1)
+    sub = WeightSubscriber(versions_run, durable={"base_dir": str(tmp_path), "run_name": "d"})
+    got = sub.pull(worker)
+    assert (got.source, got.version, got.fell_back_from) == ("durable", 1, 2) and bad in got.reason
+    assert all(torch.equal(expected[k], v) for k, v in worker.state_dict().items())
+    assert sub.status()["status"] == "degraded" and pv.status()["faults"][0]["path"] == bad
+    from actors.versions_health import lookup
+
+    section = lookup(versions_run)  # what the manager's /healthz shows as "policy_versions"
+    assert section["status"] == "degraded" and section["faults"][0]["snapshot_id"] == "step_000000002"
+    pv.close()
+    durable.close()

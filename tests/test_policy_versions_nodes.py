@@ -1,0 +1,109 @@
+"""Policy versions on two nodes (``ray.cluster_utils.Cluster``: a head and a worker node on this machine).
+
+2 learners (plain replicated ones, then FSDP2 ones on a gloo group) publish 5 versions; 4 rollout workers, 2
+per node, pull each: bitwise the learners' weights, a one-layer change moves that layer's bytes, one transfer
+per node; a killed worker's replacement gets the newest from the stores; retired and unknown versions are
+named errors; a corrupted chunk is never loaded (the workers fall back to the previous version and say so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.ray
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYER_BYTES = 128 * 128 * 4  # version_workers.LAYER: the one weight versions 2, 4 and 5 change
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    pytest.importorskip("ray")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "version_nodes.py")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {o["kind"]: o for o in lines}
+
+
+KINDS = ("replicated", "fsdp2")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_worker_pulls_every_version_bitwise(outcomes, kind):
+    o = outcomes[kind]
+    assert len(o["worker_nodes"]) == 2  # the workers ran on both nodes
+    for v in o["versions"]:
+        sids, digests = zip(*v["published"])
+        assert len(set(digests)) == 1  # both learners hold the same weights
+        writers = [s for s in sids if s is not None]
+        assert writers and set(writers) == {f"step_{v['version']:09d}"}
+        if kind == "replicated":
+            assert sids[1] is None  # the same weights on every rank: written once
+        for pull in v["pulls"]:
+            assert (pull["version"], pull["source"], pull["fell_back_from"]) == (v["version"], "memory", None)
+            assert pull["digest"] == digests[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_delta_moves_only_the_changed_layer(outcomes, kind):
+    o = outcomes[kind]
+    total = o["versions"][0]["pulls"][0]["bytes_total"]
+    for v in o["versions"]:
+        for pull in v["pulls"]:
+            if v["version"] in (1, 3):  # every layer changed
+                assert pull["bytes_moved"] == total
+            else:
+                assert 0 < pull["bytes_moved"] <= 1.1 * LAYER_BYTES
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_node_receives_each_version_once(outcomes, kind):
+    o = outcomes[kind]
+    for v in o["versions"]:
+        by_node: dict = {}
+        for pull in v["pulls"]:
+            by_node.setdefault(pull["node"], []).append(pull["node_bytes_copied"])
+        head = [n for n, c in by_node.items() if not any(c)]
+        assert len(head) == 1  # the learners' node holds it already
+        for node, copied in by_node.items():
+            if node not in head:  # two workers there: one of them had the copy made, the other found it
+                assert sorted(copied)[0] == 0 and 0 < sorted(copied)[1]
+                assert sorted(copied)[1] <= v["pulls"][0]["bytes_moved"] + 16 * 1024  # what changed, plus the manifest
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restarted_worker_gets_the_newest(outcomes, kind):
+    o = outcomes[kind]
+    r = o["restarted"]
+    assert (r["version"], r["source"], r["bytes_moved"]) == (5, "memory", r["bytes_total"])
+    assert r["digest"] == o["versions"][-1]["published"][0][1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_retired_and_unknown_versions_are_named(outcomes, kind):
+    o = outcomes[kind]
+    for asked, got in ((1, o["retired"]), (77, o["unknown"])):
+        assert got["error"] == "VersionNotFoundError"
+        assert got["fields"]["version"] == asked and got["fields"]["newest"] == 5
+        assert f"policy version {asked}" in got["message"] and "newest available: 5" in got["message"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_corrupted_chunk_is_never_loaded(outcomes, kind):
+    o = outcomes[kind]
+    bad = o["corrupted"]["path"]
+    assert o["corrupted"]["copies"] >= 1
+    v5 = o["versions"][-1]["published"][0][1]
+    for pull in o["after_corruption"]:
+        assert (pull["version"], pull["fell_back_from"], pull["source"]) == (5, 6, "memory")
+        assert pull["digest"] == v5  # bitwise version 5: nothing of the bad chunk reached the module
+        assert bad in pull["reason"]
+    assert o["worker_status"]["status"] == "degraded" and o["worker_status"]["faults"][-1]["path"] == bad
+    assert o["status"]["status"] == "degraded"
+    assert {f["path"] for f in o["status"]["faults"]} == {bad}
+    assert o["status"]["pinned"] == {}  # every pull let go of its pins

@@ -1,0 +1,107 @@
+"""Policy versions on a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``).
+
+Run by test_policy_versions_nodes.py in a process of its own: ``python version_nodes.py`` prints one JSON
+line per scenario ("replicated": 2 plain learners; "fsdp2": 2 FSDP2 learners on a gloo group). Per scenario
+the learners publish 5 versions (1 and 3 change every layer, 2, 4 and 5 only one layer's weight); 4 rollout
+workers, 2 on each node, pull each; then a worker on the worker node is killed and a new one pulls the
+newest; then every copy of a chunk only version 6 has is corrupted and workers pull again. The 4 rollout
+workers serve both scenarios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
+    from actors.policy_versions import versions_status, versions_storage
+    from rl_ckpt.run.snapshot_files import read_manifest
+    from rl_ckpt.sharded.weight_pull import component_pieces
+    from version_workers import Learner
+
+    started = time.monotonic()
+    run = f"{kind}-{uuid.uuid4().hex[:6]}"
+    learner = ray.remote(num_cpus=0, max_restarts=0)(Learner).options(resources={"head": 1})
+    master = f"127.0.0.1:{free_port()}" if kind == "fsdp2" else None
+    learners = [learner.remote(run, r, 2, namespace, master) for r in range(2)]
+    storage = versions_storage(run, namespace=namespace, replicas=0)
+    out: dict = {"kind": kind, "versions": []}
+    for version in range(1, 6):
+        published = ray.get([lr.publish.remote(version) for lr in learners])
+        pulls = ray.get([w.pull.remote(run) for w in workers])
+        out["versions"].append({"version": version, "published": published, "pulls": pulls})
+    out["worker_nodes"] = sorted({p["node"] for p in out["versions"][0]["pulls"]})
+    out["status_before_faults"] = versions_status(storage)
+    # A worker killed and a new one started on the worker node: it asks the stores, not the learners.
+    ray.kill(workers[3], no_restart=True)
+    workers[3] = on["worker"].remote(namespace)
+    out["restarted"] = ray.get(workers[3].pull.remote(run))
+    # Asking for a retired or unknown version.
+    out["retired"] = ray.get(workers[0].try_pull.remote(run, 1))
+    out["unknown"] = ray.get(workers[0].try_pull.remote(run, 77))
+    # Version 6 changes one layer; every copy of one of its new chunks is corrupted before the workers pull.
+    published = ray.get([lr.publish.remote(6) for lr in learners])
+    new = component_pieces(read_manifest(storage, "step_000000006"), "policy")
+    old = component_pieces(read_manifest(storage, "step_000000005"), "policy")
+    old_paths = set(old.paths())
+    bad = next(p for p in new.paths() if p.startswith("objects/") and p not in old_paths)
+    corrupted = 0
+    for handle in storage.stores().values():
+        got = ray.get(handle.get.remote(bad))
+        if got is None:
+            continue
+        data = bytearray(ray.get(got[0]) if isinstance(got, list) else got)
+        data[len(data) // 2] ^= 0xFF
+        ray.get(handle.put.remote(bad, bytes(data)))
+        corrupted += 1
+    out["corrupted"] = {"path": bad, "copies": corrupted, "published": published}
+    # workers[0] holds version 5; the restarted one on the other node held nothing before version 5.
+    out["after_corruption"] = ray.get([w.pull.remote(run) for w in (workers[0], workers[3])])
+    out["worker_status"] = ray.get(workers[0].status.remote(run))
+    out["status"] = versions_status(storage)
+    for actor in learners:
+        ray.get(actor.close.remote())
+    for actor in learners:
+        ray.kill(actor, no_restart=True)
+    storage.destroy()
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+def main() -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 16}})
+    cluster.add_node(num_cpus=1, resources={"worker": 16})
+    cluster.wait_for_nodes()
+    here = os.path.dirname(os.path.abspath(__file__))
+    namespace = "versions-nodes"
+    ray.init(address=cluster.address, namespace=namespace, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}})
+    from version_workers import Rollout
+
+    rollout = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
+    on = {"head": rollout.options(resources={"head": 1}), "worker": rollout.options(resources={"worker": 1})}
+    workers = [on[n].remote(namespace) for n in ("head", "head", "worker", "worker")]
+    try:
+        for kind in sys.argv[1:] or ("replicated", "fsdp2"):
+            print(json.dumps(scenario(ray, kind, namespace, workers, on)), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
