@@ -139,7 +139,8 @@ class CheckpointManager:
                                        bytes_per_second=self.config.scrub_bytes_per_second,
                                        min_free_bytes=self.config.min_free_bytes,
                                        on_report=lambda r: self.catalog.refresh()).start()
-        self.healthz = HealthzServer(self.health, host=healthz_host, port=healthz_port) if healthz_port is not None else None
+        self.healthz = (HealthzServer(self.health, host=healthz_host, port=healthz_port)
+                        if healthz_port is not None else None)
 
     # -- handle ----------------------------------------------------------------
     get_or_create = staticmethod(get_or_create)

@@ -147,7 +147,8 @@ class PolicyVersions:
         held = published(self.storage)
         if step in held:  # published already on this timeline (a restored step): the same weights
             return held[step]
-        tags = {"policy_version": step, "policy_dtype": str(self.dtype).replace("torch.", "") if self.dtype else "as trained"}
+        dtype = str(self.dtype).replace("torch.", "") if self.dtype else "as trained"
+        tags = {"policy_version": step, "policy_dtype": dtype}
         info = self.engine.save(step, metrics, tags=tags)
         return info.snapshot_id
 

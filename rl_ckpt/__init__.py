@@ -95,7 +95,8 @@ __all__ = [
     # Ray (lazy)
     "MemoryTier", "CheckpointCallback", "report",
     # errors
-    "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError", "DataPositionError", "FileTooLargeError",
+    "CheckpointError", "CommitConflictError", "ConfigError", "CorruptSnapshotError", "DataPositionError",
+    "FileTooLargeError",
     "ManagerUnavailableError", "MemoryBudgetError", "NoValidSnapshotError", "ParticipantFailedError",
     "PostCommitError", "ReadRangeError", "RestoreError", "SchemaVersionError", "SerializationError",
     "SnapshotAbortedError", "SnapshotSkippedError", "StateMismatchError", "StorageArgumentError", "StorageError",

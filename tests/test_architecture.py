@@ -269,7 +269,8 @@ def _runtime_imports(tree: ast.Module) -> list[ast.stmt]:
 
 
 def _import_targets(module: str, node: ast.stmt) -> list[str]:
-    """Our modules an import statement loads: ``from pkg import sub`` is ``pkg.sub``, ``from pkg import name`` is ``pkg``."""
+    """Our modules an import statement loads: ``from pkg import sub`` is ``pkg.sub``, ``from pkg import name``
+    is ``pkg``."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name in MODULES]
     source = _absolute(module, node)
@@ -311,7 +312,8 @@ def test_layer_checker_sees_lazy_type_only_and_facade_imports():
         "line 7: rl_ckpt.run.gc (run) imports rl_ckpt.core.reader (core)",
         "line 8: rl_ckpt.run.gc (run) imports rl_ckpt (applications and tools)",
         "line 9: rl_ckpt.run.gc (run) imports rl_ckpt.recovery.plan (recovery)"]
-    assert _layer("rl_ckpt.integrations.managed") < _layer("rl_ckpt.core.engine") < _layer("rl_ckpt.integrations.ray_train")
+    assert (_layer("rl_ckpt.integrations.managed") < _layer("rl_ckpt.core.engine")
+            < _layer("rl_ckpt.integrations.ray_train"))
     assert _layer("rl_ckpt.storage.local") < _layer("rl_ckpt.format.manifest") < _layer("rl_ckpt.run.catalog")
 
 

@@ -137,7 +137,8 @@ def test_plain_bytes_in_a_dataset_state_come_back_as_bytes(tmp_path):
     dl = StatefulDataLoader(Cursor(), batch_size=2)
     it = iter(dl)
     next(it)
-    fresh = _roundtrip(tmp_path, "data", DataLoaderPosition(dl), DataLoaderPosition(StatefulDataLoader(Cursor(), batch_size=2)))
+    fresh = _roundtrip(tmp_path, "data", DataLoaderPosition(dl),
+                       DataLoaderPosition(StatefulDataLoader(Cursor(), batch_size=2)))
     assert [b.tolist() for b in fresh.loader] == [[2, 3], [4, 5]]
     assert fresh.loader.dataset.token == b"\x00\x01 resume-token \xff"  # exact bytes, exact type
 

@@ -28,10 +28,12 @@ def _sharded(world: int, mesh: list, placements: list) -> dict:
 
 
 def test_layout_line_names_saved_and_restored_layouts():
-    comps = {"policy": _sharded(2, [2], ["S(0)"]), "optim": _sharded(2, [2], ["S(0)"]), "learner-0/rng": {"kind": "rng"}}
+    comps = {"policy": _sharded(2, [2], ["S(0)"]), "optim": _sharded(2, [2], ["S(0)"]),
+             "learner-0/rng": {"kind": "rng"}}
     assert layout_change(comps, {"world_size": 1, "mesh": [1], "placements": ["S(0)"]}) == \
         "optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)"
-    assert layout_change(comps, {"world_size": 2, "mesh": [2], "placements": ["Shard(dim=0)"]}).endswith("(same layout)")
+    same = layout_change(comps, {"world_size": 2, "mesh": [2], "placements": ["Shard(dim=0)"]})
+    assert same.endswith("(same layout)")
     hsdp = {"policy": _sharded(4, [2, 2], ["R", "S(0)"])}
     assert layout_change(hsdp, {"world_size": 1, "mesh": []}) == \
         "policy saved by 4 ranks as HSDP(2x2) -> restored on 1 rank as unsharded (resharded)"

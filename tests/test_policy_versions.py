@@ -83,7 +83,8 @@ def test_pinned_version_outlives_retention_and_the_budget_holds(versions_run):
     pv.publish(1)
     sub = WeightSubscriber(versions_run)
     manifest = read_manifest(pv.storage, "step_000000001")
-    assert any(pv.storage.each("pin", "step_000000001", "reader", component_pieces(manifest, "policy").paths(), 60).values())
+    pins = pv.storage.each("pin", "step_000000001", "reader", component_pieces(manifest, "policy").paths(), 60)
+    assert any(pins.values())
 
     def bump():
         with torch.no_grad():

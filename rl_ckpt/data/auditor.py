@@ -95,7 +95,8 @@ class ConsumptionAuditor:
                 self.exact_epochs.append(epoch)
                 del self.counts[epoch]
         if self.log_path:
-            _append(self.log_path, {"event": "consume", "step": int(step), "pairs": [[int(e), int(p)] for e, p in pairs],
+            _append(self.log_path, {"event": "consume", "step": int(step),
+                                    "pairs": [[int(e), int(p)] for e, p in pairs],
                                     "resumed": int(resumed)})
 
     def report(self, complete_below: int | None = None) -> AuditReport:

@@ -71,7 +71,8 @@ class DataLoaderPosition:
             length = len(dataset)
         except TypeError:  # an iterable dataset without a length
             length = None
-        return {"dataset_len": length, "batch_size": self.loader.batch_size, "generator_seed": _generator_seed(self.loader)}
+        return {"dataset_len": length, "batch_size": self.loader.batch_size,
+                "generator_seed": _generator_seed(self.loader)}
 
     def state_dict(self) -> dict:
         state = self.loader.state_dict()

@@ -66,7 +66,8 @@ def prompt_dataset(seed: int, size: int):
     try:
         from datasets import Dataset
     except ImportError as exc:
-        raise ImportError("the GRPO demo reads its prompts from a Hugging Face dataset: pip install 'rl-ckpt[data]'") from exc
+        raise ImportError("the GRPO demo reads its prompts from a Hugging Face dataset: "
+                          "pip install 'rl-ckpt[data]'") from exc
     g = torch.Generator().manual_seed(seed * 1_000_003 + 7)
     digits = torch.randint(0, DIGITS, (size,), generator=g).tolist()
     return Dataset.from_dict({"id": list(range(size)), "digit": digits})

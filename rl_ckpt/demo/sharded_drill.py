@@ -59,7 +59,8 @@ def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners:
         except TrainingFailedError as exc:
             failed = exc  # the attempt failed with its learner: what the drill is for
         if not os.path.exists(run.log) or not any(e["event"] == "kill" for e in run.events()):
-            raise RuntimeError(f"the first attempt ended without the planned SIGKILL of a learner: {failed}") from failed
+            raise RuntimeError(
+                f"the first attempt ended without the planned SIGKILL of a learner: {failed}") from failed
         run.fit(restart_learners, steps, save_every=save_every)
         status = run.memory_status(flush_newest=True)
         return summarize(run, learners, restart_learners, steps, save_every, status)
@@ -176,7 +177,8 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
         f"  storage            {storage.url}" + (f" (memory: raymem://mem/{run.run_name})" if memory else ""),
         f"  task               repeat the prompt digit {run.grpo.gen_len} times; {run.grpo.prompts_per_step} prompts x "
         f"{run.grpo.group_size} answers per step; {cadence}",
-        f"  failure            SIGKILL of learner rank {kill['rank']} of {kill['world']} after step {kill['last_done']}",
+        f"  failure            SIGKILL of learner rank {kill['rank']} of {kill['world']} "
+        f"after step {kill['last_done']}",
         f"  layout             {resumed['layout'] or '-'}",
         f"  restored           {resumed['restored']} (step {resumed['step']}) on {resumed['world']} learner(s), "
         f"from {tier or '-'} in {figures['restore_seconds']:.2f} s",

@@ -370,12 +370,13 @@ class Run:
                   "storage_options": self.storage_options, "crash": {"step": crash_at} if crash_at else None,
                   "memory": self.memory, "versions": self.versions}
         self.fits += 1
-        scaling = ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker=resources_per_worker or {"CPU": 0.5},
+        scaling = ScalingConfig(num_workers=learners, use_gpu=False,
+                                resources_per_worker=resources_per_worker or {"CPU": 0.5},
                                 elastic_resize_monitor_interval_s=resize_interval_s)
         trainer = TorchTrainer(
             learner_loop, train_loop_config=config, scaling_config=scaling, torch_config=TorchConfig(backend="gloo"),
-            run_config=RunConfig(name=f"{self.run_name}-fit{self.fits}", storage_path=os.path.join(os.path.dirname(self.log),
-                                                                                        "ray_results"),
+            run_config=RunConfig(name=f"{self.run_name}-fit{self.fits}",
+                                 storage_path=os.path.join(os.path.dirname(self.log), "ray_results"),
                                  failure_config=FailureConfig(max_failures=max_failures),
                                  callbacks=[CheckpointCallback(run_name=self.run_name)]))
         return trainer.fit()

@@ -50,7 +50,8 @@ class StalenessReport:
     def line(self) -> str:
         ages = "no samples kept" if self.kept == 0 else f"kept samples are {self.newest}..{self.oldest} versions old"
         bound = "no bound (all kept)" if self.bound is None else f"bound {self.bound} versions"
-        newer = f" (of which {self.dropped_newer} from policies newer than the restored one)" if self.dropped_newer else ""
+        newer = (f" (of which {self.dropped_newer} from policies newer than the restored one)"
+                 if self.dropped_newer else "")
         return (f"samples {self.name}: against policy version {self.policy_version}, {bound}: kept {self.kept}, "
                 f"dropped {self.dropped}{newer}; {ages}")
 

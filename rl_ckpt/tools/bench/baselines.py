@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from rl_ckpt.tools.bench.common import IOV_MAX, IO_CHUNK, fsync_path, rmtree
+
+if TYPE_CHECKING:
+    import torch
 
 
 def raw_write(path: str, views: list[memoryview]) -> int:

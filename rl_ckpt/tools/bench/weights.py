@@ -13,8 +13,9 @@ in this order:
 - ``safetensors``: the policy written to one ``.safetensors`` file (``save_file``, timed apart), then every
   receiver loading it (``load_file``) and copying it into its module, at once (warm page cache: same disk);
 - ``full``: ``PolicyVersions.publish`` (write, verify, commit) of a version whose every chunk changed, then
-  every receiver's ``WeightSubscriber.pull`` of it at once (after a version 0 that started the stores; placement on the worker node, verification, copy
-  into the module); ``full_vs_floor`` is (publish + pulls) / floor, ``pull_vs_floor`` the pulls alone / floor;
+  every receiver's ``WeightSubscriber.pull`` of it at once (after a version 0 that started the stores;
+  placement on the worker node, verification, copy into the module); ``full_vs_floor`` is
+  (publish + pulls) / floor, ``pull_vs_floor`` the pulls alone / floor;
 - ``delta``: ``--changed`` of the 8 MiB chunks changed (one element each), published and pulled:
   ``delta_bytes_fraction`` = bytes moved into a module / the policy's bytes;
 - ``restart``: a receiver on the worker node killed and started again: seconds from asking for the new actor
