@@ -238,7 +238,8 @@ class Restorer:
                 for reg in self.registry:
                     key = self.registry.stored_key(manifest, reg.name)
                     if key is not None:
-                        light_states[reg.name] = load_component(self.storage, manifest, key)
+                        light_states[reg.name] = load_component(self.storage, manifest, key,
+                                                                         readonly_ok=copies_on_load(reg.obj))
             except CheckpointError as exc:
                 skipped[info.snapshot_id] = str(exc)
                 log.warning("skipping light snapshot %s: %s", info.snapshot_id, exc)
