@@ -92,11 +92,21 @@ def manifest_path(snapshot: str) -> str:
     return join(snapshot, MANIFEST_NAME)
 
 
-def snapshot_folders(storage: Storage) -> Iterator[Entry]:
-    """Top-level folders with canonical snapshot names, committed or not (one listing)."""
+def snapshot_folders(storage: Storage, links: list[str] | None = None) -> Iterator[Entry]:
+    """Top-level folders with canonical snapshot names, committed or not (one listing).
+
+    ``links``: gets the snapshot names that are symbolic links instead of folders (storage that has links:
+    local disk). A link is never a snapshot of this run (its files would live elsewhere), so it is not
+    yielded; the catalog reports it.
+    """
+    is_link = getattr(storage, "is_link", None)
     for entry in storage.list(""):
-        if entry.is_dir and entry.name not in RESERVED and is_snapshot_name(entry.name):
+        if entry.name in RESERVED or not is_snapshot_name(entry.name):
+            continue
+        if entry.is_dir:
             yield entry
+        elif links is not None and is_link is not None and is_link(entry.name):
+            links.append(entry.name)
 
 
 def staged_attempt(snapshot: str, attempt_id: str) -> Attempt:

@@ -1,0 +1,61 @@
+"""A snapshot's files must be regular files inside the run, opened without following links: a symbolic link
+with the right bytes behind it (inside or outside the run), or a linked snapshot folder, is reported by
+``rl-ckpt verify`` and ``ls``, and a restore falls back past it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rl_ckpt import CheckpointEngine
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rl_ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def two_snapshots(tmp_path):
+    torch.manual_seed(0)
+    with CheckpointEngine(base_dir=str(tmp_path), run_name="r") as engine:
+        engine.register("policy", torch.nn.Linear(3, 2))
+        engine.save(1)
+        engine.save(2)  # same weights: step 2's tensor file has exactly step 1's bytes
+    return tmp_path / "r"
+
+
+@pytest.mark.parametrize("where", ["file inside the run", "file outside the run", "snapshot folder"])
+def test_links_with_the_right_bytes_are_reported_and_skipped(tmp_path, where):
+    run = two_snapshots(tmp_path)
+    step2 = run / "step_000000002"
+    if where == "snapshot folder":
+        shutil.copytree(step2, tmp_path / "elsewhere")
+        shutil.rmtree(step2)
+        os.symlink(tmp_path / "elsewhere", step2)
+        expect = "a symbolic link, not a folder of the run"
+    else:
+        target = run / "step_000000001" / "policy.safetensors"
+        if where == "file outside the run":
+            target = shutil.copy(target, tmp_path / "outside.safetensors")
+        assert (step2 / "policy.safetensors").read_bytes() == open(target, "rb").read()
+        (step2 / "policy.safetensors").unlink()
+        os.symlink(os.path.relpath(target, step2), step2 / "policy.safetensors")
+        expect = "is a symbolic link"
+    out = cli("verify", str(run))
+    assert out.returncode == 1 and "step_000000002" in out.stdout and expect in out.stdout, out.stdout + out.stderr
+    listing = cli("ls", str(run))
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("step_000000002"))
+    assert "NO:" in row and expect in row, listing.stdout
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 2)
+    with CheckpointEngine(base_dir=str(tmp_path), run_name="r") as engine:
+        engine.register("policy", model)
+        result = engine.restore()
+    assert result.snapshot_id == "step_000000001" and expect in result.skipped["step_000000002"], result
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, torch.nn.Linear(3, 2).weight)
