@@ -137,7 +137,7 @@ class Restorer:
             try:
                 outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
                                        loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
-                                       by=f"engine rank 0 (pid {os.getpid()})")
+                                       by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
             except CheckpointError as exc:  # the state is loaded; the next restore retries
                 outcome = None
                 result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
