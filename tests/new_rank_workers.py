@@ -139,3 +139,42 @@ def restore_three(rank: int, world: int, port: int, run: str, out: str) -> None:
     engine.close()
     Path(out, f"restored_{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def ray_train_loop(config: dict) -> None:
+    """A Ray Train worker (FSDP2 over all workers, a manager): restore, then a group of 2 trains 3 steps and saves
+    step 3; a larger group (the elastic run) writes what each rank restored and, rank 0, the plan."""
+    import ray.train
+
+    from rl_ckpt import CheckpointEngine, RNGState
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(500 + rank)
+    model = w.shard(w.make_model(rank), (world,))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    explore = np.random.default_rng(2000 + rank)
+    buffer = RankBuffer()
+    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
+                              retention=False)
+    for name, obj in (("policy", model), ("optim", optim), ("rng", RNGState(numpy_generators={"explore": explore})),
+                      ("replay_buffer", buffer)):
+        engine.register(name, obj)
+    plan = engine.plan_recovery()
+    result = engine.restore(plan)
+    out = Path(config["out"])
+    if world == 2:
+        for step in range(1, 4):
+            optim.zero_grad()
+            w.global_batch_loss(model, step, rank, world).backward()
+            optim.step()
+            buffer.items.append(rank * 100 + step)
+            explore.random(3)
+        engine.save(3)
+        (out / f"saved_{rank}.json").write_text(json.dumps({"rng": rng_fingerprint(explore), "items": buffer.items}))
+    else:
+        (out / f"restored_{rank}.json").write_text(json.dumps({
+            "world": world, "snapshot": result.snapshot_id, "step": result.global_step, "plan": str(plan),
+            "rng": rng_fingerprint(explore), "items": buffer.items}))
+    engine.close()
