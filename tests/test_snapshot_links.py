@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def test_links_with_the_right_bytes_are_reported_and_skipped(tmp_path, where):
         target = run / "step_000000001" / "policy.safetensors"
         if where == "file outside the run":
             target = shutil.copy(target, tmp_path / "outside.safetensors")
-        assert (step2 / "policy.safetensors").read_bytes() == open(target, "rb").read()
+        assert (step2 / "policy.safetensors").read_bytes() == Path(target).read_bytes()
         (step2 / "policy.safetensors").unlink()
         os.symlink(os.path.relpath(target, step2), step2 / "policy.safetensors")
         expect = "is a symbolic link"
