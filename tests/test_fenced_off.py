@@ -5,20 +5,21 @@ while everything still in the run is fine."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import torch
 
 from rl_ckpt import CheckpointEngine
+from rl_ckpt.cli import main as cli_main
 from rl_ckpt.run.quarantine import quarantine
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rl_ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """The CLI as ``rl-ckpt`` runs it, in this process (a subprocess per call would mostly import torch)."""
+    code = cli_main(list(args))
+    return code, capsys.readouterr().out
 
 
-def test_verify_and_ls_name_what_a_restore_took_out(tmp_path):
+def test_verify_and_ls_name_what_a_restore_took_out(tmp_path, capsys):
     with CheckpointEngine(base_dir=str(tmp_path), run_name="r") as engine:
         engine.register("policy", torch.nn.Linear(3, 2))
         for step in (1, 2, 3):
@@ -35,12 +36,12 @@ def test_verify_and_ls_name_what_a_restore_took_out(tmp_path):
     shutil.rmtree(tmp_path / "r" / "step_000000001")  # a person deleted the quarantined snapshot; the mark stays
 
     for args in (("verify",), ("ls",)):
-        out = cli(*args, str(tmp_path / "r"))
-        assert out.returncode == 0, out.stdout + out.stderr
-        notes = out.stdout.split("taken out of the run (notes, not failures):\n", 1)[1].splitlines()
+        code, out = cli(capsys, *args, str(tmp_path / "r"))
+        assert code == 0, out
+        notes = out.split("taken out of the run (notes, not failures):\n", 1)[1].splitlines()
         retired = next(n for n in notes if n.strip().startswith("step_000000003"))
         assert "retired 20" in retired and "by engine rank 0" in retired and "checksum mismatch" in retired, retired
         assert "history/retired/step_000000003." in retired
         fenced = next(n for n in notes if n.strip().startswith("step_000000001"))
         assert "quarantined 20" in fenced and "by a test" in fenced and "post-load check failed" in fenced, fenced
-    assert "all OK" in cli("verify", str(tmp_path / "r")).stdout
+    assert "all OK" in cli(capsys, "verify", str(tmp_path / "r"))[1]

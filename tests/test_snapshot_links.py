@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine
+from rl_ckpt.cli import main as cli_main
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rl_ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """The CLI as ``rl-ckpt`` runs it, in this process (a subprocess per call would mostly import torch)."""
+    code = cli_main(list(args))
+    return code, capsys.readouterr().out
 
 
 def two_snapshots(tmp_path):
@@ -30,7 +31,7 @@ def two_snapshots(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["file inside the run", "file outside the run", "snapshot folder"])
-def test_links_with_the_right_bytes_are_reported_and_skipped(tmp_path, where):
+def test_links_with_the_right_bytes_are_reported_and_skipped(tmp_path, capsys, where):
     run = two_snapshots(tmp_path)
     step2 = run / "step_000000002"
     if where == "snapshot folder":
@@ -46,11 +47,11 @@ def test_links_with_the_right_bytes_are_reported_and_skipped(tmp_path, where):
         (step2 / "policy.safetensors").unlink()
         os.symlink(os.path.relpath(target, step2), step2 / "policy.safetensors")
         expect = "is a symbolic link"
-    out = cli("verify", str(run))
-    assert out.returncode == 1 and "step_000000002" in out.stdout and expect in out.stdout, out.stdout + out.stderr
-    listing = cli("ls", str(run))
-    row = next(line for line in listing.stdout.splitlines() if line.startswith("step_000000002"))
-    assert "NO:" in row and expect in row, listing.stdout
+    code, out = cli(capsys, "verify", str(run))
+    assert code == 1 and "step_000000002" in out and expect in out, out
+    code, listing = cli(capsys, "ls", str(run))
+    row = next(line for line in listing.splitlines() if line.startswith("step_000000002"))
+    assert code == 1 and "NO:" in row and expect in row, listing
 
     torch.manual_seed(1)
     model = torch.nn.Linear(3, 2)
