@@ -147,6 +147,8 @@ def cmd_ls(args) -> int:
             print("(VALID: manifest readable, every file present with its size; --deep or `rl-ckpt verify` re-hashes)")
     else:
         print(f"no snapshots in {args.url}")
+    if not args.json:
+        _print_fenced_off(cat)
     return EXIT_PROBLEM if bad else EXIT_OK
 
 
@@ -204,7 +206,20 @@ def cmd_verify(args) -> int:
     with _progress(total, "verify") as bar:
         report = verify_run(cat, ids, progress=bar.update)
     print(report)
+    if ids is None:
+        _print_fenced_off(cat)
     return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _print_fenced_off(cat) -> None:
+    """Snapshots taken out of the run (retired, quarantined and moved), with when and why: notes, not failures."""
+    from rl_ckpt.run.verify import fenced_off
+
+    notes = fenced_off(cat)
+    if notes:
+        print("taken out of the run (notes, not failures):")
+        for note in notes:
+            print(f"  {note}")
 
 
 def cmd_inspect(args) -> int:

@@ -7,6 +7,7 @@ run's state; a replay buffer or env wrapper only needs the two methods.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from typing import Any, Protocol, runtime_checkable
@@ -119,6 +120,25 @@ class RNGState:
             if saved is None:
                 raise CheckpointError(f"RNGState: torch generator {name!r} is not in the snapshot", key=name)
             gen.set_state(_byte_tensor(saved))
+
+
+    def derive_state(self, seed: bytes) -> None:
+        """Seed every stream from ``seed``, each with a seed of its own (sha256 of ``seed`` and the stream's
+        name). For a rank that did not exist when the snapshot was saved (config ``new_rank_state``)."""
+
+        def sub(stream: str, nbytes: int = 8) -> int:
+            return int.from_bytes(hashlib.sha256(seed + b"\0" + stream.encode()).digest()[:nbytes], "little")
+
+        random.seed(sub("python", 32))
+        np.random.seed([(sub("numpy", 16) >> (32 * i)) & 0xFFFFFFFF for i in range(4)])
+        torch.manual_seed(sub("torch_cpu") >> 1)  # (also seeds CUDA; reseeded on its own below)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(sub("torch_cuda") >> 1)
+        for name, gen in self.numpy_generators.items():
+            fresh = type(gen.bit_generator)(np.random.SeedSequence(sub(f"numpy_generators/{name}", 16)))
+            gen.bit_generator.state = fresh.state
+        for name, gen in self.torch_generators.items():
+            gen.manual_seed(sub(f"torch_generators/{name}") >> 1)
 
 
 def _byte_tensor(t) -> torch.Tensor:

@@ -136,6 +136,7 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
     "probe_shapes": ({}, _mapping, "Probe input shape per component when it cannot be inferred, e.g. {policy: [1, 8]}."),
     "probe_rtol": (1e-5, _number(0), "Relative tolerance of the post-load probe comparison (allclose)."),
     "probe_atol": (1e-6, _number(0), "Absolute tolerance of the post-load probe comparison (allclose)."),
+    "new_rank_state": ("derive", _choice(("derive", "empty", "error")), "Restoring on more ranks than saved, the new ranks' per-rank components: derive (RNGState seeded from the saved ranks' streams and the rank; buffers start empty), empty (all start as constructed) or error (refuse, naming ranks and components)."),
     "max_failures": (10, _int(1), "Recovery: give up after this many failures in one run."),
     "max_same_snapshot_failures": (3, _int(1), "Recovery: stop using a snapshot that failed again this many times after restore."),
     "max_acceptable_loss_steps": (None, _int(0, optional=True), "Recovery: if the newest snapshot is more steps behind the failure, consider the best one."),

@@ -217,12 +217,13 @@ class CheckpointEngine:
         if self.manager is not None and snapshot_id is None:  # one plan for all, made (and recorded) by the manager
             plan = RecoveryPlan.from_json(self.manager_client.recovery_plan(failure.to_json() if failure else None))
             plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's to know
-            return plan
-        return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
-                          components=self.registry.kinds(), coordinator=coordinator_config(self.config),
-                          history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id, light=light,
-                          probes=probe_check(self.config), job_config=recorded_config(self.config, self.train_config),
-                          restart_mesh=self.registry.restart_mesh())
+        else:
+            plan = build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
+                              components=self.registry.kinds(), coordinator=coordinator_config(self.config),
+                              history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id, light=light,
+                              probes=probe_check(self.config), restart_mesh=self.registry.restart_mesh(),
+                              job_config=recorded_config(self.config, self.train_config))
+        return self.restorer.note_new_ranks(plan)  # the restoring group is this process's to know
 
     def decisions(self) -> list[Decision]:
         """The coordinator decisions recorded in this run, oldest first (unreadable records are skipped)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError
 from rl_ckpt.format import safetensors_io
 from rl_ckpt.format.arrow_io import read_table
@@ -21,7 +23,7 @@ from rl_ckpt.run.dedup import read_tensor_bytes
 from rl_ckpt.run.snapshot_files import read_verified
 from rl_ckpt.storage import Storage
 
-__all__ = ["load_arrays", "load_component"]
+__all__ = ["load_arrays", "load_component", "aligned"]
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
@@ -30,6 +32,12 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
                    readonly_ok: bool = False) -> Any:
     """Verify and decode one component's state dict from a snapshot.
 
+    By default every tensor is at least as good as what ``torch.load`` gives: writable, and at an address
+    aligned as torch's allocator aligns (``ALIGN``), copied when it is not. An object that keeps the tensors
+    it is given (an optimizer, a replay buffer) computes with them, and a tensor at an odd address is not
+    equivalent: BLAS reductions (``dot`` in LBFGS) split their work by the address's alignment, so the same
+    bytes elsewhere sum in another order and the run diverges after a restore. Files written since lay the
+    large tensors out aligned (``safetensors_io.encode``), so read into an aligned buffer they are not copied.
     ``readonly_ok``: its tensors may be views of read-only memory the storage shares (``read_view``: no copy);
     only for a caller that copies them out (e.g. into a module's parameters) and never writes to them.
     """
@@ -41,6 +49,9 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
     by_path = {f.path: f for f in manifest.files_of(name)}
     arrays = load_arrays(storage, manifest, name, readonly_ok=readonly_ok)
+    if not readonly_ok:
+        # The stored arrays, not the decoded tensors: views of one stored array stay views of one array.
+        arrays = {key: aligned(t) for key, t in arrays.items()}
     tables = {}
     for table_name, rel in (section.get("tables") or {}).items():
         entry = by_path.get(rel)
@@ -99,4 +110,11 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok:
                     path=entry.path, problems=["tensor meta mismatch"])
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
+
+
+def aligned(tensor):
+    """``tensor``, or a copy in memory torch allocated when its address is not ``ALIGN``-byte aligned."""
+    if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() % safetensors_io.ALIGN == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 

@@ -15,6 +15,7 @@ from rl_ckpt.components import check_component_name, classify
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.errors import ConfigError
 from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.integrations.managed import participant_name
 
 # SHARDED_IMPORT: rl_ckpt.sharded is imported where it is used, not at the top: it pulls in
 # torch.distributed.checkpoint (~0.9 s), which `import rl_ckpt` and every CLI command would pay.
@@ -151,6 +152,19 @@ class ComponentRegistry:
         if self.participant is None or reg.sharded is not None:
             return name
         return f"shared/{name}" if reg.replicated else f"{self.participant}/{name}"
+
+    def per_rank(self) -> dict[str, bool]:
+        """Components this participant stores under its own name (``learner-1/rng``), none for a single
+        process: name -> whether it can derive its state (``derive_state``) as a rank that did not exist at save."""
+        if self.participant is None:
+            return {}
+        return {r.name: callable(getattr(r.obj, "derive_state", None)) for r in self._components.values()
+                if r.sharded is None and not r.replicated and not self.excluded(r)}
+
+    def group(self) -> list[str]:
+        """The participants of this process's role in the group restoring (``learner-0`` ... ``learner-<world-1>``)."""
+        names = [participant_name(self.role, r) for r in range(self.world_size)]
+        return names + [self.participant] if self.participant and self.participant not in names else names
 
     def stored_key(self, manifest: Manifest, name: str) -> str | None:
         """The manifest key holding component ``name`` for this participant (own scope first)."""

@@ -33,7 +33,8 @@ from rl_ckpt.config import recorded_config
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapshotError, RestoreError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.recovery.history import record_decision
-from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings
+from rl_ckpt.recovery.new_ranks import NewRankGap, derive_seed, new_rank_gaps
+from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings, new_rank_lines
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.format.metrics import decode_metrics
 from rl_ckpt.run.catalog import Catalog
@@ -137,7 +138,7 @@ class Restorer:
             try:
                 outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
                                        loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
-                                       by=f"engine rank 0 (pid {os.getpid()})")
+                                       by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
             except CheckpointError as exc:  # the state is loaded; the next restore retries
                 outcome = None
                 result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
@@ -170,6 +171,8 @@ class Restorer:
             # A module copies every tensor into its own parameters: it may get views of read-only memory (the
             # memory tier's shared object store: no copy out of it); anything else may keep what it is given.
             states[reg.name] = load_component(self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj))
+        gaps = self._new_rank_gaps(manifest, missing)
+        missing = [m for m in missing if m not in {g.component for g in gaps}]
         if missing:
             msg = f"{sid}: registered component(s) {missing} are not in the snapshot"
             if strict and not all(self.registry.excluded(self.registry.get(m)) for m in missing):
@@ -188,6 +191,7 @@ class Restorer:
             except Exception as exc:  # a user object's own error: name the component and snapshot
                 raise RestoreError(f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
                                    snapshot_id=sid, component=name) from exc
+        self._fill_new_rank(manifest, [g for g in gaps if g.component not in states])  # (a light layer may hold it)
         self._post_load_check(manifest)
         for w in warnings:
             log.warning(w)
@@ -195,6 +199,36 @@ class Restorer:
         log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
         return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, [*states, *sharded], dict(skipped),
                              warnings, decode_metrics(last.metrics))
+
+    def note_new_ranks(self, plan: RecoveryPlan) -> RecoveryPlan:
+        """``plan`` with its ``new ranks`` lines for restoring its target onto this process's group."""
+        plan.new_ranks = new_rank_lines(self.storage, plan.target, self.registry.group(), self.registry.per_rank(),
+                                        self.config.new_rank_state)
+        return plan
+
+    def _new_rank_gaps(self, manifest: Manifest, missing: list[str]) -> list[NewRankGap]:
+        """This participant's per-rank components that other ranks saved and it did not (it did not exist at
+        save); StateMismatchError under ``new_rank_state='error'``."""
+        me, rule = self.registry.participant, self.config.new_rank_state
+        gaps = [g for g in new_rank_gaps(list(manifest.components), self.registry.group(), self.registry.per_rank(),
+                                         rule) if me in g.new and g.component in missing]
+        if gaps and rule == "error":
+            names = [g.component for g in gaps]
+            raise StateMismatchError(
+                f"{manifest.snapshot_id}: {me} has no saved {', '.join(names)}: the snapshot holds them for "
+                f"{', '.join(gaps[0].saved_by)} only (the group grew since). new_rank_state='error' refuses this; set "
+                "new_rank_state to 'derive' (RNG derived from the saved streams and the rank, other per-rank state "
+                "starts as constructed) or 'empty' (all start as constructed)",
+                component=names[0], mismatches=[g.line() for g in gaps], snapshot_id=manifest.snapshot_id)
+        return gaps
+
+    def _fill_new_rank(self, manifest: Manifest, gaps: list[NewRankGap]) -> None:
+        """Apply ``new_rank_state`` to this participant's components the snapshot holds nothing for."""
+        me = self.registry.participant
+        for gap in gaps:
+            if gap.derives:
+                self.registry.get(gap.component).obj.derive_state(derive_seed(manifest, gap, me))
+            log.info("restore of %s: %s", manifest.snapshot_id, dataclasses.replace(gap, new=(me,)).line())
 
     def _load_sharded(self, manifest: Manifest, keys: dict[str, str]) -> None:
         """Each sharded component: this rank reads and verifies only the byte ranges of its own shards."""
@@ -241,7 +275,8 @@ class Restorer:
                 for reg in self.registry:
                     key = self.registry.stored_key(manifest, reg.name)
                     if key is not None:
-                        light_states[reg.name] = load_component(self.storage, manifest, key)
+                        light_states[reg.name] = load_component(self.storage, manifest, key,
+                                                                         readonly_ok=copies_on_load(reg.obj))
             except CheckpointError as exc:
                 skipped[info.snapshot_id] = str(exc)
                 log.warning("skipping light snapshot %s: %s", info.snapshot_id, exc)

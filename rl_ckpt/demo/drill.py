@@ -50,7 +50,7 @@ def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: i
     while trainer.progress.global_step < until_step:
         metrics = trainer.train_step()
         step = trainer.progress.global_step
-        scheduler.step(step, metrics={"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]})
+        scheduler.step(step, metrics=trainer.snapshot_metrics())
         if step == settle_at:
             engine.wait()
         newest = engine.snapshots()

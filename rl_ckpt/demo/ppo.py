@@ -216,6 +216,7 @@ class TrainingProgress:
         self.env_steps = 0        # total env transitions (all envs)
         self.episodes_done = 0
         self.recent_returns: list[float] = []
+        self.last_loss: float | None = None  # the last PPO update's mean loss (None before the first)
 
     def record_episode(self, ret: float) -> None:
         self.episodes_done += 1
@@ -228,7 +229,7 @@ class TrainingProgress:
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "updates_done": self.updates_done,
                 "env_steps": self.env_steps, "episodes_done": self.episodes_done,
-                "recent_returns": list(self.recent_returns)}
+                "recent_returns": list(self.recent_returns), "last_loss": self.last_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
@@ -236,6 +237,8 @@ class TrainingProgress:
         self.env_steps = int(state["env_steps"])
         self.episodes_done = int(state["episodes_done"])
         self.recent_returns = [float(x) for x in state["recent_returns"]]
+        last = state.get("last_loss")  # (absent in snapshots of older demos)
+        self.last_loss = None if last is None else float(last)
 
 
 class PPOTrainer:
@@ -321,7 +324,8 @@ class PPOTrainer:
         self.lr_scheduler.step()
         self.buffer.clear()
         self.progress.updates_done += 1
-        return float(np.mean(losses))
+        self.progress.last_loss = float(np.mean(losses))
+        return self.progress.last_loss
 
     def train_step(self) -> dict[str, Any]:
         """Collect one chunk of experience; run a PPO update when the buffer is full."""
@@ -330,6 +334,12 @@ class PPOTrainer:
         loss = self._update() if self.buffer.full else math.nan
         return {"avg_reward": self.progress.avg_reward, "loss": loss,
                 "global_step": self.progress.global_step}
+
+    def snapshot_metrics(self) -> dict[str, Any]:
+        """The metrics a snapshot records: the last update's loss, not this step's (NaN at a step without an
+        update: a reader of ``rl-ckpt ls`` takes that for a diverged run); no loss before the first update."""
+        loss = self.progress.last_loss
+        return {"avg_reward": self.progress.avg_reward, **({"loss": loss} if loss is not None else {})}
 
     def train(self, until_step: int,
               on_step: Callable[[int, dict[str, Any]], None] | None = None) -> None:

@@ -273,7 +273,7 @@ def learner_loop(config: dict) -> None:
                 last_beat(engine, step)
                 _log(config, {"event": "kill", "step": step, "target": "learner"})
                 os.kill(os.getpid(), signal.SIGKILL)
-        values = {"avg_reward": metrics["avg_reward"], "loss": metrics["loss"]}
+        values = learner.snapshot_metrics()
         if tier is not None and tier.due(step):
             tier.wait()  # every due memory snapshot is taken (none skipped because the previous one still runs)
         handle = scheduler.step(step, metrics=values) if tier is None else tier.maybe_save(step, values)

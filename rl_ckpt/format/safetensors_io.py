@@ -21,6 +21,7 @@ import torch
 from rl_ckpt.errors import CorruptSnapshotError, SerializationError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same limit as the safetensors library
+ALIGN = 64  # torch's CPU allocator aligns this much; BLAS and SIMD kernels split work by it
 
 TORCH_TO_CODE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -62,9 +63,12 @@ def encode(arrays: dict, metadata: dict[str, str] | None = None) -> tuple[list, 
     """Chunks of a safetensors file for ``arrays`` (name -> contiguous CPU tensor/ndarray).
 
     Returns ``(chunks, tensor_meta)``; ``tensor_meta`` maps name -> {dtype, shape}.
-    Tensors are laid out largest item size first so each stays aligned.
+    The data starts ``ALIGN``-byte aligned and tensors whose size is a multiple of ``ALIGN`` come first,
+    so each of them lies at an ``ALIGN``-aligned offset (read into an aligned buffer, it is used where it
+    lies: see ``rl_ckpt.core.reader.load_component``); the rest follow largest item size first, so each
+    stays aligned to its item size.
     """
-    order = sorted(arrays, key=lambda n: (-ITEMSIZE[array_code(arrays[n])], n))
+    order = sorted(arrays, key=lambda n: (byte_view(arrays[n]).nbytes % ALIGN != 0, -ITEMSIZE[array_code(arrays[n])], n))
     header: dict = {}
     meta: dict = {}
     views = []
@@ -81,7 +85,7 @@ def encode(arrays: dict, metadata: dict[str, str] | None = None) -> tuple[list, 
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(len(blob) + 8) % 8)  # data starts 8-byte aligned, as the library does
+    blob += b" " * (-(len(blob) + 8) % ALIGN)  # data starts aligned (the library pads to 8; spaces are allowed)
     return [struct.pack("<Q", len(blob)) + blob, *views], meta
 
 

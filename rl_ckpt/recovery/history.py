@@ -1,7 +1,7 @@
 """A run's recovery history: the failures and coordinator decisions recorded in its folder.
 
 One file per record (``failures/<time>-<kind>.json``,
-``decisions/<time>-<action>.json``), written create-only through the run's
+``decisions/<time>-<action>.json``; the time is the recorder's clock), written create-only through the run's
 record store, so every backend writes it atomically and no writer replaces
 another's. The decisions read back are the history the next decision is made
 from (:func:`rl_ckpt.recovery.coordinator.make_decision`); a planted or
@@ -10,7 +10,8 @@ damaged record is skipped with a warning.
 
 from __future__ import annotations
 
-from rl_ckpt.recovery.coordinator import Decision, FailureInfo
+from rl_ckpt.format.manifest import now_iso
+from rl_ckpt.recovery.coordinator import Action, Decision, FailureInfo, FailureKind
 from rl_ckpt.run.layout import DECISIONS, FAILURES, timed_record_stem
 from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import Storage
@@ -41,8 +42,9 @@ def load_decisions(storage: Storage) -> list[Decision]:
 
 
 def record_decision(storage: Storage, decision: Decision) -> str:
-    """Write ``decision`` into the run folder; returns its path."""
-    return decision_records(storage).add(timed_record_stem(decision.time, str(decision.action)), decision.to_json())
+    """Write ``decision`` into the run folder; returns its path (see :func:`record_failure` for the name)."""
+    what = Action(decision.action).value
+    return decision_records(storage).add_once(timed_record_stem(now_iso(), what), decision.to_json(), ending=f"-{what}")
 
 
 def load_failures(storage: Storage) -> list[dict]:
@@ -51,5 +53,11 @@ def load_failures(storage: Storage) -> list[dict]:
 
 
 def record_failure(storage: Storage, failure: FailureInfo) -> str:
-    """Write ``failure`` into the run folder; returns its path."""
-    return failure_records(storage).add(timed_record_stem(failure.time, str(failure.kind)), failure.to_json())
+    """Write ``failure`` into the run folder; returns its path.
+
+    The record's name is the recorder's: its own clock and the failure's validated kind, never a field of the
+    request (a caller's ``time`` of ``"/abs/escape"`` once named a file outside ``failures/``). A retried call
+    (the same failure again) finds its record and writes nothing.
+    """
+    what = FailureKind(failure.kind).value
+    return failure_records(storage).add_once(timed_record_stem(now_iso(), what), failure.to_json(), ending=f"-{what}")

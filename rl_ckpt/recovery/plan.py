@@ -22,6 +22,7 @@ from rl_ckpt.config import changed_keys, config_digest
 from rl_ckpt.run.snapshot_files import read_manifest, verify_snapshot
 from rl_ckpt.errors import CheckpointError, SchemaVersionError
 from rl_ckpt.format.manifest import Manifest, layout_object_bytes, now_iso
+from rl_ckpt.recovery.new_ranks import plan_lines
 from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, Decision, FailureInfo, log_decision, make_decision
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.run.retention import normalize_best
@@ -68,6 +69,8 @@ class RecoveryPlan:
     deep: bool = True
     layout: str = ""  # sharded components: the layout saved and the one restored onto (rl_ckpt.sharded.layout)
     retired: list[str] | None = None  # newer snapshots moved into history/retired/ by the restore (None: not yet)
+    # Ranks of the restoring group the target holds no per-rank state for, and what they get (recovery/new_ranks.py).
+    new_ranks: list[str] = dataclasses.field(default_factory=list)
     created_at: str = dataclasses.field(default_factory=now_iso)
 
     @property
@@ -108,6 +111,7 @@ class RecoveryPlan:
             lines.append(f"  continue:  training resumes after step {self.continue_from_step}")
             if self.layout:
                 lines.append(f"  layout:    {self.layout}")
+            lines += [f"  new ranks: {line}" for line in self.new_ranks]
             if self.retired:
                 lines.append(f"  retired:   {', '.join(self.retired)} (newer: the failed timeline, moved to history/retired/)")
         else:
@@ -218,6 +222,19 @@ def layout_line(storage: Storage, snapshot_id: str | None, restart_mesh: Mapping
     except CheckpointError:
         return ""  # an unreadable target: the restore says why and falls back; the plan must not fail for a line
     return layout_change(components, restart_mesh)
+
+
+def new_rank_lines(storage: Storage, snapshot_id: str | None, participants: Sequence[str],
+                   per_rank: Mapping[str, bool], rule: str) -> list[str]:
+    """The ``new ranks`` lines of a plan restoring ``snapshot_id`` onto ``participants`` (see
+    :mod:`rl_ckpt.recovery.new_ranks`); for a plan computed elsewhere, like :func:`layout_line`."""
+    if snapshot_id is None or not per_rank:
+        return []
+    try:
+        components = read_manifest(storage, snapshot_id).components
+    except CheckpointError:
+        return []  # an unreadable target: the restore says why and falls back
+    return plan_lines(components, participants, per_rank, rule)
 
 
 def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, components: Mapping[str, str] | None,

@@ -64,6 +64,8 @@ class Unreadable:
 
 LOST_MANIFEST = ("meta.json missing: data files are present but no manifest vouches for them "
                  "(deleted after commit?); not used, not deleted by gc")
+LINKED_FOLDER = ("a symbolic link, not a folder of the run: a snapshot's files must be regular files inside the "
+                 "run; not used (remove the link, or copy the snapshot in)")
 
 
 def lost_manifest(storage: Storage, snapshot_id: str) -> bool:
@@ -108,8 +110,8 @@ class Catalog:
         then uses the manifests held here (each parsed once per restore); verification reads its own afresh."""
         with self._lock:
             known, known_versions = dict(self._infos or {}), dict(self._versions)
-        infos, bad, versions = {}, {}, {}
-        for entry in snapshot_folders(self.storage):
+        infos, bad, versions, links = {}, {}, {}, []
+        for entry in snapshot_folders(self.storage, links):
             try:
                 meta = self.storage.stat(manifest_path(entry.name))
             except CheckpointError as exc:  # e.g. a planted link in place of the manifest
@@ -132,6 +134,9 @@ class Catalog:
             except CheckpointError as exc:
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)
+        for name in links:
+            bad[name] = Unreadable(name, LINKED_FOLDER)
+            log.warning("snapshot %s: %s", name, LINKED_FOLDER)
         fenced = quarantined(self.storage)
         was = {sid: info.quarantined for sid, info in known.items()}
         for sid, info in infos.items():

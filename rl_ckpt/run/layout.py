@@ -31,11 +31,16 @@ deleted.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterator
 
+from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id, snapshot_id
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.storage.base import Entry
+
+_ISO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?([+-]\d\d:\d\d|Z)?")
+_RECORD_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 __all__ = [
     "MANIFEST_NAME", "STAGING", "TRASH", "OBJECTS", "BEST", "QUARANTINE", "DECISIONS", "FAILURES", "RETIRED",
@@ -87,11 +92,21 @@ def manifest_path(snapshot: str) -> str:
     return join(snapshot, MANIFEST_NAME)
 
 
-def snapshot_folders(storage: Storage) -> Iterator[Entry]:
-    """Top-level folders with canonical snapshot names, committed or not (one listing)."""
+def snapshot_folders(storage: Storage, links: list[str] | None = None) -> Iterator[Entry]:
+    """Top-level folders with canonical snapshot names, committed or not (one listing).
+
+    ``links``: gets the snapshot names that are symbolic links instead of folders (storage that has links:
+    local disk). A link is never a snapshot of this run (its files would live elsewhere), so it is not
+    yielded; the catalog reports it.
+    """
+    is_link = getattr(storage, "is_link", None)
     for entry in storage.list(""):
-        if entry.is_dir and entry.name not in RESERVED and is_snapshot_name(entry.name):
+        if entry.name in RESERVED or not is_snapshot_name(entry.name):
+            continue
+        if entry.is_dir:
             yield entry
+        elif links is not None and is_link is not None and is_link(entry.name):
+            links.append(entry.name)
 
 
 def staged_attempt(snapshot: str, attempt_id: str) -> Attempt:
@@ -184,6 +199,10 @@ def retired_record_path(snapshot: str, tag: str) -> str:
 def timed_record_stem(time: str, what: str) -> str:
     """The file stem of a dated record (decisions, failures): the ISO time without ``:``/``+``, then ``what``.
 
-    Names sort by time, so a listing is the records in the order they were written.
+    Names sort by time, so a listing is the records in the order they were written. Both parts become a file
+    name: anything but an ISO time and a plain word is refused (names never come from a caller's fields).
     """
-    return f"{time.replace(':', '').replace('+', 'p')}-{what}"
+    stem = f"{time.replace(':', '').replace('+', 'p')}-{what}"
+    if not _ISO_TIME.fullmatch(time) or not _RECORD_WORD.fullmatch(what):
+        raise CheckpointError(f"not a record name: time {time[:80]!r}, kind {what[:80]!r} (an ISO time and a word)")
+    return stem

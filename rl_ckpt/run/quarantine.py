@@ -28,6 +28,11 @@ def quarantine(storage: Storage, snapshot_id: str, reason: str, source: str) -> 
 
 def quarantined(storage: Storage) -> dict[str, str]:
     """snapshot id -> reason."""
+    return {sid: r["reason"] for sid, r in quarantine_records(storage).items()}
+
+
+def quarantine_records(storage: Storage) -> dict[str, dict]:
+    """snapshot id -> its quarantine record (``reason``, ``source``, ``at``: strings, or None where unknown)."""
     out = {}
     records = RecordStore(storage, QUARANTINE, "quarantine record")
     for name in records.names():
@@ -38,8 +43,10 @@ def quarantined(storage: Storage) -> dict[str, str]:
             record = records.read(name)
         except CheckpointError:  # still fenced off: a mark that cannot be read is not a release
             record = None
-        reason = record.get("reason") if isinstance(record, dict) else None
-        out[sid] = reason[:1000] if isinstance(reason, str) else "quarantined (record unreadable)"
+        record = record if isinstance(record, dict) else {}
+        fields = {k: record.get(k)[:1000] if isinstance(record.get(k), str) else None for k in ("reason", "source", "at")}
+        fields["reason"] = fields["reason"] or "quarantined (record unreadable)"
+        out[sid] = fields
     return out
 
 

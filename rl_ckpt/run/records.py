@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Callable, TypeVar
 
 from rl_ckpt.errors import CheckpointError, CommitConflictError
@@ -57,6 +58,16 @@ class RecordStore:
                     return path
         raise CheckpointError(f"{self.folder}/: {MAX_SAME_NAME} records named {stem}* already exist; "
                               "not writing another (remove old records by hand)", path=self.path(stem + SUFFIX))
+
+    def add_once(self, stem: str, body: dict, *, ending: str = "") -> str:
+        """:meth:`add`, unless a record holding ``body`` is already there (a retried call whose name, chosen
+        by the recorder's clock, differs): then that record's path. Only names ending in ``ending`` (plus an
+        ``-<n>`` of :meth:`add`) are compared."""
+        same = re.compile(re.escape(ending) + r"(-\d+)?" + re.escape(SUFFIX) + "$")
+        for name in reversed(self.names()):  # newest first: a retry follows its first call closely
+            if same.search(name) and self._holds(self.path(name), body):
+                return self.path(name)
+        return self.add(stem, body)
 
     def _holds(self, path: str, body: dict) -> bool:
         try:

@@ -44,7 +44,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 from rl_ckpt.errors import CheckpointError, CommitConflictError
 from rl_ckpt.format.manifest import now_iso, parse_snapshot_id
@@ -53,6 +53,7 @@ from rl_ckpt.run.catalog import Catalog, SnapshotInfo, lost_manifest
 from rl_ckpt.run.layout import (MANIFEST_NAME, RETIRED, manifest_path, retired_record_path, retired_snapshot_dir,
                                 snapshot_folders)
 from rl_ckpt.run.delete import delete_snapshot
+from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import Storage, join
 from rl_ckpt.storage.registry import protocol_of
 
@@ -61,7 +62,7 @@ COPY_CHUNK = 8 << 20
 NO_COPIES = ("raymem",)  # storage protocols where a retired snapshot is deleted, not kept
 REASON = "newer than the snapshot a restore loaded: written by the timeline that failed"
 
-__all__ = ["RetireOutcome", "retire_newer", "retire_for_plan", "retire_one", "snapshot_tag"]
+__all__ = ["RetireOutcome", "retire_newer", "retire_for_plan", "retire_one", "retired_records", "snapshot_tag"]
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ def snapshot_tag(info: SnapshotInfo) -> str:
 
 
 def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, loaded: Iterable[str | None],
-                 restored: str | None, by: str) -> RetireOutcome:
+                 restored: str | None, by: str, skipped: Mapping[str, str] | None = None) -> RetireOutcome:
     """Retire every committed snapshot (full or light; not quarantined ones) of a step after ``continue_step``.
 
     Args:
@@ -89,6 +90,7 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
         loaded: the snapshots the restore loaded (never retired, whatever their step).
         restored: the snapshot restored (with its light layer, as text), for the records.
         by: who retires (``"engine rank 0"``, ``"manager"``), for the records.
+        skipped: snapshot id -> why the restore did not use it (a checksum mismatch...), for the records.
 
     One snapshot that cannot be retired becomes a warning and the pass goes on; the
     catalog is refreshed at the start and the end.
@@ -105,7 +107,8 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
                                     "quarantine for a person (a save of its step conflicts until it is deleted)")
             continue
         try:
-            if retire_one(storage, info, context):
+            why = (skipped or {}).get(info.snapshot_id)
+            if retire_one(storage, info, {**context, "skipped_by_restore": why} if why else context):
                 outcome.retired.append(info.snapshot_id)
         except CheckpointError as exc:
             outcome.warnings.append(f"could not retire {info.snapshot_id} (newer than step {continue_step}): {exc}")
@@ -134,12 +137,19 @@ def retire_for_plan(storage: Storage, catalog: Catalog, plan, *, by: str) -> lis
     restored = f"{plan.target}" + (f" + light {plan.light}" if plan.light else "")
     try:
         outcome = retire_newer(storage, catalog, continue_step=plan.continue_from_step,
-                               loaded=[plan.target, plan.light, *plan.fallbacks], restored=restored, by=by)
+                               loaded=[plan.target, plan.light, *plan.fallbacks], restored=restored, by=by,
+                               skipped={c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"})
     except CheckpointError as exc:  # the plan stands; the next plan retries
         plan.warnings.append(f"could not retire the snapshots newer than step {plan.continue_from_step}: {exc}")
         return []
     plan.warnings += outcome.warnings
     return outcome.retired
+
+
+def retired_records(storage: Storage) -> list[dict]:
+    """The records of the snapshots retired from this run (``history/retired/*.json``), oldest first."""
+    return [r for r in RecordStore(storage, RETIRED, "retired-snapshot record").load()
+            if isinstance(r.get("snapshot_id"), str)]
 
 
 def retire_one(storage: Storage, info: SnapshotInfo, context: dict) -> bool:

@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 from rl_ckpt.run.snapshot_files import FileProblem, VerifyReport, verify_snapshot
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.run.catalog import Catalog
+from rl_ckpt.run.quarantine import quarantine_records
+from rl_ckpt.run.retire import retired_records
 
 
 def verify_run(catalog: Catalog, snapshot_ids: Sequence[str] | None = None, *,
@@ -31,3 +33,23 @@ def verify_run(catalog: Catalog, snapshot_ids: Sequence[str] | None = None, *,
             report.checked.append(bad.snapshot_id)
             report.problems.append(FileProblem(bad.snapshot_id, MANIFEST_NAME, bad.reason))
     return report
+
+
+def fenced_off(catalog: Catalog) -> list[str]:
+    """What a person should know was taken out of the run, with when and why (not failures of the run):
+    snapshots retired into ``history/retired/`` (the failed timeline of a restore, with the reason the restore
+    skipped one, e.g. a checksum mismatch) and quarantine marks of snapshots no longer in the run. A quarantined
+    snapshot still in the run is reported by :func:`verify_run` itself."""
+    storage = catalog.storage
+    present = {i.snapshot_id for i in catalog.snapshots()}
+    notes = []
+    for sid, record in quarantine_records(storage).items():
+        if sid not in present:
+            notes.append(f"{sid}: quarantined {record.get('at') or '(time unknown)'} by "
+                         f"{record.get('source') or '?'}: {record.get('reason') or '(no reason recorded)'}")
+    for r in retired_records(storage):
+        why = r.get("skipped_by_restore")
+        notes.append(f"{r['snapshot_id']} (step {r.get('global_step')}): retired {r.get('retired_at')} by "
+                     f"{r.get('retired_by')}: {r.get('reason')}" + (f"; the restore skipped it: {why}" if why else "")
+                     + (f"; kept in {r['moved_to']}" if r.get("moved_to") else ""))
+    return [n[:2000] for n in notes]
