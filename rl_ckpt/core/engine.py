@@ -85,9 +85,8 @@ class CheckpointEngine:
             self.registry.participant, self.manager_client, commit = join_manager(
                 manager, self.storage, config, role, self.rank, self.world_size, participants, _current_actor())
         self.heartbeat = self.manager_client.heartbeat if self.manager_client is not None else None
-        # With a manager, the manager runs maintenance (retention once per committed snapshot).
-        self.maintenance = RunMaintenance.from_config(self.storage, self.catalog, config,
-                                                      retention=retention if manager is None else False)
+        self.maintenance = RunMaintenance.from_config(  # with a manager, the manager applies retention
+            self.storage, self.catalog, config, retention=retention if manager is None else False)
         self.pipeline = SavePipeline(config, self.train_config, self.storage, self.catalog, self.registry, commit,
                                      maintenance=self.maintenance if manager is None else None,
                                      client=self.manager_client)
