@@ -125,7 +125,8 @@ def cmd_ls(args) -> int:
         if info.quarantined:
             valid = f"QUARANTINED: {info.quarantined}"
         bad += valid != "yes"
-        rows.append((info.snapshot_id, str(info.global_step), info.kind, _human(info.size_bytes), _fmt_metrics(info.metrics), valid))
+        rows.append((info.snapshot_id, str(info.global_step), info.kind, _human(info.size_bytes),
+                     _fmt_metrics(info.metrics), valid))
     for u in cat.unreadable():
         bad += 1
         rows.append((u.snapshot_id, "?", "?", "?", "", f"NO: {u.reason}"))
@@ -336,7 +337,8 @@ def cmd_export(args) -> int:
     storage = _storage(args)
     manifest = read_manifest(storage, _snapshot_arg(storage, args))
     if args.component not in manifest.components:
-        raise UsageError(f"{args.snapshot_id} has no component {args.component!r}; it has: {', '.join(sorted(manifest.components))}")
+        raise UsageError(f"{args.snapshot_id} has no component {args.component!r}; "
+                         f"it has: {', '.join(sorted(manifest.components))}")
     if args.format == "hf":
         out = export_hf(storage, manifest, args.component, args.output, max_shard_size=args.max_shard_size,
                         strip_prefix=args.strip_prefix)
@@ -368,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif needs_id is None:
             s.add_argument("snapshot_id", nargs="?")
         s.add_argument("--config", help="YAML config to take storage_options from")
-        s.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
+        s.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                       help="fsspec storage option (repeatable)")
         s.set_defaults(func=func)
         return s
 
@@ -391,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("scrub", cmd_scrub, "re-hash every snapshot at a bounded rate; quarantine corrupt ones (exit 1 if any)")
     s.add_argument("--rate-mib", type=float, default=0, help="read-rate limit in MiB/s (default: unlimited)")
     s.add_argument("--min-free-gib", type=float, default=1.0, help="warn (exit 1) below this much free space")
-    s = cmd("timeline", cmd_timeline, "draw the run: reward curve, snapshots (full/light, kept/deleted, best), crash and resume")
+    s = cmd("timeline", cmd_timeline,
+            "draw the run: reward curve, snapshots (full/light, kept/deleted, best), crash and resume")
     s.add_argument("-o", "--output", required=True, help="output .png")
     s.add_argument("--metric", default="avg_reward")
     s.add_argument("--log", help="a JSON-lines step log with per-step metrics to draw as the curve")
@@ -412,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove PREFIX from tensor names that start with it (e.g. 'module.')")
     from rl_ckpt.tools.bench import add_arguments as _bench_arguments
 
-    s = sub.add_parser("bench", help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
+    s = sub.add_parser("bench",
+                       help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
                        description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
                                    "`rl-ckpt bench weights --help`: policy versions to rollout actors")
     _bench_arguments(s)

@@ -64,7 +64,8 @@ def test_rng_state_derives_every_stream_deterministically():
         RNGState(numpy_generators={"explore": explore}, torch_generators={"g": gen}).derive_state(seed)
         import random
 
-        return [random.random(), np.random.rand(), torch.rand(1).item(), explore.random(), torch.rand(1, generator=gen).item()]
+        return [random.random(), np.random.rand(), torch.rand(1).item(), explore.random(),
+                torch.rand(1, generator=gen).item()]
 
     a, b, c = fingerprint(b"x" * 32), fingerprint(b"x" * 32), fingerprint(b"y" * 32)
     assert a == b and all(x != y for x, y in zip(a, c))

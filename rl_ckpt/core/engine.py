@@ -53,9 +53,8 @@ class CheckpointEngine:
         storage: use this storage instead of opening ``config.run_url``.
         retention: a :class:`RetentionPolicy` (default: built from keep_latest,
             keep_best and keep_interval_steps); ``False`` keeps everything.
-        manager: a ``CheckpointManager`` actor handle: this engine is then one
-            participant of a sharded save (the manager commits, keeps the
-            catalog and applies retention).
+        manager: a ``CheckpointManager`` actor handle: this engine is then one participant of a
+            sharded save (the manager commits, keeps the catalog and applies retention).
         rank, world_size: this participant's rank and how many of its ``role``
             there are (default: from ``torch.distributed`` when initialised).
         role: ``"learner"`` (replicated state is written once, by rank 0) or
@@ -215,12 +214,12 @@ class CheckpointEngine:
         self._check_open()
         if self.manager is not None and snapshot_id is None:  # one plan for all, made (and recorded) by the manager
             plan = RecoveryPlan.from_json(self.manager_client.recovery_plan(failure.to_json() if failure else None))
-            plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's to know
+            plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's
         else:
             plan = build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
                               components=self.registry.kinds(), coordinator=coordinator_config(self.config),
-                              history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id, light=light,
-                              probes=probe_check(self.config), restart_mesh=self.registry.restart_mesh(),
+                              history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id,
+                              probes=probe_check(self.config), restart_mesh=self.registry.restart_mesh(), light=light,
                               job_config=recorded_config(self.config, self.train_config))
         return self.restorer.note_new_ranks(plan)  # the restoring group is this process's to know
 
@@ -265,9 +264,10 @@ class CheckpointEngine:
     def start_patrol(self, interval_seconds: float = 3600.0, **kwargs: Any) -> HealthPatrol:
         """Re-hash old snapshots in the background (rate-limited); corrupt ones are quarantined."""
         if self._patrol is None:
-            limits = {"bytes_per_second": self.config.scrub_bytes_per_second, "min_free_bytes": self.config.min_free_bytes}
-            self._patrol = HealthPatrol(self.storage, interval_seconds=interval_seconds, **{k: kwargs.get(k, v) for k, v in limits.items()},
-                                        on_report=lambda r: self.catalog.refresh()).start()
+            cfg, refresh = self.config, lambda r: self.catalog.refresh()
+            limits = {"bytes_per_second": cfg.scrub_bytes_per_second, "min_free_bytes": cfg.min_free_bytes,
+                      "on_report": refresh}
+            self._patrol = HealthPatrol(self.storage, interval_seconds=interval_seconds, **{**limits, **kwargs}).start()
         return self._patrol
 
     # -- lifecycle -----------------------------------------------------------

@@ -109,10 +109,12 @@ class Restorer:
             if self._collective():
                 # Every rank loaded its own shards; continue only if all did, and all compute the same
                 # probe outputs. Otherwise all roll back together to the next snapshot.
-                error, fatal_elsewhere = agree_across_ranks(result is not None, error or (str(fatal) if fatal else None),
-                                                            fatal is not None, self._probe_outputs, self.config)
+                mine = error or (str(fatal) if fatal else None)
+                error, fatal_elsewhere = agree_across_ranks(result is not None, mine, fatal is not None,
+                                                            self._probe_outputs, self.config)
                 if fatal is None and fatal_elsewhere:
-                    fatal = RestoreError(f"{sid}: another rank could not load its state: {fatal_elsewhere}", snapshot_id=sid)
+                    fatal = RestoreError(f"{sid}: another rank could not load its state: {fatal_elsewhere}",
+                                         snapshot_id=sid)
             if fatal is not None:
                 raise fatal
             if error is not None:
@@ -134,7 +136,8 @@ class Restorer:
             result.retired = list(plan.retired or [])
             return
         if self.registry.rank == 0:
-            loaded = f"{result.snapshot_id}" + (f" + light {result.light_snapshot_id}" if result.light_snapshot_id else "")
+            light = f" + light {result.light_snapshot_id}" if result.light_snapshot_id else ""
+            loaded = f"{result.snapshot_id}{light}"
             try:
                 outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
                                        loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
@@ -176,8 +179,9 @@ class Restorer:
         if missing:
             msg = f"{sid}: registered component(s) {missing} are not in the snapshot"
             if strict and not all(self.registry.excluded(self.registry.get(m)) for m in missing):
-                raise StateMismatchError(msg + "; register them under the names used when saving, or restore(strict=False)",
-                                         component=missing[0], mismatches=missing, snapshot_id=sid)
+                raise StateMismatchError(
+                    msg + "; register them under the names used when saving, or restore(strict=False)",
+                    component=missing[0], mismatches=missing, snapshot_id=sid)
             warnings.append(msg + "; they keep their current state")
         top = self._apply_light(manifest, states, skipped) if light else None
         for name, state in states.items():
@@ -197,8 +201,8 @@ class Restorer:
             log.warning(w)
         last = top or manifest
         log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
-        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, [*states, *sharded], dict(skipped),
-                             warnings, decode_metrics(last.metrics))
+        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, [*states, *sharded],
+                             dict(skipped), warnings, decode_metrics(last.metrics))
 
     def note_new_ranks(self, plan: RecoveryPlan) -> RecoveryPlan:
         """``plan`` with its ``new ranks`` lines for restoring its target onto this process's group."""
@@ -307,7 +311,8 @@ class Restorer:
                                    + (f" (looked in {snapshot_id})" if snapshot_id else ""), reasons={})
 
 
-def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: dict, cfg) -> tuple[str | None, str | None]:
+def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: dict,
+                       cfg) -> tuple[str | None, str | None]:
     """All-gather every rank's restore outcome and probe outputs (gloo works on CPU).
 
     Returns ``(error, fatal_error)`` as seen by all ranks: an error if any rank
@@ -356,7 +361,8 @@ def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:
     if problems:
         shown = "\n  ".join(problems[:50]) + (f"\n  ... {len(problems) - 50} more" if len(problems) > 50 else "")
         raise StateMismatchError(
-            f"{sid}: component {name!r} does not fit the registered model ({len(problems)} tensor(s) differ):\n  {shown}\n"
+            f"{sid}: component {name!r} does not fit the registered model ({len(problems)} tensor(s) differ):\n"
+            f"  {shown}\n"
             "Is this snapshot from a different model? Restore into the model it was saved from, or start a new run.",
             component=name, mismatches=problems, snapshot_id=sid,
         )

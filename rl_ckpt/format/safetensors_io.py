@@ -68,7 +68,8 @@ def encode(arrays: dict, metadata: dict[str, str] | None = None) -> tuple[list, 
     lies: see ``rl_ckpt.core.reader.load_component``); the rest follow largest item size first, so each
     stays aligned to its item size.
     """
-    order = sorted(arrays, key=lambda n: (byte_view(arrays[n]).nbytes % ALIGN != 0, -ITEMSIZE[array_code(arrays[n])], n))
+    order = sorted(arrays, key=lambda n: (byte_view(arrays[n]).nbytes % ALIGN != 0, -ITEMSIZE[array_code(arrays[n])],
+                                          n))
     header: dict = {}
     meta: dict = {}
     views = []
@@ -110,7 +111,8 @@ def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryvie
     try:
         header = json.loads(bytes(view[8:8 + n]))
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a 5000-digit number, deep nesting
-        raise bad(f"header is not valid JSON ({'nested too deep' if isinstance(exc, RecursionError) else exc})") from None
+        why = "nested too deep" if isinstance(exc, RecursionError) else exc
+        raise bad(f"header is not valid JSON ({why})") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     data = view[8 + n:]

@@ -98,7 +98,8 @@ class RecoveryPlan:
         return cls(**d)
 
     def __str__(self) -> str:
-        lines = [f"Recovery plan for {self.run_url}  ({'checksums verified' if self.deep else 'sizes checked'}; {self.created_at})"]
+        checked = "checksums verified" if self.deep else "sizes checked"
+        lines = [f"Recovery plan for {self.run_url}  ({checked}; {self.created_at})"]
         if self.failure is not None:
             f = self.failure
             first = f.message.strip().splitlines()[0] if f.message.strip() else ""
@@ -113,7 +114,8 @@ class RecoveryPlan:
                 lines.append(f"  layout:    {self.layout}")
             lines += [f"  new ranks: {line}" for line in self.new_ranks]
             if self.retired:
-                lines.append(f"  retired:   {', '.join(self.retired)} (newer: the failed timeline, moved to history/retired/)")
+                lines.append(f"  retired:   {', '.join(self.retired)} "
+                             "(newer: the failed timeline, moved to history/retired/)")
         else:
             lines.append(f"  action:    {self.action.upper()} - {self.reason}")
         if self.candidates:
@@ -123,7 +125,8 @@ class RecoveryPlan:
         if self.actions:
             lines.append("  load, in order:")
             for i, a in enumerate(self.actions, 1):
-                lines.append(f"    {i}. {a.component:<16} ({a.kind}) from {a.snapshot_id}: {a.files} file(s), {a.bytes} bytes")
+                lines.append(f"    {i}. {a.component:<16} ({a.kind}) from {a.snapshot_id}: {a.files} file(s), "
+                             f"{a.bytes} bytes")
         if self.checks:
             lines.append("  after loading:")
             lines += [f"    - {c}" for c in self.checks]
@@ -180,7 +183,8 @@ def config_warnings(manifest: Manifest, job_config: Mapping[str, Any]) -> list[s
         keys = [k for k in keys if not k.startswith("train.")]
         if not keys:
             return []
-    return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {', '.join(keys) or '(unknown keys)'}"]
+    changed = ", ".join(keys) or "(unknown keys)"
+    return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {changed}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +271,8 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
     fulls = list(reversed(cat.snapshots("full")))
     for info in fulls:
         if info.quarantined:
-            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "quarantined", info.quarantined))
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "quarantined",
+                                                 info.quarantined))
     for bad in cat.unreadable():
         plan.candidates.append(CandidateNote(bad.snapshot_id, -1, "?", "skipped", bad.reason))
     usable = [i for i in fulls if not i.quarantined]
@@ -322,7 +327,8 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
             break
     for info in usable:
         if info.snapshot_id in invalid:
-            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "skipped", invalid[info.snapshot_id]))
+            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "skipped",
+                                                 invalid[info.snapshot_id]))
     if target is None:
         if plan.action == "start_fresh" and not plan.reason:
             plan.action = "give_up"
@@ -340,7 +346,8 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
     older = [i for i in usable if i.global_step < target.global_step and i.snapshot_id not in invalid]
     plan.fallbacks = [i.snapshot_id for i in older]
     for info in older:
-        plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "fallback", "used if the target fails"))
+        plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "fallback",
+                                             "used if the target fails"))
     for info in usable:
         if info.global_step > target.global_step and info.snapshot_id not in invalid:
             plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "not chosen",
