@@ -102,11 +102,18 @@ def runner_pids(algo) -> list[int]:
     return sorted(algo.env_runner_group.foreach_env_runner(lambda r: os.getpid(), local_env_runner=False))
 
 
+def _env_to_module(runner) -> dict:
+    return runner.get_state(components=["env_to_module_connector"])["env_to_module_connector"]
+
+
 def runner_connectors(algo) -> list[str]:
-    """The connector-state digest of each remote EnvRunner (after RLlib's sync: equal to the driver's)."""
-    states = algo.env_runner_group.foreach_env_runner(
-        lambda r: r.get_state(components=["env_to_module_connector"]), local_env_runner=False)
-    return [digest(s) for s in states]
+    """The env-to-module connector state (MeanStdFilter) digest of each remote EnvRunner."""
+    return [digest(s) for s in algo.env_runner_group.foreach_env_runner(_env_to_module, local_env_runner=False)]
+
+
+def local_connector(algo) -> str:
+    """The same digest of the driver's EnvRunner (RLlib syncs it to the remote ones after each iteration)."""
+    return digest(_env_to_module(algo.env_runner))
 
 
 def flip_byte(path: str) -> None:
@@ -137,39 +144,47 @@ def driver(cfg: dict) -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     algo = ppo_config(cfg).build_algo()
-    cp = checkpointing(algo)
-    restored = cp.restored
+    cp = checkpointing(algo) if cfg.get("run_name") else None  # none: the uninterrupted reference run
+    restored = cp.restored if cp is not None else None
     log(event="built", seconds=time.perf_counter() - t0, iteration=algo.training_iteration,
         restored=None if restored is None or restored.fresh else restored.snapshot_id,
         restored_step=0 if restored is None or restored.fresh else restored.global_step,
         plan=str(restored.plan) if restored is not None and restored.plan is not None else "",
+        restore_seconds=cp.restore_seconds if cp is not None else None,
         learner=digest(learner_state(algo)), connectors=digest(connector_state(algo)), pids=runner_pids(algo))
     if cfg.get("rllib_path") and restored is not None and not restored.fresh:  # RLlib's own restore, same check
         t = time.perf_counter()
-        algo.restore_from_path(cfg["rllib_path"])
+        algo.restore_from_path(os.path.join(cfg["rllib_path"], str(restored.global_step)))
         log(event="rllib_restored", seconds=time.perf_counter() - t, iteration=algo.training_iteration,
             learner=digest(learner_state(algo)), connectors=digest(connector_state(algo)))
     while algo.training_iteration < cfg["until"]:
         t = time.perf_counter()
         algo.train()
         it = algo.training_iteration
-        if it == cfg.get("rllib_save_at"):
-            algo.save_to_path(cfg["rllib_path"])
-        log(event="iter", iteration=it, seconds=time.perf_counter() - t, learner=digest(learner_state(algo)),
-            connectors=digest(connector_state(algo)), pids=runner_pids(algo), runner_connectors=runner_connectors(algo))
+        rllib_blocked = None
+        if cfg.get("rllib_save_every") and it % cfg["rllib_save_every"] == 0:
+            s = time.perf_counter()
+            algo.save_to_path(os.path.join(cfg["rllib_path"], str(it)))
+            rllib_blocked = time.perf_counter() - s
+        log(event="iter", iteration=it, seconds=time.perf_counter() - t, rl_ckpt_blocked=list(cp.blocked) if cp else [],
+            rllib_blocked=rllib_blocked, learner=digest(learner_state(algo)),
+            connectors=digest(connector_state(algo)), pids=runner_pids(algo), runner_connectors=runner_connectors(algo),
+            local_connector=local_connector(algo))
         if it == cfg.get("kill_runner_at"):
             pid = runner_pids(algo)[0]
             os.kill(pid, signal.SIGKILL)
             log(event="runner_killed", iteration=it, pid=pid)
             _wait_for_replacement(algo, pid)
             log(event="runner_replaced", iteration=algo.training_iteration, pids=runner_pids(algo),
-                connectors=digest(connector_state(algo)), runner_connectors=runner_connectors(algo))
+                connectors=digest(connector_state(algo)), runner_connectors=runner_connectors(algo),
+                local_connector=local_connector(algo))
         if it == cfg.get("stop_at"):
             cp.engine.wait()  # the save in flight lands: the snapshot the restart should pick is deterministic
             log(event="ready", iteration=it)
             signal.pause()  # the drill SIGKILLs this process now
-    cp.engine.wait()
-    if cfg.get("corrupt_newest"):
+    if cp is not None:
+        cp.engine.wait()
+    if cp is not None and cfg.get("corrupt_newest"):
         newest = cp.engine.snapshots()[-1]
         flip_byte(largest_file(os.path.join(cp.engine.storage.url.replace("file://", ""), newest.snapshot_id)))
         plan = cp.engine.plan_recovery(deep=True)  # re-hashes the candidates: the plan says why it skips one
@@ -177,10 +192,27 @@ def driver(cfg: dict) -> None:
         log(event="fallback", corrupted=newest.snapshot_id, restored=result.snapshot_id,
             restored_step=result.global_step, skipped=result.skipped, plan=str(plan),
             learner=digest(learner_state(algo)))
-    cp.close()
+        if cfg.get("rllib_path"):  # the same flipped byte in RLlib's newest checkpoint
+            log(event="rllib_corrupt", **rllib_corrupt(algo, cfg["rllib_path"], newest.global_step))
+    if cp is not None:
+        cp.close()
     log(event="done", iteration=algo.training_iteration)
     algo.stop()
     ray.shutdown()
+
+
+def rllib_corrupt(algo, rllib_path: str, iteration: int) -> dict:
+    """Flip a byte in the largest file of RLlib's checkpoint of ``iteration`` and restore it: what RLlib does."""
+    folder = os.path.join(rllib_path, str(iteration))
+    files = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names]
+    target = max(files, key=os.path.getsize)
+    flip_byte(target)
+    try:
+        algo.restore_from_path(folder)
+    except Exception as exc:  # what RLlib raises on a damaged file is the figure
+        return {"file": os.path.relpath(target, folder), "outcome": f"raised {type(exc).__name__}: {str(exc)[:200]}"}
+    return {"file": os.path.relpath(target, folder), "outcome": "loaded without error",
+            "learner": digest(learner_state(algo))}
 
 
 def _wait_for_replacement(algo, dead_pid: int, timeout: float = 300) -> None:

@@ -40,6 +40,7 @@ import atexit
 import logging
 import math
 import re
+import time
 from typing import Any, Callable, Mapping
 
 from ray.rllib.callbacks.callbacks import RLlibCallback
@@ -235,6 +236,8 @@ class CheckpointCallback(RLlibCallback):
         self.engine = None
         self.scheduler = None
         self.restored = None
+        self.restore_seconds: float | None = None
+        self.blocked: list[float] = []  # seconds train() was held by each save started (staging)
         self.metric_keys: tuple[str, ...] = tuple(self.settings.get("metrics", DEFAULT_METRICS))
 
     def on_algorithm_init(self, *, algorithm: Any, **kwargs: Any) -> None:
@@ -244,14 +247,18 @@ class CheckpointCallback(RLlibCallback):
         self.engine = CheckpointEngine(dict(s["config"]), train_config=recorded_config(algorithm))
         register_algorithm(self.engine, algorithm, rng=s.get("rng", True))
         if s.get("resume", True):
+            started = time.perf_counter()
             self.restored = restore_algorithm(algorithm, self.engine, out=print if s.get("verbose", True) else None)
+            self.restore_seconds = time.perf_counter() - started
         self.scheduler = self.engine.scheduler(start_step=int(algorithm.training_iteration))
         atexit.register(self.close)  # a save in flight finishes before a normal exit
 
     def on_train_result(self, *, algorithm: Any, result: dict, **kwargs: Any) -> None:
         if self.scheduler is None:
             return
-        self.scheduler.step(int(algorithm.training_iteration), train_metrics(result, self.metric_keys))
+        started = time.perf_counter()
+        if self.scheduler.step(int(algorithm.training_iteration), train_metrics(result, self.metric_keys)) is not None:
+            self.blocked.append(time.perf_counter() - started)
 
     def close(self) -> None:
         """Wait for the save in flight (its error is reported through the scheduler) and close the engine."""
