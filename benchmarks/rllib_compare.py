@@ -79,10 +79,11 @@ def measure(size: str, base: str, every: int, more: int) -> dict:
     for _ in range(more):
         ours.train()
     ours_resume = digest(learner_state(ours)) == uninterrupted
-    cp.close()
-    snap_dir = os.path.join(base, cfg["run_name"], snapshot.snapshot_id)
-    flip_byte(largest_file(snap_dir))
+    cp.engine.wait()
+    newest = cp.engine.snapshots()[-1]
+    flip_byte(largest_file(os.path.join(base, cfg["run_name"], newest.snapshot_id)))
     plan = cp.engine.plan_recovery(deep=True)
+    cp.close()
     ours.stop()
 
     theirs = ppo_config(dict(cfg, run_name=None)).build_algo()
@@ -102,7 +103,7 @@ def measure(size: str, base: str, every: int, more: int) -> dict:
     except Exception as exc:  # what RLlib does with a damaged file is the figure
         corrupt = f"raised {type(exc).__name__}"
     theirs.stop()
-    skipped = next((c for c in plan.candidates if c.snapshot_id == snapshot.snapshot_id), None)
+    skipped = next((c for c in plan.candidates if c.snapshot_id == newest.snapshot_id), None)
     return {
         "size": size, "at": at, "more": more,
         "ours_blocked": statistics.median(ours_blocked), "theirs_blocked": statistics.median(rllib_blocked),
@@ -110,7 +111,7 @@ def measure(size: str, base: str, every: int, more: int) -> dict:
         "ours_restore": ours_restore, "theirs_restore": theirs_restore,
         "ours_exact": ours_exact, "theirs_exact": theirs_exact,
         "ours_resume": ours_resume, "theirs_resume": theirs_resume,
-        "ours_corrupt": f"refused ({skipped.reason if skipped else '?'}); plan: {plan.target}",
+        "ours_corrupt": f"{newest.snapshot_id} refused ({skipped.reason if skipped else '?'}); restores {plan.target}",
         "theirs_corrupt": f"{corrupt} ({os.path.basename(target)})",
     }
 
@@ -140,7 +141,8 @@ def table(r: dict) -> str:
             f"{r['ours_restore'] / r['theirs_restore']:.2f}x"),
         row("learner state after restore = saved", yes[r["ours_exact"]], yes[r["theirs_exact"]]),
         row(f"= uninterrupted after {r['more']} more", yes[r["ours_resume"]], yes[r["theirs_resume"]]),
-        row("a flipped byte in the largest file", r["ours_corrupt"][:60], r["theirs_corrupt"]),
+        row("a flipped byte in the largest file", "refused (checksum), falls back", r["theirs_corrupt"]),
+        f"  rl_ckpt's plan: {r['ours_corrupt']}",
     ])
 
 

@@ -264,9 +264,8 @@ class CheckpointCallback(RLlibCallback):
         """Wait for the save in flight (its error is reported through the scheduler) and close the engine."""
         if self.scheduler is not None:
             self.scheduler.close()
-        if self.engine is not None:
-            self.engine.close()
-        self.scheduler = None
+            self.scheduler = None
+            self.engine.close()  # snapshots() still lists what was committed
 
 
 def checkpoint_callback(*, resume: bool = True, rng: bool = True, verbose: bool = True,
