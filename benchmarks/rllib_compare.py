@@ -61,15 +61,14 @@ def measure(size: str, base: str, every: int, more: int) -> dict:
             t = time.perf_counter()
             algo.save_to_path(os.path.join(rllib_dir, str(algo.training_iteration)))
             rllib_blocked.append(time.perf_counter() - t)
-    cp.engine.wait()
+    ours_blocked = list(cp.blocked)
+    cp.close()  # no snapshot after ``at``: the resumed runs start from it
+    snapshot = cp.engine.snapshots()[-1]
+    snap_bytes = snapshot.size_bytes
     saved = digest(learner_state(algo))
     for _ in range(more):
         algo.train()
     uninterrupted = digest(learner_state(algo))
-    ours_blocked = list(cp.blocked)
-    snapshot = cp.engine.snapshots()[-1]
-    snap_bytes = snapshot.size_bytes
-    cp.close()
     algo.stop()
 
     ours = ppo_config(cfg).build_algo()  # resumes on build (the plan is printed)

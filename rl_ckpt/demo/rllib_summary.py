@@ -38,6 +38,7 @@ def _human(n: float) -> str:
 
 def run_demo(base: str, seed: int = 0) -> tuple[str, bool]:
     """Run the three drivers under ``base``; returns the printed summary and whether every check held."""
+    os.makedirs(base, exist_ok=True)
     log = os.path.join(base, "drill.jsonl")
     common = dict(base_dir=base, seed=seed, every=EVERY, rllib_save_every=EVERY, rllib_path=os.path.join(base, "rllib"))
     print(f"1/3 uninterrupted reference run, {UNTIL} iterations ...", file=sys.stderr)
