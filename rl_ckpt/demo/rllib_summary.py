@@ -66,7 +66,8 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
     step = built["restored_step"]
     ours_exact = built["learner"] == iters[step]["learner"] and built["connectors"] == iters[step]["connectors"]
     theirs_exact = theirs["learner"] == iters[step]["learner"] and theirs["connectors"] == iters[step]["connectors"]
-    ours_blocked = [b for e in list(iters.values()) + list(after.values()) for b in e["rl_ckpt_blocked"]]
+    # each iteration logs the driver's list so far: the last one of each driver holds all of its saves
+    ours_blocked = iters[max(iters)]["rl_ckpt_blocked"] + after[max(after)]["rl_ckpt_blocked"]
     theirs_blocked = [e["rllib_blocked"] for e in list(iters.values()) + list(after.values()) if e["rllib_blocked"]]
     snap_bytes, snap_files, _ = _bytes(os.path.join(base, "ppo", f"step_{step:09d}"))
     rl_bytes, rl_files, rl_pickles = _bytes(os.path.join(base, "rllib", str(step)))
@@ -77,7 +78,7 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
     theirs_silent = not theirs_fell and broken.get("learner") != after[UNTIL]["learner"]
 
     def row(name: str, a: str, b: str) -> str:
-        return f"  {name:<34} {a:<34} {b}"
+        return f"  {name:<38} {a:<36} {b}"
 
     def yes(x: bool) -> str:
         return "YES" if x else "NO"
@@ -101,10 +102,10 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
             f"{theirs['seconds']:.3f} s"),
         row("state right after restore", f"{yes(ours_exact)} (bitwise = iteration {step})",
             f"{yes(theirs_exact)} (bitwise = iteration {step})"),
-        row(f"iteration {UNTIL} = uninterrupted run", yes(final_equal), yes(final_equal) + " (same restored state)"),
+        row(f"iteration {UNTIL} = uninterrupted run", yes(final_equal), yes(final_equal) + " (the same run: both restores gave the same bits)"),
         row("checksums / atomic commit / pickle", "yes / yes / none", f"no / no / {rl_pickles} .pkl files"),
         row(f"a flipped byte in iteration {UNTIL}'s file",
-            f"refused (checksum); fell back to {fb['restored']}",
+            f"refused (checksum), restored step {fb['restored_step']}",
             broken["outcome"] + ("; other weights than saved" if theirs_silent else "")),
     ]
     if not final_equal:
