@@ -91,6 +91,7 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     # Right after the restore the learner (weights, optimizer, sequence number) and the connector states equal,
     # bitwise, what the killed driver held at iteration 4; so does RLlib's own restore_from_path of iteration 4.
     assert built["learner"] == iters[4]["learner"] and built["connectors"] == iters[4]["connectors"]
+    assert built["runner_weights"] == [True, True]  # the EnvRunners sample with the restored weights
     ours = next(e for e in second if e["event"] == "rllib_restored")
     assert ours["learner"] == iters[4]["learner"] and ours["connectors"] == iters[4]["connectors"]
     after = {e["iteration"]: e for e in second if e["event"] == "iter"}

@@ -116,6 +116,24 @@ def local_connector(algo) -> str:
     return digest(_env_to_module(algo.env_runner))
 
 
+def runners_have_learner_weights(algo) -> list[bool]:
+    """Per remote EnvRunner: its module weights equal the learner's (the inference-only part), bitwise."""
+    learner = algo.learner_group.get_state(components="learner/rl_module", inference_only=True)["learner"]
+    learner = learner["rl_module"]
+
+    def same(state: dict) -> bool:
+        for mid, weights in state.items():
+            mine = learner.get(mid, {})
+            if not all(k in mine and np.array_equal(mine[k], v) for k, v in weights.items()):
+                return False
+        return True
+
+    states = algo.env_runner_group.foreach_env_runner(lambda r: r.get_state(components="rl_module")["rl_module"],
+                                                      local_env_runner=False)
+    return [same(s if isinstance(s, dict) and all(isinstance(v, dict) for v in s.values()) else {"default_policy": s})
+            for s in states]
+
+
 def flip_byte(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
@@ -151,7 +169,8 @@ def driver(cfg: dict) -> None:
         restored_step=0 if restored is None or restored.fresh else restored.global_step,
         plan=str(restored.plan) if restored is not None and restored.plan is not None else "",
         restore_seconds=cp.restore_seconds if cp is not None else None,
-        learner=digest(learner_state(algo)), connectors=digest(connector_state(algo)), pids=runner_pids(algo))
+        learner=digest(learner_state(algo)), connectors=digest(connector_state(algo)), pids=runner_pids(algo),
+        runner_weights=runners_have_learner_weights(algo))
     if cfg.get("rllib_path") and restored is not None and not restored.fresh:  # RLlib's own restore, same check
         t = time.perf_counter()
         algo.restore_from_path(os.path.join(cfg["rllib_path"], str(restored.global_step)))

@@ -23,10 +23,9 @@ as the key ``"rl_ckpt:None"`` and turned back on load; a ``set`` of trainable
 policy ids is stored as a sorted list (RLlib accepts either).
 
 Each part is restored through ``Algorithm.set_state`` (or the learner
-group's), so RLlib syncs the restored weights and connector states to its
-EnvRunners as it does for its own checkpoints. Restore into a freshly built
-Algorithm (a re-run script, a restarted job): RLlib only pushes weights to an
-EnvRunner whose weights sequence number is behind.
+group's), so RLlib syncs the restored connector states to its EnvRunners as
+it does for its own checkpoints; ``restore_algorithm`` then pushes the
+restored weights to every EnvRunner and waits (``push_weights``).
 
 What no RLlib checkpoint holds (RLlib's own or this one): the environments'
 in-flight episodes and the EnvRunner processes' random streams. A resumed run
@@ -52,7 +51,7 @@ log = logging.getLogger("rl_ckpt")
 
 LEARNER_GROUP, LEARNER, RL_MODULE, OPTIMIZER, METRICS = (
     "learner_group", "learner", "rl_module", "optimizer", "metrics_logger")
-TRAINING_ITERATION = "training_iteration"
+TRAINING_ITERATION, WEIGHTS_SEQ_NO = "training_iteration", "weights_seq_no"
 NONE_KEY = "rl_ckpt:None"
 BEST_METRIC = "env_runners/episode_return_mean"
 DEFAULT_METRICS = (BEST_METRIC, "env_runners/num_env_steps_sampled_lifetime", "env_runners/episode_len_mean")
@@ -214,12 +213,38 @@ def restore_algorithm(algo: Any, engine: Any, *, failure: Any = None, out: Calla
     if out is not None:
         out(str(plan))
     result = engine.restore(plan)
+    if not result.fresh:
+        push_weights(algo)
     if out is not None:
         for sid, why in result.skipped.items():
             out(f"  fell back: {sid} not used: {why}")
         if not result.fresh:
             out(f"  restored {result.snapshot_id}: continuing after iteration {result.global_step}")
     return result
+
+
+def push_weights(algo: Any) -> None:
+    """Give every EnvRunner the learner's (restored) weights and sequence number, and wait until they have them.
+
+    An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
+    the ``module-*`` parts are loaded before the ``learner`` part restores the sequence number, so the sync
+    ``set_state`` starts then is ignored by EnvRunners of a freshly built Algorithm (their number is already
+    the learner's) and the first ``train()`` would sample with the initial weights. So, once every part is
+    loaded: the weights without a number (always taken, also by EnvRunners ahead of a rolled-back learner),
+    then with the learner's number, on every EnvRunner, waiting for each.
+    """
+    import ray
+
+    state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}", inference_only=True)[LEARNER]
+    weights, seq = ray.put(state[RL_MODULE]), state.get(WEIGHTS_SEQ_NO, 0)
+
+    def take(runner: Any) -> None:
+        runner.set_state({RL_MODULE: weights})
+        runner.set_state({RL_MODULE: weights, WEIGHTS_SEQ_NO: seq})
+
+    for group in (algo.env_runner_group, getattr(algo, "eval_env_runner_group", None)):
+        if group is not None:
+            group.foreach_env_runner(take, local_env_runner=True)
 
 
 class CheckpointCallback(RLlibCallback):
