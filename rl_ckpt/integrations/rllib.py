@@ -212,9 +212,10 @@ def restore_algorithm(algo: Any, engine: Any, *, failure: Any = None, out: Calla
     plan = engine.plan_recovery(failure, deep=deep)
     if out is not None:
         out(str(plan))
+    before = learner_seq(algo)
     result = engine.restore(plan)
     if not result.fresh:
-        push_weights(algo)
+        push_weights(algo, rolled_back=before > learner_seq(algo))
     if out is not None:
         for sid, why in result.skipped.items():
             out(f"  fell back: {sid} not used: {why}")
@@ -223,15 +224,21 @@ def restore_algorithm(algo: Any, engine: Any, *, failure: Any = None, out: Calla
     return result
 
 
-def push_weights(algo: Any) -> None:
+def learner_seq(algo: Any) -> int:
+    """The learner's weights sequence number (one more per update)."""
+    state = algo.learner_group.get_state(not_components=[f"{LEARNER}/{c}" for c in (RL_MODULE, OPTIMIZER, METRICS)])
+    return int(state[LEARNER].get(WEIGHTS_SEQ_NO, 0) or 0)
+
+
+def push_weights(algo: Any, *, rolled_back: bool = False) -> None:
     """Give every EnvRunner the learner's (restored) weights and sequence number, and wait until they have them.
 
     An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
     the ``module-*`` parts are loaded before the ``learner`` part restores the sequence number, so the sync
     ``set_state`` starts then is ignored by EnvRunners of a freshly built Algorithm (their number is already
     the learner's) and the first ``train()`` would sample with the initial weights. So, once every part is
-    loaded: the weights without a number (always taken, also by EnvRunners ahead of a rolled-back learner),
-    then with the learner's number, on every EnvRunner, waiting for each.
+    loaded, the weights go out with the learner's number (ahead of a fresh EnvRunner's 0); ``rolled_back``
+    (the learner was ahead of the snapshot): first without a number, which every EnvRunner takes.
     """
     import ray
 
@@ -239,7 +246,8 @@ def push_weights(algo: Any) -> None:
     weights, seq = ray.put(state[RL_MODULE]), state.get(WEIGHTS_SEQ_NO, 0)
 
     def take(runner: Any) -> None:
-        runner.set_state({RL_MODULE: weights})
+        if rolled_back:
+            runner.set_state({RL_MODULE: weights})
         runner.set_state({RL_MODULE: weights, WEIGHTS_SEQ_NO: seq})
 
     for group in (algo.env_runner_group, getattr(algo, "eval_env_runner_group", None)):
