@@ -9,7 +9,8 @@ that never crashed, bit for bit. Exit 0 only if recovery was exact.
 On Ray (the default) the same crash is then run with the memory tier (memory
 snapshots every 2 steps, durable copies made from memory) and both are printed
 side by side; ``--no-memory-tier`` skips it. ``--sharded`` does the same with
-FSDP2 learners restarted on fewer ranks.
+FSDP2 learners restarted on fewer ranks; ``--rllib`` runs RLlib's PPO with rl_ckpt's
+``CheckpointCallback`` next to RLlib's own checkpoints (an EnvRunner and the driver killed).
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--local", action="store_true", help="no Ray: one training process, SIGKILLed and resumed")
     p.add_argument("--sharded", action="store_true", help="GRPO on a tiny GPT-2 with FSDP2 learners: SIGKILL one, "
                    "restart on fewer (examples/grpo_gpt2_fsdp.py)")
+    p.add_argument("--rllib", action="store_true", help="RLlib PPO (new API stack) with rl_ckpt's CheckpointCallback "
+                   "next to RLlib's save_to_path: an EnvRunner and the driver SIGKILLed (examples/rllib_ppo.py)")
     p.add_argument("--learners", type=int, default=2, help="--sharded: FSDP2 learners before the crash (default 2)")
     p.add_argument("--restart-learners", type=int, default=1, help="--sharded: learners after it (default 1)")
     p.add_argument("--memory-tier", action=argparse.BooleanOptionalAction, default=None,
@@ -140,6 +143,12 @@ def main(argv=None) -> int:
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
     base = args.base_dir or tempfile.mkdtemp(prefix="rl-ckpt-demo-")
+    if args.rllib:  # its drivers start a Ray of their own each (a killed driver takes its Ray with it)
+        from rl_ckpt.demo.rllib_summary import run_demo
+
+        text, ok = run_demo(base, seed=args.seed)
+        print(text)
+        return 0 if ok else 1
     if args.local:
         cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
                "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1}
