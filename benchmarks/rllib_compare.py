@@ -98,7 +98,8 @@ def measure(size: str, base: str, every: int, more: int) -> dict:
     flip_byte(target)
     try:
         theirs.restore_from_path(os.path.join(rllib_dir, str(at)))
-        corrupt = "loaded, " + ("same numbers" if digest(learner_state(theirs)) == saved else "other numbers than saved")
+        same = digest(learner_state(theirs)) == saved
+        corrupt = "loaded, " + ("same numbers" if same else "other numbers than saved")
     except Exception as exc:  # what RLlib does with a damaged file is the figure
         corrupt = f"raised {type(exc).__name__}"
     theirs.stop()
@@ -132,8 +133,8 @@ def table(r: dict) -> str:
         f"size {r['size']}: checkpoint every {r['at'] // 2} iterations; resume after iteration {r['at']}, "
         f"{r['more']} more",
         row("", "rl_ckpt", "RLlib save_to_path", "rl_ckpt / RLlib"),
-        row("train() blocked per checkpoint", f"{r['ours_blocked'] * 1000:.1f} ms", f"{r['theirs_blocked'] * 1000:.1f} ms",
-            f"{r['ours_blocked'] / r['theirs_blocked']:.2f}x"),
+        row("train() blocked per checkpoint", f"{r['ours_blocked'] * 1000:.1f} ms",
+            f"{r['theirs_blocked'] * 1000:.1f} ms", f"{r['ours_blocked'] / r['theirs_blocked']:.2f}x"),
         row("checkpoint bytes", mb(r["ours_bytes"]), f"{mb(r['theirs_bytes'])} ({r['pickles']} .pkl)",
             f"{r['ours_bytes'] / r['theirs_bytes']:.2f}x"),
         row("restore time (fresh Algorithm)", f"{r['ours_restore']:.3f} s", f"{r['theirs_restore']:.3f} s",

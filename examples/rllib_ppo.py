@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     algo = config.build_algo()
     while algo.training_iteration < args.iterations:
         result = algo.train()
-        print(f"iteration {algo.training_iteration:3d}  return {result['env_runners'].get('episode_return_mean', float('nan')):7.1f}")
+        ret = result["env_runners"].get("episode_return_mean", float("nan"))
+        print(f"iteration {algo.training_iteration:3d}  return {ret:7.1f}")
     ckpt = checkpointing(algo)
     ckpt.close()  # the last save lands
     print(f"snapshots: {[s.snapshot_id for s in ckpt.engine.snapshots()]}")

@@ -97,16 +97,17 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
         f"  snapshots          {len(full)} full + {len(light)} light kept, {len(deleted)} deleted by retention; "
         f"{_human(logical)} logical; tensor chunks {_human(referenced)} referenced, {_human(unique)} stored "
         f"(dedup saved {_human(referenced - unique)})",
-        f"  failure            {failure['kind'] if failure else '-'} of {failure.get('participant') if failure else '-'} "
-        f"at step {crash_step}",
-        f"  decision           {decision['action'] if decision else '-'} -> {decision['snapshot'] if decision else '-'} "
-        f"(step {decision['to'] if decision else '-'})",
+        f"  failure            {failure['kind'] if failure else '-'} of "
+        f"{failure.get('participant') if failure else '-'} at step {crash_step}",
+        f"  decision           {decision['action'] if decision else '-'} -> "
+        f"{decision['snapshot'] if decision else '-'} (step {decision['to'] if decision else '-'})",
         f"  restored           {resumed['restored'] if resumed else '-'} (step {restored_step}); "
         f"rollout workers: {[w[0] for w in resumed['workers']] if resumed else '-'}",
         f"  time lost          {fig['steps_lost']} steps redone; {fig['kill_to_first_step']:.1f} s from the kill to "
         f"the first step after the restart (restore {fig['restore_seconds']:.2f} s)",
         f"  final avg reward   {run.done['avg_reward']:.1f} at step {steps}" if run.done else "  final avg reward   -",
-        f"  matches uninterrupted run: parameters {'YES' if params_equal else 'NO'}, losses {'YES' if losses_equal else 'NO'}",
+        f"  matches uninterrupted run: parameters {'YES' if params_equal else 'NO'}, "
+        f"losses {'YES' if losses_equal else 'NO'}",
     ]
     if png:
         lines.append(f"  timeline           {png}")
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
     if args.local:
         cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
                "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1}
-        print(f"running: reference run, crashed run (SIGKILL at step {args.crash_at}), resumed run ...", file=sys.stderr)
+        print(f"running: reference run, crashed run (SIGKILL at step {args.crash_at}), resumed run ...",
+              file=sys.stderr)
         result = crash_drill(cfg, args.steps, args.crash_at, seed=args.seed)
         print(summarize(result, cfg, args.steps))
         return 0 if result.ok else 1
@@ -174,7 +176,8 @@ def main(argv=None) -> int:
                  log_to_driver=False)
     if args.sharded:
         from rl_ckpt.demo.grpo import GRPOConfig
-        from rl_ckpt.demo.sharded_drill import crash_drill as sharded_drill  # not a local `crash_drill`: --local uses that
+        # not the local `crash_drill`: --local uses that one
+        from rl_ckpt.demo.sharded_drill import crash_drill as sharded_drill
         from rl_ckpt.demo.sharded_drill import side_by_side
 
         runs = "durable-only, then with the memory tier" if args.memory_tier else "durable-only"

@@ -329,7 +329,8 @@ def checkpointing(algo: Any) -> CheckpointCallback:
     for cb in callbacks:
         if isinstance(cb, CheckpointCallback):
             return cb
-    raise ConfigError("this Algorithm has no rl_ckpt CheckpointCallback: add config.callbacks(checkpoint_callback(...))",
+    raise ConfigError("this Algorithm has no rl_ckpt CheckpointCallback: "
+                      "add config.callbacks(checkpoint_callback(...))",
                       key="callbacks")
 
 
