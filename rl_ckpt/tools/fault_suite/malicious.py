@@ -148,7 +148,7 @@ def _mal_symlink_snapshot(target: LocalTarget, marker: str) -> str:
     moved = os.path.join(target.parent, "outside", "moved-snapshot")
     os.rename(snap_dir(target), moved)
     os.symlink(moved, snap_dir(target))
-    return "unlisted"  # a linked snapshot folder is never listed
+    return "flagged"  # a linked snapshot folder is reported (ls, verify, plan) and never used
 
 
 def _mal_symlink_object(target: LocalTarget, marker: str) -> str:
