@@ -116,19 +116,10 @@ def scenario(ray, cluster, base_dir: str) -> dict:
 
 
 def main() -> None:
-    import ray
-    from ray.cluster_utils import Cluster
+    from node_cluster import node_cluster
 
-    base_dir = sys.argv[1]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 4}})
-    here = os.path.dirname(os.path.abspath(__file__))
-    ray.init(address=cluster.address, namespace="exactly-once", logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}})
-    try:
-        print(json.dumps(scenario(ray, cluster, base_dir)), flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with node_cluster("exactly-once", head_resources=4) as (ray, cluster):
+        print(json.dumps(scenario(ray, cluster, sys.argv[1])), flush=True)
 
 
 if __name__ == "__main__":

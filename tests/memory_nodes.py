@@ -10,7 +10,6 @@ head node restore across tiers.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import uuid
 
@@ -65,20 +64,11 @@ def scenario(ray, cluster, base_dir: str, replicas: int) -> dict:
 
 
 def main() -> None:
-    import ray
-    from ray.cluster_utils import Cluster
+    from node_cluster import node_cluster
 
-    base_dir = sys.argv[1]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 4}})
-    here = os.path.dirname(os.path.abspath(__file__))
-    ray.init(address=cluster.address, namespace="memtier-nodes", logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}})
-    try:
+    with node_cluster("memtier-nodes", head_resources=4) as (ray, cluster):
         for replicas in (1, 0):
-            print(json.dumps(scenario(ray, cluster, base_dir, replicas)), flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+            print(json.dumps(scenario(ray, cluster, sys.argv[1], replicas)), flush=True)
 
 
 if __name__ == "__main__":

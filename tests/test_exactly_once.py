@@ -9,28 +9,18 @@ rollouts half-generated at a snapshot were resumed from their saved tokens, not 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from node_cluster import run_node_script
 from data_workers import GEN, expected_tokens
 
 pytestmark = pytest.mark.ray
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):
     pytest.importorskip("ray")
-    base = tmp_path_factory.mktemp("once")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "exactly_once_nodes.py"), str(base)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return lines[0]
+    return run_node_script("exactly_once_nodes.py", str(tmp_path_factory.mktemp("once")), lines=1)[0]
 
 
 def test_every_prompt_trained_exactly_once_through_learner_rollout_and_node_loss(outcome):

@@ -6,26 +6,17 @@ participant's files: the tier drops them and every participant restores the newe
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from node_cluster import run_node_script
 
 pytestmark = pytest.mark.ray
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     pytest.importorskip("ray")
-    base = tmp_path_factory.mktemp("durable")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "memory_nodes.py"), str(base)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    lines = run_node_script("memory_nodes.py", str(tmp_path_factory.mktemp("durable")), lines=2)
     return {o["replicas"]: o for o in lines}
 
 

@@ -7,27 +7,18 @@ named errors; a corrupted chunk is never loaded (the workers fall back to the pr
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from node_cluster import run_node_script
 
 pytestmark = pytest.mark.ray
-HERE = os.path.dirname(os.path.abspath(__file__))
 LAYER_BYTES = 128 * 128 * 4  # version_workers.LAYER: the one weight versions 2, 4 and 5 change
 
 
 @pytest.fixture(scope="module")
 def outcomes():
     pytest.importorskip("ray")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "version_nodes.py")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {o["kind"]: o for o in lines}
+    return {o["kind"]: o for o in run_node_script("version_nodes.py", lines=2)}
 
 
 KINDS = ("replicated", "fsdp2")

@@ -11,7 +11,6 @@ workers serve both scenarios.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
@@ -80,27 +79,17 @@ def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
 
 
 def main() -> None:
-    import ray
-    from ray.cluster_utils import Cluster
+    from node_cluster import node_cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 16}})
-    cluster.add_node(num_cpus=1, resources={"worker": 16})
-    cluster.wait_for_nodes()
-    here = os.path.dirname(os.path.abspath(__file__))
     namespace = "versions-nodes"
-    ray.init(address=cluster.address, namespace=namespace, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}})
-    from version_workers import Rollout
+    with node_cluster(namespace, head_resources=16, worker_resources=16) as (ray, _cluster):
+        from version_workers import Rollout
 
-    rollout = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
-    on = {"head": rollout.options(resources={"head": 1}), "worker": rollout.options(resources={"worker": 1})}
-    workers = [on[n].remote(namespace) for n in ("head", "head", "worker", "worker")]
-    try:
+        rollout = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
+        on = {"head": rollout.options(resources={"head": 1}), "worker": rollout.options(resources={"worker": 1})}
+        workers = [on[n].remote(namespace) for n in ("head", "head", "worker", "worker")]
         for kind in sys.argv[1:] or ("replicated", "fsdp2"):
             print(json.dumps(scenario(ray, kind, namespace, workers, on)), flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -22,15 +22,7 @@ import tempfile
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.storage import open_storage
 from rl_ckpt.demo.drill import crash_drill
-from rl_ckpt.demo.figures import crash_figures, matches, memory_comparison
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from rl_ckpt.demo.figures import crash_figures, human_bytes, matches, memory_comparison
 
 
 def summarize(result, cfg: dict, steps: int) -> str:
@@ -49,7 +41,7 @@ def summarize(result, cfg: dict, steps: int) -> str:
     lines = [
         "rl_ckpt demo: PPO on CartPole-v1, SIGKILL mid-run, verified exact restart",
         f"  storage            {storage.url}",
-        f"  snapshots kept     {len(full)} full, {len(light)} light, {_human(sum(i.size_bytes for i in snaps))}",
+        f"  snapshots kept     {len(full)} full, {len(light)} light, {human_bytes(sum(i.size_bytes for i in snaps))}",
         f"  failure            SIGKILL of the training process at step {crashed_at}",
         f"  decision           {decision}",
         f"  restored           {result.resumed.restored.get('snapshot')} (step {restored})",
@@ -95,8 +87,9 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
         "rl_ckpt demo: PPO on CartPole-v1 on Ray (2 learner ranks + 2 rollout workers), crash, verified restart",
         f"  storage            {storage.url}",
         f"  snapshots          {len(full)} full + {len(light)} light kept, {len(deleted)} deleted by retention; "
-        f"{_human(logical)} logical; tensor chunks {_human(referenced)} referenced, {_human(unique)} stored "
-        f"(dedup saved {_human(referenced - unique)})",
+        f"{human_bytes(logical)} logical; tensor chunks {human_bytes(referenced)} referenced, "
+        f"{human_bytes(unique)} stored "
+        f"(dedup saved {human_bytes(referenced - unique)})",
         f"  failure            {failure['kind'] if failure else '-'} of "
         f"{failure.get('participant') if failure else '-'} at step {crash_step}",
         f"  decision           {decision['action'] if decision else '-'} -> "

@@ -13,6 +13,15 @@ import math
 from typing import Any
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes as the demos print them (one decimal, binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def matches(ref, run, crash_at: int) -> tuple[bool, bool]:
     """(final parameters equal, every logged loss equal) between ``run`` and the uninterrupted ``ref``."""
     last = {}

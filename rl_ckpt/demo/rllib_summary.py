@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 
+from rl_ckpt.demo.figures import human_bytes
 from rl_ckpt.demo.rllib_drill import run_driver
 
 EVERY, KILL_RUNNER_AT, KILL_DRIVER_AT, UNTIL = 2, 3, 5, 8
@@ -26,14 +27,6 @@ def _bytes(folder: str) -> tuple[int, int, int]:
             files += 1
             pickles += n.endswith(".pkl")
     return total, files, pickles
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def run_demo(base: str, seed: int = 0) -> tuple[str, bool]:
@@ -96,8 +89,8 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
         row("", "rl_ckpt (CheckpointCallback)", "RLlib save_to_path"),
         row("checkpoint every", f"{EVERY} iterations", f"{EVERY} iterations"),
         row("train() blocked per checkpoint", med(ours_blocked), med(theirs_blocked)),
-        row(f"checkpoint of iteration {step}", f"{_human(snap_bytes)}, {snap_files} files",
-            f"{_human(rl_bytes)}, {rl_files} files ({rl_pickles} pickles)"),
+        row(f"checkpoint of iteration {step}", f"{human_bytes(snap_bytes)}, {snap_files} files",
+            f"{human_bytes(rl_bytes)}, {rl_files} files ({rl_pickles} pickles)"),
         row("restore time", f"{built['restore_seconds']:.3f} s (fresh Algorithm)",
             f"{theirs['seconds']:.3f} s"),
         row("state right after restore", f"{yes(ours_exact)} (bitwise = iteration {step})",

@@ -82,6 +82,18 @@ def human(n: float) -> str:
     return f"{n} B"
 
 
+
+def print_json(out: dict, path: str | None) -> None:
+    """A bench's figures as JSON on stdout, and into ``path`` too when given."""
+    import json
+
+    text = json.dumps(out, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def local_path(url: str) -> str:
     """The local folder of ``url``; BenchUsageError for remote URLs."""
     if url.startswith("file://"):

@@ -31,7 +31,7 @@ import tempfile
 import time
 import uuid
 
-from rl_ckpt.tools.bench.common import CacheDropper, human, log, parse_size, rmtree
+from rl_ckpt.tools.bench.common import CacheDropper, human, log, parse_size, print_json, rmtree
 
 
 def weights(nbytes: int, seed: int = 0):
@@ -249,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how disk reads are made cold (drop_caches where allowed, else fadvise)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    out = run(args)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    print_json(run(args), args.json)
     return 0
 
 

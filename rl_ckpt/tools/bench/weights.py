@@ -27,14 +27,13 @@ Every figure is wall-clock time on this machine as it is (a shared machine's loa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 import uuid
 
-from rl_ckpt.tools.bench.common import human, log, parse_size, rmtree
+from rl_ckpt.tools.bench.common import human, log, parse_size, print_json, rmtree
 
 TENSORS = 16
 CHUNK = 8 << 20  # run/dedup.py's chunk size: what "a changed chunk" means
@@ -220,12 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    out = run(args)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    print_json(run(args), args.json)
     return 0
 
 
