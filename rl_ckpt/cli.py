@@ -32,6 +32,13 @@ def _human(n: int) -> str:
 def _storage(args):
     from rl_ckpt.storage import open_storage
 
+    storage = open_storage(args.url, _storage_options(args))
+    _check_is_run(storage, args.url)
+    return storage
+
+
+def _storage_options(args) -> dict:
+    """The storage options of ``--config`` and ``--storage-option KEY=VALUE`` (JSON values where they parse)."""
     options = {}
     if args.config:
         from rl_ckpt.config import CheckpointConfig
@@ -45,9 +52,7 @@ def _storage(args):
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    storage = open_storage(args.url, options)
-    _check_is_run(storage, args.url)
-    return storage
+    return options
 
 
 def _check_is_run(storage, url: str) -> None:
@@ -341,12 +346,13 @@ def cmd_export(args) -> int:
                          f"it has: {', '.join(sorted(manifest.components))}")
     if args.format == "hf":
         out = export_hf(storage, manifest, args.component, args.output, max_shard_size=args.max_shard_size,
-                        strip_prefix=args.strip_prefix)
+                        strip_prefix=args.strip_prefix, storage_options=_storage_options(args))
         print(f"wrote {out.path}: {out.tensors} tensors ({_human(out.total_size)}) in {len(out.files)} file"
               f"{'s' if len(out.files) != 1 else ''} + model.safetensors.index.json from "
               f"{args.snapshot_id}/{args.component}")
         return EXIT_OK
-    meta = export_component(storage, manifest, args.component, args.output, strip_prefix=args.strip_prefix)
+    meta = export_component(storage, manifest, args.component, args.output, strip_prefix=args.strip_prefix,
+                            storage_options=_storage_options(args))
     print(f"wrote {args.output}: {len(meta)} tensors from {args.snapshot_id}/{args.component}")
     return EXIT_OK
 
@@ -407,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("export", cmd_export, "write one component's tensors (plain or sharded) as a safetensors file or a "
             "Hugging Face folder", needs_id=True)
     s.add_argument("component")
-    s.add_argument("-o", "--output", required=True, help="output .safetensors file (--format hf: a new folder)")
+    s.add_argument("-o", "--output", required=True,
+                   help="output .safetensors file (--format hf: a new folder): a path or a storage URL such as "
+                        "s3://bucket/model (written with the run's --storage-option/--config options)")
     s.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
                    help="safetensors: one file (default); hf: model-0000x-of-0000y.safetensors + "
                         "model.safetensors.index.json")

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,26 +163,39 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[bytes, l
     return struct.pack("<Q", len(blob)) + blob, order
 
 
-def _write_file(path: str, specs: list[TensorSpec], source: ComponentSource, metadata: dict[str, str]) -> None:
-    """One safetensors file: the header, then each tensor as it is put together (streamed, then dropped)."""
+def _file_chunks(specs: list[TensorSpec], source: ComponentSource, metadata: dict[str, str]):
+    """One safetensors file's bytes: the header, then each tensor as it is put together (streamed, then dropped)."""
     head, order = _header(specs, metadata)
-    with open(path, "wb") as f:
-        f.write(head)
-        for s in order:
-            t = source.tensor(s.key)
-            if t.numel():
-                f.write(safetensors_io.byte_view(t.contiguous()))
-            del t
-        f.flush()
-        os.fsync(f.fileno())
+    yield head
+    for s in order:
+        t = source.tensor(s.key)
+        if t.numel():
+            yield safetensors_io.byte_view(t.contiguous())
+        del t
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _output(target: str, options: dict | None) -> tuple[Storage, str]:
+    """A storage and ``target``'s path in it: for a local path, rooted at the nearest folder that exists
+    (missing folders are created durably on the way); for a URL (``s3://...``), at ``target``'s parent."""
+    from rl_ckpt.storage import open_storage
+
+    if "://" in target:
+        parent, _, name = target.rstrip("/").rpartition("/")
+        if "://" not in parent or not name:
+            raise ConfigError(f"export target {target!r}: name a file or folder inside a bucket or folder",
+                              path=target)
+        return open_storage(parent, options or {}), name
+    parent, name = os.path.split(os.path.abspath(target))
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent, missing = os.path.split(parent)
+        name = f"{missing}/{name}"
+    return open_storage(parent, {}), name
+
+
+def _sibling(path: str, prefix: str) -> str:
+    """A name next to ``path`` (same folder) starting with ``prefix``."""
+    folder, _, base = path.rpartition("/")
+    return f"{folder}/{prefix}{base}" if folder else f"{prefix}{base}"
 
 
 def _guard(where: str, out: str, step: Callable[[], None]) -> None:
@@ -206,22 +218,28 @@ def _specs(source: ComponentSource, strip_prefix: str | None) -> list[TensorSpec
 
 
 def export_component(storage: Storage, manifest: Manifest, component: str, out_path: str, *,
-                     strip_prefix: str | None = None) -> dict:
+                     strip_prefix: str | None = None, storage_options: dict | None = None) -> dict:
     """Verify and write ``component``'s tensors to one safetensors file ``out_path``; returns name -> {dtype, shape}.
 
     Works for plain and sharded components (a sharded one is put together
-    tensor by tensor). A crash never leaves a half-written ``out_path``.
+    tensor by tensor). ``out_path`` is a local path or a storage URL (``s3://...``,
+    with ``storage_options``); the file is published all-or-nothing through that
+    storage, so a crash or a failed check never leaves a half-written ``out_path``.
     """
     source = ComponentSource(storage, manifest, component)
     specs = _specs(source, strip_prefix)
     meta = {"format": "pt", "rl_ckpt_snapshot": manifest.snapshot_id, "component": component}
-    tmp = f"{out_path}.tmp-{os.getpid()}"
+    target, name = _output(out_path, storage_options)
+
+    def write() -> None:
+        if "/" in name:
+            target.makedirs(name.rsplit("/", 1)[0])
+        target.write_stream_atomic(name, _file_chunks(specs, source, meta))
+
     try:
-        _guard(source.where, out_path, lambda: _write_file(tmp, specs, source, meta))
-        _guard(source.where, out_path, lambda: os.replace(tmp, out_path))
+        _guard(source.where, out_path, write)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        target.close()
     return {s.name: {"dtype": s.dtype, "shape": list(s.shape)} for s in specs}
 
 
@@ -238,19 +256,30 @@ class HFExport:
 
 def export_hf(storage: Storage, manifest: Manifest, component: str, out_dir: str, *,
               max_shard_size: str | int = "5GB", strip_prefix: str | None = None,
-              buffer_bytes: int = READ_BUFFER_BYTES) -> HFExport:
+              buffer_bytes: int = READ_BUFFER_BYTES, storage_options: dict | None = None) -> HFExport:
     """Write ``component`` as a Hugging Face folder:
     ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``.
 
     Tensor names are the snapshot's FQNs (``strip_prefix`` removed); shards
     are cut as ``save_pretrained`` cuts them (``max_shard_size``, default
-    5GB). ``out_dir`` must not exist or be empty; the files are written to a
-    sibling temp folder, fsynced and renamed to ``out_dir`` only when every
-    tensor was read and verified.
+    5GB). ``out_dir`` (a local path or a storage URL) must not exist or be
+    empty. Where folders rename atomically (local disks, NFS) the files are
+    written to a sibling temp folder, fsynced and renamed to ``out_dir`` only
+    when every tensor was read and verified; on an object store each shard is
+    published whole and the index, which loaders read first, is written last.
     """
     limit = parse_size(max_shard_size)
-    out_dir = os.path.abspath(out_dir)
-    if os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    target, base = _output(out_dir, storage_options)
+    try:
+        return _export_hf_to(target, base, out_dir, storage, manifest, component, limit, strip_prefix, buffer_bytes)
+    finally:
+        target.close()
+
+
+def _export_hf_to(target: Storage, base: str, out_dir: str, storage: Storage, manifest: Manifest, component: str,
+                  limit: int, strip_prefix: str | None, buffer_bytes: int) -> HFExport:
+    entry = target.stat(base)
+    if entry is not None and not entry.is_dir or target.list(base):
         raise ConfigError(f"export target {out_dir} already exists and is not an empty folder; "
                           "choose another -o or remove it", path=out_dir)
     source = ComponentSource(storage, manifest, component, buffer_bytes)
@@ -258,31 +287,39 @@ def export_hf(storage: Storage, manifest: Manifest, component: str, out_dir: str
     shards = plan_shards(specs, limit)
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    parent, base = os.path.split(out_dir)
-    tmp = os.path.join(parent, f".{base}.export-{os.getpid()}")
     meta = {"format": "pt", "rl_ckpt_snapshot": manifest.snapshot_id, "component": component}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+             "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard}}
+    index_bytes = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    folder = _sibling(f"{base}.export-{os.getpid()}", ".") if target.supports_rename else base
+    written: list[str] = []
 
     def write_all() -> None:
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.mkdir(tmp)
+        if target.supports_rename:
+            target.remove_tree(folder)
+        target.makedirs(folder)
         for name, shard in zip(names, shards):
-            _write_file(os.path.join(tmp, name), shard, source, meta)
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                 "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard}}
-        with open(os.path.join(tmp, HF_INDEX), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        os.replace(tmp, out_dir)  # POSIX rename replaces an empty folder, never a full one
-        _fsync_dir(parent)
+            written.append(name)
+            target.write_stream_atomic(f"{folder}/{name}", _file_chunks(shard, source, meta))
+        written.append(HF_INDEX)
+        target.write_atomic(f"{folder}/{HF_INDEX}", index_bytes)  # last: a loader finds the shards through it
+        if target.supports_rename:
+            target.sync_dir(folder)
+            if target.stat(base) is not None and not target.list(base):
+                target.remove_tree(base)  # the empty folder the caller made: renamed over below
+            target.rename_dir(folder, base)
+            target.sync_dir(base.rsplit("/", 1)[0] if "/" in base else "")
 
+    done = False
     try:
         _guard(source.where, out_dir, write_all)
+        done = True
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if target.supports_rename:
+            target.remove_tree(folder)
+        elif not done:
+            for name in written:  # an object store: take back what was published
+                target.remove(f"{base}/{name}")
     return HFExport(out_dir, names, len(specs), sum(s.nbytes for s in specs), source.bytes_read)
 
 

@@ -277,6 +277,26 @@ def test_failing_chunk_producer_propagates_and_publishes_nothing(backend, store)
         assert not store.exists("snap/half.bin")
 
 
+def test_write_stream_atomic_publishes_whole_or_nothing(store):
+    store.makedirs("out")
+    assert store.write_stream_atomic("out/model.bin", (bytes([i]) * 4096 for i in range(8))) == 8 * 4096
+    assert bytes(store.read("out/model.bin")) == b"".join(bytes([i]) * 4096 for i in range(8))
+
+    class ProducerBroke(Exception):
+        pass
+
+    def chunks():
+        yield b"y" * 5000
+        raise ProducerBroke("tensor read failed")
+
+    with pytest.raises(ProducerBroke):
+        store.write_stream_atomic("out/model.bin", chunks())  # the old file stays whole
+    with pytest.raises(ProducerBroke):
+        store.write_stream_atomic("out/new.bin", chunks())  # no partial new file
+    assert bytes(store.read("out/model.bin")) == b"".join(bytes([i]) * 4096 for i in range(8))
+    assert list(_names(store.list("out"))) == ["model.bin"]  # and no temp file next to it
+
+
 # --------------------------------------------------------------------------- namespace
 def test_list_names_kinds_sizes_and_nesting(store):
     put(store, "a.bin", [b"abc"])
@@ -521,6 +541,7 @@ def _calls(store):
         "write_create_only": lambda p: store.write(p, [b"evil"], create_only=True),
         "write_atomic": lambda p: store.write_atomic(p, b"evil"),
         "write_atomic_create_only": lambda p: store.write_atomic(p, b"evil", create_only=True),
+        "write_stream_atomic": lambda p: store.write_stream_atomic(p, [b"evil"]),
         "read": store.read,
         "read_capped": lambda p: store.read(p, max_bytes=10),
         "read_range": lambda p: store.read_range(p, 0, 1),
@@ -553,7 +574,8 @@ def test_unsafe_paths_refused_by_every_method(store, bad):
 
 # "" is the root itself: it may be listed, checked and synced, never written, read,
 # created or removed (remove_tree("") would delete the whole run).
-ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "read", "read_capped",
+ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "write_stream_atomic", "read",
+                 "read_capped",
                  "read_range", "open_read", "size", "remove", "remove_tree", "makedirs"]
 
 

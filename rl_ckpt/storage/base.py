@@ -131,6 +131,16 @@ class Storage(abc.ABC):
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         """Publish a small standalone file all-or-nothing (temp + fsync + rename, or one PUT)."""
 
+    def write_stream_atomic(self, path: str, chunks: Iterable) -> int:
+        """Publish a file of any size all-or-nothing, streamed from ``chunks``; durable when this returns.
+
+        Readers see the whole file or no file, and a failure (or a kill) leaves no partial file
+        under ``path``. This default suits object stores, where an object appears only when its
+        upload completes (an aborted upload leaves nothing); local backends write a temp file,
+        fsync it and rename it into place.
+        """
+        return self.write(path, chunks, durable=True)
+
     def write_many_atomic(self, items: list[tuple[str, object]]) -> None:
         """Publish several standalone files (``(path, bytes-like)``, parents existing), each all-or-nothing
         and all durable when this returns. Backends may batch the syncs (local: write all, then fsync

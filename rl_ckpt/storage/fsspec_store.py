@@ -23,7 +23,7 @@ from typing import BinaryIO, Iterable
 
 from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError
 from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end,
-                                  too_large)
+                                  too_large, unique_suffix)
 
 log = logging.getLogger("rl_ckpt")
 
@@ -124,6 +124,18 @@ class FsspecStorage(Storage):
         except Exception as exc:
             raise self._error(exc, "cannot write", path) from exc
         return total
+
+    def write_stream_atomic(self, path: str, chunks: Iterable) -> int:
+        # A file may show while written (and is removed when abandoned): write a temp, move it in place.
+        target = self._abs(path)  # checked like every other path before anything is written
+        tmp = f"{path}.tmp-{unique_suffix()}"
+        size = self.write(tmp, chunks, durable=True)
+        try:
+            self.fs.mv(self._abs(tmp), target)
+        except Exception as exc:
+            self.remove(tmp)
+            raise self._error(exc, "cannot publish", path) from exc
+        return size
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         full = self._abs(path)

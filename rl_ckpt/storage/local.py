@@ -64,6 +64,9 @@ class LocalStorage(Storage):
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         self._publish_via_temp(path, self._abs(path), [data], create_only=create_only, durable=True)
 
+    def write_stream_atomic(self, path: str, chunks: Iterable) -> int:
+        return self._publish_via_temp(path, self._abs(path), chunks, create_only=False, durable=True)
+
     def write_many_atomic(self, items: list[tuple[str, object]]) -> None:
         """Write every temp file first (writeback started), then fsync each, rename each into place,
         and fsync each folder once: the disk works on all files at once instead of one fsync at a

@@ -66,6 +66,10 @@ class S3Storage(FsspecStorage):
         super().__init__(url, storage_options)
         self._conditional_put: bool | None = None
 
+    def write_stream_atomic(self, path: str, chunks) -> int:
+        # An object appears only when its (multipart) upload completes; an abandoned upload is aborted.
+        return self.write(path, chunks, durable=True)
+
     def _options(self, options: dict) -> dict:
         options.setdefault("use_listings_cache", False)
         config = dict(options.get("config_kwargs") or {})
