@@ -11,9 +11,10 @@ would not help.
 
 After a restore, committed snapshots of a later step than the one training
 continues after belong to the timeline that failed: they are retired into
-``history/retired/`` (``rl_ckpt.run.retire``), once per run: by rank 0 of an
-engine without a manager, by the manager when it hands out a managed run's
-plan (``RestoreResult.retired`` then repeats what it retired).
+``history/retired/`` (``rl_ckpt.run.retire``), once per run, as the engine's
+topology says (``Topology.after_restore``): by rank 0 of an engine without a
+manager, by the manager when it hands out a managed run's plan
+(``RestoreResult.retired`` then repeats what it retired).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Restorer:
                 fatal = exc
             except CheckpointError as exc:
                 error = str(exc)
-            if self._collective():
+            if self.registry.topology.agrees_on_restore():
                 # Every rank loaded its own shards; continue only if all did, and all compute the same
                 # probe outputs. Otherwise all roll back together to the next snapshot.
                 mine = error or (str(fatal) if fatal else None)
@@ -125,31 +126,25 @@ class Restorer:
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
             if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback
-                self._retire_newer(result, plan)
+                self.registry.topology.after_restore(result, plan, self._retire_newer)
             return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
 
     def _retire_newer(self, result: RestoreResult, plan: RecoveryPlan) -> None:
-        """Retire what is newer than ``result``: rank 0 without a manager; with one, the manager did."""
-        if self.registry.managed:
-            result.retired = list(plan.retired or [])
-            return
-        if self.registry.rank == 0:
-            light = f" + light {result.light_snapshot_id}" if result.light_snapshot_id else ""
-            loaded = f"{result.snapshot_id}{light}"
-            try:
-                outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
-                                       loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
-                                       by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
-            except CheckpointError as exc:  # the state is loaded; the next restore retries
-                outcome = None
-                result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
-            if outcome is not None:
-                result.retired, plan.retired = outcome.retired, outcome.retired
-                result.warnings += outcome.warnings
-        if self._collective():
-            torch.distributed.barrier()  # no rank saves a step of the failed timeline before it is retired
+        """Retire what is newer than ``result`` (on the process the topology names: rank 0 without a manager)."""
+        light = f" + light {result.light_snapshot_id}" if result.light_snapshot_id else ""
+        loaded = f"{result.snapshot_id}{light}"
+        try:
+            outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
+                                   loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
+                                   by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
+        except CheckpointError as exc:  # the state is loaded; the next restore retries
+            outcome = None
+            result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
+        if outcome is not None:
+            result.retired, plan.retired = outcome.retired, outcome.retired
+            result.warnings += outcome.warnings
 
     def _manifest(self, sid: str) -> Manifest:
         """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""
@@ -288,12 +283,6 @@ class Restorer:
             states.update(light_states)
             return manifest
         return None
-
-    def _collective(self) -> bool:
-        """Restores agree across learner ranks when they form a torch.distributed group."""
-        reg, dist = self.registry, torch.distributed
-        return (reg.multi and reg.role == "learner" and reg.world_size > 1
-                and dist.is_available() and dist.is_initialized())
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into ``module``; returns the snapshot id loaded."""
