@@ -35,7 +35,7 @@ from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapsho
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.recovery.history import record_decision
 from rl_ckpt.recovery.new_ranks import NewRankGap, derive_seed, new_rank_gaps
-from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings, new_rank_lines
+from rl_ckpt.recovery.plan import RecoveryPlan, new_rank_lines, verdict_of
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.format.metrics import decode_metrics
 from rl_ckpt.run.catalog import Catalog
@@ -102,7 +102,7 @@ class Restorer:
             self._probe_outputs = {}
             try:
                 result = self._restore_one(sid, skipped, strict,
-                                           light=light and (plan.light is not None or sid != plan.target))
+                                           light=light and (plan.light is not None or sid != plan.target), plan=plan)
             except (StateMismatchError, RestoreError) as exc:
                 fatal = exc
             except CheckpointError as exc:
@@ -151,10 +151,11 @@ class Restorer:
         info = self.catalog.get(sid)
         return info.manifest if info is not None and info.manifest is not None else read_manifest(self.storage, sid)
 
-    def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
+    def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool, plan: RecoveryPlan) -> RestoreResult:
         manifest = self._manifest(sid)
-        check_schema(manifest, self.config.schema_version)
-        warnings = config_warnings(manifest, recorded_config(self.config, self.train_config))
+        # The plan's schema check and config warnings for this snapshot (made now for one it did not check).
+        warnings = verdict_of(plan, manifest, self.config.schema_version,
+                              recorded_config(self.config, self.train_config))
         states: dict[str, Any] = {}
         missing = []
         sharded: dict[str, str] = {}
@@ -178,7 +179,7 @@ class Restorer:
                     msg + "; register them under the names used when saving, or restore(strict=False)",
                     component=missing[0], mismatches=missing, snapshot_id=sid)
             warnings.append(msg + "; they keep their current state")
-        top = self._apply_light(manifest, states, skipped) if light else None
+        top = self._apply_light(manifest, states, skipped, plan) if light else None
         for name, state in states.items():
             check_fits(name, self.registry.get(name).obj, state, sid)
         self._load_sharded(manifest, sharded)
@@ -262,14 +263,14 @@ class Restorer:
                 raise CorruptSnapshotError(f"{manifest.snapshot_id}: {reason}; snapshot quarantined",
                                            snapshot_id=manifest.snapshot_id, problems=[reason])
 
-    def _apply_light(self, full: Manifest, states: dict, skipped: dict) -> Manifest | None:
+    def _apply_light(self, full: Manifest, states: dict, skipped: dict, plan: RecoveryPlan) -> Manifest | None:
         """Overlay the newest valid light snapshot built on ``full``; a broken one is skipped."""
         for info in reversed(self.catalog.snapshots("light")):
             if info.base_snapshot_id != full.snapshot_id or info.global_step < full.global_step:
                 continue
             try:
                 manifest = info.manifest if info.manifest is not None else read_manifest(self.storage, info.snapshot_id)
-                check_schema(manifest, self.config.schema_version)
+                verdict_of(plan, manifest, self.config.schema_version)
                 light_states = {}
                 for reg in self.registry:
                     key = self.registry.stored_key(manifest, reg.name)
