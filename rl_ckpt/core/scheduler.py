@@ -6,7 +6,8 @@ first; a light one every ``light_interval_steps`` in between. Saves run in the
 background (``engine.save_async``). When the previous save is still running, a
 due save is *skipped*, not queued, so saving never piles up behind a slow disk.
 With a ``CheckpointManager`` the skip is decided once for all participants of
-the snapshot (``engine.agree_to_save``), so ranks never save different steps.
+the snapshot (the engine's topology: ``Topology.cadence``), so ranks never
+save different steps.
 So is, under a time cadence, whether a step is due at all: each rank's clock
 would answer differently on a loaded machine, so every ``step`` asks the
 manager, whose clock decides once for everyone (one small actor call per step;
