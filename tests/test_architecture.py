@@ -337,3 +337,50 @@ def test_every_error_class_lives_in_errors_and_is_exported():
     assert all(issubclass(cls, errors.CheckpointError) for cls in defined)
     missing = sorted(cls.__name__ for cls in defined if cls.__name__ not in rl_ckpt.__all__)
     assert not missing, f"errors not exported from rl_ckpt: {missing}"
+
+
+# The topology seam (rl_ckpt/core/topology.py): who a process is in a save (Solo, TorchDistributed, Managed) is
+# chosen once; these modules ask the topology and never branch on it themselves.
+TOPOLOGY_CLIENTS = ("rl_ckpt.core.engine", "rl_ckpt.core.save_pipeline", "rl_ckpt.core.restorer",
+                    "rl_ckpt.core.registry", "rl_ckpt.core.scheduler")
+TOPOLOGY_FLAGS = {"managed", "distributed", "multi", "manager_client", "heartbeat"}  # (torch.distributed is torch's)
+TOPOLOGY_OBJECTS = {"manager", "manager_client", "client", "heartbeat"}
+TOPOLOGY_CLASSES = {"Topology", "Solo", "TorchDistributed", "Managed", "ParticipantCommit", "DistributedCommit"}
+
+
+def _topology_branches(tree: ast.Module) -> list[str]:
+    """Flags read (``reg.managed``, ``self.distributed``), a manager/client tested against None, and topology or
+    commit classes tested with ``isinstance``: a module branching on who it is instead of asking its topology."""
+    def tail(node: ast.AST) -> str | None:
+        return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in TOPOLOGY_FLAGS
+                and not (isinstance(node.value, ast.Name) and node.value.id == "torch")):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq))
+                                                   for op in node.ops):
+            if any(tail(side) in TOPOLOGY_OBJECTS for side in [node.left, *node.comparators]):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and tail(node.func) in ("isinstance", "type") and node.args:
+            if {tail(n) for arg in node.args[1:] for n in ast.walk(arg)} & TOPOLOGY_CLASSES:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("module", TOPOLOGY_CLIENTS)
+def test_engine_pipeline_and_restorer_ask_the_topology(module):
+    branches = _topology_branches(TREES[module])
+    assert not branches, (f"{MODULES[module]} branches on who this process is; ask the topology "
+                          f"(rl_ckpt/core/topology.py) instead: {branches}")
+
+
+def test_topology_branch_finder():
+    tree = ast.parse("def f(self, reg, torch):\n    if reg.managed or self.registry.distributed:\n        pass\n"
+                     "    if self.manager is None and client is not None:\n        pass\n"
+                     "    ok = isinstance(self.commit, (DistributedCommit, int)) or reg.multi\n"
+                     "    return torch.distributed.is_initialized(), self.topology.agree(1, 'full', False)\n")
+    assert _topology_branches(tree) == [
+        "line 2: reg.managed", "line 2: self.registry.distributed", "line 4: self.manager is None",
+        "line 4: client is not None", "line 6: isinstance(self.commit, (DistributedCommit, int))", "line 6: reg.multi"]

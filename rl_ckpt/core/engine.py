@@ -3,13 +3,16 @@
 The engine is the public front of one run in one process. It holds the
 pieces that do the work and delegates to them:
 
+- :class:`~rl_ckpt.core.topology.Topology`: who this process is in a save
+  (:class:`~rl_ckpt.core.topology.Solo`, ``TorchDistributed`` or ``Managed``),
+  chosen once here; the pieces below ask it instead of branching;
 - :class:`~rl_ckpt.core.registry.ComponentRegistry`: what is registered, and
   under which manifest key each component lives for this participant;
 - :class:`~rl_ckpt.core.save_pipeline.SavePipeline`: stage -> persist ->
   commit (through the commit strategy of ``rl_ckpt.commit``, a manager's,
   or rank 0's of a torch.distributed group);
 - :class:`~rl_ckpt.run.maintenance.RunMaintenance`: best aliases and retention
-  after each commit (the manager runs it instead in a sharded run);
+  after each commit (where the topology says: not with a manager, which runs it);
 - :class:`~rl_ckpt.core.restorer.Restorer`: follows a recovery plan into the
   registered objects, falling back along the plan.
 """
@@ -28,12 +31,12 @@ from rl_ckpt.core.restorer import Restorer, RestoreResult
 from rl_ckpt.config import recorded_config
 from rl_ckpt.core.save_pipeline import SavePipeline
 from rl_ckpt.core.scheduler import CheckpointScheduler
+from rl_ckpt.core.topology import Topology, choose_topology
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.state_codec import EncodedState
-from rl_ckpt.integrations.managed import ManagerClient, join_manager
 from rl_ckpt.recovery.coordinator import Decision, FailureInfo
 from rl_ckpt.recovery.history import load_decisions, record_decision
-from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, layout_line, probe_check, without_light
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, probe_check, without_light
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.commit import CommitStrategy, strategy_for
 from rl_ckpt.run.maintenance import RunMaintenance
@@ -73,22 +76,16 @@ class CheckpointEngine:
         self.train_config = dict(train_config or {})
         self.storage = storage or open_storage(config.run_url, config.storage_options)
         self.catalog = Catalog(self.storage)
-        self.manager = manager
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.role = role
-        self.registry = ComponentRegistry(config, rank=self.rank, world_size=self.world_size, role=role,
-                                          managed=manager is not None)
-        commit: CommitStrategy = strategy_for(self.storage, config.atomic_write)
-        self.manager_client: ManagerClient | None = None
-        if manager is not None:
-            self.registry.participant, self.manager_client, commit = join_manager(
-                manager, self.storage, config, role, self.rank, self.world_size, participants, _current_actor())
-        self.heartbeat = self.manager_client.heartbeat if self.manager_client is not None else None
+        topology = choose_topology(self.storage, config, commit=strategy_for(self.storage, config.atomic_write),
+                                   manager=manager, rank=self.rank, world_size=self.world_size, role=role,
+                                   participants=participants, actor_handle=_current_actor())
+        self.registry = ComponentRegistry(config, topology)
         self.maintenance = RunMaintenance.from_config(  # with a manager, the manager applies retention
-            self.storage, self.catalog, config, retention=retention if manager is None else False)
-        self.pipeline = SavePipeline(config, self.train_config, self.storage, self.catalog, self.registry, commit,
-                                     maintenance=self.maintenance if manager is None else None,
-                                     client=self.manager_client)
+            self.storage, self.catalog, config, retention=retention if topology.applies_retention else False)
+        self.pipeline = SavePipeline(config, self.train_config, self.storage, self.catalog, self.registry,
+                                     maintenance=self.maintenance)
         self.restorer = Restorer(config, self.train_config, self.storage, self.catalog, self.registry)
         self._patrol: HealthPatrol | None = None
         self._closed = False
@@ -105,8 +102,8 @@ class CheckpointEngine:
         progress of learners).
         """
         reg = self.registry.prepare(name, obj, kind=kind, probe=probe)
-        if reg.sharded is not None:
-            self.pipeline.commit_across_ranks()
+        if reg.sharded is not None:  # the one topology transition: ranks now commit each snapshot together
+            self.registry.topology = self.topology.with_sharded_state()
         self.registry.add(reg, replicated)
         return obj
 
@@ -114,6 +111,16 @@ class CheckpointEngine:
     def components(self) -> dict[str, Any]:
         """Registered component name -> object."""
         return self.registry.objects()
+
+    @property
+    def topology(self) -> Topology:
+        """Who this process is in a save: ``Solo``, ``TorchDistributed`` or ``Managed`` (``core/topology.py``)."""
+        return self.registry.topology
+
+    @property
+    def manager(self) -> Any:
+        """The ``CheckpointManager`` actor handle this engine commits through, or None."""
+        return self.topology.manager
 
     @property
     def participant(self) -> str | None:
@@ -212,15 +219,16 @@ class CheckpointEngine:
             light: apply the newest valid light snapshot built on the target.
         """
         self._check_open()
-        if self.manager is not None and snapshot_id is None:  # one plan for all, made (and recorded) by the manager
-            plan = RecoveryPlan.from_json(self.manager_client.recovery_plan(failure.to_json() if failure else None))
-            plan.layout = layout_line(self.storage, plan.target, self.registry.restart_mesh())  # not the manager's
-        else:
-            plan = build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
+
+        def build() -> RecoveryPlan:
+            return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
                               components=self.registry.kinds(), coordinator=coordinator_config(self.config),
                               history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id,
                               probes=probe_check(self.config), restart_mesh=self.registry.restart_mesh(), light=light,
                               job_config=recorded_config(self.config, self.train_config))
+
+        # The topology's plan: this process's own, or with a manager one plan for all, made (and recorded) by it.
+        plan = self.topology.recovery_plan(failure, snapshot_id, self.storage, self.registry.restart_mesh(), build)
         return self.restorer.note_new_ranks(plan)  # the restoring group is this process's to know
 
     def decisions(self) -> list[Decision]:
@@ -246,9 +254,7 @@ class CheckpointEngine:
             plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
         if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
             plan = without_light(self.storage, plan)
-        # The manager records the decisions of its own plans.
-        return self.restorer.restore(plan, strict=strict, light=light,
-                                     record=self.manager is None and self.rank == 0)
+        return self.restorer.restore(plan, strict=strict, light=light, record=self.topology.records_decisions)
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into an ordinary ``module`` (rollout workers: no process group).
@@ -281,10 +287,7 @@ class CheckpointEngine:
             if self._patrol is not None:
                 self._patrol.stop()
             self.pipeline.close()
-            if self.heartbeat is not None:
-                self.heartbeat.close()
-            if self.manager_client is not None:
-                self.manager_client.unregister()  # a clean exit is not a lost heartbeat
+            self.topology.close()  # with a manager: a clean exit, not a lost heartbeat
             self._closed = True
             self.storage.close()
 

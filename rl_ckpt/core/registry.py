@@ -15,6 +15,7 @@ from rl_ckpt.components import check_component_name, classify
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.errors import ConfigError
 from rl_ckpt.format.manifest import Manifest
+from rl_ckpt.core.topology import Topology
 from rl_ckpt.integrations.managed import participant_name
 
 # SHARDED_IMPORT: rl_ckpt.sharded is imported where it is used, not at the top: it pulls in
@@ -37,27 +38,34 @@ class Registered:
 
 
 class ComponentRegistry:
-    """Registered components plus who this process is in a save (rank, role, participant name).
+    """Registered components plus who this process is in a save: its topology (``core/topology.py``).
 
-    ``participant`` is None for a single-process engine; it is set when the
-    engine joins a multi-participant save: through a manager (``managed``), or
-    as a rank of a torch.distributed group committing together (``distributed``).
+    ``participant`` is None for a single writer; it is set when the engine
+    joins a multi-participant save: through a manager, or as a rank of a
+    torch.distributed group committing together. The engine sets ``topology``
+    (once, and again on the one transition: sharded state registered).
     """
 
-    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, role: str, managed: bool) -> None:
+    def __init__(self, config: CheckpointConfig, topology: Topology) -> None:
         self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.role = role
-        self.managed = managed
-        self.distributed = False
-        self.participant: str | None = None
+        self.topology = topology
         self._components: dict[str, Registered] = {}
 
     @property
-    def multi(self) -> bool:
-        """Part of a multi-participant save: replicated state is written once, by rank 0."""
-        return self.managed or self.distributed
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def role(self) -> str:
+        return self.topology.role
+
+    @property
+    def participant(self) -> str | None:
+        return self.topology.participant
 
     def prepare(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None) -> Registered:
         """Check ``obj`` can be registered as ``name`` and describe it (not registered yet: see :meth:`add`)."""
@@ -82,7 +90,7 @@ class ComponentRegistry:
         """Register ``reg``; ``replicated`` None: learners' modules, optimizers, schedulers and progress
         are replicated in a multi-participant save."""
         if replicated is None:
-            replicated = self.multi and self.role == "learner" and reg.kind in REPLICATED_KINDS
+            replicated = self.topology.replicates and self.role == "learner" and reg.kind in REPLICATED_KINDS
         reg.replicated = bool(replicated) and reg.sharded is None
         self._components[reg.name] = reg
 
@@ -149,9 +157,7 @@ class ComponentRegistry:
     def key(self, name: str) -> str:
         """Where a component lives in a manifest: its name, or ``<scope>/<name>`` in a sharded save."""
         reg = self._components[name]
-        if self.participant is None or reg.sharded is not None:
-            return name
-        return f"shared/{name}" if reg.replicated else f"{self.participant}/{name}"
+        return name if reg.sharded is not None else self.topology.key(name, reg.replicated)
 
     def per_rank(self) -> dict[str, bool]:
         """Components this participant stores under its own name (``learner-1/rng``), none for a single
@@ -168,5 +174,4 @@ class ComponentRegistry:
 
     def stored_key(self, manifest: Manifest, name: str) -> str | None:
         """The manifest key holding component ``name`` for this participant (own scope first)."""
-        keys = [name] if self.participant is None else [f"{self.participant}/{name}", f"shared/{name}", name]
-        return next((k for k in keys if k in manifest.components), None)
+        return next((k for k in self.topology.stored_keys(name) if k in manifest.components), None)

@@ -11,9 +11,10 @@ would not help.
 
 After a restore, committed snapshots of a later step than the one training
 continues after belong to the timeline that failed: they are retired into
-``history/retired/`` (``rl_ckpt.run.retire``), once per run: by rank 0 of an
-engine without a manager, by the manager when it hands out a managed run's
-plan (``RestoreResult.retired`` then repeats what it retired).
+``history/retired/`` (``rl_ckpt.run.retire``), once per run, as the engine's
+topology says (``Topology.after_restore``): by rank 0 of an engine without a
+manager, by the manager when it hands out a managed run's plan
+(``RestoreResult.retired`` then repeats what it retired).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapsho
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.recovery.history import record_decision
 from rl_ckpt.recovery.new_ranks import NewRankGap, derive_seed, new_rank_gaps
-from rl_ckpt.recovery.plan import RecoveryPlan, check_schema, config_warnings, new_rank_lines
+from rl_ckpt.recovery.plan import RecoveryPlan, new_rank_lines, verdict_of
 from rl_ckpt.recovery.probe import compare, run_probe
 from rl_ckpt.format.metrics import decode_metrics
 from rl_ckpt.run.catalog import Catalog
@@ -101,12 +102,12 @@ class Restorer:
             self._probe_outputs = {}
             try:
                 result = self._restore_one(sid, skipped, strict,
-                                           light=light and (plan.light is not None or sid != plan.target))
+                                           light=light and (plan.light is not None or sid != plan.target), plan=plan)
             except (StateMismatchError, RestoreError) as exc:
                 fatal = exc
             except CheckpointError as exc:
                 error = str(exc)
-            if self._collective():
+            if self.registry.topology.agrees_on_restore():
                 # Every rank loaded its own shards; continue only if all did, and all compute the same
                 # probe outputs. Otherwise all roll back together to the next snapshot.
                 mine = error or (str(fatal) if fatal else None)
@@ -125,41 +126,36 @@ class Restorer:
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
             if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback
-                self._retire_newer(result, plan)
+                self.registry.topology.after_restore(result, plan, self._retire_newer)
             return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
 
     def _retire_newer(self, result: RestoreResult, plan: RecoveryPlan) -> None:
-        """Retire what is newer than ``result``: rank 0 without a manager; with one, the manager did."""
-        if self.registry.managed:
-            result.retired = list(plan.retired or [])
-            return
-        if self.registry.rank == 0:
-            light = f" + light {result.light_snapshot_id}" if result.light_snapshot_id else ""
-            loaded = f"{result.snapshot_id}{light}"
-            try:
-                outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
-                                       loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
-                                       by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
-            except CheckpointError as exc:  # the state is loaded; the next restore retries
-                outcome = None
-                result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
-            if outcome is not None:
-                result.retired, plan.retired = outcome.retired, outcome.retired
-                result.warnings += outcome.warnings
-        if self._collective():
-            torch.distributed.barrier()  # no rank saves a step of the failed timeline before it is retired
+        """Retire what is newer than ``result`` (on the process the topology names: rank 0 without a manager)."""
+        light = f" + light {result.light_snapshot_id}" if result.light_snapshot_id else ""
+        loaded = f"{result.snapshot_id}{light}"
+        try:
+            outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
+                                   loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
+                                   by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
+        except CheckpointError as exc:  # the state is loaded; the next restore retries
+            outcome = None
+            result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
+        if outcome is not None:
+            result.retired, plan.retired = outcome.retired, outcome.retired
+            result.warnings += outcome.warnings
 
     def _manifest(self, sid: str) -> Manifest:
         """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""
         info = self.catalog.get(sid)
         return info.manifest if info is not None and info.manifest is not None else read_manifest(self.storage, sid)
 
-    def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool) -> RestoreResult:
+    def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool, plan: RecoveryPlan) -> RestoreResult:
         manifest = self._manifest(sid)
-        check_schema(manifest, self.config.schema_version)
-        warnings = config_warnings(manifest, recorded_config(self.config, self.train_config))
+        # The plan's schema check and config warnings for this snapshot (made now for one it did not check).
+        warnings = verdict_of(plan, manifest, self.config.schema_version,
+                              recorded_config(self.config, self.train_config))
         states: dict[str, Any] = {}
         missing = []
         sharded: dict[str, str] = {}
@@ -183,7 +179,7 @@ class Restorer:
                     msg + "; register them under the names used when saving, or restore(strict=False)",
                     component=missing[0], mismatches=missing, snapshot_id=sid)
             warnings.append(msg + "; they keep their current state")
-        top = self._apply_light(manifest, states, skipped) if light else None
+        top = self._apply_light(manifest, states, skipped, plan) if light else None
         for name, state in states.items():
             check_fits(name, self.registry.get(name).obj, state, sid)
         self._load_sharded(manifest, sharded)
@@ -267,14 +263,14 @@ class Restorer:
                 raise CorruptSnapshotError(f"{manifest.snapshot_id}: {reason}; snapshot quarantined",
                                            snapshot_id=manifest.snapshot_id, problems=[reason])
 
-    def _apply_light(self, full: Manifest, states: dict, skipped: dict) -> Manifest | None:
+    def _apply_light(self, full: Manifest, states: dict, skipped: dict, plan: RecoveryPlan) -> Manifest | None:
         """Overlay the newest valid light snapshot built on ``full``; a broken one is skipped."""
         for info in reversed(self.catalog.snapshots("light")):
             if info.base_snapshot_id != full.snapshot_id or info.global_step < full.global_step:
                 continue
             try:
                 manifest = info.manifest if info.manifest is not None else read_manifest(self.storage, info.snapshot_id)
-                check_schema(manifest, self.config.schema_version)
+                verdict_of(plan, manifest, self.config.schema_version)
                 light_states = {}
                 for reg in self.registry:
                     key = self.registry.stored_key(manifest, reg.name)
@@ -288,12 +284,6 @@ class Restorer:
             states.update(light_states)
             return manifest
         return None
-
-    def _collective(self) -> bool:
-        """Restores agree across learner ranks when they form a torch.distributed group."""
-        reg, dist = self.registry, torch.distributed
-        return (reg.multi and reg.role == "learner" and reg.world_size > 1
-                and dist.is_available() and dist.is_initialized())
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into ``module``; returns the snapshot id loaded."""

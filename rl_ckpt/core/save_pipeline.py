@@ -6,8 +6,9 @@ copied; a background save copies into reused staging buffers). *Persist*
 writes every file through the writer (safetensors/Arrow/JSON, dedup objects),
 verifies it, builds the manifest and hands it to the commit strategy, which is
 the only place that knows how a snapshot becomes visible (staged rename,
-manifest-last, a manager, or rank 0 of a torch.distributed group). After the
-commit point, run maintenance (aliases, retention) runs for a single writer.
+manifest-last, a manager, or rank 0 of a torch.distributed group: the engine's
+topology holds it). After the commit point, run maintenance (aliases,
+retention) runs where the topology says (a single writer, rank 0 of a group).
 This is the shape of DCP's ``save()``: a planner (what to write: the
 component registry) joined to a storage writer (the commit strategy).
 """
@@ -18,19 +19,17 @@ import logging
 import time
 from typing import Any, Mapping
 
-import torch
-
 from rl_ckpt.config import CheckpointConfig, config_digest, recorded_config
 from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.core.registry import ComponentRegistry, Registered
 from rl_ckpt.core.staging import StagingArea
+from rl_ckpt.core.topology import Topology
 from rl_ckpt.core.writer import write_component
 from rl_ckpt.errors import CheckpointError, ConfigError, SerializationError
 from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
 from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.format.state_codec import EncodedState, encode_state
-from rl_ckpt.integrations.managed import ManagerClient, participant_name
 from rl_ckpt.recovery.probe import run_probe
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.commit import Attempt, CommitStrategy
@@ -51,46 +50,30 @@ class SavePipeline:
     """Stages, persists and commits the registered state of one engine; at most one save in flight.
 
     Args:
-        registry: what to save and under which manifest keys.
-        commit: the commit strategy (may be replaced, e.g. when ranks start committing together).
-        maintenance: run after each commit by this writer; None when someone else (the manager) runs it.
-        client: the manager client when a manager is the commit point (participants decide, fail together).
+        registry: what to save, under which manifest keys, and the topology (commit strategy, agreement).
+        maintenance: run after each commit when the topology says this process runs it.
     """
 
     def __init__(self, config: CheckpointConfig, train_config: Mapping[str, Any], storage: Storage, catalog: Catalog,
-                 registry: ComponentRegistry, commit: CommitStrategy, *, maintenance: RunMaintenance | None,
-                 client: ManagerClient | None = None) -> None:
+                 registry: ComponentRegistry, *, maintenance: RunMaintenance | None) -> None:
         self.config = config
         self.train_config = train_config
         self.storage = storage
         self.catalog = catalog
         self.registry = registry
-        self.commit = commit
         self.maintenance = maintenance
-        self.client = client
-        self.managed, self.heartbeat = client is not None, client.heartbeat if client is not None else None
         self.staging = StagingArea()
         self._writer: BackgroundWriter | None = None
 
-    def commit_across_ranks(self) -> None:
-        """Sharded state without a manager: ranks commit each snapshot together over torch.distributed.
+    @property
+    def topology(self) -> Topology:
+        """Who this process is in a save (the registry's: it changes once, when sharded state registers)."""
+        return self.registry.topology
 
-        Rank 0 commits; every rank gets its outcome. A no-op alone, with a manager, or when already on.
-        """
-        reg = self.registry
-        if self.managed or reg.distributed or reg.world_size == 1:
-            return
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(f"sharded state on rank {reg.rank} of {reg.world_size}: initialise torch.distributed "
-                              "before registering it (the ranks commit each snapshot together), or pass a manager",
-                              key="world_size")
-        from rl_ckpt.commit.collective import DistributedCommit  # (lazy: see registry.SHARDED_IMPORT)
-
-        names = [participant_name(reg.role, r) for r in range(reg.world_size)]
-        self.commit = DistributedCommit(self.commit, reg.rank, reg.world_size, names)
-        reg.participant = names[reg.rank]
-        reg.distributed = True
+    @property
+    def commit(self) -> CommitStrategy:
+        """The commit strategy saves go through (the topology's)."""
+        return self.registry.topology.commit
 
     # -- stage -------------------------------------------------------------------
     def probes(self, kind: str) -> dict:
@@ -127,7 +110,7 @@ class SavePipeline:
         finally:
             if copy:  # device-to-host copies land; buffers of keys not staged this round are freed
                 self.staging.finish()
-        if not staged and not (self.managed and len(self.registry)):
+        if not staged and not (self.topology.empty_part_ok and len(self.registry)):
             # A participant whose state is all replicated (written by rank 0) contributes an empty part.
             raise CheckpointError(
                 f"nothing to save in a {kind} snapshot: register components first"
@@ -175,8 +158,7 @@ class SavePipeline:
 
     def failed_before_begin(self, global_step: int, kind: str, error: BaseException) -> None:
         """A save failed before it began: the other participants, if any, must fail with it at once."""
-        if not self.managed or kind in ("full", "light"):
-            self.commit.fail(snapshot_id(global_step, kind), None, error)
+        self.topology.failed_before_begin(global_step, kind, error)
 
     def agree_to_save(self, global_step: int, kind: str) -> bool:
         """Whether a due save of ``global_step`` goes ahead.
@@ -187,9 +169,7 @@ class SavePipeline:
         ranks never split into half-snapshots; a participant told to save
         while busy waits for its previous save first.
         """
-        if not self.managed:
-            return not self.saving
-        return self.client.decide(snapshot_id(global_step, kind), self.saving)
+        return self.topology.agree(global_step, kind, self.saving)
 
     @property
     def saving(self) -> bool:
@@ -250,7 +230,7 @@ class SavePipeline:
         info = SnapshotInfo.from_manifest(manifest)
         self.catalog.add(info)
         log.info("committed %s (%d files, %d bytes)", sid, len(files), info.size_bytes)
-        if self.maintenance is not None and (not self.registry.distributed or self.registry.rank == 0):
+        if self.maintenance is not None and self.topology.runs_maintenance:
             info.warnings = self.maintenance.after_commit()
         return info
 
@@ -280,7 +260,7 @@ class SavePipeline:
         return files, sections
 
     def _object_writer(self) -> ObjectWriter:
-        if self.managed:
+        if not self.topology.applies_retention:
             # The manager applies retention: see its deletions before reusing any chunk.
             self.catalog.refresh()
         committed = referenced_objects(self.catalog.snapshots())
@@ -289,9 +269,11 @@ class SavePipeline:
 
     def beat(self, global_step: int) -> None:
         """Heartbeat to the manager (rate-limited); a no-op without one."""
-        if self.heartbeat is not None:
-            newest = self.catalog.snapshots()
-            self.heartbeat.beat(global_step, newest[-1].snapshot_id if newest else None)
+        def newest() -> str | None:
+            snapshots = self.catalog.snapshots()
+            return snapshots[-1].snapshot_id if snapshots else None
+
+        self.topology.beat(global_step, newest)
 
     def close(self) -> None:
         """Wait for the save in flight and stop the background writer."""

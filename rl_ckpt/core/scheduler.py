@@ -6,7 +6,8 @@ first; a light one every ``light_interval_steps`` in between. Saves run in the
 background (``engine.save_async``). When the previous save is still running, a
 due save is *skipped*, not queued, so saving never piles up behind a slow disk.
 With a ``CheckpointManager`` the skip is decided once for all participants of
-the snapshot (``engine.agree_to_save``), so ranks never save different steps.
+the snapshot (the engine's topology: ``Topology.cadence``), so ranks never
+save different steps.
 So is, under a time cadence, whether a step is due at all: each rank's clock
 would answer differently on a loaded machine, so every ``step`` asks the
 manager, whose clock decides once for everyone (one small actor call per step;
@@ -86,12 +87,10 @@ class CheckpointScheduler:
         return None
 
     def _agree(self, global_step: int) -> tuple[str | None, bool]:
-        """``(kind due, go)``: alone, by this process's clock; with a manager, one answer for every participant."""
-        if self.every_seconds and self.engine.manager is not None:
-            return self.engine.manager_client.decide_step(global_step, self._due_by_steps(global_step),
-                                                          self.engine.saving, self.every_seconds)
-        kind = self.due(global_step)
-        return kind, kind is not None and self.engine.agree_to_save(global_step, kind)
+        """``(kind due, go)``, as the engine's topology decides: alone, by this process's clock; with a manager,
+        one answer for every participant (under a time cadence, by the manager's clock)."""
+        return self.engine.topology.cadence(global_step, self.every_seconds, lambda: self._due_by_steps(global_step),
+                                            lambda: self.due(global_step), self.engine.saving)
 
     def step(self, global_step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle | None:
         """Call once per training step. Returns the handle of a save it started, else None."""

@@ -69,14 +69,14 @@ class MemoryTier:
     def __init__(self, engine: CheckpointEngine, *, manager: Any = None, service: Any = None,
                  namespace: str = "rl_ckpt") -> None:
         cfg = engine.config
-        if engine.manager is not None and manager is None:
+        if engine.topology.manager is not None and manager is None:
             raise ConfigError("MemoryTier: this engine commits through a CheckpointManager (several participants), so "
                               "memory snapshots need one too: pass manager=actors.memory_tier.memory_manager(config)",
                               key="manager")
         self.durable = engine
         self.service = service
         storage = open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg, namespace))
-        participants = list(engine.commit.expected) if engine.manager is not None and manager is not None else None
+        participants = engine.topology.participants if manager is not None else None
         self.memory = CheckpointEngine(memory_config(cfg), train_config=engine.train_config, storage=storage,
                                        retention=KeepLatest(memory_config(cfg).keep_latest), manager=manager,
                                        rank=engine.rank,
@@ -122,8 +122,7 @@ class MemoryTier:
     def records_events(self) -> bool:
         """Whether this participant writes the tier's records into the durable run folder (``memory_tier/``):
         the first of a snapshot's participants by name, or the only one."""
-        expected = getattr(self.memory.commit, "expected", None) if self.memory.manager is not None else None
-        return self.memory.participant == min(expected) if expected else self.memory.rank == 0
+        return self.memory.topology.leads
 
     def _record_snapshot(self, handle) -> None:
         if handle.exception() is not None:

@@ -52,6 +52,20 @@ class LoadAction:
 
 
 @dataclasses.dataclass
+class Verdict:
+    """What a plan found of one snapshot it checked, for the restore to reuse (:func:`verdict_of`).
+
+    ``schema_version``: the job's schema the snapshot was checked against and fits; ``config_digest``: the
+    digest of the manifest checked (a manifest that changed since is checked anew); ``config_warnings``: the
+    job's config compared with the snapshot's (None: not compared, e.g. a plan made by the manager).
+    """
+
+    schema_version: int
+    config_digest: str
+    config_warnings: list[str] | None = None
+
+
+@dataclasses.dataclass
 class RecoveryPlan:
     run_url: str
     action: str  # restore | start_fresh | give_up
@@ -72,6 +86,7 @@ class RecoveryPlan:
     # Ranks of the restoring group the target holds no per-rank state for, and what they get (recovery/new_ranks.py).
     new_ranks: list[str] = dataclasses.field(default_factory=list)
     created_at: str = dataclasses.field(default_factory=now_iso)
+    verdicts: dict[str, Verdict] = dataclasses.field(default_factory=dict)  # snapshot id -> what the plan found
 
     @property
     def fresh(self) -> bool:
@@ -95,6 +110,7 @@ class RecoveryPlan:
         d["actions"] = [LoadAction(**a) for a in d.get("actions", [])]
         d["failure"] = FailureInfo.from_json(d["failure"]) if d.get("failure") else None
         d["decision"] = Decision.from_json(d["decision"]) if d.get("decision") else None
+        d["verdicts"] = {sid: Verdict(**v) for sid, v in (d.get("verdicts") or {}).items()}
         return cls(**d)
 
     def __str__(self) -> str:
@@ -187,6 +203,25 @@ def config_warnings(manifest: Manifest, job_config: Mapping[str, Any]) -> list[s
     return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {changed}"]
 
 
+def verdict_of(plan: RecoveryPlan, manifest: Manifest, schema_version: int,
+               job_config: Mapping[str, Any] | None = None) -> list[str]:
+    """The schema check (SchemaVersionError) and config warnings of ``manifest`` for a restore following ``plan``.
+
+    The plan's verdict where it made one for this manifest and schema; made now otherwise (a fallback the
+    plan did not check, a plan made by the manager). ``job_config`` None: no config comparison.
+    """
+    v = plan.verdicts.get(manifest.snapshot_id)
+    if v is not None and v.config_digest != manifest.config_digest:
+        v = None  # not the manifest the plan checked
+    if v is None or v.schema_version != schema_version:
+        check_schema(manifest, schema_version)
+    if job_config is None:
+        return []
+    if v is not None and v.config_warnings is not None:
+        return list(v.config_warnings)
+    return config_warnings(manifest, job_config)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
     storage: Storage
@@ -194,8 +229,8 @@ class _Inputs:
     deep: bool
 
 
-def _check(inp: _Inputs, info: SnapshotInfo) -> Manifest:
-    """The snapshot's manifest if it is usable, else CheckpointError saying why.
+def _check(inp: _Inputs, info: SnapshotInfo, plan: RecoveryPlan) -> Manifest:
+    """The snapshot's manifest if it is usable (its verdict noted in ``plan``), else CheckpointError saying why.
 
     The manifest is the one the catalog parsed (or re-validated by its stat version) in the
     refresh that starts every plan, so a restore parses each manifest once."""
@@ -211,6 +246,7 @@ def _check(inp: _Inputs, info: SnapshotInfo) -> Manifest:
             path = f"{sid}/{f.path}"
             if not inp.storage.exists(path) or inp.storage.size(path) != f.size:
                 raise CheckpointError(f"{f.path}: missing or wrong size", snapshot_id=sid)
+    plan.verdicts[sid] = Verdict(inp.schema_version, manifest.config_digest)
     return manifest
 
 
@@ -296,7 +332,7 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
             return False
         if info.snapshot_id not in manifests:
             try:
-                manifests[info.snapshot_id] = _check(inp, info)
+                manifests[info.snapshot_id] = _check(inp, info, plan)
             except CheckpointError as exc:
                 invalid[info.snapshot_id] = str(exc)
                 return False
@@ -355,7 +391,9 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
     plan.candidates.sort(key=lambda c: (-c.global_step, c.kind))
     _actions(plan, components, probes, manifest, light_manifest)
     if components and job_config is not None:  # a running job: compare its config with the snapshot's
-        plan.warnings += config_warnings(manifest, job_config)
+        warnings = config_warnings(manifest, job_config)
+        plan.verdicts[target.snapshot_id].config_warnings = warnings
+        plan.warnings += warnings
     return plan
 
 
@@ -364,7 +402,7 @@ def _choose_light(catalog: Catalog, inp: _Inputs, plan: RecoveryPlan, target: Sn
         if info.base_snapshot_id != target.snapshot_id or info.global_step < target.global_step:
             continue
         try:
-            m = _check(inp, info)
+            m = _check(inp, info, plan)
         except (CheckpointError, SchemaVersionError) as exc:
             plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "skipped", str(exc)))
             continue

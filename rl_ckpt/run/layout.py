@@ -4,6 +4,10 @@
 
     <run>/
       step_000000500/            a committed snapshot: its manifest ``meta.json`` and data files
+      step_000000500/shared/<component>...         several participants: state replicated on every learner
+                                 rank, written once by rank 0 (``SHARED_SCOPE``)
+      step_000000500/<participant>/<component>...  several participants: one participant's own state
+                                 (``learner-1/rng``); a single writer's components sit at the top
       step_000000500/<attempt>/  manifest-last saves: this attempt's data (debris until meta.json lands)
       step_000000600.light/      a light snapshot (``.bN`` marks a later branch: step_000000500.b1)
       .staging/<id>.<attempt>/   staged-rename saves before their rename (debris if never renamed)
@@ -48,6 +52,7 @@ __all__ = [
     "snapshot_folders", "staged_attempt", "in_place_attempt", "parse_staged_name", "uncommitted_attempts",
     "committed_data_prefix", "report_name", "best_alias_path", "safe_name", "quarantine_path", "retired_path",
     "timed_record_stem", "SAVE_DECISIONS", "MEMORY_TIER_EVENTS", "retired_snapshot_dir", "retired_record_path",
+    "SHARED_SCOPE", "component_key",
 ]
 
 STAGING = ".staging"
@@ -62,6 +67,7 @@ SAVE_DECISIONS = "save_decisions"
 MEMORY_TIER_EVENTS = "memory_tier"  # the memory tier's record of its snapshots and restores (run/tier_events.py)
 ATTEMPT_FILE = "attempt.json"  # the manager's record of a sharded attempt: who is expected to report
 RESERVED = (STAGING, TRASH)  # top-level folders that are never snapshots, whatever they hold
+SHARED_SCOPE = "shared"  # in a snapshot of several participants: the scope of state written once for all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +161,12 @@ def committed_data_prefix(attempt: Attempt) -> str:
     if attempt.data_prefix.startswith(STAGING + "/"):
         return attempt.snapshot_id
     return attempt.data_prefix
+
+
+def component_key(name: str, scope: str | None = None) -> str:
+    """Where component ``name`` lives in a snapshot (manifest key and data folder): ``name`` for a single
+    writer, ``<scope>/<name>`` in a snapshot of several participants (``SHARED_SCOPE`` or the participant)."""
+    return name if scope is None else f"{scope}/{name}"
 
 
 def report_name(participant: str) -> str:
