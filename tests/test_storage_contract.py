@@ -574,9 +574,8 @@ def test_unsafe_paths_refused_by_every_method(store, bad):
 
 # "" is the root itself: it may be listed, checked and synced, never written, read,
 # created or removed (remove_tree("") would delete the whole run).
-ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "write_stream_atomic", "read",
-                 "read_capped",
-                 "read_range", "open_read", "size", "remove", "remove_tree", "makedirs"]
+ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "write_stream_atomic",
+                 "read", "read_capped", "read_range", "open_read", "size", "remove", "remove_tree", "makedirs"]
 
 
 @pytest.mark.parametrize("method", ROOT_REFUSERS)
