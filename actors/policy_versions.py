@@ -61,6 +61,7 @@ class VersionsStorage(RayMemoryStorage):
         self.batching = False
         self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
         self.listing: dict | None = None
+        self.removing: list = []  # refs of object removals in flight (during a publish)
         self.pushed_bytes = 0
 
     def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
@@ -157,7 +158,27 @@ class VersionsStorage(RayMemoryStorage):
         return dict(self.listing)
 
     def hold_listing(self, on: bool) -> None:
+        """Begin (True) or end a publish: the listing of stores is held meanwhile, and dedup objects removed by
+        retention's sweep go in the background, all at once, waited for when the publish ends."""
+        if not on:
+            self.wait_removed()
         self.listing = super().stores() if on else None
+
+    def remove(self, path: str) -> None:
+        if self.listing is None or not path.startswith("objects/"):  # a snapshot's files: in order, as always
+            return super().remove(path)
+        path = check_relpath(path)
+        self.removing += [h.remove.remote(path) for h in self.listing.values()]
+
+    def wait_removed(self) -> None:
+        import ray
+
+        refs, self.removing = self.removing, []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # that store died: nothing left there to remove
+                pass
 
     def subscriber_nodes(self) -> list[str]:
         """Nodes where a rollout worker pulled versions and whose store is alive (one call per store)."""
