@@ -13,7 +13,9 @@ A version is a snapshot of one component (``policy``) in the run's version store
 <run>``, a ``MemoryStore`` per node): the same manifest, per-chunk checksums, verify-after-write and
 create-only commit as any snapshot, written by a ``CheckpointEngine`` with ``dedup`` on, so each tensor's
 8 MiB chunks are content-addressed objects and versions share what did not change. Retention keeps the
-newest ``keep`` versions; a version a worker is reading is pinned and stays until it lets go.
+newest ``keep`` versions; a version a worker is reading is pinned and stays until it lets go. A publish
+places the version on the nodes where workers pull as it writes it (:class:`VersionsStorage`), so their
+pulls find it on their node.
 
 Publishing cast (``dtype=torch.bfloat16``) writes the floating-point tensors in that dtype and records it
 in the manifest's tags (``policy_dtype``); the learners' fp32 state stays theirs (and in their snapshots).

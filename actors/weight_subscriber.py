@@ -9,7 +9,8 @@
 3. pins the files it will read in every store (retention and budget leave them alone until it is done, or
    until its lease ends if the worker dies);
 4. places the version on this node: the node's store copies the files it lacks from a peer store, once for
-   however many workers on the node ask at the same time;
+   however many workers on the node ask at the same time (usually nothing: a worker's first pull announces
+   its node, ``subscribers/<node>``, and publishers place every later version there as they write it);
 5. hashes every piece that changed since the version it holds, in this node's shared memory, and only when
    every one verified copies them into the module (:class:`~rl_ckpt.sharded.weight_pull.WeightPuller`).
 
