@@ -87,10 +87,11 @@ class VersionsStorage(RayMemoryStorage):
 
         items = [(check_relpath(path), memoryview(data).cast("B")) for path, data in items]
         self.written = {}
-        if any(path.endswith("/" + MANIFEST_NAME) for path, _d in items) or self.replicas:
-            return self._write_each(items)  # commits and replicated writes: the base's one by one
+        if any(path.endswith("/" + MANIFEST_NAME) for path, _d in items):
+            return self._write_each(items)  # commits: the base's, one by one
         store = self.store_of(self.node_id)
-        refs = [store.put.remote(path, np.frombuffer(data, dtype=np.uint8) if data.nbytes else b"", False, [])
+        peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
+        refs = [store.put.remote(path, np.frombuffer(data, dtype=np.uint8) if data.nbytes else b"", False, peers)
                 for path, data in items]
         try:
             ray.get(refs)
@@ -303,7 +304,8 @@ class PolicyVersions:
         dtype = str(self.dtype).replace("torch.", "") if self.dtype else "as trained"
         tags = {"policy_version": step, "policy_dtype": dtype}
         # Placement at publish: the nodes where workers pull get each file as it is written (see VersionsStorage).
-        self.storage.push_to = [n for n in self.storage.subscriber_nodes() if n != self.storage.node_id]
+        here = [self.storage.node_id, *self.storage.peers()]  # (the ``replicas`` peers get copies anyway)
+        self.storage.push_to = [n for n in self.storage.subscriber_nodes() if n not in here]
         self.storage.hold_listing(True)
         try:
             info = self.engine.save(step, metrics, tags=tags)
