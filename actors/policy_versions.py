@@ -13,7 +13,9 @@ A version is a snapshot of one component (``policy``) in the run's version store
 <run>``, a ``MemoryStore`` per node): the same manifest, per-chunk checksums, verify-after-write and
 create-only commit as any snapshot, written by a ``CheckpointEngine`` with ``dedup`` on, so each tensor's
 8 MiB chunks are content-addressed objects and versions share what did not change. Retention keeps the
-newest ``keep`` versions; a version a worker is reading is pinned and stays until it lets go.
+newest ``keep`` versions; a version a worker is reading is pinned and stays until it lets go. A publish
+places the version on the nodes where workers pull as it writes it (:class:`VersionsStorage`), so their
+pulls find it on their node.
 
 Publishing cast (``dtype=torch.bfloat16``) writes the floating-point tensors in that dtype and records it
 in the manifest's tags (``policy_dtype``); the learners' fp32 state stays theirs (and in their snapshots).
@@ -27,10 +29,11 @@ from typing import Any
 
 import torch
 
-from rl_ckpt.errors import CheckpointError, ConfigError, VersionNotFoundError
+from rl_ckpt.errors import CheckpointError, ConfigError, StorageError, VersionNotFoundError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
+from rl_ckpt.storage.base import check_relpath
 
-from .memory_storage import RayMemoryStorage
+from .memory_storage import RayMemoryStorage, copy_out, hash_in_place
 
 log = logging.getLogger("rl_ckpt")
 
@@ -38,13 +41,161 @@ VERSIONS_BASE = "raymem://versions"
 COMPONENT = "policy"
 
 
+SUBSCRIBERS = "subscribers"  # subscribers/<node id>: a rollout worker pulls versions on that node
+
+
+class VersionsStorage(RayMemoryStorage):
+    """The version stores of a run, seen from a writer that also *places* what it writes.
+
+    ``push_to`` (node ids, set by :meth:`PolicyVersions.publish` to the nodes where rollout workers pull):
+    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.fetch``,
+    started as the file is written, so the transfers run while the publish goes on writing and verifying).
+    A manifest is written only once every copy of the data it vouches for has landed (or failed: a node
+    that could not take a copy has its workers place it when they pull), so a store that learns of the
+    snapshot holds its data; the manifest itself then follows, and the write returns once it is there.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        super().__init__(url, storage_options)
+        self.push_to: list[str] = []
+        self.pushing: list = []  # (paths, node, ref of that node's store's fetch) in flight
+        self.unpushed: list[str] = []
+        self.batching = False
+        self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
+        self.listing: dict | None = None
+        self.removing: list = []  # refs of object removals in flight (during a publish)
+        self.pushed_bytes = 0
+
+    def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
+        manifest = path.endswith("/" + MANIFEST_NAME)
+        if manifest:
+            self.wait_pushed()  # the data first, everywhere
+        size = super().write(path, chunks, create_only=create_only, durable=durable)
+        if self.push_to:
+            self.unpushed.append(path)
+            if not self.batching:
+                self.push()
+            if manifest:  # committed on those nodes too when the write returns
+                self.wait_pushed()
+        return size
+
+    def write_many_atomic(self, items) -> None:
+        """Many files (a publish's new chunks) at once: handed to this node's store all together (its calls run
+        concurrently) instead of one round trip after another; then copied to ``push_to``, one call per node."""
+        import numpy as np
+        import ray
+
+        items = [(check_relpath(path), memoryview(data).cast("B")) for path, data in items]
+        self.written = {}
+        if any(path.endswith("/" + MANIFEST_NAME) for path, _d in items):
+            return self._write_each(items)  # commits: the base's, one by one
+        store = self.store_of(self.node_id)
+        peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
+        refs = [store.put.remote(path, np.frombuffer(data, dtype=np.uint8) if data.nbytes else b"", False, peers)
+                for path, data in items]
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
+            return self._write_each(items)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise cause if isinstance(cause, StorageError) else StorageError(
+                f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0]) from None
+        if self.push_to:
+            self.unpushed += [path for path, _d in items]
+            self.push()
+        # What the store now holds, mapped in one call: the read-back that verifies each file costs no round trip.
+        answers = ray.get(store.get_many.remote([path for path, _d in items]))
+        refs = [(path, got[0]) for (path, _d), got in zip(items, answers) if isinstance(got, list)]
+        self.written = {path: memoryview(got).cast("B").toreadonly() for (path, _d), got in zip(items, answers)
+                        if isinstance(got, bytes)}
+        self.written.update((path, memoryview(data).cast("B").toreadonly())
+                            for (path, _r), data in zip(refs, ray.get([r for _p, r in refs])))
+
+    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
+        """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
+        :meth:`write_many_atomic` just wrote (the first read of it, with ``on_chunk``): that one gets the
+        mapping of what the store holds, taken right after the write, hashed in place, READ-ONLY and not copied
+        (its reader, the write's verification, only hashes it)."""
+        view = self.written.pop(path, None)
+        if view is None or (max_bytes is not None and view.nbytes > max_bytes):
+            return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+        return hash_in_place(view, on_chunk) if on_chunk is not None else copy_out(view, None)
+
+    def _write_each(self, items) -> None:
+        self.batching = True
+        try:
+            super().write_many_atomic(items)
+        finally:
+            self.batching = False
+            self.push()
+
+    def push(self) -> None:
+        """Start copying the files written since the last push into the stores of ``push_to`` (one call each)."""
+        paths, self.unpushed = self.unpushed, []
+        if paths:
+            here = self.store_of(self.node_id)
+            for node in self.push_to:
+                self.pushing.append((paths, node, self.store_of(node).fetch.remote(paths, [here])))
+
+    def wait_pushed(self) -> int:
+        """Wait for the copies in flight; returns the bytes they moved (a failed copy is logged, not raised:
+        the workers of that node place the file when they pull)."""
+        import ray
+
+        moved, pending, self.pushing, self.written = 0, self.pushing, [], {}
+        for paths, node, ref in pending:
+            try:
+                moved += ray.get(ref)
+            except Exception as exc:  # that store is full or gone: its workers place (or read remotely)
+                log.warning("policy versions: %d files (%s...) not placed on node %s at publish (%s); its workers "
+                            "will place them", len(paths), paths[0], node[:12], str(exc)[:300])
+        self.pushed_bytes += moved
+        return moved
+
+    def stores(self) -> dict:
+        """The live stores; during a publish (``hold_listing``), the listing taken when it began: a publish asks
+        every store several times (stats, sweeps) and a store started meanwhile holds nothing of older versions."""
+        if self.listing is None:
+            return super().stores()
+        return dict(self.listing)
+
+    def hold_listing(self, on: bool) -> None:
+        """Begin (True) or end a publish: the listing of stores is held meanwhile, and dedup objects removed by
+        retention's sweep go in the background, all at once, waited for when the publish ends."""
+        if not on:
+            self.wait_removed()
+        self.listing = super().stores() if on else None
+
+    def remove(self, path: str) -> None:
+        if self.listing is None or not path.startswith("objects/"):  # a snapshot's files: in order, as always
+            return super().remove(path)
+        path = check_relpath(path)
+        self.removing += [h.remove.remote(path) for h in self.listing.values()]
+
+    def wait_removed(self) -> None:
+        import ray
+
+        refs, self.removing = self.removing, []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # that store died: nothing left there to remove
+                pass
+
+    def subscriber_nodes(self) -> list[str]:
+        """Nodes where a rollout worker pulled versions and whose store is alive (one call per store)."""
+        return sorted(node for node, files in self.inventory(SUBSCRIBERS).items()
+                      if f"{SUBSCRIBERS}/{node}" in files)
+
+
 def versions_storage(run_name: str, *, namespace: str = "rl_ckpt", replicas: int = 1,
-                     budget_bytes: int | None = None, node_id: str | None = None) -> RayMemoryStorage:
+                     budget_bytes: int | None = None, node_id: str | None = None) -> VersionsStorage:
     """The ``raymem://`` storage of run ``run_name``'s policy versions (its stores are created on first write)."""
     opts: dict[str, Any] = {"namespace": namespace, "replicas": replicas, "budget_bytes": budget_bytes}
     if node_id is not None:
         opts["node_id"] = node_id
-    return RayMemoryStorage(f"{VERSIONS_BASE}/{run_name}", opts)
+    return VersionsStorage(f"{VERSIONS_BASE}/{run_name}", opts)
 
 
 def published(storage: RayMemoryStorage) -> dict[int, str]:
@@ -122,6 +273,7 @@ class PolicyVersions:
             rank, world_size = 0 if not rank else rank, 1  # one writer: the weights are the same on every rank
         self.rank = rank or 0
         self.dtype = dtype
+        self.keep = keep
         self.storage = versions_storage(run_name, namespace=namespace, replicas=replicas, budget_bytes=budget_bytes)
         self.engine = None
         if self.sharded or self.rank == 0:
@@ -137,19 +289,30 @@ class PolicyVersions:
             return None
         # Versions kept past retention while a worker pinned them come back into view and are retired now,
         # before the new one needs room in the budget (retention also runs after the commit, as always).
-        if self.rank == 0:
+        held = published(self.storage)
+        if self.rank == 0 and len(held) > self.keep:  # (with none pinned, the last publish left ``keep``)
             self.engine.catalog.refresh()
             for warning in self.engine.maintenance.after_commit():
                 log.warning("policy versions of %s: %s", self.run_name, warning)
+            held = published(self.storage)
         if self.sharded:  # no rank reuses an object of a version rank 0 is retiring right now
             torch.distributed.barrier()
             self.engine.catalog.refresh()
-        held = published(self.storage)
+            held = published(self.storage)
         if step in held:  # published already on this timeline (a restored step): the same weights
             return held[step]
         dtype = str(self.dtype).replace("torch.", "") if self.dtype else "as trained"
         tags = {"policy_version": step, "policy_dtype": dtype}
-        info = self.engine.save(step, metrics, tags=tags)
+        # Placement at publish: the nodes where workers pull get each file as it is written (see VersionsStorage).
+        here = [self.storage.node_id, *self.storage.peers()]  # (the ``replicas`` peers get copies anyway)
+        self.storage.push_to = [n for n in self.storage.subscriber_nodes() if n not in here]
+        self.storage.hold_listing(True)
+        try:
+            info = self.engine.save(step, metrics, tags=tags)
+        finally:
+            self.storage.wait_pushed()  # a save that failed before its manifest leaves no copy in flight
+            self.storage.push_to = []
+            self.storage.hold_listing(False)
         return info.snapshot_id
 
     def rewind(self, step: int) -> list[str]:

@@ -9,7 +9,8 @@
 3. pins the files it will read in every store (retention and budget leave them alone until it is done, or
    until its lease ends if the worker dies);
 4. places the version on this node: the node's store copies the files it lacks from a peer store, once for
-   however many workers on the node ask at the same time;
+   however many workers on the node ask at the same time (usually nothing: a worker's first pull announces
+   its node, ``subscribers/<node>``, and publishers place every later version there as they write it);
 5. hashes every piece that changed since the version it holds, in this node's shared memory, and only when
    every one verified copies them into the module (:class:`~rl_ckpt.sharded.weight_pull.WeightPuller`).
 
@@ -36,7 +37,7 @@ from rl_ckpt.format.manifest import parse_snapshot_id
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.sharded.weight_pull import WeightPuller, component_pieces
 
-from .policy_versions import COMPONENT, FAULTS, not_found, published, versions_storage
+from .policy_versions import COMPONENT, FAULTS, SUBSCRIBERS, not_found, published, versions_storage
 
 log = logging.getLogger("rl_ckpt")
 
@@ -90,6 +91,7 @@ class WeightSubscriber:
         self._pullers: dict[int, WeightPuller] = {}
         self.version: int | None = None
         self.faults: list[dict] = []
+        self._announced = False
 
     def versions(self) -> list[int]:
         """Versions published and not retired, oldest first."""
@@ -121,6 +123,8 @@ class WeightSubscriber:
         else:
             raise not_found(self.run_name, version, list(available))
         puller = self.puller(module)
+        if self.placement and not self._announced:
+            self._announce()
         reasons: dict[str, str] = {}
         for step in [s for s in sorted(available, reverse=True) if s <= target]:
             sid = available[step]
@@ -147,6 +151,17 @@ class WeightSubscriber:
         raise NoValidSnapshotError(f"no policy version of run {self.run_name!r} up to {target} could be loaded and "
                                    f"no durable fallback is configured; {_why(reasons)}. The module keeps what it "
                                    "held", reasons=reasons)
+
+    def _announce(self) -> None:
+        """Tell the publishers this node pulls versions (``subscribers/<node>`` in this node's store): they place
+        every new version here as they write it, so a pull finds it on its node."""
+        node = self.storage.node_id
+        try:
+            self.storage.write(f"{SUBSCRIBERS}/{node}", [json.dumps({"node": node, "since": time.time()}).encode()])
+            self._announced = True
+        except CheckpointError as exc:  # no room: the versions are placed by the pulls instead
+            log.warning("policy versions of %s: node %s not announced to the publishers (%s)", self.run_name,
+                        node[:12], exc)
 
     def _done(self, result: PullResult) -> PullResult:
         self.version = result.version

@@ -163,3 +163,42 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
     assert section["status"] == "degraded" and section["faults"][0]["snapshot_id"] == "step_000000002"
     pv.close()
     durable.close()
+
+
+def test_publish_writes_a_batch_at_once_and_verifies_what_the_store_holds(versions_run):
+    from actors.policy_versions import PolicyVersions, versions_storage
+    from actors.weight_subscriber import WeightSubscriber
+    from rl_ckpt.format.checksum import new_hasher
+
+    storage = versions_storage(versions_run, replicas=0)
+    big, small = bytes(range(256)) * 2048, b"small file"  # 512 KiB: an object of the store; 10 bytes: inline
+    storage.write_many_atomic([("objects/x/a", big), ("objects/x/b", small)])
+    for path, data in (("objects/x/a", big), ("objects/x/b", small)):
+        hasher, want = new_hasher("xxh3_128"), new_hasher("xxh3_128")
+        want.update(data)
+        got = storage.read(path, on_chunk=hasher.update)  # the read-back that verifies the write
+        assert bytes(got) == data and hasher.hexdigest() == want.hexdigest()
+        assert memoryview(got).readonly  # the store's own bytes, mapped, hashed in place: not copied
+        again = storage.read(path)  # any other read: a fresh writable copy, as from any storage
+        assert bytes(again) == data and not memoryview(again).readonly
+    assert storage.written == {}
+
+    learner, worker = policy(0), policy(1)
+    pv = PolicyVersions(versions_run, learner, keep=1, replicas=0)
+    pv.publish(1)
+    sub = WeightSubscriber(versions_run)
+    assert sub.pull(worker).version == 1 and same(worker, learner)
+    node = sub.storage.node_id
+    assert pv.storage.subscriber_nodes() == [node]  # the worker told the stores where it pulls
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(0.5)
+    pv.publish(2)  # the worker's node is the learner's: nothing to place, nothing in flight after
+    assert (pv.storage.pushed_bytes, pv.storage.pushing, pv.storage.removing, pv.storage.written) == (0, [], [], {})
+    assert pv.storage.listing is None
+    got = sub.pull(worker)
+    assert (got.version, got.node_bytes_copied) == (2, 0) and same(worker, learner)
+    live = set(component_pieces(read_manifest(pv.storage, "step_000000002"), "policy").paths())
+    held = {p for files in pv.storage.inventory("objects/xxh3_128").values() for p in files}
+    assert held <= live  # version 1 retired and its objects swept (in the background, done when publish returned)
+    pv.close()

@@ -1,23 +1,28 @@
 """``rl-ckpt bench weights``: a policy delivered to rollout actors as versions, next to the object-store floor.
 
-    rl-ckpt bench weights [--size 256MiB] [--receivers 4] [--changed 0.05] [--json FILE]
+    rl-ckpt bench weights [--size 256MiB] [--receivers 4] [--rounds 3] [--changed 0.05] [--json FILE]
 
 On a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: the head, where the learner
 (this process) publishes, and a worker node), ``--receivers`` rollout actors, half on each node, each holding
-a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured in the same run, each once,
-in this order:
+a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured in the same run:
 
-- ``floor``: ``ray.put`` of the policy once, ``ray.get`` by every receiver at once and a copy into its module
-  (what any delivery must at least do: move the bytes to each node and into each module); the second of two
-  rounds (the first pays for first transfers);
 - ``safetensors``: the policy written to one ``.safetensors`` file (``save_file``, timed apart), then every
   receiver loading it (``load_file``) and copying it into its module, at once (warm page cache: same disk);
-- ``full``: ``PolicyVersions.publish`` (write, verify, commit) of a version whose every chunk changed, then
-  every receiver's ``WeightSubscriber.pull`` of it at once (after a version 0 that started the stores;
-  placement on the worker node, verification, copy into the module); ``full_vs_floor`` is
-  (publish + pulls) / floor, ``pull_vs_floor`` the pulls alone / floor;
+- then, after an untimed warm-up (a floor round, versions 0 and 1: the stores started, the receivers' nodes
+  known to the publisher, the stores' memory touched once), ``--rounds`` rounds of, in turn:
+
+  - ``floor``: ``ray.put`` of the policy once, ``ray.get`` by every receiver at once and a copy into its
+    module's parameters (what any delivery must at least do: move the bytes to each node and into each
+    module; a real worker needs no more, its weights end up in its module);
+  - ``full``: ``PolicyVersions.publish`` (write, verify, commit, place on the receivers' other node) of a
+    version whose every chunk changed, then every receiver's ``WeightSubscriber.pull`` of it at once
+    (pin, verify, copy into the module); ``full_vs_floor`` is (publish + pulls) / floor of the same round,
+    ``pull_vs_floor`` the pulls alone / floor; the figures are the rounds' medians (each round in ``rounds``);
+    ``full_vs_best_floor``: the median full version against the fastest floor round (the stricter figure);
+
 - ``delta``: ``--changed`` of the 8 MiB chunks changed (one element each), published and pulled:
-  ``delta_bytes_fraction`` = bytes moved into a module / the policy's bytes;
+  ``delta_bytes_fraction`` = bytes moved into a module / the policy's bytes (``delta_vs_changed``: / the
+  changed chunks' bytes);
 - ``restart``: a receiver on the worker node killed and started again: seconds from asking for the new actor
   to it holding the newest version (``restart_total_s``; the pull alone: ``restart_pull_s``).
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -92,6 +98,26 @@ class Receiver:
         return float(sum(t.double().sum() for t in self.module.state_dict().values()))
 
 
+def floor_round(policy, receivers) -> float:
+    """The object-store floor once: ``ray.put`` of the policy, every receiver ``ray.get`` + copy into its module."""
+    import ray
+
+    started = time.perf_counter()
+    ref = ray.put({k: v.numpy() for k, v in policy.state_dict().items()})
+    ray.get([r.from_object.remote([ref]) for r in receivers])
+    return time.perf_counter() - started
+
+
+def bump(policy, step: int) -> None:
+    """A training step's worth of change: every chunk new (by less than 1 in total: tensor i never becomes an
+    earlier version's tensor i + 1, which content addressing would recognise)."""
+    import torch
+
+    with torch.no_grad():
+        for t in policy.state_dict().values():
+            t.add_(0.5 ** (step + 1))
+
+
 def run(args) -> dict:
     import ray
     import torch
@@ -121,14 +147,6 @@ def run(args) -> dict:
         nodes = ray.get([r.ready.remote() for r in receivers])
         log(f"{n} receivers on {len(set(nodes))} nodes; policy {human(nbytes)}")
 
-        for _warm_then_timed in range(2):  # the first round pays for the receivers' first object transfers
-            started = time.perf_counter()
-            ref = ray.put({k: v.numpy() for k, v in policy.state_dict().items()})
-            ray.get([r.from_object.remote([ref]) for r in receivers])
-            out["floor_s"] = time.perf_counter() - started
-            del ref
-        log(f"object-store floor: {out['floor_s']:.2f} s")
-
         from safetensors.torch import save_file
 
         path = os.path.join(tmp, "policy.safetensors")
@@ -142,30 +160,49 @@ def run(args) -> dict:
             f"{out['safetensors_load_s']:.2f} s")
 
         versions = PolicyVersions(run_name, policy, replicas=0, namespace=namespace, keep=2)
-        # Version 0 starts the version stores (an actor process per node) and fills the receivers once: what
-        # is timed below is a run's steady state, every chunk of version 1 new.
-        versions.publish(0)
-        ray.get([r.pull.remote() for r in receivers])
-        with torch.no_grad():
-            for t in policy.state_dict().values():
-                t.add_(0.5)  # (+1 would make tensor i equal to version 0's tensor i + 1: content addressing sees it)
-        started = time.perf_counter()
-        versions.publish(1)
-        out["publish_s"] = time.perf_counter() - started
-        started = time.perf_counter()
-        pulls = ray.get([r.pull.remote() for r in receivers])
-        out["pull_s"] = time.perf_counter() - started
+        # Warm-up, untimed: a floor round (the receivers' first object transfers) and versions 0 and 1 (they
+        # start the version stores, tell them where the receivers are, and fill the stores' memory once, as a
+        # run's earlier versions have): what is timed is a run's steady state, every chunk of each version new.
+        floor_round(policy, receivers)
+        for step in range(2):
+            bump(policy, step)
+            versions.publish(step)
+            ray.get([r.pull.remote() for r in receivers])
+        rounds, step = [], 2
+        for _round in range(args.rounds):  # floor and full version in turns: the same load for both
+            floor_s = floor_round(policy, receivers)
+            bump(policy, step)
+            pushed = versions.storage.pushed_bytes
+            started = time.perf_counter()
+            versions.publish(step)
+            publish_s = time.perf_counter() - started
+            started = time.perf_counter()
+            pulls = ray.get([r.pull.remote() for r in receivers])
+            pull_s = time.perf_counter() - started
+            rounds.append({"floor_s": floor_s, "publish_s": publish_s, "pull_s": pull_s,
+                           "full_vs_floor": (publish_s + pull_s) / floor_s,
+                           "node_bytes_copied": versions.storage.pushed_bytes - pushed
+                           + sum(p["node_bytes_copied"] for p in pulls),
+                           "pulls": [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")}
+                                     for p in pulls]})
+            log(f"round {_round + 1}: floor {floor_s:.2f} s, full version: publish {publish_s:.2f} s + pulls "
+                f"{pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor")
+            step += 1
+        out["rounds"] = rounds
+        for key in ("floor_s", "publish_s", "pull_s", "full_vs_floor"):
+            out[key] = statistics.median(r[key] for r in rounds)
         out["full_s"] = out["publish_s"] + out["pull_s"]
-        out["full_vs_floor"] = out["full_s"] / out["floor_s"]
-        out["pull_vs_floor"] = out["pull_s"] / out["floor_s"]  # the receivers' side alone
+        out["floor_best_s"] = min(r["floor_s"] for r in rounds)  # a busy machine's floor varies by rounds:
+        out["full_vs_best_floor"] = out["full_s"] / out["floor_best_s"]  # the median full against the best floor
+        out["pull_vs_floor"] = statistics.median(r["pull_s"] / r["floor_s"] for r in rounds)  # receivers alone
         out["full_bytes"] = pulls[0]["bytes_total"]
-        out["full_pulls"] = [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")} for p in pulls]
-        out["node_bytes_copied"] = sum(p["node_bytes_copied"] for p in pulls)
+        out["node_bytes_copied"] = rounds[-1]["node_bytes_copied"]  # into the worker node, per version
         want = float(sum(t.double().sum() for t in policy.state_dict().values()))
         out["full_checked"] = all(abs(c - want) < 1e-6 * abs(want) + 1e-6
                                   for c in ray.get([r.checksum.remote() for r in receivers]))
         log(f"full version: publish {out['publish_s']:.2f} s + pulls {out['pull_s']:.2f} s = "
-            f"{out['full_vs_floor']:.2f} x floor (the pulls alone {out['pull_vs_floor']:.2f} x); "
+            f"{out['full_vs_floor']:.2f} x floor (the pulls alone {out['pull_vs_floor']:.2f} x; against the best "
+            f"floor, {out['floor_best_s']:.2f} s: {out['full_vs_best_floor']:.2f} x); "
             f"{human(out['node_bytes_copied'])} copied between nodes")
 
         chunks = [(t, start) for t in policy.state_dict().values()
@@ -179,13 +216,14 @@ def run(args) -> dict:
                     changed += 1
         out["chunks_changed"], out["chunks"] = changed, len(chunks)
         started = time.perf_counter()
-        versions.publish(2)
+        versions.publish(step)
         out["delta_publish_s"] = time.perf_counter() - started
         started = time.perf_counter()
         pulls = ray.get([r.pull.remote() for r in receivers])
         out["delta_pull_s"] = time.perf_counter() - started
         out["delta_bytes"] = pulls[0]["bytes_moved"]
         out["delta_bytes_fraction"] = out["delta_bytes"] / out["full_bytes"]
+        out["delta_vs_changed"] = out["delta_bytes"] / max(1, changed * CHUNK)  # 1.0: exactly the changed chunks
         log(f"delta ({changed} chunks changed): {human(out['delta_bytes'])} moved per receiver = "
             f"{out['delta_bytes_fraction']:.3f} of full; publish {out['delta_publish_s']:.2f} s, pulls "
             f"{out['delta_pull_s']:.2f} s")
@@ -215,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rl-ckpt bench weights", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="256MiB", help="bytes of the fp32 policy (default 256MiB)")
     parser.add_argument("--receivers", type=int, default=4, help="rollout actors, half on each node (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of floor + full version (median)")
     parser.add_argument("--changed", type=float, default=0.05, help="fraction of chunks changed for the delta")
     parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
