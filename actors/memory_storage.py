@@ -311,6 +311,22 @@ class RayMemoryStorage(Storage):
             raise range_past_end(path, start, length, got)
         return got
 
+    def read_ranges(self, path: str, ranges) -> list[bytes]:
+        """Every ``(start, length)`` range of ``path`` with one call to one store (a resharding restore reads
+        each stored file once, not once per tensor)."""
+        ray = _ray()
+        ranges = [(start, length) for start, length in ranges]
+        for start, length in ranges:
+            check_range(start, length)
+        path = check_relpath(path)
+        got = first_answer(self, lambda handle: ray.get(handle.get_ranges.remote(path, ranges)))
+        if got is None:
+            raise self._missing(path)
+        if isinstance(got, int):
+            start, length = next((a, n) for a, n in ranges if a + n > got)
+            raise range_past_end(path, start, length, got)
+        return got
+
     def open_read(self, path: str) -> BinaryIO:
         return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=_COPY_STEP)
 
@@ -342,15 +358,46 @@ class RayMemoryStorage(Storage):
         return sorted(entries.values(), key=lambda e: e.name)
 
     def exists(self, path: str) -> bool:
+        """Whether a file or a folder with files is at ``path``: asked as a read is (the stores already known first,
+        the cluster listed again only when none of them holds it)."""
         path = check_relpath(path)
-        return any(files for files in self.inventory(path).values())
+        return first_answer(self, lambda handle: _ray().get(handle.holds.remote(path))) is not None
 
     def stat(self, path: str) -> Entry | None:
+        """``path``'s entry from the first store holding it, asked as a read is (no listing while a known store
+        holds it); the version names the store that answered."""
         path = check_relpath(path)
-        for node, st in sorted(self.each("stat", path).items()):
-            if st is not None:
-                return Entry(path.rsplit("/", 1)[-1], False, st[0], version=f"{node[:12]}:{st[1]}")
-        return None
+        got = first_answer(self, lambda handle: _ray().get(handle.stat_of.remote(path)))
+        if got is None:
+            return None
+        node, size, version = got
+        return Entry(path.rsplit("/", 1)[-1], False, size, version=f"{node[:12]}:{version}")
+
+    def stat_many(self, paths) -> list[Entry | None]:
+        """``stat`` of each path with one call to the local store, then (for those it lacks) one per other store."""
+        ray = _ray()
+        paths = [check_relpath(p) for p in paths]
+        out: list[Entry | None] = [None] * len(paths)
+        asked: set[str] = set()
+        for fresh in (False, True):  # as first_answer: the known stores, then the cluster listed again
+            if all(e is not None for e in out):
+                break
+            for node, handle in self.holders(fresh):
+                todo = [i for i, e in enumerate(out) if e is None]
+                if not todo:
+                    return out
+                if node in asked:
+                    continue
+                try:
+                    got = ray.get(handle.stat_many.remote([paths[i] for i in todo]))
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                    self.forget(node)
+                    continue
+                asked.add(node)
+                for i, st in zip(todo, got):
+                    if st is not None:
+                        out[i] = Entry(paths[i].rsplit("/", 1)[-1], False, st[1], version=f"{st[0][:12]}:{st[2]}")
+        return out
 
     def size(self, path: str) -> int:
         entry = self.stat(path)

@@ -26,7 +26,7 @@ import re
 import socket
 import threading
 import uuid
-from typing import BinaryIO, Callable, Iterable
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
 
@@ -184,6 +184,13 @@ class Storage(abc.ABC):
                 got += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(start, length)`` range of one file, in order, each checked as by ``read_range``.
+
+        One request for all of them where the backend can (the memory tier: one call to one store); this
+        default makes one ``read_range`` per range."""
+        return [self.read_range(path, start, length) for start, length in ranges]
+
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:
         """Open a regular file for streaming reads (links refused)."""
@@ -203,6 +210,11 @@ class Storage(abc.ABC):
         if not self.exists(path):
             return None
         return Entry(path.rsplit("/", 1)[-1], False, self.size(path))
+
+    def stat_many(self, paths: Sequence[str]) -> list[Entry | None]:
+        """``stat`` of each path, in order: one request for all where the backend can (the memory tier: one call
+        per store); this default stats them one by one."""
+        return [self.stat(p) for p in paths]
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:
