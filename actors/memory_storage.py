@@ -146,6 +146,7 @@ class RayMemoryStorage(Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 
     supports_rename = False
+    shares_views = True
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         key, opts = parse_url(url, storage_options)

@@ -115,6 +115,9 @@ class Storage(abc.ABC):
     url: str
     #: True when directories can be renamed atomically (local disks, NFS).
     supports_rename: bool = False
+    # ``read_view`` returns read-only memory the backend shares (no copy was made): a reader that needs writable
+    # tensors copies them where they go (e.g. into an optimizer's existing state) rather than into fresh memory.
+    shares_views: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
