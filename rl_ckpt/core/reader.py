@@ -120,28 +120,41 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok:
 def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
     """``state`` (an optimizer's state dict whose tensors may be read-only shared memory) with every tensor made the
     optimizer's own: copied into its current state tensor at the same place when that one has the same shape,
-    dtype and device (each used once), else cloned. ``load_state_dict`` then keeps those tensors as they are."""
+    dtype and device and overlaps no other such target (views of one buffer are fine), else cloned.
+    ``load_state_dict`` then keeps those tensors as they are."""
     current = optimizer.state_dict().get("state", {})
-    used: set[int] = set()
+    targets: dict[int, torch.Tensor] = {}
 
-    def own(x: Any, cur: Any) -> Any:
+    def fits(x: Any, cur: Any) -> bool:
+        return (isinstance(x, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == x.shape
+                and cur.dtype == x.dtype and cur.device == x.device and cur.is_contiguous() and not cur.requires_grad)
+
+    def walk(x: Any, cur: Any, make) -> Any:
         if isinstance(x, torch.Tensor):
-            if (isinstance(cur, torch.Tensor) and cur.shape == x.shape and cur.dtype == x.dtype
-                    and cur.device == x.device and cur.is_contiguous() and not cur.requires_grad
-                    and cur.untyped_storage().data_ptr() not in used):
-                used.add(cur.untyped_storage().data_ptr())
-                return cur.copy_(x)
-            return x.clone(memory_format=torch.contiguous_format)
+            return make(x, cur if fits(x, cur) else None)
         if isinstance(x, dict):
-            return {k: own(v, cur.get(k) if isinstance(cur, dict) else None) for k, v in x.items()}
+            return {k: walk(v, cur.get(k) if isinstance(cur, dict) else None, make) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
-            items = [own(v, None) for v in x]
+            items = [walk(v, None, make) for v in x]
             return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
         return x
 
+    def collect(x: torch.Tensor, cur: torch.Tensor | None) -> None:
+        if cur is not None:
+            targets[id(cur)] = cur
+
+    def own(x: torch.Tensor, cur: torch.Tensor | None) -> torch.Tensor:
+        if cur is not None and id(cur) in safe:
+            return cur.copy_(x)
+        return x.clone(memory_format=torch.contiguous_format)
+
+    walk(state.get("state") if isinstance(state, dict) else None, current, collect)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key) for key, t in targets.items())
+    safe = {key for i, (start, end, key) in enumerate(spans)
+            if (i == 0 or spans[i - 1][1] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][0])}
     if not isinstance(state, dict):
-        return own(state, None)
-    return {k: own(v, current if k == "state" else None) for k, v in state.items()}
+        return walk(state, None, own)
+    return {k: walk(v, current if k == "state" else None, own) for k, v in state.items()}
 
 
 def aligned(tensor):
