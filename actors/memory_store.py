@@ -38,6 +38,7 @@ from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 from .memory_pins import PinsAndFetch
+from .memory_reads import StoreReads
 
 log = logging.getLogger("rl_ckpt")
 
@@ -95,7 +96,7 @@ def _snapshot_of(path: str) -> str | None:
     return top if parse_snapshot_id(top) is not None else None
 
 
-class MemoryStore(PinsAndFetch):
+class MemoryStore(PinsAndFetch, StoreReads):
     """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
 
     def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:
@@ -252,41 +253,11 @@ class MemoryStore(PinsAndFetch):
             return size
         return bytes(memoryview(_resolve(data))[start:start + length])
 
-    def get_ranges(self, path: str, ranges: list[tuple[int, int]]):
-        """The bytes of each ``(start, length)`` of ``path``, in one reply (None: absent; an int: the file's size,
-        when a range runs past it)."""
-        with self._lock:
-            data, size = self._files.get(path), self._sizes.get(path)
-        if data is None:
-            return None
-        if any(start + length > size for start, length in ranges):
-            return size
-        view = memoryview(_resolve(data))
-        return [bytes(view[start:start + length]) for start, length in ranges]
-
     def stat(self, path: str) -> tuple[int, int] | None:
         """(size, version) of ``path``; the version changes whenever the file is replaced."""
         with self._lock:
             size = self._sizes.get(path)
             return None if size is None else (size, self._versions[path])
-
-    def stat_of(self, path: str) -> tuple[str, int, int] | None:
-        """(this store's node, size, version) of ``path``, or None: what ``RayMemoryStorage.stat`` asks one store."""
-        with self._lock:
-            size = self._sizes.get(path)
-            return None if size is None else (self.node_id, size, self._versions[path])
-
-    def stat_many(self, paths: list[str]) -> list[tuple[str, int, int] | None]:
-        """``stat_of`` each path, in one reply."""
-        return [self.stat_of(p) for p in paths]
-
-    def holds(self, path: str) -> bool | None:
-        """True if ``path`` is a held file or a folder holding one, else None (so a reader asks the next store)."""
-        with self._lock:
-            if path in self._sizes or (not path and self._sizes):
-                return True
-            folder = path.rstrip("/") + "/"
-            return True if any(p.startswith(folder) for p in self._sizes) else None
 
     def inventory(self, prefix: str = "") -> dict[str, int]:
         """Every held path under ``prefix`` -> its size."""
