@@ -124,6 +124,7 @@ def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
     ``load_state_dict`` then keeps those tensors as they are."""
     current = optimizer.state_dict().get("state", {})
     targets: dict[int, torch.Tensor] = {}
+    shared: set[int] = set()
 
     def fits(x: Any, cur: Any) -> bool:
         return (isinstance(x, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == x.shape
@@ -141,6 +142,8 @@ def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
 
     def collect(x: torch.Tensor, cur: torch.Tensor | None) -> None:
         if cur is not None:
+            if id(cur) in targets:
+                shared.add(id(cur))  # one tensor at two places: each gets a copy of its own
             targets[id(cur)] = cur
 
     def own(x: torch.Tensor, cur: torch.Tensor | None) -> torch.Tensor:
@@ -150,8 +153,8 @@ def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
 
     walk(state.get("state") if isinstance(state, dict) else None, current, collect)
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key) for key, t in targets.items())
-    safe = {key for i, (start, end, key) in enumerate(spans)
-            if (i == 0 or spans[i - 1][1] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][0])}
+    safe = {key for i, (start, end, key) in enumerate(spans) if key not in shared
+            and (i == 0 or spans[i - 1][1] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][0])}
     if not isinstance(state, dict):
         return walk(state, None, own)
     return {k: walk(v, current if k == "state" else None, own) for k, v in state.items()}

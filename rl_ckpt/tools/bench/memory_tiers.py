@@ -53,8 +53,8 @@ class StoreCalls:
 
     def __enter__(self) -> "StoreCalls":
         cls, counts = self.module.RayMemoryStorage, self.counts
-        self.saved = (cls.stores, self.module.first_answer, cls.each)
-        stores, first, each = self.saved
+        self.saved = (cls.stores, self.module.first_answer, cls.each, self.module.stat_paths)
+        stores, first, each, stat_paths = self.saved
 
         def counted_stores(storage):
             counts["store_listings"] += 1
@@ -69,11 +69,17 @@ class StoreCalls:
             counts["store_calls"] += len(found)
             return each(storage, method, *args, stores=found)
 
+        def counted_stats(storage, paths):  # one call to the local store when it holds them all
+            counts["store_calls"] += 1
+            return stat_paths(storage, paths)
+
         cls.stores, self.module.first_answer, cls.each = counted_stores, counted_first, counted_each
+        self.module.stat_paths = counted_stats
         return self
 
     def __exit__(self, *exc) -> None:
-        self.module.RayMemoryStorage.stores, self.module.first_answer, self.module.RayMemoryStorage.each = self.saved
+        cls = self.module.RayMemoryStorage
+        cls.stores, self.module.first_answer, cls.each, self.module.stat_paths = self.saved
 
 
 def _engine(base_dir: str, run: str, model, optim, storage_options: dict | None = None):
