@@ -142,10 +142,68 @@ def first_answer(storage: "RayMemoryStorage", call: Callable[[Any], Any]) -> Any
     return None
 
 
+def stat_paths(storage: "RayMemoryStorage", paths) -> list[Entry | None]:
+    """``stat`` of each path with one call to the local store, then (for those it lacks) one per other store."""
+    ray = _ray()
+    paths = [check_relpath(p) for p in paths]
+    out: list[Entry | None] = [None] * len(paths)
+    asked: set[str] = set()
+    for fresh in (False, True):  # as first_answer: the known stores, then the cluster listed again
+        if all(e is not None for e in out):
+            break
+        for node, handle in storage.holders(fresh):
+            todo = [i for i, e in enumerate(out) if e is None]
+            if not todo:
+                return out
+            if node in asked:
+                continue
+            try:
+                got = ray.get(handle.stat_many.remote([paths[i] for i in todo]))
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                storage.forget(node)
+                continue
+            asked.add(node)
+            for i, st in zip(todo, got):
+                if st is not None:
+                    out[i] = Entry(paths[i].rsplit("/", 1)[-1], False, st[1], version=f"{st[0][:12]}:{st[2]}")
+    return out
+
+
+def read_ranges_of(storage: "RayMemoryStorage", path: str, ranges) -> list[bytes]:
+    """Every ``(start, length)`` range of ``path`` with one call to one store (a resharding restore reads
+    each stored file once, not once per tensor)."""
+    ray = _ray()
+    ranges = [(start, length) for start, length in ranges]
+    for start, length in ranges:
+        check_range(start, length)
+    path = check_relpath(path)
+    got = first_answer(storage, lambda handle: ray.get(handle.get_ranges.remote(path, ranges)))
+    if got is None:
+        raise storage.missing(path)
+    if isinstance(got, int):
+        start, length = next((a, n) for a, n in ranges if a + n > got)
+        raise range_past_end(path, start, length, got)
+    return got
+
+
+def spread_manifest(storage: "RayMemoryStorage", path: str, payload: Any, written_on: str) -> None:
+    """A committed manifest also goes to every other store holding files of its snapshot."""
+    sid = path.split("/", 1)[0]
+    stores = storage.stores()
+    held = storage.each("inventory", sid, stores=stores)
+    for node, files in held.items():
+        if node != written_on and files:
+            try:
+                _ray().get(stores[node].put_replica.remote(path, payload, written_on))
+            except Exception:  # that store died meanwhile: its files are gone with it
+                pass
+
+
 class RayMemoryStorage(Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 
     supports_rename = False
+    shares_views = True
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         key, opts = parse_url(url, storage_options)
@@ -255,20 +313,8 @@ class RayMemoryStorage(Storage):
                 raise cause from None
             raise StorageError(f"cannot write {self.url}/{path}: {exc}", path=path) from exc
         if path.endswith("/" + MANIFEST_NAME):
-            self._spread_manifest(path, payload, local)
+            spread_manifest(self, path, payload, local)
         return got
-
-    def _spread_manifest(self, path: str, payload: Any, written_on: str) -> None:
-        """A committed manifest also goes to every other store holding files of its snapshot."""
-        sid = path.split("/", 1)[0]
-        stores = self.stores()
-        held = self.each("inventory", sid, stores=stores)
-        for node, files in held.items():
-            if node != written_on and files:
-                try:
-                    _ray().get(stores[node].put_replica.remote(path, payload, written_on))
-                except Exception:  # that store died meanwhile: its files are gone with it
-                    pass
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         self.write(path, [data], create_only=create_only)
@@ -294,7 +340,7 @@ class RayMemoryStorage(Storage):
 
         got = first_answer(self, get)
         if got is None:
-            raise self._missing(path)
+            raise self.missing(path)
         if isinstance(got, int):
             raise too_large(path, got, max_bytes)
         view = memoryview(got).cast("B")
@@ -306,15 +352,18 @@ class RayMemoryStorage(Storage):
         path = check_relpath(path)
         got = first_answer(self, lambda handle: ray.get(handle.get_range.remote(path, start, length)))
         if got is None:
-            raise self._missing(path)
+            raise self.missing(path)
         if isinstance(got, int):
             raise range_past_end(path, start, length, got)
         return got
 
+    def read_ranges(self, path: str, ranges) -> list[bytes]:
+        return read_ranges_of(self, path, ranges)
+
     def open_read(self, path: str) -> BinaryIO:
         return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=_COPY_STEP)
 
-    def _missing(self, path: str) -> StorageError:
+    def missing(self, path: str) -> StorageError:
         return StorageError(f"cannot read {self.url}/{path}: no live memory store holds it (never written, removed, "
                             "evicted, or its store and every replica are gone)", path=path)
 
@@ -342,20 +391,21 @@ class RayMemoryStorage(Storage):
         return sorted(entries.values(), key=lambda e: e.name)
 
     def exists(self, path: str) -> bool:
+        """Whether a file or a folder with files is at ``path`` (asked as a read is: see first_answer)."""
         path = check_relpath(path)
-        return any(files for files in self.inventory(path).values())
+        return first_answer(self, lambda handle: _ray().get(handle.holds.remote(path))) is not None
 
     def stat(self, path: str) -> Entry | None:
-        path = check_relpath(path)
-        for node, st in sorted(self.each("stat", path).items()):
-            if st is not None:
-                return Entry(path.rsplit("/", 1)[-1], False, st[0], version=f"{node[:12]}:{st[1]}")
-        return None
+        """``path``'s entry from the first store holding it (asked as a read is); its version names that store."""
+        return stat_paths(self, [path])[0]
+
+    def stat_many(self, paths) -> list[Entry | None]:
+        return stat_paths(self, paths)
 
     def size(self, path: str) -> int:
         entry = self.stat(path)
         if entry is None:
-            raise self._missing(path)
+            raise self.missing(path)
         return entry.size
 
     # -- removal --------------------------------------------------------------------

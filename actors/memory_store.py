@@ -38,6 +38,7 @@ from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 from .memory_pins import PinsAndFetch
+from .memory_reads import StoreReads
 
 log = logging.getLogger("rl_ckpt")
 
@@ -95,7 +96,7 @@ def _snapshot_of(path: str) -> str | None:
     return top if parse_snapshot_id(top) is not None else None
 
 
-class MemoryStore(PinsAndFetch):
+class MemoryStore(PinsAndFetch, StoreReads):
     """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
 
     def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:

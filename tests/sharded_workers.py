@@ -112,6 +112,23 @@ def counting(engine) -> dict:
     return counts
 
 
+def count_ranged_reads(storage) -> dict:
+    """path -> ranged read requests made through ``storage`` from now on (``read_ranges`` of many ranges: one)."""
+    counts: dict = {}
+    read_range, read_ranges = storage.read_range, storage.read_ranges
+
+    def one(path, start, length):
+        counts[path] = counts.get(path, 0) + 1
+        return read_range(path, start, length)
+
+    def many(path, ranges):
+        counts[path] = counts.get(path, 0) + 1
+        return read_ranges(path, ranges)
+
+    storage.read_range, storage.read_ranges = one, many
+    return counts
+
+
 def save_job(rank: int, world: int, port: int, run: str, out: str, mesh_shape: tuple, steps: int, step: int) -> None:
     """Train ``steps`` steps on ``mesh_shape``, save as ``step``, write the gathered full state (rank 0)."""
     from safetensors.torch import save_file
@@ -343,6 +360,7 @@ def ray_train_loop(config: dict) -> None:
     saver = tier or engine
     saver.register("policy", model)
     saver.register("optim", optim)
+    reads = count_ranged_reads(tier.memory.storage) if tier is not None else {}
     result = saver.restore()
     start = result.global_step
     for step in range(start + 1, config["steps"] + 1):
@@ -368,5 +386,5 @@ def ray_train_loop(config: dict) -> None:
             "world": world, "restored_from": start, "snapshot": result.snapshot_id,
             "tier": tier.tier_restored if tier is not None else None,
             "layout": result.plan.layout if result.plan is not None else "",
-            "reason": result.warnings[0] if tier is not None and result.warnings else ""}))
+            "reason": result.warnings[0] if tier is not None and result.warnings else "", "ranged_reads": reads}))
     saver.close()

@@ -131,6 +131,50 @@ def test_engine_roundtrip_bitwise_and_corruption_is_caught(mem, tmp_path):
         assert not engine.verify("step_000000007").ok
 
 
+def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path, monkeypatch):
+    """stat, exists and reads ask the stores already known first (the cluster's stores are listed again only for
+    a file none of them holds): a restore lists the stores once per folder it lists, never per file, and reads
+    each file with one call to one store. A ranged read of several ranges is one call too."""
+    from actors import memory_storage
+    from rl_ckpt.storage import open_storage
+
+    storage = mem()
+    modules = {f"m{i}": torch.nn.Linear(4, 4) for i in range(5)}  # 10 files: a .safetensors and a .json each
+    writer = _engine(storage, tmp_path)
+    for name, module in modules.items():
+        writer.register(name, module)
+    writer.save(1)
+    writer.close()
+    reader = _engine(open_storage(storage.url, {"replicas": 0}), tmp_path, post_load_check=False)
+    for name in modules:
+        reader.register(name, torch.nn.Linear(4, 4))
+    counts = {"listings": 0, "lists": 0, "store_calls": 0}
+    cls, stores, listing, first = (memory_storage.RayMemoryStorage, memory_storage.RayMemoryStorage.stores,
+                                   memory_storage.RayMemoryStorage.list, memory_storage.first_answer)
+
+    def counted(key, fn):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cls, "stores", counted("listings", stores))
+    monkeypatch.setattr(cls, "list", counted("lists", listing))
+    monkeypatch.setattr(memory_storage, "first_answer", counted("store_calls", first))
+    assert reader.restore(snapshot_id="step_000000001").snapshot_id == "step_000000001"
+    assert counts["lists"] >= 1 and counts["listings"] == counts["lists"], counts
+    # One call per file read (the manifest and the 10 files); the stats went in one call (stat_many).
+    assert counts["store_calls"] == 11, counts
+    sid = reader.snapshots()[-1].snapshot_id
+    path = next(f"{sid}/{f.path}" for f in reader.catalog.get(sid).manifest.files if f.path.endswith(".safetensors"))
+    whole = bytes(reader.storage.read(path))
+    counts["store_calls"] = 0
+    assert reader.storage.read_ranges(path, [(0, 8), (8, 4), (20, 3)]) == [whole[:8], whole[8:12], whole[20:23]]
+    assert counts["store_calls"] == 1
+    assert reader.storage.exists(sid) and reader.storage.exists(path) and not reader.storage.exists(f"{sid}/nope")
+    reader.close()
+
+
 def test_budget_evicts_oldest_never_newest_committed(mem, tmp_path):
     probe = mem()
     state = {"w": torch.arange(64 * 1024, dtype=torch.float32)}  # 256 KiB per snapshot

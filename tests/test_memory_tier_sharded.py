@@ -106,6 +106,10 @@ def test_restart_on_one_learner_restores_the_memory_snapshot_resharded(runs):
                                                                                      "step_000000006"), info
     assert "optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)" in info["layout"]
     assert "restoring from memory" in info["reason"]
+    # Resharded: the one rank reads parts of both ranks' files, each stored file with one request to its store.
+    shard_files = {p.rsplit("/", 1)[-1] for p in info["ranged_reads"]}
+    assert {"policy.rank0.safetensors", "policy.rank1.safetensors"} <= shard_files, info["ranged_reads"]
+    assert set(info["ranged_reads"].values()) == {1}, info["ranged_reads"]
     gathered, got = runs["ref"]["gathered"], runs["one"]["state"]
     assert gathered.keys() == got.keys()
     for k in gathered:

@@ -134,3 +134,61 @@ def test_decoding_a_read_only_buffer():
     assert torch.equal(out["a"], arrays["a"]) and torch.equal(out["b"], arrays["b"])
     base = np.frombuffer(blob, np.uint8).ctypes.data
     assert base <= out["a"].data_ptr() < base + len(blob)  # no copy
+
+
+def test_optimizer_state_restored_from_memory_into_its_own_tensors(mem):
+    """An optimizer keeps the tensors it is given: from the memory tier they are copied into the optimizer's own
+    state tensors (same objects after the restore, no fresh memory), never handed over as shared memory."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 4))  # 360 KB of exp_avg
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine = CheckpointEngine(base_dir="raymem://mem", run_name=mem.key.split("/", 1)[1], storage=mem,
+                              keep_latest=5, keep_best=0, post_load_check=False)
+    engine.register("model", model)
+    engine.register("optim", optim)
+    for _ in range(2):
+        model(torch.randn(3, 300)).sum().backward()
+        optim.step()
+    saved = {k: v.clone() for i, s in optim.state_dict()["state"].items() for k, v in ((f"{i}.{n}", t)
+                                                                                      for n, t in s.items())}
+    engine.save(2)
+    model(torch.randn(3, 300)).sum().backward()
+    optim.step()  # the state moves on; the restore must bring back step 2's
+    before = {i: {n: t for n, t in s.items()} for i, s in optim.state_dict()["state"].items()}
+    engine.restore(snapshot_id="step_000000002")
+    after = optim.state_dict()["state"]
+    for i, s in after.items():
+        for n, t in s.items():
+            assert t is before[i][n], f"{i}.{n} is a new tensor"  # copied into the optimizer's own memory
+            assert torch.equal(t, saved[f"{i}.{n}"]), f"{i}.{n}"
+    model(torch.randn(3, 300)).sum().backward()
+    optim.step()  # writes the state in place: it must be the optimizer's memory, not the store's
+    engine.close()
+
+
+def test_into_optimizer_state_copies_only_into_places_of_their_own():
+    """Copied in place: a state tensor of the same shape and dtype that nothing else shares. Cloned: one of another
+    shape, one the optimizer holds at two places, and views that overlap."""
+    from rl_ckpt.core.reader import into_optimizer_state
+
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(4)]
+    optim = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    common, buf = torch.zeros(4), torch.zeros(6)
+    optim.state[params[0]] = {"momentum_buffer": torch.zeros(4)}  # its own: copied into
+    optim.state[params[1]] = {"momentum_buffer": torch.zeros(3)}  # another shape: cloned
+    optim.state[params[2]] = {"momentum_buffer": common}  # held at two places: cloned
+    optim.state[params[3]] = {"momentum_buffer": common}
+    before = {i: s["momentum_buffer"] for i, s in optim.state_dict()["state"].items()}
+    loaded = optim.state_dict()
+    loaded["state"] = {i: {"momentum_buffer": torch.full((4,), float(i + 1))} for i in range(4)}
+    out = into_optimizer_state(optim, loaded)
+    got = {i: s["momentum_buffer"] for i, s in out["state"].items()}
+    assert got[0] is before[0] and torch.equal(before[0], torch.full((4,), 1.0))
+    for i in (1, 2, 3):
+        assert got[i] is not before[i] and torch.equal(got[i], torch.full((4,), float(i + 1)))
+    assert torch.equal(common, torch.zeros(4))  # the shared tensor was never written
+    # Overlapping views of one buffer: neither is written.
+    optim.state[params[2]] = {"momentum_buffer": buf[0:4]}
+    optim.state[params[3]] = {"momentum_buffer": buf[2:6]}
+    out = into_optimizer_state(optim, loaded)
+    assert torch.equal(buf, torch.zeros(6)) and torch.equal(out["state"][3]["momentum_buffer"], torch.full((4,), 4.0))

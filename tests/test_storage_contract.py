@@ -413,6 +413,19 @@ def test_read_range_bad_arguments_and_missing_file(store, impl):
     assert not isinstance(info.value, (ReadRangeError, CommitConflictError))
 
 
+def test_read_ranges_and_stat_many_answer_like_one_call_each(store):
+    put(store, "snap/r.bin", [RANGE_DATA])
+    ranges = [(0, 1), (5, 10), (1000, 24), (512, 0)]
+    assert store.read_ranges("snap/r.bin", ranges) == [RANGE_DATA[a:a + n] for a, n in ranges]
+    with pytest.raises(ReadRangeError) as info:
+        store.read_ranges("snap/r.bin", [(0, 4), (1000, 25)])
+    assert (info.value.start, info.value.length, info.value.size) == (1000, 25, 1024)
+    with pytest.raises(StorageError):
+        store.read_ranges("snap/missing.bin", [(0, 1)])
+    stats = store.stat_many(["snap/r.bin", "snap/missing.bin"])
+    assert stats[0].size == 1024 and not stats[0].is_dir and stats[1] is None
+
+
 def test_read_with_max_bytes(store):
     put(store, "snap/meta.json", [b"x" * 100])
     assert bytes(store.read("snap/meta.json", max_bytes=100)) == b"x" * 100

@@ -23,13 +23,13 @@ from rl_ckpt.run.dedup import read_tensor_bytes
 from rl_ckpt.run.snapshot_files import read_verified
 from rl_ckpt.storage import Storage
 
-__all__ = ["load_arrays", "load_component", "aligned"]
+__all__ = ["load_arrays", "load_component", "aligned", "into_optimizer_state"]
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
 
 def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy: bool = False,
-                   readonly_ok: bool = False) -> Any:
+                   readonly_ok: bool = False, into: Any = None) -> Any:
     """Verify and decode one component's state dict from a snapshot.
 
     By default every tensor is at least as good as what ``torch.load`` gives: writable, and at an address
@@ -40,6 +40,9 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     large tensors out aligned (``safetensors_io.encode``), so read into an aligned buffer they are not copied.
     ``readonly_ok``: its tensors may be views of read-only memory the storage shares (``read_view``: no copy);
     only for a caller that copies them out (e.g. into a module's parameters) and never writes to them.
+    ``into``: the object the state is for. For an optimizer, from a storage whose ``read_view`` shares memory (the
+    memory tier), the tensors are read without a copy and then copied into the optimizer's own state tensors of
+    the same shape and dtype (memory it already has; :func:`into_optimizer_state`): one copy, nothing allocated.
     """
     sid = manifest.snapshot_id
     section = manifest.components.get(name)
@@ -48,8 +51,9 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
                                    problems=[f"no component {name}"])
     entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
     by_path = {f.path: f for f in manifest.files_of(name)}
-    arrays = load_arrays(storage, manifest, name, readonly_ok=readonly_ok)
-    if not readonly_ok:
+    in_place = (not readonly_ok and storage.shares_views and isinstance(into, torch.optim.Optimizer))
+    arrays = load_arrays(storage, manifest, name, readonly_ok=readonly_ok or in_place)
+    if not readonly_ok and not in_place:
         # The stored arrays, not the decoded tensors: views of one stored array stay views of one array.
         arrays = {key: aligned(t) for key, t in arrays.items()}
     tables = {}
@@ -66,7 +70,8 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     tree = parse_json(read_verified(storage, sid, entries["json"]), where, error=CorruptSnapshotError,
                       snapshot_id=sid, problems=["bad json"])
     try:
-        return decode_state(tree, arrays, tables, where=where)
+        state = decode_state(tree, arrays, tables, where=where)
+        return into_optimizer_state(into, state) if in_place else state
     except CheckpointError:
         raise
     except (RecursionError, ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
@@ -110,6 +115,49 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok:
                     path=entry.path, problems=["tensor meta mismatch"])
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
+
+
+def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
+    """``state`` (an optimizer's state dict whose tensors may be read-only shared memory) with every tensor made the
+    optimizer's own: copied into its current state tensor at the same place when that one has the same shape,
+    dtype and device and overlaps no other such target (views of one buffer are fine), else cloned.
+    ``load_state_dict`` then keeps those tensors as they are."""
+    current = optimizer.state_dict().get("state", {})
+    targets: dict[int, torch.Tensor] = {}
+    shared: set[int] = set()
+
+    def fits(x: Any, cur: Any) -> bool:
+        return (isinstance(x, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == x.shape
+                and cur.dtype == x.dtype and cur.device == x.device and cur.is_contiguous() and not cur.requires_grad)
+
+    def walk(x: Any, cur: Any, make) -> Any:
+        if isinstance(x, torch.Tensor):
+            return make(x, cur if fits(x, cur) else None)
+        if isinstance(x, dict):
+            return {k: walk(v, cur.get(k) if isinstance(cur, dict) else None, make) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            items = [walk(v, None, make) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x
+
+    def collect(x: torch.Tensor, cur: torch.Tensor | None) -> None:
+        if cur is not None:
+            if id(cur) in targets:
+                shared.add(id(cur))  # one tensor at two places: each gets a copy of its own
+            targets[id(cur)] = cur
+
+    def own(x: torch.Tensor, cur: torch.Tensor | None) -> torch.Tensor:
+        if cur is not None and id(cur) in safe:
+            return cur.copy_(x)
+        return x.clone(memory_format=torch.contiguous_format)
+
+    walk(state.get("state") if isinstance(state, dict) else None, current, collect)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key) for key, t in targets.items())
+    safe = {key for i, (start, end, key) in enumerate(spans) if key not in shared
+            and (i == 0 or spans[i - 1][1] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][0])}
+    if not isinstance(state, dict):
+        return walk(state, None, own)
+    return {k: walk(v, current if k == "state" else None, own) for k, v in state.items()}
 
 
 def aligned(tensor):

@@ -169,7 +169,8 @@ class Restorer:
                 continue
             # A module copies every tensor into its own parameters: it may get views of read-only memory (the
             # memory tier's shared object store: no copy out of it); anything else may keep what it is given.
-            states[reg.name] = load_component(self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj))
+            states[reg.name] = load_component(self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj),
+                                              into=reg.obj)
         gaps = self._new_rank_gaps(manifest, missing)
         missing = [m for m in missing if m not in {g.component for g in gaps}]
         if missing:

@@ -242,9 +242,9 @@ def _check(inp: _Inputs, info: SnapshotInfo, plan: RecoveryPlan) -> Manifest:
         if not report.ok:
             raise CheckpointError("; ".join(f"{p.path}: {p.problem}" for p in report.problems[:3]), snapshot_id=sid)
     else:
-        for f in manifest.files:
-            path = f"{sid}/{f.path}"
-            if not inp.storage.exists(path) or inp.storage.size(path) != f.size:
+        stats = inp.storage.stat_many([f"{sid}/{f.path}" for f in manifest.files])  # one request where possible
+        for f, st in zip(manifest.files, stats):
+            if st is None or st.is_dir or st.size != f.size:
                 raise CheckpointError(f"{f.path}: missing or wrong size", snapshot_id=sid)
     plan.verdicts[sid] = Verdict(inp.schema_version, manifest.config_digest)
     return manifest

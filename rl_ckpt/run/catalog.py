@@ -111,9 +111,14 @@ class Catalog:
         with self._lock:
             known, known_versions = dict(self._infos or {}), dict(self._versions)
         infos, bad, versions, links = {}, {}, {}, []
-        for entry in snapshot_folders(self.storage, links):
+        folders = list(snapshot_folders(self.storage, links))
+        try:  # one request for every manifest where the storage can (the memory tier)
+            stats = self.storage.stat_many([manifest_path(e.name) for e in folders])
+        except CheckpointError:  # one cannot be stat'ed (e.g. a planted link): one by one below, to name it
+            stats = None
+        for i, entry in enumerate(folders):
             try:
-                meta = self.storage.stat(manifest_path(entry.name))
+                meta = stats[i] if stats is not None else self.storage.stat(manifest_path(entry.name))
             except CheckpointError as exc:  # e.g. a planted link in place of the manifest
                 bad[entry.name] = Unreadable(entry.name, str(exc))
                 log.warning("snapshot %s is unreadable and will be skipped: %s", entry.name, exc)

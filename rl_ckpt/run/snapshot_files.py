@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, StorageError, UnsafePathError
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, FileTooLargeError, StorageError, UnsafePathError
 from rl_ckpt.format.checksum import new_hasher
 from rl_ckpt.format.hashed_io import hash_file
 from rl_ckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, parse_snapshot_id
@@ -138,17 +138,20 @@ def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry, *, reado
     """
     path = join(snapshot_id, entry.path)
     try:
-        if storage.size(path) != entry.size:
-            raise CorruptSnapshotError(
-                f"{snapshot_id}/{entry.path}: size {storage.size(path)} != {entry.size} in manifest",
-                snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"],
-            )
+        # No stat first (one metadata call less per file): the read itself refuses a file larger than the manifest
+        # says before reading it, and a shorter one is caught by its length below.
         hasher = new_hasher(entry.algo)
-        data = (storage.read_view if readonly_ok else storage.read)(path, on_chunk=hasher.update)
+        data = (storage.read_view if readonly_ok else storage.read)(path, on_chunk=hasher.update, max_bytes=entry.size)
+    except FileTooLargeError as exc:
+        raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: size {exc.size} != {entry.size} in manifest",
+                                   snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"]) from None
     except StorageError as exc:
         raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path,
                                    problems=["unreadable"]) from exc
-    if len(data) != entry.size or hasher.hexdigest() != entry.checksum:
+    if len(data) != entry.size:
+        raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: size {len(data)} != {entry.size} in manifest",
+                                   snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"])
+    if hasher.hexdigest() != entry.checksum:
         raise CorruptSnapshotError(
             f"{snapshot_id}/{entry.path}: {entry.algo} checksum mismatch; the file changed after commit",
             snapshot_id=snapshot_id, path=entry.path, problems=["checksum mismatch"],

@@ -275,13 +275,48 @@ class ChunkReader:
     def __init__(self, storage: Storage, snapshot_id: str, layout: Layout, files: dict[str, FileEntry]) -> None:
         self.storage, self.snapshot_id, self.layout, self.files = storage, snapshot_id, layout, files
         self.bytes_read = 0
+        self.fetched: dict[str, list[tuple[int, bytearray]]] = {}  # file -> (start, bytes) spans read by fetch()
+
+    def _blocks(self, fqn: str, chunk: Chunk, first: int, count: int) -> tuple[int, int, int, int]:
+        """The blocks ``[b0, b1)`` holding rows ``[first, first + count)`` of ``chunk`` and their rows ``[r0, r1)``."""
+        b0, b1 = first // chunk.block_rows, math.ceil((first + count) / chunk.block_rows)
+        return b0, b1, b0 * chunk.block_rows, min(b1 * chunk.block_rows, chunk.rows)
+
+    def fetch(self, wanted) -> None:
+        """Read every block that ``rows(fqn, chunk, first, count)`` will need for each ``wanted`` tuple, with one
+        ``read_ranges`` request per stored file (overlapping and adjacent ranges merged); ``rows`` then takes them
+        from memory and still verifies each block before it is used. ``drop`` frees them."""
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for fqn, chunk, first, count in wanted:
+            if chunk.objects:
+                continue  # dedup objects are read on their own
+            _b0, _b1, r0, r1 = self._blocks(fqn, chunk, first, count)
+            row_bytes = chunk.row_bytes(self.layout.tensors[fqn].dtype)
+            self._check_bounds(fqn, chunk, r0 * row_bytes, (r1 - r0) * row_bytes)
+            by_file.setdefault(chunk.file, []).append((chunk.start + r0 * row_bytes, (r1 - r0) * row_bytes))
+        for file, ranges in by_file.items():
+            merged: list[list[int]] = []
+            for start, length in sorted(ranges):
+                if merged and start <= merged[-1][0] + merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], start + length - merged[-1][0])
+                else:
+                    merged.append([start, length])
+            datas = self.storage.read_ranges(join(self.snapshot_id, file), [(a, n) for a, n in merged])
+            # Writable (a tensor over it must be): one copy, as rows() makes of each read otherwise.
+            self.fetched[file] = [(a, bytearray(d)) for (a, _n), d in zip(merged, datas)]
+
+    def drop(self, file: str | None = None) -> None:
+        """Forget what ``fetch`` read (of ``file``; None: of every file)."""
+        if file is None:
+            self.fetched.clear()
+        else:
+            self.fetched.pop(file, None)
 
     def rows(self, fqn: str, chunk: Chunk, first: int, count: int) -> torch.Tensor:
         """Rows ``[first, first + count)`` of ``chunk`` (dim 0), as a tensor, after checking their blocks."""
         t = self.layout.tensors[fqn]
         row_bytes = chunk.row_bytes(t.dtype)
-        b0, b1 = first // chunk.block_rows, math.ceil((first + count) / chunk.block_rows)
-        r0, r1 = b0 * chunk.block_rows, min(b1 * chunk.block_rows, chunk.rows)
+        b0, b1, r0, r1 = self._blocks(fqn, chunk, first, count)
         length = (r1 - r0) * row_bytes
         data = self._read(fqn, chunk, r0 * row_bytes, length)
         self.bytes_read += len(data)
@@ -309,18 +344,25 @@ class ChunkReader:
             return "dedup object(s) " + ", ".join(object_path(self.layout.algo, d) for d, _n in chunk.objects)
         return chunk.file
 
+    def _check_bounds(self, fqn: str, chunk: Chunk, offset: int, length: int) -> None:
+        if chunk.file not in self.files:
+            raise CorruptSnapshotError(f"{self.snapshot_id}: chunk of {fqn!r} names {chunk.file!r}, which the "
+                                       "manifest does not list", snapshot_id=self.snapshot_id,
+                                       problems=["unlisted file"])
+        if chunk.start + offset + length > self.files[chunk.file].size:
+            raise CorruptSnapshotError(f"{self.snapshot_id}/{chunk.file}: chunk of {fqn!r} runs past the file's "
+                                       f"{self.files[chunk.file].size} bytes", snapshot_id=self.snapshot_id,
+                                       path=chunk.file, problems=["chunk out of bounds"])
+
     def _read(self, fqn: str, chunk: Chunk, offset: int, length: int):
-        """``length`` bytes at ``offset`` within ``chunk``: one ranged read of its file, or of the objects it spans."""
+        """``length`` bytes at ``offset`` within ``chunk``: from what ``fetch`` read, else one ranged read of its
+        file, or of the objects it spans."""
         if not chunk.objects:
-            if chunk.file not in self.files:
-                raise CorruptSnapshotError(f"{self.snapshot_id}: chunk of {fqn!r} names {chunk.file!r}, which the "
-                                           "manifest does not list", snapshot_id=self.snapshot_id,
-                                           problems=["unlisted file"])
+            self._check_bounds(fqn, chunk, offset, length)
             start = chunk.start + offset
-            if start + length > self.files[chunk.file].size:
-                raise CorruptSnapshotError(f"{self.snapshot_id}/{chunk.file}: chunk of {fqn!r} runs past the file's "
-                                           f"{self.files[chunk.file].size} bytes", snapshot_id=self.snapshot_id,
-                                           path=chunk.file, problems=["chunk out of bounds"])
+            for at, data in self.fetched.get(chunk.file, ()):
+                if at <= start and start + length <= at + len(data):
+                    return memoryview(data)[start - at:start - at + length]
             return self.storage.read_range(join(self.snapshot_id, chunk.file), start, length)
         parts, pos = [], 0
         for digest, size in chunk.objects:  # their sizes add up to the chunk (checked when the layout was parsed)
@@ -376,16 +418,36 @@ class RlckptStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # Reading in stored order keeps each file's reads sequential.
+        # In stored order, one file after the other: each file's blocks that this rank needs are read with one
+        # request (ChunkReader.fetch), used, and freed before the next file's.
         items = sorted(plan.items, key=lambda it: self._order(it))
+        groups: dict[str, list] = {}
+        for item in items:
+            _fqn, chunk = self.storage_data[item.storage_index]
+            groups.setdefault(chunk.file if chunk is not None else "", []).append(item)
+        for file, group in groups.items():
+            self.chunks.fetch([(*self.storage_data[it.storage_index], *self._rows(it)) for it in group
+                               if it.type != LoadItemType.BYTE_IO])
+            try:
+                self._load(group, planner)
+            finally:
+                self.chunks.drop(file)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _rows(self, item) -> tuple[int, int]:
+        """The rows (dim 0) of its stored chunk that ``item`` reads: (first, count)."""
+        _fqn, chunk = self.storage_data[item.storage_index]
+        return (item.storage_offsets[0], item.lengths[0]) if chunk.sizes else (0, 1)
+
+    def _load(self, items: list, planner: LoadPlanner) -> None:
         for item in items:
             fqn, chunk = self.storage_data[item.storage_index]
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(json.dumps(self.chunks.layout.values[fqn]).encode()))
                 continue
-            first = item.storage_offsets[0] if chunk.sizes else 0
-            count = item.lengths[0] if chunk.sizes else 1
-            src = self.chunks.rows(fqn, chunk, first, count)
+            src = self.chunks.rows(fqn, chunk, *self._rows(item))
             for dim in range(1, len(chunk.sizes)):
                 src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
             target = planner.resolve_tensor(item).detach()
@@ -395,9 +457,6 @@ class RlckptStorageReader(StorageReader):
                                            snapshot_id=self.chunks.snapshot_id, problems=["shape mismatch"])
             target.copy_(src)
             planner.commit_tensor(item, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     def _order(self, item) -> tuple:
         _fqn, chunk = self.storage_data[item.storage_index]

@@ -26,7 +26,7 @@ import re
 import socket
 import threading
 import uuid
-from typing import BinaryIO, Callable, Iterable
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
 
@@ -115,6 +115,9 @@ class Storage(abc.ABC):
     url: str
     #: True when directories can be renamed atomically (local disks, NFS).
     supports_rename: bool = False
+    # ``read_view`` returns read-only memory the backend shares (no copy was made): a reader that needs writable
+    # tensors copies them where they go (e.g. into an optimizer's existing state) rather than into fresh memory.
+    shares_views: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -194,6 +197,13 @@ class Storage(abc.ABC):
                 got += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(start, length)`` range of one file, in order, each checked as by ``read_range``.
+
+        One request for all of them where the backend can (the memory tier: one call to one store); this
+        default makes one ``read_range`` per range."""
+        return [self.read_range(path, start, length) for start, length in ranges]
+
     @abc.abstractmethod
     def open_read(self, path: str) -> BinaryIO:
         """Open a regular file for streaming reads (links refused)."""
@@ -213,6 +223,11 @@ class Storage(abc.ABC):
         if not self.exists(path):
             return None
         return Entry(path.rsplit("/", 1)[-1], False, self.size(path))
+
+    def stat_many(self, paths: Sequence[str]) -> list[Entry | None]:
+        """``stat`` of each path, in order: one request for all where the backend can (the memory tier: one call
+        per store); this default stats them one by one."""
+        return [self.stat(p) for p in paths]
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:

@@ -82,14 +82,37 @@ def _mostly_cached(fd: int, size: int, samples: int = 16) -> bool:
 
 
 def _read_buffered(fd: int, view: memoryview, size: int, on_chunk) -> int:
+    """Page-cache reads of ``READ_CALL`` bytes; with ``on_chunk`` (hashing) the next piece is read by a pool
+    thread while this one hashes the piece that just landed (both release the GIL)."""
+    if on_chunk is None or size <= READ_CALL:
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:got + READ_CALL]], got)
+            if not n:
+                break
+            if on_chunk is not None:
+                on_chunk(view[got:got + n])
+            got += n
+        return got
+    pool = _pool()
     got = 0
-    while got < size:
-        n = os.preadv(fd, [view[got:got + READ_CALL]], got)
-        if not n:
-            break
-        if on_chunk is not None:
-            on_chunk(view[got:got + n])
-        got += n
+    pending = pool.submit(os.preadv, fd, [view[0:READ_CALL]], 0)
+    try:
+        while pending is not None:
+            n = pending.result()
+            pending = None
+            if not n:
+                break
+            start, got = got, got + n
+            if got < size:
+                pending = pool.submit(os.preadv, fd, [view[got:got + READ_CALL]], got)
+            on_chunk(view[start:got])
+    finally:
+        if pending is not None:  # on_chunk raised: no read may still be writing into the buffer on return
+            try:
+                pending.result()
+            except OSError:
+                pass
     return got
 
 
@@ -97,20 +120,25 @@ _reader_pool: ThreadPoolExecutor | None = None
 _reader_lock = threading.Lock()
 
 
-def _read_direct(fd: int, view: memoryview, size: int, on_chunk) -> int | None:
-    """O_DIRECT reads, two in flight (no kernel readahead without the page cache), pieces handed to
-    ``on_chunk`` in order; None when the first read is refused (the caller reads normally instead)."""
+def _pool() -> ThreadPoolExecutor:
     global _reader_pool
     with _reader_lock:
         if _reader_pool is None:
             _reader_pool = ThreadPoolExecutor(2, thread_name_prefix="rl_ckpt-read")
+    return _reader_pool
+
+
+def _read_direct(fd: int, view: memoryview, size: int, on_chunk) -> int | None:
+    """O_DIRECT reads, two in flight (no kernel readahead without the page cache), pieces handed to
+    ``on_chunk`` in order; None when the first read is refused (the caller reads normally instead)."""
+    pool = _pool()
     offsets = list(range(0, size, READ_CALL))
     pending: collections.deque = collections.deque()
 
     def submit(i: int) -> None:
         off = offsets[i]
         want = _round_up(min(READ_CALL, size - off), _DIRECT_ALIGN)  # the buffer has room; EOF shortens it
-        pending.append(_reader_pool.submit(os.preadv, fd, [view[off:off + want]], off))
+        pending.append(pool.submit(os.preadv, fd, [view[off:off + want]], off))
 
     for i in range(min(2, len(offsets))):
         submit(i)

@@ -16,6 +16,10 @@ For a state of ``--size`` bytes (default 1 GiB, one participant):
   tier and without it (durable storage, cold page cache), split into its phases: Ray restarting the process, the
   engines opening the run, the restore, the first step.
 
+- memory vs each durable tier (``--tiers``, default 1 MiB and 256 MiB; ``--only-tiers`` runs just these): an MLP +
+  Adam state restored from memory, from local disk warm and cold, and from S3 on a loopback endpoint, with the
+  ratios against issue #23's goals (``rl_ckpt.tools.bench.memory_tiers``).
+
 Prints the figures and writes them as JSON (``--json``). Needs a machine with room for a few copies of the
 state in memory (the trainer's, the store's, the object store's while in flight).
 """
@@ -133,14 +137,23 @@ def run(args) -> dict:
     base = tempfile.mkdtemp(prefix="rl-ckpt-membench-", dir=args.dir)
     cache = CacheDropper(args.cache)
     out: dict = {"bytes": nbytes, "cache": cache.note, "repeat": args.repeat}
+    tier_sizes = [t for t in args.tiers.split(",") if t.strip()] if args.tiers else []
     if not ray.is_initialized():
         # The stores keep two snapshots in the object store, plus one in flight: room for five, so that
         # nothing is spilled to disk (a spilled object would make a memory read a disk read).
-        store_bytes = max(5 * nbytes, 1 << 30)
+        largest = max([0 if args.only_tiers else nbytes] + [parse_size(t) for t in tier_sizes])
+        store_bytes = max(5 * largest, 1 << 30)
         out["object_store_bytes"] = store_bytes
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench",
                  object_store_memory=store_bytes)
     run_name = f"bench-{uuid.uuid4().hex[:6]}"
+    if tier_sizes:
+        from rl_ckpt.tools.bench.memory_tiers import run_tiers
+
+        out["tiers"] = run_tiers(tier_sizes, base, args.repeat, cache)
+    if args.only_tiers:
+        rmtree(base)
+        return out
     try:
         # -- blocking time and restore, in this process ------------------------------------------------------
         engine, tier, state = _engines(base, run_name, nbytes, True)
@@ -247,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (the median is reported)")
     parser.add_argument("--cache", choices=("drop", "fadvise", "none"), default="drop",
                         help="how disk reads are made cold (drop_caches where allowed, else fadvise)")
+    parser.add_argument("--tiers", default="1MiB,256MiB",
+                        help="sizes (comma-separated) at which memory is compared with warm and cold local disk and S3 "
+                             "on a loopback endpoint (default 1MiB,256MiB; '' to skip)")
+    parser.add_argument("--only-tiers", action="store_true", help="run only the --tiers comparison")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     print_json(run(args), args.json)

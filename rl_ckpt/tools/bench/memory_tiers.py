@@ -1,0 +1,164 @@
+"""Restore from the memory tier vs from each durable tier, at several sizes (part of ``rl_ckpt.tools.bench.memory``).
+
+For each size: an MLP + Adam state of about that many bytes (the weights and both moments), saved once as a
+memory snapshot, once to local disk and once to S3 (moto's server on 127.0.0.1, in a process of its own: the
+loopback endpoint the fault suite uses). Then ``--repeat`` rounds, each timing ``engine.restore`` of the same
+state (every file verified, loaded into the module and the optimizer) from:
+
+- memory: the run's ``raymem://`` stores (one participant, one node);
+- local disk, warm: the snapshot's pages in the page cache (just read);
+- local disk, cold: its pages dropped first (``--cache``);
+- S3: the loopback endpoint.
+
+The medians and their ratios are printed next to issue #23's goals: memory <= 1.0x warm disk at 1 MiB; at
+256 MiB and more, memory <= 0.5x cold disk and <= 1.0x warm disk. Also counted (not timed): the calls to the
+memory stores that one restore makes (listings of the cluster's stores, calls to a store).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+
+from rl_ckpt.tools.bench.common import CacheDropper, human, log, parse_size, rmtree
+
+GOALS = {"small": {"warm": 1.0}, "large": {"cold": 0.5, "warm": 1.0}}
+LARGE = 256 << 20  # from this size the "large" goals apply
+
+
+def mlp_state(nbytes: int, seed: int = 0):
+    """An MLP and its Adam (one step taken, so both moments exist) holding about ``nbytes`` in all."""
+    import torch
+
+    torch.manual_seed(seed)
+    params = max(nbytes // 12, 64)  # float32 weights + Adam's two moments
+    width = 1024 if params >= (8 << 20) else 256 if params >= (1 << 18) else 64
+    layers = max(1, params // (width * width + width))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+class StoreCalls:
+    """Counts, while active, the listings of the cluster's stores and the calls made to one store."""
+
+    def __init__(self) -> None:
+        from actors import memory_storage
+
+        self.module, self.counts = memory_storage, {"store_listings": 0, "store_calls": 0}
+
+    def __enter__(self) -> "StoreCalls":
+        cls, counts = self.module.RayMemoryStorage, self.counts
+        self.saved = (cls.stores, self.module.first_answer, cls.each, self.module.stat_paths)
+        stores, first, each, stat_paths = self.saved
+
+        def counted_stores(storage):
+            counts["store_listings"] += 1
+            return stores(storage)
+
+        def counted_first(storage, call):
+            return first(storage, lambda handle: (counts.__setitem__("store_calls", counts["store_calls"] + 1),
+                                                  call(handle))[1])
+
+        def counted_each(storage, method, *args, stores=None):
+            found = storage.stores() if stores is None else stores
+            counts["store_calls"] += len(found)
+            return each(storage, method, *args, stores=found)
+
+        def counted_stats(storage, paths):  # one call to the local store when it holds them all
+            counts["store_calls"] += 1
+            return stat_paths(storage, paths)
+
+        cls.stores, self.module.first_answer, cls.each = counted_stores, counted_first, counted_each
+        self.module.stat_paths = counted_stats
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cls = self.module.RayMemoryStorage
+        cls.stores, self.module.first_answer, cls.each, self.module.stat_paths = self.saved
+
+
+def _engine(base_dir: str, run: str, model, optim, storage_options: dict | None = None):
+    from rl_ckpt import CheckpointEngine
+
+    engine = CheckpointEngine(base_dir=base_dir, run_name=run, keep_latest=2, keep_best=0, post_load_check=False,
+                              memory_replicas=0, storage_options=storage_options or {})
+    engine.register("model", model)
+    engine.register("optim", optim)
+    return engine
+
+
+def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -> dict:
+    """The figures of one size (see the module docstring)."""
+    from rl_ckpt.integrations.memory_tier import MemoryTier
+
+    model, optim = mlp_state(nbytes)
+    run = f"tiers-{uuid.uuid4().hex[:6]}"
+    disk = _engine(base, run, model, optim)
+    tier = MemoryTier(disk)
+    tier.memory.register("model", model)
+    tier.memory.register("optim", optim)
+    tier.save(1).wait()
+    disk.save(1)
+    bucket = s3.bucket()
+    remote = _engine(f"s3://{bucket}", run, model, optim, s3.options)
+    remote.save(1)
+    state_bytes = disk.snapshots()[-1].size_bytes
+    restores = {"memory": lambda: tier.memory.restore(snapshot_id="step_000000001"),
+                "disk_warm": lambda: disk.restore(snapshot_id="step_000000001"),
+                "disk_cold": lambda: disk.restore(snapshot_id="step_000000001"),
+                "s3": lambda: remote.restore(snapshot_id="step_000000001")}
+    runs: dict[str, list[float]] = {k: [] for k in restores}
+    run_dir = os.path.join(base, run)
+    try:
+        for i in range(repeat + 1):  # the first round warms every path up (imports, first allocations): not counted
+            for name, restore in restores.items():
+                if name == "disk_warm":
+                    disk.restore(snapshot_id="step_000000001")  # its pages now in the page cache
+                if name == "disk_cold":
+                    cache.drop(run_dir)
+                started = time.perf_counter()
+                restore()
+                if i:
+                    runs[name].append(time.perf_counter() - started)
+        with StoreCalls() as calls:
+            restores["memory"]()
+    finally:
+        storage = tier.memory.storage
+        tier.close()
+        remote.close()
+        storage.destroy()
+        s3.drop_bucket(bucket)
+        rmtree(run_dir)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = {f"memory/{k}": med["memory"] / med[k] for k in ("disk_warm", "disk_cold", "s3")}
+    goals = GOALS["large" if nbytes >= LARGE else "small"]
+    verdict = {f"memory/disk_{k} <= {v}": ratios[f"memory/disk_{k}"] <= v for k, v in goals.items()}
+    return {"bytes": state_bytes, "restore_s": med, "runs": runs, "ratios": ratios, "goals": verdict,
+            "memory_restore_calls": calls.counts}
+
+
+def run_tiers(sizes: list[str], base: str, repeat: int, cache: CacheDropper) -> dict:
+    """``compare_size`` for each of ``sizes``; logs a table line per size."""
+    from rl_ckpt.tools.fault_suite.targets import S3Endpoint
+
+    s3 = S3Endpoint()
+    out = {}
+    try:
+        for text in sizes:
+            got = compare_size(parse_size(text), base, s3, repeat, cache)
+            out[text] = got
+            t, r = got["restore_s"], got["ratios"]
+            log(f"restore of {human(got['bytes'])} (MLP + Adam, medians of {repeat}): memory {t['memory']:.4f} s, "
+                f"disk warm {t['disk_warm']:.4f} s, disk cold {t['disk_cold']:.4f} s, S3 loopback {t['s3']:.4f} s; "
+                f"memory/warm {r['memory/disk_warm']:.2f}x, memory/cold {r['memory/disk_cold']:.2f}x, "
+                f"memory/S3 {r['memory/s3']:.2f}x; goals: "
+                + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in got["goals"].items())
+                + f"; one memory restore made {got['memory_restore_calls']}")
+    finally:
+        s3.close()
+    return out
