@@ -97,10 +97,12 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     after = {e["iteration"]: e for e in second if e["event"] == "iter"}
     assert sorted(after) == [5, 6, 7, 8]
 
-    # A flipped byte in the newest snapshot (8): the plan says why it is skipped, the restore falls back to 6.
+    # A flipped byte in the newest snapshot (8): the plan says why it is skipped, the restore falls back to 6
+    # (a rollback of the live Algorithm).
     fb = next(e for e in second if e["event"] == "fallback")
     assert fb["corrupted"] == "step_000000008" and fb["restored"] == "step_000000006"
     assert fb["learner"] == after[6]["learner"]
+    assert fb["runner_weights"] == [True, True]  # rolled back from 8: the EnvRunners got iteration 6's weights
     line = next(ln for ln in fb["plan"].splitlines() if "step_000000008" in ln and "step 8" in ln)
     assert "checksum" in line, fb["plan"]
 

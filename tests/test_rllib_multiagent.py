@@ -27,7 +27,7 @@ def _config():
 def test_multi_agent_one_module_per_policy_restored_bitwise(ray_cluster, tmp_path):
     from rl_ckpt import CheckpointEngine
     from rl_ckpt.demo.rllib_drill import digest, learner_state
-    from rl_ckpt.integrations.rllib import register_algorithm, restore_algorithm
+    from rl_ckpt.integrations.rllib import register_algorithm, restore_algorithm, to_storable
 
     algo = _config().build_algo()
     try:
@@ -35,6 +35,11 @@ def test_multi_agent_one_module_per_policy_restored_bitwise(ray_cluster, tmp_pat
         with CheckpointEngine(base_dir=str(tmp_path), run_name="ma", save_interval_steps=1) as engine:
             parts = register_algorithm(engine, algo)
             assert {"module-p0", "module-policy_1", "optimizer", "learner", "algorithm", "progress"} <= set(parts)
+            # The parts read the live tensors without RLlib's copy: the same values and types as get_state, bitwise.
+            live = algo.learner_group.get_state(components=["learner/rl_module", "learner/optimizer"])["learner"]
+            for mid, name in (("p0", "module-p0"), ("policy.1", "module-policy_1")):
+                assert digest(parts[name].state_dict()) == digest(to_storable(live["rl_module"][mid]))
+            assert digest(parts["optimizer"].state_dict()) == digest(to_storable(live["optimizer"]))
             stored = parts["learner"].state_dict()["should_module_be_updated"]
             assert stored == ["p0", "policy.1"]  # a set in RLlib: the explicit rule, sorted list
             engine.save(algo.training_iteration)
@@ -53,5 +58,9 @@ def test_multi_agent_one_module_per_policy_restored_bitwise(ray_cluster, tmp_pat
         assert any("module-policy_1" in ln for ln in lines)
         assert {m: digest(w) for m, w in learner_state(fresh)["rl_module"].items()} == per_module
         assert digest(learner_state(fresh)) == saved
+        # The driver's EnvRunner got the restored weights (push_weights), each policy bitwise.
+        sent = fresh.learner_group.get_state(components="learner/rl_module", inference_only=True)["learner"]
+        held = fresh.env_runner.get_state(components="rl_module")["rl_module"]
+        assert {m: digest(w) for m, w in held.items()} == {m: digest(w) for m, w in sent["rl_module"].items()}
     finally:
         fresh.stop()

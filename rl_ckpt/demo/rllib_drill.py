@@ -151,7 +151,7 @@ def driver(cfg: dict) -> None:
     """One driver process of the drill; appends JSON lines to ``cfg['log']``."""
     import ray
 
-    from rl_ckpt.integrations.rllib import checkpointing
+    from rl_ckpt.integrations.rllib import checkpointing, restore_algorithm
 
     def log(**event) -> None:
         with open(cfg["log"], "a") as f:
@@ -206,11 +206,12 @@ def driver(cfg: dict) -> None:
     if cp is not None and cfg.get("corrupt_newest"):
         newest = cp.engine.snapshots()[-1]
         flip_byte(largest_file(os.path.join(cp.engine.storage.url.replace("file://", ""), newest.snapshot_id)))
-        plan = cp.engine.plan_recovery(deep=True)  # re-hashes the candidates: the plan says why it skips one
-        result = cp.engine.restore(plan)
+        # A rollback of the live Algorithm (its learner is ahead of the snapshot); deep: the plan re-hashes the
+        # candidates and says why it skips one.
+        result = restore_algorithm(algo, cp.engine, out=None, deep=True)
         log(event="fallback", corrupted=newest.snapshot_id, restored=result.snapshot_id,
-            restored_step=result.global_step, skipped=result.skipped, plan=str(plan),
-            learner=digest(learner_state(algo)))
+            restored_step=result.global_step, skipped=result.skipped, plan=str(result.plan),
+            learner=digest(learner_state(algo)), runner_weights=runners_have_learner_weights(algo))
         if cfg.get("rllib_path"):  # the same flipped byte in RLlib's newest checkpoint
             log(event="rllib_corrupt", **rllib_corrupt(algo, cfg["rllib_path"], newest.global_step))
     if cp is not None:

@@ -109,5 +109,6 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
     lines += ["", "Recovery plan printed by the re-run script:", built["plan"], "",
               "Plan after the flipped byte:", fb["plan"]]
     ok = ours_exact and runner_ok and fb["restored"] == f"step_{UNTIL - EVERY:09d}" and \
-        fb["learner"] == after[UNTIL - EVERY]["learner"]
+        fb["learner"] == after[UNTIL - EVERY]["learner"] and \
+        built["runner_weights"] == fb["runner_weights"] == [True] * 2  # EnvRunners hold the restored weights
     return "\n".join(lines), ok

@@ -22,10 +22,11 @@ dict key (RLlib's single-agent id, e.g. in ``MeanStdFilter``'s state) is stored
 as the key ``"rl_ckpt:None"`` and turned back on load; a ``set`` of trainable
 policy ids is stored as a sorted list (RLlib accepts either).
 
-Each part is restored through ``Algorithm.set_state`` (or the learner
-group's), so RLlib syncs the restored connector states to its EnvRunners as
-it does for its own checkpoints; ``restore_algorithm`` then pushes the
-restored weights to every EnvRunner and waits (``push_weights``).
+Each part is restored through RLlib's ``set_state`` (the learner group's for
+the learner's parts, the Algorithm's for the rest, which syncs the restored
+connector states to the EnvRunners as RLlib does for its own checkpoints);
+``restore_algorithm`` then sends the restored weights to every EnvRunner once
+(``push_weights``), as RLlib's ``restore_from_path`` does.
 
 What no RLlib checkpoint holds (RLlib's own or this one): the environments'
 in-flight episodes and the EnvRunner processes' random streams. A resumed run
@@ -104,14 +105,90 @@ def component_names(ids: list[str]) -> dict[str, str]:
 
 def _module_part(algo: Any, mid: str) -> AlgorithmPart:
     def get(a: Any) -> dict:
+        learner = local_learner(a)
+        if learner is not None:
+            return module_weights(learner, mid)
         return a.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}/{mid}")[LEARNER][RL_MODULE][mid]
 
     def put(a: Any, weights: dict) -> None:
-        # Without a weights sequence number the learner always takes the weights; set_state then syncs them
-        # to the EnvRunners. The sequence number comes back with the ``learner`` part.
-        a.set_state({LEARNER_GROUP: {LEARNER: {RL_MODULE: {mid: weights}}}})
+        # Into the learner only: ``Algorithm.set_state`` would also sync the weights to the EnvRunners (a copy of
+        # every weight and a send per module) which they ignore (see ``push_weights``); ``restore_algorithm``
+        # sends them once, after every part is loaded.
+        a.learner_group.set_state({LEARNER: {RL_MODULE: {mid: weights}}})
 
     return AlgorithmPart(algo, "module", get, put, f"RLModule {mid!r}")
+
+
+def local_learner(algo: Any) -> Any:
+    """The Learner itself when it runs in this process (RLlib's default ``num_learners=0``), else None."""
+    group = algo.learner_group
+    if not group.is_local:
+        return None
+    return next(iter(group.foreach_learner(lambda learner: learner))).get()
+
+
+def plain_arrays(tree: Any) -> Any:
+    """RLlib's ``convert_to_numpy`` without its copy: the same values (0-d tensors as Python numbers, other
+    floats as float32 and the integers it narrows as int32, converted as it converts them), but an array
+    already of that dtype is a view of the live tensor, not a copy. For a caller that copies what it keeps
+    (staging, ``ray.put``) before training changes the tensors again."""
+    import numpy as np
+    import torch
+    import tree as dm_tree
+
+    def leaf(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            item = item.cpu().item() if item.dim() == 0 else item.detach().cpu().numpy()
+        if isinstance(item, np.ndarray):
+            if np.issubdtype(item.dtype, np.floating):
+                return item if item.dtype == np.float32 else item.astype(np.float32)
+            if np.issubdtype(item.dtype, int):
+                return item if item.dtype == np.int32 else item.astype(np.int32)
+        return item
+
+    return dm_tree.map_structure(leaf, tree)
+
+
+def module_weights(learner: Any, mid: str, *, inference_only: bool = False) -> dict:
+    """What ``learner.module[mid].get_state(inference_only=...)`` returns, as views of the live weights
+    (:func:`plain_arrays`) for a torch RLModule that keeps RLlib's ``get_state``; any other module's own."""
+    from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
+    from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
+
+    module = learner.module[mid]
+    if type(module).get_state is not TorchRLModule.get_state:
+        return module.get_state(inference_only=inference_only)
+    state = module.state_dict()
+    if inference_only and not module.inference_only and isinstance(module, InferenceOnlyAPI):
+        drop = module.get_non_inference_attributes()
+        state = {k: v for k, v in state.items()
+                 if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in drop)}
+    return plain_arrays(state)
+
+
+def optimizer_state(learner: Any) -> dict | None:
+    """The learner's optimizer state as ``get_state`` gives it (``{<module id>_<name>: {"module_id", "state"}}``),
+    as views of the live moments (:func:`plain_arrays`); None for a Learner that is not RLlib's torch one with
+    its own ``get_state`` (its state then comes from ``get_state``)."""
+    from ray.rllib.core import ALL_MODULES
+    from ray.rllib.core.learner.learner import Learner
+    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+
+    if not isinstance(learner, TorchLearner) or type(learner).get_state is not Learner.get_state:
+        return None
+    out = {}
+    for mid in [*learner.module.keys(), ALL_MODULES]:
+        for name, optim in learner.get_optimizers_for_module(mid):
+            out[f"{mid}_{name}"] = {"module_id": mid, "state": plain_arrays(optim.state_dict())}
+    return out
+
+
+def _optimizer_get(a: Any) -> dict:
+    learner = local_learner(a)
+    state = optimizer_state(learner) if learner is not None else None
+    if state is None:
+        state = a.learner_group.get_state(components=f"{LEARNER}/{OPTIMIZER}")[LEARNER][OPTIMIZER]
+    return state
 
 
 def _learner_get(a: Any) -> dict:
@@ -157,7 +234,7 @@ def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
     parts = {name: _module_part(algo, mid) for mid, name in component_names(module_ids(algo)).items()}
     parts[OPTIMIZER] = AlgorithmPart(
         algo, "optimizer",
-        lambda a: a.learner_group.get_state(components=f"{LEARNER}/{OPTIMIZER}")[LEARNER][OPTIMIZER],
+        _optimizer_get,
         lambda a, s: a.learner_group.set_state({LEARNER: {OPTIMIZER: s}}), "learner optimizer state")
     parts[LEARNER] = AlgorithmPart(
         algo, "other", _learner_get, lambda a, s: a.learner_group.set_state({LEARNER: s}),
@@ -231,28 +308,50 @@ def learner_seq(algo: Any) -> int:
 
 
 def push_weights(algo: Any, *, rolled_back: bool = False) -> None:
-    """Give every EnvRunner the learner's (restored) weights and sequence number, and wait until they have them.
+    """Send every EnvRunner the learner's (restored) weights and sequence number, once.
 
     An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
-    the ``module-*`` parts are loaded before the ``learner`` part restores the sequence number, so the sync
-    ``set_state`` starts then is ignored by EnvRunners of a freshly built Algorithm (their number is already
-    the learner's) and the first ``train()`` would sample with the initial weights. So, once every part is
-    loaded, the weights go out with the learner's number (ahead of a fresh EnvRunner's 0); ``rolled_back``
-    (the learner was ahead of the snapshot): first without a number, which every EnvRunner takes.
+    the ``module-*`` parts load into the learner only and the ``learner`` part restores the sequence number, so
+    the weights go out here, once every part is loaded, with the learner's number (ahead of a fresh EnvRunner's
+    0). As RLlib's own ``restore_from_path`` does, the send is not awaited (``sync_weights``' call and tag; sent
+    and awaited when an EnvRunner still has a call in flight, which RLlib would drop): an actor runs one
+    caller's calls in order, so every EnvRunner holds the weights before it runs anything the
+    driver asks next (the first ``train()``'s sampling, a ``get_state``); the driver's own EnvRunner has them
+    on return. The weights are views of the learner's (one copy, into the object store), not ``get_state``'s
+    copy. ``rolled_back`` (the learner was ahead of the snapshot): first without a number, which every
+    EnvRunner takes, then with it, waiting for both (two calls; RLlib allows one in flight per EnvRunner).
     """
     import ray
 
-    state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}", inference_only=True)[LEARNER]
-    weights, seq = ray.put(state[RL_MODULE]), state.get(WEIGHTS_SEQ_NO, 0)
+    learner = local_learner(algo)
+    if learner is not None:
+        weights = {mid: module_weights(learner, mid, inference_only=True) for mid in learner.module.keys()}
+        seq = learner_seq(algo)
+    else:
+        state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}", inference_only=True)[LEARNER]
+        weights, seq = state[RL_MODULE], state.get(WEIGHTS_SEQ_NO, 0)
+    state = {RL_MODULE: weights, WEIGHTS_SEQ_NO: seq}
+    ref = ray.put(state)
 
     def take(runner: Any) -> None:
-        if rolled_back:
-            runner.set_state({RL_MODULE: weights})
-        runner.set_state({RL_MODULE: weights, WEIGHTS_SEQ_NO: seq})
+        sent = ray.get(ref)
+        runner.set_state({RL_MODULE: sent[RL_MODULE]})
+        runner.set_state(sent)
 
     for group in (algo.env_runner_group, getattr(algo, "eval_env_runner_group", None)):
-        if group is not None:
+        if group is None:
+            continue
+        if rolled_back:
             group.foreach_env_runner(take, local_env_runner=True)
+            continue
+        group.fetch_ready_async_reqs(tags="set_state", timeout_seconds=0)  # the slots of calls already done
+        sent = group.foreach_env_runner_async("set_state", "set_state", kwargs={"state": ref})
+        if sent < group.num_healthy_remote_workers():
+            # An EnvRunner still runs an earlier call (RLlib allows one in flight and drops the next): this
+            # one is not sent to it, so send it to every EnvRunner and wait.
+            group.foreach_env_runner(lambda runner: runner.set_state(ray.get(ref)), local_env_runner=False)
+        if group.local_env_runner is not None:
+            group.local_env_runner.set_state(state)
 
 
 class CheckpointCallback(RLlibCallback):
