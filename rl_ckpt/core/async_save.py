@@ -42,6 +42,11 @@ class SaveHandle:
         """How long the caller was blocked: the call plus any wait in a hook (grows until ``staged()``)."""
         return self.call_seconds + self.hook_wait_seconds
 
+    @property
+    def copy_seconds(self) -> float | None:
+        """How long the background copy took (what a change right after the call would wait); None until staged."""
+        return self._stage.copy_seconds if self._stage is not None else 0.0
+
     def staged(self) -> bool:
         """True once the state this save holds is copied: the trainer may change anything without waiting."""
         return self._stage is None or self._stage.staged

@@ -167,6 +167,8 @@ class StageRound:
         self.states = states
         self.first = first
         self.hook_wait_seconds = 0.0  # time trainer threads waited in hooks (helping included)
+        self.copy_seconds: float | None = None  # from the round's start to every copy landed
+        self._started = time.perf_counter()
         self.error: BaseException | None = None
         self._buffers: list[torch.Tensor | None] = [None] * len(tasks)
         self._cond = threading.Condition()
@@ -222,6 +224,7 @@ class StageRound:
             self.error = self.error or exc
         finally:
             self._buffers = []
+            self.copy_seconds = time.perf_counter() - self._started
             self._finished.set()
             with self._cond:
                 self._cond.notify_all()
