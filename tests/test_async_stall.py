@@ -216,3 +216,57 @@ def test_an_error_while_staging_surfaces_on_the_handle_and_commits_nothing(tmp_p
     assert [s.global_step for s in engine.snapshots()] == [6]
     _bitwise(at_call, _restored(tmp_path, info.snapshot_id))
     engine.close()
+
+
+class FakeStream:
+    """A CUDA stream stand-in recording what it was ordered after (no GPU on the test machine)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.waited, self.synced = name, [], 0
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.waited.append(other.name)
+
+    def record_event(self) -> "FakeStream":
+        return self
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+
+def test_gpu_copies_are_ordered_after_the_trainer_at_the_call_and_before_its_next_change(monkeypatch):
+    import contextlib
+
+    from rl_ckpt.core.staging import DeviceCopies
+
+    streams = {"trainer": FakeStream("trainer"), "stager": FakeStream("stager")}
+    current = ["trainer"]
+    side = FakeStream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[current[0]])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    copied = []
+
+    class Src:
+        is_cuda, device = True, "cuda:0"
+
+        def record_stream(self, s) -> None:
+            copied.append(("recorded", s.name))
+
+    class Dst:
+        def copy_(self, src, non_blocking=False) -> None:
+            copied.append(("copy", non_blocking))
+
+    copies = DeviceCopies()
+    copies.mark(["cuda:0"])  # the trainer's thread, at the end of the save call
+    assert side.waited == ["trainer"]
+    current[0] = "stager"  # the stager thread: its current stream is not the trainer's
+    copies.copy(Dst(), Src())
+    assert side.waited == ["trainer"] and copied == [("copy", True), ("recorded", "side")]
+    current[0] = "trainer"  # the trainer's optimizer step pre-hook, once the copy is issued
+    copies.order_current_after()
+    assert streams["trainer"].waited == ["side"] and side.synced == 0  # ordered on the GPU, the host goes on
+    copies.finish()  # the writer: every copy landed on the host
+    assert side.synced == 1
+    copies.copy(Dst(), Src())  # an unmarked copy (the call's own): after the caller's stream
+    assert side.waited == ["trainer", "trainer"]

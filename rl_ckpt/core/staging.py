@@ -97,41 +97,43 @@ class DeviceCopies:
     Copies may be issued from several threads (a background stager and a
     trainer thread helping it): the stream bookkeeping is locked.
 
-    A background save calls ``mark`` on the trainer's thread at the save call:
-    it records an event on the trainer's current stream of each device, and the
-    side stream waits for that event (not for whatever stream is current on the
-    copying thread), so the copy reads the tensor as of the call.
+    An unmarked copy makes the side stream wait for the calling thread's
+    current stream first. A background save calls ``mark`` on the trainer's
+    thread at the end of the save call instead: the side stream of each device
+    waits once for the trainer's current stream there, and the copies issued
+    later from another thread (whose current stream is not the trainer's) are
+    ordered after it, so they read the tensors as of the call.
     """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, object] = {}
         self._active: dict[torch.device, object] = {}  # streams with copies issued since the last finish
-        self._after: dict[torch.device, object] = {}  # device -> event on the trainer's stream at the save call
+        self._marked: set[torch.device] = set()  # side streams ordered after the trainer's work at the save call
         self._lock = threading.Lock()
         self.async_copies = 0
 
+    def _stream(self, device: torch.device) -> object:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        self._active[device] = stream
+        return stream
+
     def mark(self, devices) -> None:
         """On the trainer's thread, at the save call: later copies from ``devices`` wait for its work so far."""
-        for device in devices:
-            self._after[device] = torch.cuda.current_stream(device).record_event()
+        with self._lock:
+            for device in devices:
+                self._stream(device).wait_stream(torch.cuda.current_stream(device))
+                self._marked.add(device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not src.is_cuda:
             dst.copy_(src)
             return
         with self._lock:
-            stream = self._active.get(src.device)
-            if stream is None:
-                stream = self._streams.get(src.device)
-                if stream is None:
-                    stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
-                # Copy only what the trainer's stream has computed (as of the save call, when marked).
-                after = self._after.get(src.device)
-                if after is not None:
-                    stream.wait_event(after)
-                else:
-                    stream.wait_stream(torch.cuda.current_stream(src.device))
-                self._active[src.device] = stream
+            stream = self._stream(src.device)
+            if src.device not in self._marked:  # copy only what the caller's stream has computed
+                stream.wait_stream(torch.cuda.current_stream(src.device))
             self.async_copies += 1
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -157,7 +159,7 @@ class DeviceCopies:
     def finish(self) -> None:
         """Block until every copy issued so far has landed in host memory."""
         with self._lock:
-            active, self._active, self._after = self._active, {}, {}
+            active, self._active, self._marked = self._active, {}, set()
         for stream in active.values():
             stream.record_event().synchronize()
 
