@@ -110,8 +110,9 @@ class Capture:
             staging.copies.sync()  # the components copied at the call have landed before it returns, as before
             staging.copies.mark({src.device for _k, src in self.first + self.rest if src.is_cuda})
         rnd = StageRound(staging, self.first + self.rest, states, first=len(self.first))
-        if rnd.tasks:
-            guard.start(rnd, self.objects.values())
+        if rnd.tasks:  # hooks on what can change a deferred tensor: every optimizer, the deferred modules
+            guard.start(rnd, [obj for name, obj in self.objects.items()
+                              if name in self.names or isinstance(obj, torch.optim.Optimizer)])
         else:
             rnd.run()  # nothing deferred: end the round here
         return rnd
