@@ -32,8 +32,10 @@ state; a component registered with ``background=False``) is copied at the
 call, as before. Gradients are not saved, so ``zero_grad`` needs no guard.
 
 A hook that fires after staging finished returns at once; hooks are removed at
-the next engine call (the optimizer ones cannot be removed while the optimizer
-iterates over them), forward hooks as soon as the buffers are copied.
+the next engine call that waits (``save``, ``save_async``, ``wait``, ``restore``;
+the optimizer ones cannot be removed while the optimizer iterates over them),
+forward hooks as soon as the buffers are copied. After ``close`` at most one
+such returning hook per object stays, holding no buffer.
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ class StageRound:
         except BaseException as exc:
             self.error = self.error or exc
         finally:
-            self._buffers = []
+            self._buffers, self.staging = [], None  # a dead hook left on a model keeps no buffer alive
             self.copy_seconds = time.perf_counter() - self._started
             self._finished.set()
             with self._cond:
@@ -262,7 +264,8 @@ class StageRound:
         self._finished.wait()
         if self.error is not None:
             raise self.error
-        return self.states
+        states, self.states = self.states, {}  # for the writer alone (see ``_end``)
+        return states
 
 
 class StageGuard:
