@@ -17,20 +17,28 @@ buffers; its figures are reported separately), then ``--repeat`` rounds, each
 running every measurement once, interleaved:
 
 1. ``sync_save_s``    ``engine.save(step)`` wall time (checksums + verify-after-write on).
-2. ``async_block_s``  wall time of the ``engine.save_async(step)`` call itself (also
-                      ``handle.stage_seconds``), then ``handle.wait()``;
-                      ``async_total_s`` is call start to committed.
+2. ``async_call_s``   wall time of the ``engine.save_async(step)`` call itself; then the next
+                      training step: one step of the training MLP below (the forward/backward
+                      before the optimizer's step) and the checkpointed optimizer's ``step()``
+                      (no gradients: it changes nothing, but its pre-hook waits for the background
+                      copy if it is still running); ``hook_wait_s`` is that wait
+                      (``handle.hook_wait_seconds``), ``async_block_s = async_call_s + hook_wait_s``
+                      (``handle.stage_seconds``): what the trainer was blocked. ``copy_s``: how long the
+                      background copy took (what an optimizer step right after the call would wait).
+                      Then ``handle.wait()``; ``async_total_s`` is call start to committed.
 3. ``clone_s``        ``[t.clone() for t in tensors]`` of the same tensors (memory-copy floor);
    ``copy_into_s``    ``dst.copy_(src)`` into preallocated tensors.
 4. training step time of a separate MLP (forward/backward/Adam, calibrated to
-   ``--step-ms``) (a) with no save running, (b) while a ``save_async`` persists in the
-   background; ``step_slowdown = b / a`` (medians).
+   ``--step-ms``) followed by the checkpointed optimizer's (no-op) ``step()``, (a) with no save
+   running, (b) from the ``save_async`` call until it committed (hook waits included);
+   ``step_slowdown = b / a`` (medians).
 5. staging reuse: ``engine.pipeline.staging.allocations`` after the first save_async vs after
    every later save.
 
-Medians over the rounds are compared with the goals:
-``async_block_s <= 0.10 * sync_save_s``, ``async_block_s <= 1.5 * clone_s``,
-``step_slowdown <= 1.15``.
+Medians over the rounds are compared with the goals (issue #23):
+``async_block_s <= 5 ms`` (steady, at 1 GiB and at ``--size-gib 4``), first call (warm-up round,
+allocates the staging buffers) ``<= 2 x`` steady, ``step_slowdown <= 1.15``. The former ratios
+(``async_block_s`` vs ``sync_save_s`` and vs ``clone_s``) are printed too.
 
 ``--phases`` also times the parts of a save on their own (stage/encode, hashing
 in memory, write+fsync without hashing, verify re-read+hash) and the training
@@ -68,8 +76,8 @@ from rl_ckpt.tools.bench import LARGE, SMALL, CpuMeter, build_state, flat_tensor
 from rl_ckpt.config import CHECKSUM_ALGOS  # noqa: E402
 
 GIB = 1 << 30
-GOAL_BLOCK_VS_SYNC = 0.10
-GOAL_BLOCK_VS_CLONE = 1.5
+GOAL_BLOCK_S = 0.005  # steady blocked time (call + hook wait), at any size
+GOAL_FIRST_VS_STEADY = 2.0
 GOAL_STEP_SLOWDOWN = 1.15
 QUIET_LIMIT = 0.25  # cores used by other processes above which a round is flagged (and, with --wait-quiet, redone)
 MAX_DISCARDED = 6  # at most this many redone rounds per run
@@ -105,12 +113,15 @@ class Trainer:
         self.x = torch.randn(batch, self.width, generator=self._g)
         self.y = torch.randn(batch, self.width, generator=self._g)
 
-    def step(self) -> float:
+    def step(self, then=None) -> float:
+        """One step; ``then``: called after it (the checkpointed optimizer's step, whose pre-hook may wait)."""
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(self.net(self.x), self.y)
         loss.backward()
         self.opt.step()
+        if then is not None:
+            then()
         return time.perf_counter() - t0
 
     def median_step(self, n: int) -> float:
@@ -289,6 +300,7 @@ def run(args: argparse.Namespace) -> dict:
 
     nice = FIELDS["writer_nice"][0] if args.writer_nice is None else args.writer_nice
     res: dict = {"config": {"size_gib": args.size_gib, "repeat": args.repeat, "algo": args.algo, "writer_nice": nice,
+                            "post_load_check": not args.no_probe,
                             "verify_after_write": True, "dir": workdir, "fs": fs_info(workdir)},
                  "env": {"torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
                          "torch_num_interop_threads": torch.get_num_interop_threads(),
@@ -327,7 +339,7 @@ def run(args: argparse.Namespace) -> dict:
 
         extra = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
         engine = CheckpointEngine(base_dir=workdir, run_name="bench", checksum_algo=args.algo,
-                                  verify_after_write=True, retention=False, **extra)
+                                  verify_after_write=True, retention=False, post_load_check=not args.no_probe, **extra)
         engine.register("policy", model)
         engine.register("optimizer", opt)
         dst = [torch.empty_like(t) for t in tensors]
@@ -354,14 +366,20 @@ def run(args: argparse.Namespace) -> dict:
             engine.save(step)
             r["sync_save_s"] = time.perf_counter() - t0
 
-            # 2. async save: blocking part, then until committed
+            # 2. async save: the call, the next step (its optimizer step may wait in the hook), until committed
             step += 1
             t0 = time.perf_counter()
             handle = engine.save_async(step)
             t1 = time.perf_counter()
+            trainer.step(then=opt.step)
             handle.wait()
             t2 = time.perf_counter()
-            r.update(async_block_s=t1 - t0, stage_seconds=handle.stage_seconds, async_total_s=t2 - t0)
+            r.update(async_call_s=t1 - t0, hook_wait_s=handle.hook_wait_seconds,
+                     async_block_s=t1 - t0 + handle.hook_wait_seconds, copy_s=handle.copy_seconds,
+                     async_total_s=t2 - t0)
+            t0 = time.perf_counter()
+            engine.pipeline.probes("full")  # the post-load probe's reference forward, part of every save's call
+            r["probe_s"] = time.perf_counter() - t0
             if alloc_first is None:
                 alloc_first = engine.pipeline.staging.allocations
             else:
@@ -378,7 +396,8 @@ def run(args: argparse.Namespace) -> dict:
             r["copy_into_s"] = time.perf_counter() - t0
 
             # 4a. training, no save running
-            r["step_idle_s"] = [trainer.step() for _ in range(args.train_steps)]
+            engine.wait()  # (removes the finished save's hooks, as any engine call does)
+            r["step_idle_s"] = [trainer.step(then=opt.step) for _ in range(args.train_steps)]
 
             # 4b. training while a save_async persists
             step += 1
@@ -390,9 +409,10 @@ def run(args: argparse.Namespace) -> dict:
             spans = []
             while not handle.done():
                 s = time.perf_counter()
-                trainer.step()
+                trainer.step(then=opt.step)
                 spans.append((s, time.perf_counter()))
             handle.wait()
+            r["busy_hook_wait_s"] = handle.hook_wait_seconds
             end = done_at[0] if done_at else time.perf_counter()
             inside = [e - s for s, e in spans if e <= end] or [e - s for s, e in spans]
             r["step_slowdown"] = med(inside) / med(r["step_idle_s"]) if inside else None
@@ -400,9 +420,10 @@ def run(args: argparse.Namespace) -> dict:
                      busy_total_s=end - t0)
             alloc_after.append(engine.pipeline.staging.allocations)
             r["other_cores"] = meter.other_cores()
-            log("  sync %.3fs  async block %.3fs (stage %.3fs) total %.3fs  clone %.3fs  copy %.3fs  "
-                "step idle %.1fms  during save %.1fms (%d steps, save took %.2fs)  other load %.2f cores" % (
-                    r["sync_save_s"], r["async_block_s"], r["stage_seconds"], r["async_total_s"], r["clone_s"],
+            log("  sync %.3fs  async block %.4fs (call %.4fs + hook %.4fs; copy %.3fs) total %.3fs  clone %.3fs  "
+                "copy_into %.3fs  step idle %.1fms  during save %.1fms (%d steps, save %.2fs)  other load %.2f" % (
+                    r["sync_save_s"], r["async_block_s"], r["async_call_s"], r["hook_wait_s"], r["copy_s"],
+                    r["async_total_s"], r["clone_s"],
                     r["copy_into_s"], 1e3 * med(r["step_idle_s"]), 1e3 * (med(inside) or 0), len(spans),
                     r["busy_total_s"], r["other_cores"] or 0.0))
             if (args.wait_quiet > 0 and not warm and (r["other_cores"] or 0.0) > QUIET_LIMIT
@@ -415,8 +436,9 @@ def run(args: argparse.Namespace) -> dict:
 
         measured = [r for r in rounds if not r["warmup"]]
         m = {k: med([r[k] for r in measured]) for k in
-             ("sync_save_s", "async_block_s", "stage_seconds", "async_total_s", "clone_s", "copy_into_s",
-              "busy_block_s", "busy_total_s")}
+             ("sync_save_s", "async_block_s", "async_call_s", "probe_s", "hook_wait_s", "copy_s", "async_total_s",
+              "clone_s",
+              "copy_into_s", "busy_block_s", "busy_hook_wait_s", "busy_total_s")}
         m["step_idle_s"] = med([x for r in measured for x in r["step_idle_s"]])
         m["step_during_save_s"] = med([x for r in measured for x in r["step_during_save_s"]])
         m["step_slowdown"] = m["step_during_save_s"] / m["step_idle_s"]
@@ -426,17 +448,20 @@ def run(args: argparse.Namespace) -> dict:
         res["other_load_cores"] = max(loads) if loads else None
         res["median"] = m
         res["gbps"] = {k: gbps(total, m[k]) for k in
-                       ("sync_save_s", "async_block_s", "async_total_s", "clone_s", "copy_into_s")}
-        res["first_save"] = {k: rounds[0][k] for k in ("sync_save_s", "async_block_s", "stage_seconds",
-                                                       "async_total_s")}
+                       ("sync_save_s", "copy_s", "async_total_s", "clone_s", "copy_into_s")}
+        res["first_save"] = {k: rounds[0][k] for k in ("sync_save_s", "async_block_s", "async_call_s", "hook_wait_s",
+                                                       "copy_s", "async_total_s")}
         res["staging"] = {"allocations_after_first_save": alloc_first, "allocations_after_later_saves": alloc_after,
                           "reused": all(a == alloc_first for a in alloc_after),
                           "bytes_copied": engine.pipeline.staging.bytes_copied}
+        steady = max(m["async_block_s"], 1e-9)
+        res["ratios"] = {"async_block_vs_sync": m["async_block_s"] / m["sync_save_s"],
+                         "async_block_vs_clone": m["async_block_s"] / m["clone_s"]}
         res["goals"] = {
-            "async_block_vs_sync": {"value": m["async_block_s"] / m["sync_save_s"], "limit": GOAL_BLOCK_VS_SYNC,
-                                    "text": f"async_block_s <= {GOAL_BLOCK_VS_SYNC:.2f} * sync_save_s"},
-            "async_block_vs_clone": {"value": m["async_block_s"] / m["clone_s"], "limit": GOAL_BLOCK_VS_CLONE,
-                                     "text": f"async_block_s <= {GOAL_BLOCK_VS_CLONE} * clone_s"},
+            "steady_block": {"value": 1e3 * m["async_block_s"], "limit": 1e3 * GOAL_BLOCK_S,
+                             "text": f"async_block_s <= {1e3 * GOAL_BLOCK_S:.0f} ms (value in ms)"},
+            "first_vs_steady": {"value": res["first_save"]["async_block_s"] / steady, "limit": GOAL_FIRST_VS_STEADY,
+                                "text": f"first async_block_s <= {GOAL_FIRST_VS_STEADY:.0f} x steady"},
             "step_slowdown": {"value": m["step_slowdown"], "limit": GOAL_STEP_SLOWDOWN,
                               "text": f"step_slowdown <= {GOAL_STEP_SLOWDOWN}"},
         }
@@ -468,7 +493,8 @@ def print_report(res: dict) -> None:
                                      for k in ("large", "medium", "small"))
           + f"  [large >= {LARGE >> 20} MiB, small < {SMALL >> 10} KiB]")
     print(f"  storage    {c['dir']} ({c['fs']['fstype']} on {c['fs']['source']}); checksum {c['algo']}, "
-          f"verify_after_write on, retention off, writer_nice {c.get('writer_nice')}")
+          f"verify_after_write on, retention off, writer_nice {c.get('writer_nice')}, "
+          f"post_load_check {'on' if c.get('post_load_check', True) else 'off'}")
     print(f"  machine    torch {e['torch']}, torch.get_num_threads()={e['torch_num_threads']}, "
           f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}; "
           f"repo at {(e.get('repo_commit') or '?')[:10]}")
@@ -485,20 +511,24 @@ def print_report(res: dict) -> None:
     print()
     rows = [
         ("sync_save_s", "engine.save(step)", m["sync_save_s"], gb["sync_save_s"]),
-        ("async_block_s", "save_async() call (caller blocked)", m["async_block_s"], gb["async_block_s"]),
-        ("  stage_seconds", "handle.stage_seconds", m["stage_seconds"], None),
+        ("async_block_s", "caller blocked: call + hook wait (handle.stage_seconds)", m["async_block_s"], None),
+        ("  async_call_s", "the save_async() call", m["async_call_s"], None),
+        ("    probe_s", "of which the post-load probe's forward (post_load_check)", m["probe_s"], None),
+        ("  hook_wait_s", "optimizer step pre-hook after one step (hook_wait_seconds)", m["hook_wait_s"], None),
+        ("  copy_s", "background copy (the wait of a step right after the call)", m["copy_s"], gb["copy_s"]),
         ("async_total_s", "save_async() -> committed", m["async_total_s"], gb["async_total_s"]),
         ("clone_s", "[t.clone() for t in tensors]", m["clone_s"], gb["clone_s"]),
         ("copy_into_s", "dst.copy_(src), preallocated", m["copy_into_s"], gb["copy_into_s"]),
         ("busy_block_s", "save_async() call, training run", m["busy_block_s"], None),
+        ("busy_hook_wait_s", "hook waits, training run", m["busy_hook_wait_s"], None),
         ("busy_total_s", "save commit time while training", m["busy_total_s"], None),
     ]
     print(f"  {'metric':<18} {'median':>9} {'GB/s':>7}   {'per round':<28} what")
     for key, what, val, rate in rows:
         k = key.strip()
-        per = " ".join(f"{r[k]:.3f}" for r in res["rounds"] if not r["warmup"])
+        per = " ".join(f"{r[k]:.4f}" for r in res["rounds"] if not r["warmup"])
         rate_s = "" if rate is None else f"{rate:6.2f}"
-        print(f"  {key:<18} {val:>8.3f}s {rate_s:>7}   {per:<28} {what}")
+        print(f"  {key:<18} {val:>8.4f}s {rate_s:>7}   {per:<28} {what}")
     measured = [r for r in res["rounds"] if not r["warmup"]]
     per = " ".join(f"{1e3 * med(r['step_idle_s']):.1f}" for r in measured)
     print(f"  {'step_idle':<18} {1e3 * m['step_idle_s']:>7.1f}ms {'':>7}   "
@@ -510,12 +540,15 @@ def print_report(res: dict) -> None:
     per = " ".join(f"{r['step_slowdown']:.3f}" for r in res["rounds"] if not r["warmup"] and r["step_slowdown"])
     print(f"  {'step_slowdown':<18} {m['step_slowdown']:>8.3f}x {'':>7}   {per:<28} median during / median idle")
     f = res["first_save"]
-    print(f"  first (warm-up) round: sync {f['sync_save_s']:.3f}s, async block {f['async_block_s']:.3f}s "
-          f"(stage {f['stage_seconds']:.3f}s, allocates the staging buffers), async total {f['async_total_s']:.3f}s")
+    print(f"  first (warm-up) round: sync {f['sync_save_s']:.3f}s, async block {f['async_block_s']:.4f}s "
+          f"(call {f['async_call_s']:.4f}s + hook {f['hook_wait_s']:.4f}s; the background copy allocates the "
+          f"staging buffers: {f['copy_s']:.3f}s), async total {f['async_total_s']:.3f}s")
+    print(f"  former ratios: async_block_s / sync_save_s {res['ratios']['async_block_vs_sync']:.4f}, "
+          f"async_block_s / clone_s {res['ratios']['async_block_vs_clone']:.4f}")
     print()
     print("  goals")
     for g in res["goals"].values():
-        print(f"    {g['text']:<40} ratio {g['value']:7.3f} (limit {g['limit']:.2f})   "
+        print(f"    {g['text']:<44} value {g['value']:7.3f} (limit {g['limit']:.2f})   "
               f"{'MET' if g['met'] else 'MISSED'}")
     s = res["staging"]
     print()
@@ -559,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algo", default="xxh3_128", choices=CHECKSUM_ALGOS,
                     help="checksum_algo (default xxh3_128, the engine default)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="post_load_check off: no reference forward of the model in the save_async call")
     ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each round, wait up to S seconds for other processes to go idle (default 0)")

@@ -30,7 +30,12 @@ def test_snapshot_is_the_state_at_the_call(tmp_path):
     storage.before("write", gate.wait, nth=1)  # hold the background writer until training moved on
     handle = engine.save_async(3, metrics={"avg_reward": 1.0})
     assert not handle.done() and engine.saving
-    with torch.no_grad():  # overwrite everything in place, right after the call
+    # Change everything right after the call: the modules and the optimizer through optimizer steps (their
+    # tensors may still be copying: the step waits for the copy), in place after the copy; the replay buffer
+    # (not guarded: copied at the call) in place at once.
+    s.train(2)
+    handle.wait_staged()
+    with torch.no_grad():
         for p in list(s.policy.parameters()) + list(s.value.parameters()):
             p.fill_(123.0)
         for st in s.optimizer.state.values():

@@ -136,9 +136,12 @@ def test_async_benchmark_script_runs_and_reports_every_goal(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["config"]["writer_nice"] == 3 and res["config"]["cleaned_up"]
-    assert {g for g in res["goals"]} == {"async_block_vs_sync", "async_block_vs_clone", "step_slowdown"}
-    for key in ("sync_save_s", "async_block_s", "async_total_s", "clone_s"):
+    assert {g for g in res["goals"]} == {"steady_block", "first_vs_steady", "step_slowdown"}
+    for key in ("sync_save_s", "async_block_s", "async_call_s", "copy_s", "async_total_s", "clone_s"):
         assert res["median"][key] > 0, key
+    assert res["median"]["hook_wait_s"] >= 0 and set(res["ratios"]) == {"async_block_vs_sync", "async_block_vs_clone"}
+    for r in res["rounds"]:  # blocked = the call + what the next optimizer step waited in its pre-hook
+        assert r["async_block_s"] == r["async_call_s"] + r["hook_wait_s"]
     assert res["staging"]["reused"] is True
     import os
 

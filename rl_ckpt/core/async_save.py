@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from rl_ckpt.run.catalog import SnapshotInfo
 
@@ -21,11 +21,40 @@ log = logging.getLogger("rl_ckpt")
 
 
 class SaveHandle:
-    def __init__(self, future: cf.Future, global_step: int, kind: str, stage_seconds: float) -> None:
+    """One background save. ``call_seconds``: how long the ``save_async`` call blocked; ``hook_wait_seconds``:
+    how long the trainer waited since, in hooks before changing state not yet copied; ``stage_seconds``: both."""
+
+    def __init__(self, future: cf.Future, global_step: int, kind: str, stage_seconds: float,
+                 stage: Any = None) -> None:
         self._future = future
+        self._stage = stage  # the StageRound copying the state (core/stage_guard.py), if any
         self.global_step = global_step
         self.kind = kind
-        self.stage_seconds = stage_seconds  # how long the caller was blocked
+        self.call_seconds = stage_seconds
+
+    @property
+    def hook_wait_seconds(self) -> float:
+        """Time the trainer waited in hooks (optimizer step, forward, load_state_dict) for this save's copy."""
+        return self._stage.hook_wait_seconds if self._stage is not None else 0.0
+
+    @property
+    def stage_seconds(self) -> float:
+        """How long the caller was blocked: the call plus any wait in a hook (grows until ``staged()``)."""
+        return self.call_seconds + self.hook_wait_seconds
+
+    @property
+    def copy_seconds(self) -> float | None:
+        """How long the background copy took (what a change right after the call would wait); None until staged."""
+        return self._stage.copy_seconds if self._stage is not None else 0.0
+
+    def staged(self) -> bool:
+        """True once the state this save holds is copied: the trainer may change anything without waiting."""
+        return self._stage is None or self._stage.staged
+
+    def wait_staged(self) -> None:
+        """Block until the state is copied (for state changed outside the guarded paths: see core/stage_guard.py)."""
+        if self._stage is not None:
+            self._stage.before_change()
 
     def done(self) -> bool:
         return self._future.done()
@@ -75,9 +104,10 @@ class BackgroundWriter:
         if current is not None:
             cf.wait([current._future])
 
-    def submit(self, fn: Callable[[], SnapshotInfo], global_step: int, kind: str, stage_seconds: float) -> SaveHandle:
+    def submit(self, fn: Callable[[], SnapshotInfo], global_step: int, kind: str, stage_seconds: float,
+               stage: Any = None) -> SaveHandle:
         future = self._pool.submit(fn)
-        handle = SaveHandle(future, global_step, kind, stage_seconds)
+        handle = SaveHandle(future, global_step, kind, stage_seconds, stage)
 
         def report(f: cf.Future) -> None:
             exc = f.exception()

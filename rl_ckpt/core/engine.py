@@ -32,6 +32,7 @@ from rl_ckpt.config import recorded_config
 from rl_ckpt.core.save_pipeline import SavePipeline
 from rl_ckpt.core.scheduler import CheckpointScheduler
 from rl_ckpt.core.topology import Topology, choose_topology
+from rl_ckpt.core.stage_guard import check_background
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.format.state_codec import EncodedState
 from rl_ckpt.recovery.coordinator import Decision, FailureInfo
@@ -92,19 +93,19 @@ class CheckpointEngine:
 
     # -- registration --------------------------------------------------------
     def register(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None,
-                 replicated: bool | None = None) -> Any:
+                 replicated: bool | None = None, background: bool | None = None) -> Any:
         """Register a component (module, optimizer, scheduler, RNGState, buffer, any Checkpointable).
 
         ``probe``: a function ``obj -> tensor(s)`` run at save and after load
         (post-load check); modules get an inferred probe when it is omitted.
         ``replicated`` (with a manager): identical on every learner rank, so
         written once by rank 0 (default: modules, optimizers, schedulers and
-        progress of learners).
+        progress of learners). ``background``: may ``save_async`` copy it after the call returns (stage_guard.py).
         """
         reg = self.registry.prepare(name, obj, kind=kind, probe=probe)
         if reg.sharded is not None:  # the one topology transition: ranks now commit each snapshot together
             self.registry.topology = self.topology.with_sharded_state()
-        self.registry.add(reg, replicated)
+        self.registry.add(reg, replicated, check_background(name, background))
         return obj
 
     @property
@@ -145,12 +146,12 @@ class CheckpointEngine:
 
     def save_async(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
                    tags: Mapping[str, Any] | None = None, kind: str = "full") -> SaveHandle:
-        """Stage the state now (the only blocking part), then write, verify and commit it in the background.
+        """Capture the state now; copy, write, verify and commit it in the background.
 
-        The snapshot holds the state as of this call, whatever training does
-        next. If a save is still in flight this first waits for it: at most one
-        save is in flight and one staged copy is in memory. Errors come back on
-        ``handle.wait()`` and are logged.
+        The snapshot holds the state as of this call, whatever training does next: guarded tensors are copied
+        after the call and the next optimizer step/forward waits for the copy if needed (``core/stage_guard.py``).
+        If a save is still in flight this first waits for it: at most one save is in flight and one staged copy
+        is in memory. Errors come back on ``handle.wait()`` and are logged.
         """
         self._check_open()
         return self.pipeline.save_async(global_step, metrics, tags, kind)

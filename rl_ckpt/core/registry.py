@@ -35,6 +35,7 @@ class Registered:
     probe: Any = None  # a user probe function obj -> output, for the post-load check
     replicated: bool = False  # sharded saves: the same on every learner rank, written once by rank 0
     sharded: Any = None  # a rl_ckpt.sharded.ShardedState: every rank writes its own shards of it
+    background: bool | None = None  # save_async copies it in the background (None: core/stage_guard.py decides)
 
 
 class ComponentRegistry:
@@ -86,9 +87,10 @@ class ComponentRegistry:
             reg.kind = kind or reg.sharded.checkpoint_kind
         return reg
 
-    def add(self, reg: Registered, replicated: bool | None = None) -> None:
+    def add(self, reg: Registered, replicated: bool | None = None, background: bool | None = None) -> None:
         """Register ``reg``; ``replicated`` None: learners' modules, optimizers, schedulers and progress
-        are replicated in a multi-participant save."""
+        are replicated in a multi-participant save. ``background``: see ``core/stage_guard.py``."""
+        reg.background = background
         if replicated is None:
             replicated = self.topology.replicates and self.role == "learner" and reg.kind in REPLICATED_KINDS
         reg.replicated = bool(replicated) and reg.sharded is None

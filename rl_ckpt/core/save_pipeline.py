@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any, Mapping
 
 from rl_ckpt.config import CheckpointConfig, config_digest, recorded_config
 from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.core.registry import ComponentRegistry, Registered
+from rl_ckpt.core.stage_guard import StageGuard, after_staging, stage_background
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.core.topology import Topology
 from rl_ckpt.core.writer import write_component
@@ -62,7 +64,7 @@ class SavePipeline:
         self.catalog = catalog
         self.registry = registry
         self.maintenance = maintenance
-        self.staging = StagingArea()
+        self.staging, self.guard = StagingArea(), StageGuard()
         self._writer: BackgroundWriter | None = None
 
     @property
@@ -89,26 +91,25 @@ class SavePipeline:
                 out[self.registry.key(reg.name)] = result
         return out
 
-    def stage(self, kind: str = "full", *, copy: bool = False) -> dict[str, EncodedState]:
+    def stage(self, kind: str = "full", *, copy: bool = False, capture: Any = None) -> dict[str, EncodedState]:
         """Every saved component's state, split into tensors/tables/JSON.
 
-        ``copy``: into this pipeline's staging buffers (a background save), which
-        then hold only what this round staged.
-        """
+        ``copy``: into this pipeline's staging buffers (a background save), which then hold only what this round
+        staged; ``capture``: a ``core/stage_guard.Capture`` that defers the guarded tensors to a stager."""
         from rl_ckpt.sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
 
-        staged = {}
+        staged, area = {}, capture or self.staging
         try:
             for reg in self.registry.saved(kind):
                 if reg.sharded is not None:
                     staged[reg.name] = stage_sharded(reg.sharded, self.registry.rank, copy=copy, name=reg.name,
                                                      staging=self.staging if copy else None)
                 elif copy:
-                    staged[reg.name] = self.staging.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
+                    staged[reg.name] = area.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
                 else:
                     staged[reg.name] = encode_state(reg.name, _state_of(reg))
         finally:
-            if copy:  # device-to-host copies land; buffers of keys not staged this round are freed
+            if copy and capture is None:  # device-to-host copies land; buffers of keys not staged this round are freed
                 self.staging.finish()
         if not staged and not (self.topology.empty_part_ok and len(self.registry)):
             # A participant whose state is all replicated (written by rank 0) contributes an empty part.
@@ -136,14 +137,14 @@ class SavePipeline:
 
     def save_async(self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None,
                    kind: str) -> SaveHandle:
-        """Stage a copy now (the only blocking part); persist it on the background writer."""
+        """Capture the state now, copy it in the background (``core/stage_guard.py``), persist on the writer."""
         check_step(global_step)
         self.wait()
         started = time.perf_counter()
         try:
             base = self.base_for(kind)
             probes = self.probes(kind)
-            staged = self.stage(kind, copy=True)
+            rnd = stage_background(self, kind)
             metrics = clean_metrics(metrics)
         except BaseException as exc:
             self.failed_before_begin(global_step, kind, exc)
@@ -151,10 +152,10 @@ class SavePipeline:
         blocked = time.perf_counter() - started
         if self._writer is None:
             self._writer = BackgroundWriter(nice=self.config.writer_nice)
-        return self._writer.submit(
-            lambda: self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes),
-            global_step, kind, blocked,
-        )
+        job = after_staging(rnd, partial(self.persist, global_step=global_step, metrics=metrics, tags=tags,
+                                         kind=kind, base=base, probes=probes),
+                            partial(self.failed_before_begin, global_step, kind))
+        return self._writer.submit(job, global_step, kind, blocked, stage=rnd)
 
     def failed_before_begin(self, global_step: int, kind: str, error: BaseException) -> None:
         """A save failed before it began: the other participants, if any, must fail with it at once."""
@@ -180,6 +181,7 @@ class SavePipeline:
         """Wait for the background save in flight, if any (its error stays on its handle)."""
         if self._writer is not None:
             self._writer.wait_idle()
+        self.guard.disarm()
 
     def base_for(self, kind: str) -> str | None:
         """The full snapshot a light one builds on (None for a full snapshot)."""

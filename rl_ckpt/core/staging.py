@@ -19,6 +19,7 @@ and knows nothing of CUDA; the CUDA calls sit in :class:`DeviceCopies`.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Hashable
 
 import numpy as np
@@ -93,33 +94,72 @@ class DeviceCopies:
 
     ``finish`` waits for every asynchronous copy issued since the last
     ``finish``. The side streams are created once per device and reused.
+    Copies may be issued from several threads (a background stager and a
+    trainer thread helping it): the stream bookkeeping is locked.
+
+    An unmarked copy makes the side stream wait for the calling thread's
+    current stream first. A background save calls ``mark`` on the trainer's
+    thread at the end of the save call instead: the side stream of each device
+    waits once for the trainer's current stream there, and the copies issued
+    later from another thread (whose current stream is not the trainer's) are
+    ordered after it, so they read the tensors as of the call.
     """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, object] = {}
         self._active: dict[torch.device, object] = {}  # streams with copies issued since the last finish
+        self._marked: set[torch.device] = set()  # side streams ordered after the trainer's work at the save call
+        self._lock = threading.Lock()
         self.async_copies = 0
+
+    def _stream(self, device: torch.device) -> object:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        self._active[device] = stream
+        return stream
+
+    def mark(self, devices) -> None:
+        """On the trainer's thread, at the save call: later copies from ``devices`` wait for its work so far."""
+        with self._lock:
+            for device in devices:
+                self._stream(device).wait_stream(torch.cuda.current_stream(device))
+                self._marked.add(device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not src.is_cuda:
             dst.copy_(src)
             return
-        stream = self._active.get(src.device)
-        if stream is None:
-            stream = self._streams.get(src.device)
-            if stream is None:
-                stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
-            # Copy only what the trainer's stream has finished computing.
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            self._active[src.device] = stream
+        with self._lock:
+            stream = self._stream(src.device)
+            if src.device not in self._marked:  # copy only what the caller's stream has computed
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+            self.async_copies += 1
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         src.record_stream(stream)  # a temporary freed before ``finish`` is not reused while the copy reads it
-        self.async_copies += 1
+
+    def order_current_after(self) -> None:
+        """Make the calling thread's current streams wait for every copy issued so far (the host does not wait).
+
+        A trainer about to change a GPU tensor calls this once the copy reading
+        it is issued: its kernels then run after the copy."""
+        with self._lock:
+            active = list(self._active.items())
+        for device, stream in active:
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def sync(self) -> None:
+        """Block until every copy issued so far has landed (the round stays open: ``finish`` ends it)."""
+        with self._lock:
+            active = list(self._active.values())
+        for stream in active:
+            stream.record_event().synchronize()
 
     def finish(self) -> None:
         """Block until every copy issued so far has landed in host memory."""
-        active, self._active = self._active, {}
+        with self._lock:
+            active, self._active, self._marked = self._active, {}, set()
         for stream in active.values():
             stream.record_event().synchronize()
 
@@ -138,6 +178,7 @@ class StagingArea:
         self._arrays: dict[tuple[str, str], np.ndarray] = {}  # numpy values (no device, no pinning)
         self._array_allocations = 0
         self._touched: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
         self.bytes_copied = 0
 
     @property
@@ -154,12 +195,20 @@ class StagingArea:
 
     def stage_tensor(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
         """A host copy of ``value`` in this area's buffer for ``key`` (complete only after ``finish``)."""
-        buf = self.pool.buffer(key, value.shape, value.dtype,
-                               pinned=value.is_cuda and torch.cuda.is_available())
+        buf = self.reserve(key, value)
         self.copies.copy(buf, value.detach())
-        self.bytes_copied += value.numel() * value.element_size()
-        self._touched.add(key)
         return buf
+
+    def reserve(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
+        """The buffer ``value`` is to be copied into for ``key`` (allocated or reused), counted in this round.
+
+        Thread-safe: a background stager and a helping trainer thread reserve
+        disjoint keys, then copy outside the lock (``self.copies.copy``)."""
+        with self._lock:
+            buf = self.pool.buffer(key, value.shape, value.dtype, pinned=value.is_cuda and torch.cuda.is_available())
+            self.bytes_copied += value.numel() * value.element_size()
+            self._touched.add(key)
+            return buf
 
     def _stage_array(self, key: tuple[str, str], value: np.ndarray) -> np.ndarray:
         if key in self.pool:  # was a tensor last round
@@ -175,13 +224,22 @@ class StagingArea:
         self._touched.add(key)
         return buf
 
-    def stage(self, name: str, enc: EncodedState) -> EncodedState:
-        """Copy ``enc``'s arrays into this area's buffers; returns the staged state (complete after ``finish``)."""
+    def stage(self, name: str, enc: EncodedState, defer: list | None = None) -> EncodedState:
+        """Copy ``enc``'s arrays into this area's buffers; returns the staged state (complete after ``finish``).
+
+        ``defer``: tensors are not copied now; each is appended to it as
+        ``((name, key), tensor)`` and left as None in the staged state, for a
+        background stager to ``reserve`` and copy (NumPy arrays are copied now).
+        """
         staged = {}
         for key, value in enc.arrays.items():
             if isinstance(value, torch.Tensor):
                 self._arrays.pop((name, key), None)
-                staged[key] = self.stage_tensor((name, key), value)
+                if defer is not None:
+                    defer.append(((name, key), value.detach()))
+                    staged[key] = None
+                else:
+                    staged[key] = self.stage_tensor((name, key), value)
             else:
                 staged[key] = self._stage_array((name, key), value)
         # The tree is freshly built JSON data and pyarrow tables are immutable: no copy needed.

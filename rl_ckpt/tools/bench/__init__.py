@@ -53,7 +53,9 @@ Measured (``results`` keys):
     rl_save          ``engine.save`` with defaults (xxh3_128 checksums, verify-after-write, atomic commit, probe)
     rl_restore       ``engine.restore()`` (plan + checksum-verified load + apply + post-load probe; cold cache)
     rl_async_block   time the ``engine.save_async`` call blocks the caller (steady state: buffers reused)
-    rl_async_stage   ``handle.stage_seconds`` as the engine reports it
+    rl_async_stage   ``handle.stage_seconds``: the call plus the wait of an optimizer step made at once (its
+                     pre-hook waits for the whole background copy: the worst case; a step after a forward and
+                     backward waits less, see benchmarks/async_save.py)
     rl_async_total   ``save_async`` call to ``handle.wait()`` (committed)
     rl_dedup_first   ``engine.save`` with ``dedup=True`` into an empty run
     rl_dedup_second  the next dedup save after a quarter of the state bytes changed

@@ -22,7 +22,7 @@ LABELS = [  # (op, key, label, floor key, peer keys by column)
     ("block", "clone", "memory copy: clone (floor)"),
     ("block", "dcp_async_block", "DCP async_save (blocking)"),
     ("block", "rl_async_block", "rl_ckpt save_async (blocking)"),
-    ("block", "rl_async_stage", "  handle.stage_seconds"),
+    ("block", "rl_async_stage", "  + optimizer step at once (hook)"),
     ("total", "dcp_async_total", "DCP async_save to durable"),
     ("total", "rl_async_total", "rl_ckpt save_async to commit"),
     ("dedup", "rl_dedup_first", "rl_ckpt dedup 1st save"),
