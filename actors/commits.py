@@ -20,8 +20,13 @@ from .participants import ParticipantRegistry
 class ManagerCommits:
     """The actor's commit calls: checks, then the protocol under the manager's lock."""
 
-    def __init__(self, protocol: CommitProtocol, lock: threading.RLock, registry: ParticipantRegistry,
-                 save_decisions: SaveDecisions) -> None:
+    def __init__(
+        self,
+        protocol: CommitProtocol,
+        lock: threading.RLock,
+        registry: ParticipantRegistry,
+        save_decisions: SaveDecisions,
+    ) -> None:
         self.protocol = protocol
         self.lock = lock
         self.registry = registry
@@ -39,7 +44,10 @@ class ManagerCommits:
             if decision is not None and decision[0] == "skip":
                 raise SnapshotSkippedError(
                     f"snapshot {snapshot_id} was skipped by every participant: {decision[1]}'s previous save was "
-                    "still running when it was due", snapshot_id=snapshot_id, participant=decision[1])
+                    "still running when it was due",
+                    snapshot_id=snapshot_id,
+                    participant=decision[1],
+                )
             return self.protocol.begin(snapshot_id, expected, participant)
 
     def report(self, snapshot_id: str, attempt_id: str, participant: str, part: bytes) -> bytes:

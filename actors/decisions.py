@@ -95,8 +95,9 @@ class SaveDecisions:
         wall: wall-clock seconds, recorded so a restarted manager can go on timing the interval.
     """
 
-    def __init__(self, storage: Storage, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, storage: Storage, *, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
+    ) -> None:
         self.records = DecisionRecords(storage)
         self.clock, self.wall = clock, wall
         self._by_id: dict[str, tuple[str, str]] = {}
@@ -117,7 +118,7 @@ class SaveDecisions:
             log.error("cannot list %s/ (save decisions start empty): %s", self.records.folder, exc)
             return
         for name in names:
-            stem = name[:-len(".json")]
+            stem = name[: -len(".json")]
             body = self.records.read(name)
             if stem.startswith(HORIZON):
                 if body is not None and type(body.get("step")) is int:
@@ -154,8 +155,13 @@ class SaveDecisions:
         if known is not None:
             return known
         parsed = parse_snapshot_id(sid)
-        body = {"snapshot_id": sid, "step": parsed[0] if parsed else None, "decision": proposal, "by": by,
-                "time": self.wall()}
+        body = {
+            "snapshot_id": sid,
+            "step": parsed[0] if parsed else None,
+            "decision": proposal,
+            "by": by,
+            "time": self.wall(),
+        }
         decision = _decision(self.records.create(f"{sid}.json", body)) or (proposal, by)
         self._by_id[sid] = decision
         if decision[0] == "save" and parsed and parsed[2] == "full":
@@ -165,8 +171,15 @@ class SaveDecisions:
         return decision
 
     # -- one answer per step under a time cadence --------------------------------
-    def step(self, global_step: int, participant: str, kind: str | None, busy: bool, interval: float,
-             started: Callable[[str], bool]) -> dict:
+    def step(
+        self,
+        global_step: int,
+        participant: str,
+        kind: str | None,
+        busy: bool,
+        interval: float,
+        started: Callable[[str], bool],
+    ) -> dict:
         """Whether ``global_step`` is a save step: ``{"kind": "full" | "light" | None, "save": bool}``.
 
         ``kind``: what is due by step count alone (the same on every rank);
@@ -194,8 +207,15 @@ class SaveDecisions:
             return dict(NOT_DUE)
         return None
 
-    def _fresh(self, global_step: int, participant: str, kind: str | None, busy: bool, interval: float,
-               started: Callable[[str], bool]) -> dict:
+    def _fresh(
+        self,
+        global_step: int,
+        participant: str,
+        kind: str | None,
+        busy: bool,
+        interval: float,
+        started: Callable[[str], bool],
+    ) -> dict:
         now = self.clock()
         if self._anchor is None:
             self._anchor = now  # the first interval counts from the first question
@@ -229,8 +249,12 @@ class SaveDecisions:
             del self._by_id[sid]
         for s in [s for s in self._answers if s < step]:
             del self._answers[s]
-        self._remove_records(lambda stem, parsed, horizon: (parsed is not None and parsed[0] < step)
-                             or (horizon is not None and horizon < min(step, self._horizon)))
+        self._remove_records(
+            lambda stem, parsed, horizon: (
+                (parsed is not None and parsed[0] < step)
+                or (horizon is not None and horizon < min(step, self._horizon))
+            )
+        )
 
     def clear(self) -> None:
         """A recovery plan was made: training goes on from an older step and its steps are decided anew."""
@@ -246,8 +270,8 @@ class SaveDecisions:
             log.warning("cannot list %s/ to tidy it: %s", self.records.folder, exc)
             return
         for name in names:
-            stem = name[:-len(".json")]
-            horizon = stem[len(HORIZON):] if stem.startswith(HORIZON) else None
+            stem = name[: -len(".json")]
+            horizon = stem[len(HORIZON) :] if stem.startswith(HORIZON) else None
             ok = horizon is not None and horizon.isascii() and horizon.isdigit() and len(horizon) <= 18
             horizon = int(horizon) if ok else None
             if drop(stem, parse_snapshot_id(stem), horizon):

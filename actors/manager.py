@@ -61,11 +61,18 @@ log = logging.getLogger("rl_ckpt")
 __all__ = ["CheckpointManager", "PAUSE_DIR_ENV"]
 
 
-def get_or_create(run_name: str = "run", base_dir: str = "./checkpoints", storage_options: dict | None = None,
-                  namespace: str = "rl_ckpt", config: CheckpointConfig | dict | None = None,
-                  healthz_port: int | None = 0, kill_hung: bool = False,
-                  patrol_interval_seconds: float | None = None, runtime_env: dict | None = None,
-                  **overrides: Any):
+def get_or_create(
+    run_name: str = "run",
+    base_dir: str = "./checkpoints",
+    storage_options: dict | None = None,
+    namespace: str = "rl_ckpt",
+    config: CheckpointConfig | dict | None = None,
+    healthz_port: int | None = 0,
+    kill_hung: bool = False,
+    patrol_interval_seconds: float | None = None,
+    runtime_env: dict | None = None,
+    **overrides: Any,
+):
     """The run's manager actor handle, created (detached, restartable) or attached to.
 
     Args:
@@ -84,9 +91,16 @@ def get_or_create(run_name: str = "run", base_dir: str = "./checkpoints", storag
     values.update(overrides, base_dir=base_dir, run_name=run_name, storage_options=storage_options or {})
     CheckpointConfig(**values)  # fail here, in the caller, on a bad key
     actor = ray.remote(CheckpointManager).options(
-        name=f"rl_ckpt:{run_name}", namespace=namespace, lifetime="detached", max_restarts=-1,
-        max_task_retries=-1, get_if_exists=True, num_cpus=0, max_concurrency=64,
-        **({"runtime_env": runtime_env} if runtime_env else {}))
+        name=f"rl_ckpt:{run_name}",
+        namespace=namespace,
+        lifetime="detached",
+        max_restarts=-1,
+        max_task_retries=-1,
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=64,
+        **({"runtime_env": runtime_env} if runtime_env else {}),
+    )
     return actor.remote(values, healthz_port, "127.0.0.1", kill_hung, patrol_interval_seconds)
 
 
@@ -99,8 +113,14 @@ def plan_key(failures: list, decisions: list, catalog: Catalog) -> tuple:
 class CheckpointManager:
     """The actor implementation. Use :meth:`get_or_create` to get a handle."""
 
-    def __init__(self, config: dict, healthz_port: int | None = 0, healthz_host: str = "127.0.0.1",
-                 kill_hung: bool = False, patrol_interval_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        config: dict,
+        healthz_port: int | None = 0,
+        healthz_host: str = "127.0.0.1",
+        kill_hung: bool = False,
+        patrol_interval_seconds: float | None = None,
+    ) -> None:
         logging.basicConfig(level=logging.INFO)
         self.config = CheckpointConfig(**config)
         self.storage = open_storage(self.config.run_url, self.config.storage_options)
@@ -110,9 +130,15 @@ class CheckpointManager:
         self.maintenance = RunMaintenance.from_config(self.storage, self.catalog, self.config, sweep_objects=False)
         self._lock = threading.RLock()
         self.registry = ParticipantRegistry(self.config.run_name, self.config.heartbeat_interval_seconds)
-        self.commits = CommitProtocol(self.storage, strategy_for(self.storage, self.config.atomic_write), self.catalog,
-                                      self.maintenance, self.config.commit_timeout_seconds, ManagerMetrics(),
-                                      on_commit=lambda info: self._forget_before(info.global_step))
+        self.commits = CommitProtocol(
+            self.storage,
+            strategy_for(self.storage, self.config.atomic_write),
+            self.catalog,
+            self.maintenance,
+            self.config.commit_timeout_seconds,
+            ManagerMetrics(),
+            on_commit=lambda info: self._forget_before(info.global_step),
+        )
         self.pending = self.commits.pending  # the same dicts: decide() and the watch read them under the lock
         self.refused = self.commits.refused
         self.save_decisions = SaveDecisions(self.storage)  # kept on storage: the same answers after a restart
@@ -131,16 +157,21 @@ class CheckpointManager:
         except Exception as exc:
             log.error("manager could not resume pending commits (aborted; their files are debris for gc): %s", exc)
             self.pending.clear()
-        self._monitor = LivenessWatch(self.registry, self._lock, tick=self.commits.expire, record=self.record_failure,
-                                      kill_hung=kill_hung).start()
+        self._monitor = LivenessWatch(
+            self.registry, self._lock, tick=self.commits.expire, record=self.record_failure, kill_hung=kill_hung
+        ).start()
         self.patrol = None
         if patrol_interval_seconds:
-            self.patrol = HealthPatrol(self.storage, interval_seconds=patrol_interval_seconds,
-                                       bytes_per_second=self.config.scrub_bytes_per_second,
-                                       min_free_bytes=self.config.min_free_bytes,
-                                       on_report=lambda r: self.catalog.refresh()).start()
-        self.healthz = (HealthzServer(self.health, host=healthz_host, port=healthz_port)
-                        if healthz_port is not None else None)
+            self.patrol = HealthPatrol(
+                self.storage,
+                interval_seconds=patrol_interval_seconds,
+                bytes_per_second=self.config.scrub_bytes_per_second,
+                min_free_bytes=self.config.min_free_bytes,
+                on_report=lambda r: self.catalog.refresh(),
+            ).start()
+        self.healthz = (
+            HealthzServer(self.health, host=healthz_host, port=healthz_port) if healthz_port is not None else None
+        )
 
     # -- handle ----------------------------------------------------------------
     get_or_create = staticmethod(get_or_create)
@@ -166,8 +197,9 @@ class CheckpointManager:
             self._check_participant(participant)
             return self.save_decisions.save_or_skip(snapshot_id, participant, busy, self._started)
 
-    def decide_step(self, global_step: int, participant: str, kind: str | None, busy: bool,
-                    interval_seconds: float) -> dict:
+    def decide_step(
+        self, global_step: int, participant: str, kind: str | None, busy: bool, interval_seconds: float
+    ) -> dict:
         """Under a time cadence: ``{"kind": "full" | "light" | None, "save": bool}`` for ``global_step``, by
         this manager's clock, the same for every participant (actors/decisions.py)."""
         with self._lock:
@@ -207,10 +239,16 @@ class CheckpointManager:
 
     def stats(self) -> dict:
         c = self.commits
-        return {"committed": c.committed, "aborted": c.aborted, "pending": sorted(self.pending),
-                "bytes_received": dict(c.bytes_received), "started_at": self.started_at, "pid": os.getpid(),
-                "beats": {n: p.beats for n, p in self.registry.participants.items()},
-                "maintenance_warnings": dict(c.maintenance_warnings)}
+        return {
+            "committed": c.committed,
+            "aborted": c.aborted,
+            "pending": sorted(self.pending),
+            "bytes_received": dict(c.bytes_received),
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "beats": {n: p.beats for n, p in self.registry.participants.items()},
+            "maintenance_warnings": dict(c.maintenance_warnings),
+        }
 
     def record_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Metrics reported to Ray Train (after_report), kept for health and the coordinator."""
@@ -259,9 +297,17 @@ class CheckpointManager:
             self.save_decisions.clear()  # training goes on from the plan's snapshot: its steps are saved anew
             failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
             # The manager has no components: the plan loads what the snapshot holds.
-            plan = build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
-                              components=None, coordinator=coordinator_config(self.config), history=decisions,
-                              failure=failure, deep=True, probes=probe_check(self.config))
+            plan = build_plan(
+                self.catalog,
+                self.storage,
+                schema_version=self.config.schema_version,
+                components=None,
+                coordinator=coordinator_config(self.config),
+                history=decisions,
+                failure=failure,
+                deep=True,
+                probes=probe_check(self.config),
+            )
             if plan.decision is not None:
                 record_decision(self.storage, plan.decision)
             if plan.action == "restore":  # the failed timeline's newer snapshots, once for all (retire_for_plan)
@@ -314,14 +360,21 @@ class CheckpointManager:
             ManagerMetrics.lost(len(lost))
             return {
                 "status": "degraded" if lost or quarantined else "ok",
-                "run": self.config.run_name, "storage": self.storage.url,
+                "run": self.config.run_name,
+                "storage": self.storage.url,
                 "last_step": furthest if furthest is not None else (newest[-1].global_step if newest else None),
                 "last_committed_snapshot": newest[-1].snapshot_id if newest else None,
-                "participants": parts, "lost": lost, "failure": failure, "pending_commits": sorted(self.pending),
+                "participants": parts,
+                "lost": lost,
+                "failure": failure,
+                "pending_commits": sorted(self.pending),
                 "storage_free_bytes": self.storage.free_bytes(),
                 "patrol": self.patrol.status() if self.patrol else {"enabled": False},
-                "committed": self.commits.committed, "aborted": self.commits.aborted, "policy_versions": versions,
-                "maintenance_warnings": dict(self.commits.maintenance_warnings), "memory_tier": memory,
+                "committed": self.commits.committed,
+                "aborted": self.commits.aborted,
+                "policy_versions": versions,
+                "maintenance_warnings": dict(self.commits.maintenance_warnings),
+                "memory_tier": memory,
             }
 
     def healthz_url(self) -> str | None:

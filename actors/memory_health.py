@@ -47,21 +47,30 @@ def summarize(status: dict, now: float | None = None) -> dict:
     lag = float(status.get("replication_lag_s", 0.0))
     reason = None
     if newest is not None and replicas > 0 and not newest.get("replicated"):
-        reason = (f"newest memory snapshot {newest['snapshot_id']} is not yet held on {1 + replicas} nodes "
-                  f"(on {len(newest.get('memory_nodes', []))}; replication lag {lag:.1f} s): losing its node now "
-                  "falls back to an older snapshot")
+        reason = (
+            f"newest memory snapshot {newest['snapshot_id']} is not yet held on {1 + replicas} nodes "
+            f"(on {len(newest.get('memory_nodes', []))}; replication lag {lag:.1f} s): losing its node now "
+            "falls back to an older snapshot"
+        )
     updated = status.get("updated_at")
     return {
-        "reachable": True, "status": "degraded" if reason else "ok", "degraded_reason": reason,
-        "snapshots": len(tiers), "newest_snapshot": newest["snapshot_id"] if newest else None,
+        "reachable": True,
+        "status": "degraded" if reason else "ok",
+        "degraded_reason": reason,
+        "snapshots": len(tiers),
+        "newest_snapshot": newest["snapshot_id"] if newest else None,
         "newest_step": newest["global_step"] if newest else None,
-        "bytes_per_node": per_node, "bytes_total": sum(per_node.values()), "replicas": replicas,
+        "bytes_per_node": per_node,
+        "bytes_total": sum(per_node.values()),
+        "replicas": replicas,
         "newest_replicated": bool(newest and newest.get("replicated")),
-        "replication_lag_s": lag, "flush_lag_s": float(status.get("flush_lag_s", 0.0)),
+        "replication_lag_s": lag,
+        "flush_lag_s": float(status.get("flush_lag_s", 0.0)),
         "not_flushed": list(status.get("not_flushed", [])),
         "newest_durable": durable[-1]["snapshot_id"] if durable else None,
-        "figures_age_s": (round(max(0.0, (now or time.time()) - updated), 3)
-                          if isinstance(updated, (int, float)) else None),
+        "figures_age_s": (
+            round(max(0.0, (now or time.time()) - updated), 3) if isinstance(updated, (int, float)) else None
+        ),
         "errors": list(status.get("errors", []))[-3:],
     }
 
@@ -77,8 +86,11 @@ def find_service(run_name: str, namespace: str | None):
     import ray
 
     if namespace is None:
-        found = sorted(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["name"] == service_name(run_name))
+        found = sorted(
+            a["namespace"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"] == service_name(run_name)
+        )
         if not found:
             return None
         namespace = "rl_ckpt" if "rl_ckpt" in found else found[0]
@@ -101,8 +113,9 @@ def fetch(run_name: str, namespace: str | None, timeout: float = ANSWER_SECONDS)
     except GetTimeoutError:
         return unreachable(f"the memory tier service {service_name(run_name)} gave no answer within {timeout:.0f} s")
     except RayError as exc:
-        return unreachable(f"the memory tier service {service_name(run_name)} failed: {type(exc).__name__}: "
-                           f"{str(exc)[:300]}")
+        return unreachable(
+            f"the memory tier service {service_name(run_name)} failed: {type(exc).__name__}: {str(exc)[:300]}"
+        )
 
 
 class MemoryTierWatch:
@@ -139,11 +152,12 @@ class MemoryTierWatch:
                 return self._section
             stale = self._section
         if stale is None:
-            return unreachable(f"the memory tier service look-up for {self.run_name} gave no answer") if first \
-                else None
-        return unreachable(f"the memory tier service {service_name(self.run_name)} gave no answer within "
-                           f"{self.wait:.1f} s (last figures: {stale.get('snapshots')} snapshots, newest "
-                           f"{stale.get('newest_snapshot')})")
+            return unreachable(f"the memory tier service look-up for {self.run_name} gave no answer") if first else None
+        return unreachable(
+            f"the memory tier service {service_name(self.run_name)} gave no answer within "
+            f"{self.wait:.1f} s (last figures: {stale.get('snapshots')} snapshots, newest "
+            f"{stale.get('newest_snapshot')})"
+        )
 
 
 _WATCHES: dict[tuple[str, str | None], MemoryTierWatch] = {}

@@ -93,7 +93,7 @@ class PinsAndFetch:
                 continue  # that peer died: another may hold the files
             found = [(p, a) for p, a in zip(todo, answers) if a is not None and not isinstance(a, int)]
             for i in range(0, len(found), FETCH_BATCH):  # objects move in parallel, a batch at a time
-                batch = found[i:i + FETCH_BATCH]
+                batch = found[i : i + FETCH_BATCH]
                 try:
                     datas = ray.get([a[0] for _p, a in batch if isinstance(a, list)])
                 except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):

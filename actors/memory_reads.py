@@ -35,4 +35,4 @@ class StoreReads:
         if any(start + length > size for start, length in ranges):
             return size
         view = memoryview(data if isinstance(data, bytes) else ray.get(data))
-        return [bytes(view[start:start + length]) for start, length in ranges]
+        return [bytes(view[start : start + length]) for start, length in ranges]

@@ -30,8 +30,7 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 from rl_ckpt.errors import CommitConflictError, ConfigError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME
-from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end,
-                                  too_large)
+from rl_ckpt.storage.base import Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large
 from rl_ckpt.storage.buffers import alloc_bytes, prefault
 from rl_ckpt.storage.registry import register_storage
 
@@ -48,8 +47,7 @@ def _ray():
     import ray
 
     if not ray.is_initialized():
-        raise StorageError("raymem:// storage needs a Ray cluster: call ray.init() (or run inside a Ray task)",
-                           path="")
+        raise StorageError("raymem:// storage needs a Ray cluster: call ray.init() (or run inside a Ray task)", path="")
     return ray
 
 
@@ -57,23 +55,35 @@ def parse_url(url: str, storage_options: dict | None) -> tuple[str, dict]:
     """The store key of a ``raymem://`` URL and its checked options (ConfigError naming the bad one)."""
     if not url.startswith(f"{PROTOCOL}://"):
         raise ConfigError(f"not a {PROTOCOL}:// URL: {url!r}", key="base_dir")
-    key = url[len(PROTOCOL) + 3:].strip("/")
+    key = url[len(PROTOCOL) + 3 :].strip("/")
     if not _KEY.match(key) or ".." in key.split("/"):
-        raise ConfigError(f"{url!r}: the part after {PROTOCOL}:// must be a plain name like mem/run",
-                          key="base_dir", allowed=_KEY.pattern)
+        raise ConfigError(
+            f"{url!r}: the part after {PROTOCOL}:// must be a plain name like mem/run",
+            key="base_dir",
+            allowed=_KEY.pattern,
+        )
     opts = dict(storage_options or {})
     unknown = sorted(set(opts) - set(_OPTIONS))
     if unknown:
-        raise ConfigError(f"{PROTOCOL}:// storage option {unknown[0]!r} is unknown; allowed: {', '.join(_OPTIONS)}",
-                          key=unknown[0], allowed=list(_OPTIONS))
+        raise ConfigError(
+            f"{PROTOCOL}:// storage option {unknown[0]!r} is unknown; allowed: {', '.join(_OPTIONS)}",
+            key=unknown[0],
+            allowed=list(_OPTIONS),
+        )
     replicas = opts.get("replicas", 1)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise ConfigError(f"{PROTOCOL}:// option 'replicas': got {replicas!r}; allowed: an integer >= 0",
-                          key="replicas", allowed="int >= 0")
+        raise ConfigError(
+            f"{PROTOCOL}:// option 'replicas': got {replicas!r}; allowed: an integer >= 0",
+            key="replicas",
+            allowed="int >= 0",
+        )
     budget = opts.get("budget_bytes")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ConfigError(f"{PROTOCOL}:// option 'budget_bytes': got {budget!r}; allowed: an integer >= 1 or null",
-                          key="budget_bytes", allowed="int >= 1 | None")
+        raise ConfigError(
+            f"{PROTOCOL}:// option 'budget_bytes': got {budget!r}; allowed: an integer >= 1 or null",
+            key="budget_bytes",
+            allowed="int >= 1 | None",
+        )
     return key, {**opts, "replicas": replicas, "budget_bytes": budget}
 
 
@@ -84,8 +94,8 @@ def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -
     stop_prefault = prefault(out)
     try:
         for start in range(0, got.nbytes, _COPY_STEP):
-            piece = out[start:start + _COPY_STEP]
-            piece[:] = got[start:start + _COPY_STEP]
+            piece = out[start : start + _COPY_STEP]
+            piece[:] = got[start : start + _COPY_STEP]
             if on_chunk is not None:
                 on_chunk(memoryview(piece))
     finally:
@@ -97,7 +107,7 @@ def hash_in_place(view: memoryview, on_chunk: Callable[[memoryview], object] | N
     """``view`` itself, after handing it to ``on_chunk`` piece by piece (no copy)."""
     if on_chunk is not None:
         for start in range(0, view.nbytes, _COPY_STEP):
-            on_chunk(view[start:start + _COPY_STEP])
+            on_chunk(view[start : start + _COPY_STEP])
     return view
 
 
@@ -115,7 +125,7 @@ class ViewReader(io.RawIOBase):
     def readinto(self, buf) -> int:
         out = memoryview(buf).cast("B")
         n = min(out.nbytes, self._view.nbytes - self._pos)
-        out[:n] = self._view[self._pos:self._pos + n]
+        out[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -239,7 +249,7 @@ class RayMemoryStorage(Storage):
             name, namespace = item["name"], item["namespace"]
             if namespace != self.namespace or not name.startswith(prefix):
                 continue
-            node = name[len(prefix):]
+            node = name[len(prefix) :]
             try:
                 found[node] = ray.get_actor(name, namespace=namespace)
             except ValueError:  # died between the listing and the lookup
@@ -268,7 +278,7 @@ class RayMemoryStorage(Storage):
             return []
         alive = sorted(n["NodeID"] for n in _ray().nodes() if n.get("Alive"))
         ring = [n for n in alive if n > node_id] + [n for n in alive if n < node_id]
-        return ring[:self.replicas]
+        return ring[: self.replicas]
 
     def holders(self, fresh: bool = True) -> list[tuple[str, Any]]:
         """Stores to ask for a file, this node's first: listed now (``fresh``), else the ones already known."""
@@ -296,9 +306,12 @@ class RayMemoryStorage(Storage):
         if create_only:
             held = [n for n, st in self.each("stat", path).items() if st is not None]
             if held:
-                raise CommitConflictError(f"{self.url}/{path} already exists (in the memory store of node "
-                                          f"{held[0][:12]}): another writer committed it first", path=path,
-                                          snapshot_id=path.split("/", 1)[0])
+                raise CommitConflictError(
+                    f"{self.url}/{path} already exists (in the memory store of node "
+                    f"{held[0][:12]}): another writer committed it first",
+                    path=path,
+                    snapshot_id=path.split("/", 1)[0],
+                )
         local = self.node_id
         peers = [self.store_of(n) for n in self.peers(local)]
         try:
@@ -320,13 +333,13 @@ class RayMemoryStorage(Storage):
         self.write(path, [data], create_only=create_only)
 
     # -- reads --------------------------------------------------------------------
-    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
-             max_bytes: int | None = None):
+    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None, max_bytes: int | None = None):
         """The file in a fresh writable buffer (one copy out of the object store, hashed as it fills)."""
         return copy_out(self.read_view(path, max_bytes=max_bytes), on_chunk)
 
-    def read_view(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
-                  max_bytes: int | None = None) -> memoryview:
+    def read_view(
+        self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None, max_bytes: int | None = None
+    ) -> memoryview:
         """The file as a READ-ONLY memoryview, without a copy when its store is on this node (the object store's
         shared memory; another node's object is moved here once). ``on_chunk`` sees the very bytes returned.
         Never write through it (the store's copy lives there): a caller needing writable memory copies it."""
@@ -364,8 +377,11 @@ class RayMemoryStorage(Storage):
         return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=_COPY_STEP)
 
     def missing(self, path: str) -> StorageError:
-        return StorageError(f"cannot read {self.url}/{path}: no live memory store holds it (never written, removed, "
-                            "evicted, or its store and every replica are gone)", path=path)
+        return StorageError(
+            f"cannot read {self.url}/{path}: no live memory store holds it (never written, removed, "
+            "evicted, or its store and every replica are gone)",
+            path=path,
+        )
 
     def inventory(self, prefix: str = "") -> dict[str, dict[str, int]]:
         """What every live store holds under ``prefix``: node id -> {path: size}."""
@@ -382,7 +398,7 @@ class RayMemoryStorage(Storage):
             for p, size in files.items():
                 if not p.startswith(base):
                     continue
-                rest = p[len(base):]
+                rest = p[len(base) :]
                 name, _, deeper = rest.partition("/")
                 if deeper:
                     entries.setdefault(name, Entry(name, True))

@@ -73,13 +73,16 @@ def _owned(data: Any) -> tuple[Any, int]:
         array = np.empty(size, dtype=np.uint8)
         pos = 0
         for v in views:
-            array[pos:pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+            array[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
             pos += v.nbytes
     try:
         return ray.put(array), size
     except ray.exceptions.ObjectStoreFullError as exc:
-        raise StorageError(f"the node's Ray object store cannot hold {size} more bytes ({exc}); give Ray a "
-                           "larger object_store_memory or lower memory_budget_bytes", path="") from None
+        raise StorageError(
+            f"the node's Ray object store cannot hold {size} more bytes ({exc}); give Ray a "
+            "larger object_store_memory or lower memory_budget_bytes",
+            path="",
+        ) from None
 
 
 def _resolve(data: Any):
@@ -130,8 +133,12 @@ class MemoryStore(PinsAndFetch, StoreReads):
         owned, size = _owned(data)
         with self._lock:
             if create_only and path in self._files:
-                raise CommitConflictError(f"{path} already exists in the memory store on node {self.node_id[:12]}: "
-                                          "another writer committed it first", path=path, snapshot_id=path)
+                raise CommitConflictError(
+                    f"{path} already exists in the memory store on node {self.node_id[:12]}: "
+                    "another writer committed it first",
+                    path=path,
+                    snapshot_id=path,
+                )
             self._store(path, owned, size)
             peers = list(replicate_to)
             if peers:
@@ -181,7 +188,12 @@ class MemoryStore(PinsAndFetch, StoreReads):
             f"memory store on node {self.node_id[:12]} cannot hold {path} ({extra} bytes more): it holds "
             f"{self._held} bytes of a {self.budget_bytes}-byte budget and nothing more may be evicted (the newest "
             "committed snapshot and saves in progress are kept). Raise memory_budget_bytes or lower the snapshot "
-            "size; nothing already held was lost", path=path, size=extra, budget=self.budget_bytes, node=self.node_id)
+            "size; nothing already held was lost",
+            path=path,
+            size=extra,
+            budget=self.budget_bytes,
+            node=self.node_id,
+        )
 
     def _eviction_order(self, protect: str | None) -> list[str]:
         """Snapshots that may go, first to last: leftovers older than the newest committed one, then committed
@@ -224,8 +236,9 @@ class MemoryStore(PinsAndFetch, StoreReads):
             pinned = self._pinned_paths()
             if prefix and f"{prefix}/{MANIFEST_NAME}" in self._files and f"{prefix}/{MANIFEST_NAME}" not in pinned:
                 self._drop(f"{prefix}/{MANIFEST_NAME}")
-            gone = [p for p in self._files if (not prefix or p == prefix or p.startswith(prefix + "/"))
-                    and p not in pinned]
+            gone = [
+                p for p in self._files if (not prefix or p == prefix or p.startswith(prefix + "/")) and p not in pinned
+            ]
             for p in gone:
                 self._drop(p)
             return len(gone)
@@ -251,7 +264,7 @@ class MemoryStore(PinsAndFetch, StoreReads):
             return None
         if start + length > size:
             return size
-        return bytes(memoryview(_resolve(data))[start:start + length])
+        return bytes(memoryview(_resolve(data))[start : start + length])
 
     def stat(self, path: str) -> tuple[int, int] | None:
         """(size, version) of ``path``; the version changes whenever the file is replaced."""
@@ -262,8 +275,11 @@ class MemoryStore(PinsAndFetch, StoreReads):
     def inventory(self, prefix: str = "") -> dict[str, int]:
         """Every held path under ``prefix`` -> its size."""
         with self._lock:
-            return {p: n for p, n in self._sizes.items()
-                    if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")}
+            return {
+                p: n
+                for p, n in self._sizes.items()
+                if not prefix or p == prefix or p.startswith(prefix.rstrip("/") + "/")
+            }
 
     def bytes_held(self) -> int:
         with self._lock:
@@ -334,12 +350,20 @@ class MemoryStore(PinsAndFetch, StoreReads):
         with self._lock:
             snaps = sorted({s for s in map(_snapshot_of, self._files) if s is not None}, key=parse_snapshot_id)
             committed = [s for s in snaps if f"{s}/{MANIFEST_NAME}" in self._files]
-            return {"node_id": self.node_id, "key": self.key, "bytes_held": self._held,
-                    "budget_bytes": self.budget_bytes, "files": len(self._files), "snapshots": committed,
-                    "replication_queue": len(self._queue) + self._busy, "replication_lag_s": self.replication_lag(),
-                    "replicated_bytes": self.replicated_bytes, "fetched_bytes": self.fetched_bytes,
-                    "replication_errors": list(self.replication_errors[-5:]),
-                    "evicted": list(self.evicted[-20:])}
+            return {
+                "node_id": self.node_id,
+                "key": self.key,
+                "bytes_held": self._held,
+                "budget_bytes": self.budget_bytes,
+                "files": len(self._files),
+                "snapshots": committed,
+                "replication_queue": len(self._queue) + self._busy,
+                "replication_lag_s": self.replication_lag(),
+                "replicated_bytes": self.replicated_bytes,
+                "fetched_bytes": self.fetched_bytes,
+                "replication_errors": list(self.replication_errors[-5:]),
+                "evicted": list(self.evicted[-20:]),
+            }
 
     def ping(self) -> str:
         return self.node_id
@@ -352,7 +376,13 @@ def store_actor(key: str, node_id: str, budget_bytes: int | None, namespace: str
 
     cls = ray.remote(MemoryStore)
     return cls.options(
-        name=store_name(key, node_id), namespace=namespace, lifetime="detached", get_if_exists=True,
-        max_restarts=0, max_task_retries=0, num_cpus=0, max_concurrency=16,
+        name=store_name(key, node_id),
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=0,
+        max_task_retries=0,
+        num_cpus=0,
+        max_concurrency=16,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(key, node_id, budget_bytes)

@@ -46,10 +46,15 @@ def memory_manager(config: CheckpointConfig, namespace: str = "rl_ckpt", runtime
     from .manager import CheckpointManager
 
     cfg = memory_config(config)
-    return CheckpointManager.get_or_create(run_name=cfg.run_name, base_dir=MEMORY_BASE,
-                                           storage_options=memory_options(config, namespace),
-                                           namespace=MANAGER_NAMESPACE, config=cfg, healthz_port=None,
-                                           runtime_env=runtime_env)
+    return CheckpointManager.get_or_create(
+        run_name=cfg.run_name,
+        base_dir=MEMORY_BASE,
+        storage_options=memory_options(config, namespace),
+        namespace=MANAGER_NAMESPACE,
+        config=cfg,
+        healthz_port=None,
+        runtime_env=runtime_env,
+    )
 
 
 class MemoryTierService:
@@ -76,8 +81,12 @@ class MemoryTierService:
         self._thread.start()
 
     @staticmethod
-    def get_or_create(config: CheckpointConfig | dict, namespace: str = "rl_ckpt", interval: float = 2.0,
-                      runtime_env: dict | None = None):
+    def get_or_create(
+        config: CheckpointConfig | dict,
+        namespace: str = "rl_ckpt",
+        interval: float = 2.0,
+        runtime_env: dict | None = None,
+    ):
         """The run's service actor (detached, restartable), created or attached to."""
         import os
 
@@ -87,10 +96,21 @@ class MemoryTierService:
         if "://" not in values.get("base_dir", "://"):
             values["base_dir"] = os.path.abspath(values["base_dir"])  # the actor's working directory is not ours
         cfg = CheckpointConfig(**values)
-        return ray.remote(MemoryTierService).options(
-            name=f"rl_ckpt-memtier:{cfg.run_name}", namespace=namespace, lifetime="detached", get_if_exists=True,
-            max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=8,
-            **({"runtime_env": runtime_env} if runtime_env else {})).remote(values, namespace, interval)
+        return (
+            ray.remote(MemoryTierService)
+            .options(
+                name=f"rl_ckpt-memtier:{cfg.run_name}",
+                namespace=namespace,
+                lifetime="detached",
+                get_if_exists=True,
+                max_restarts=-1,
+                max_task_retries=-1,
+                num_cpus=0,
+                max_concurrency=8,
+                **({"runtime_env": runtime_env} if runtime_env else {}),
+            )
+            .remote(values, namespace, interval)
+        )
 
     # -- the loop ---------------------------------------------------------------------
     def notify(self) -> None:
@@ -114,20 +134,23 @@ class MemoryTierService:
     def tick(self) -> dict:
         """Watch the stores, drop what lost its copies, flush what is due; returns ``status()``."""
         with self._lock:
-            view = tier_view(self.memory_catalog, self.memory.inventory(), self.durable.catalog,
-                             self.config.memory_replicas)
+            view = tier_view(
+                self.memory_catalog, self.memory.inventory(), self.durable.catalog, self.config.memory_replicas
+            )
             dropped = drop_incomplete(self.memory, view)
             if dropped:
                 self.dropped += dropped
-                view = tier_view(self.memory_catalog, self.memory.inventory(), self.durable.catalog,
-                                 self.config.memory_replicas)
+                view = tier_view(
+                    self.memory_catalog, self.memory.inventory(), self.durable.catalog, self.config.memory_replicas
+                )
             memory_ids = [s.snapshot_id for s in view if MEMORY in s.tiers and s.kind == "full"]
             durable_ids = [s.snapshot_id for s in view if DURABLE in s.tiers and s.kind == "full"]
             due = self.policy.due(memory_ids, durable_ids, self.last_flush)
             if due is not None:
                 self._flush(due)
-                view = tier_view(self.memory_catalog, self.memory.inventory(), self.durable.catalog,
-                                 self.config.memory_replicas)
+                view = tier_view(
+                    self.memory_catalog, self.memory.inventory(), self.durable.catalog, self.config.memory_replicas
+                )
             self._status = self._figures(view)
             return self._status
 
@@ -135,8 +158,9 @@ class MemoryTierService:
         """Flush ``snapshot_id`` (default: the newest complete memory snapshot) now; returns its id, or None
         when there was nothing to flush."""
         with self._lock:
-            view = tier_view(self.memory_catalog, self.memory.inventory(), self.durable.catalog,
-                             self.config.memory_replicas)
+            view = tier_view(
+                self.memory_catalog, self.memory.inventory(), self.durable.catalog, self.config.memory_replicas
+            )
             ids = [s.snapshot_id for s in view if MEMORY in s.tiers and DURABLE not in s.tiers and s.kind == "full"]
             sid = snapshot_id or (ids[-1] if ids else None)
             if sid is None:
@@ -146,8 +170,9 @@ class MemoryTierService:
 
     def _flush(self, sid: str) -> None:
         started = time.monotonic()
-        manifest = flush_snapshot(self.memory, self.durable.storage, sid, self.durable.commit,
-                                  verify=self.config.verify_after_write)
+        manifest = flush_snapshot(
+            self.memory, self.durable.storage, sid, self.durable.commit, verify=self.config.verify_after_write
+        )
         self.last_flush = time.monotonic()
         if manifest is None:
             return
@@ -162,8 +187,13 @@ class MemoryTierService:
     def _figures(self, view: list) -> dict:
         stores = self.memory.store_info()
         newest_durable = max((parse_snapshot_id(s.snapshot_id) for s in view if DURABLE in s.tiers), default=None)
-        waiting = [s for s in view if MEMORY in s.tiers and s.kind == "full"
-                   and (newest_durable is None or parse_snapshot_id(s.snapshot_id) > newest_durable)]
+        waiting = [
+            s
+            for s in view
+            if MEMORY in s.tiers
+            and s.kind == "full"
+            and (newest_durable is None or parse_snapshot_id(s.snapshot_id) > newest_durable)
+        ]
         flush_lag = 0.0
         if waiting:
             info = self.memory_catalog.get(waiting[0].snapshot_id)
@@ -174,10 +204,15 @@ class MemoryTierService:
             "replicated": [s.snapshot_id for s in view if s.replicated],
             "bytes_per_node": {n: i["bytes_held"] for n, i in stores.items()},
             "replication_lag_s": max((i["replication_lag_s"] for i in stores.values()), default=0.0),
-            "flush_lag_s": flush_lag, "not_flushed": [s.snapshot_id for s in waiting],
-            "flushed": list(self.flushed[-10:]), "dropped": list(self.dropped[-10:]), "errors": list(self.errors[-5:]),
-            "stores": stores, "tiers": [s.to_json() for s in view],
-            "replicas": self.config.memory_replicas, "updated_at": time.time(),
+            "flush_lag_s": flush_lag,
+            "not_flushed": [s.snapshot_id for s in waiting],
+            "flushed": list(self.flushed[-10:]),
+            "dropped": list(self.dropped[-10:]),
+            "errors": list(self.errors[-5:]),
+            "stores": stores,
+            "tiers": [s.to_json() for s in view],
+            "replicas": self.config.memory_replicas,
+            "updated_at": time.time(),
         }
         self._metrics.update(body)
         return body
@@ -214,14 +249,20 @@ class _Metrics:
             from ray.util import metrics
 
             self._snapshots = metrics.Gauge("rl_ckpt_memory_snapshots", description="Snapshots complete in memory")
-            self._bytes = metrics.Gauge("rl_ckpt_memory_bytes", description="Bytes held by a node's memory store",
-                                        tag_keys=("node",))
-            self._repl = metrics.Gauge("rl_ckpt_memory_replication_lag_seconds",
-                                       description="Age of the oldest copy still queued for a peer store")
-            self._flush = metrics.Gauge("rl_ckpt_memory_flush_lag_seconds",
-                                        description="Age of the oldest memory snapshot newer than durable storage's")
-            self._flush_time = metrics.Histogram("rl_ckpt_memory_flush_seconds", description="Time to flush one",
-                                                 boundaries=[0.1, 0.5, 1, 5, 30, 120])
+            self._bytes = metrics.Gauge(
+                "rl_ckpt_memory_bytes", description="Bytes held by a node's memory store", tag_keys=("node",)
+            )
+            self._repl = metrics.Gauge(
+                "rl_ckpt_memory_replication_lag_seconds",
+                description="Age of the oldest copy still queued for a peer store",
+            )
+            self._flush = metrics.Gauge(
+                "rl_ckpt_memory_flush_lag_seconds",
+                description="Age of the oldest memory snapshot newer than durable storage's",
+            )
+            self._flush_time = metrics.Histogram(
+                "rl_ckpt_memory_flush_seconds", description="Time to flush one", boundaries=[0.1, 0.5, 1, 5, 30, 120]
+            )
         except ImportError:  # pragma: no cover - the service always runs inside Ray
             self._snapshots = None
 

@@ -15,8 +15,9 @@ class ManagerMetrics:
 
             self._commits = metrics.Counter("rl_ckpt_snapshots_committed", description="Snapshots committed")
             self._aborts = metrics.Counter("rl_ckpt_snapshots_aborted", description="Sharded snapshots aborted")
-            self._latency = metrics.Histogram("rl_ckpt_commit_seconds", description="Merge + commit time",
-                                              boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 30])
+            self._latency = metrics.Histogram(
+                "rl_ckpt_commit_seconds", description="Merge + commit time", boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 30]
+            )
             self._step = metrics.Gauge("rl_ckpt_last_committed_step", description="Step of the newest snapshot")
             self._bytes = metrics.Gauge("rl_ckpt_manager_bytes_per_snapshot", description="Metadata bytes received")
         except ImportError:  # pragma: no cover - the manager always runs inside Ray
@@ -42,8 +43,9 @@ class ManagerMetrics:
             if cls._lost_gauge is None:
                 from ray.util import metrics
 
-                cls._lost_gauge = metrics.Gauge("rl_ckpt_participants_lost",
-                                                description="Participants dead or silent (healthz degraded while > 0)")
+                cls._lost_gauge = metrics.Gauge(
+                    "rl_ckpt_participants_lost", description="Participants dead or silent (healthz degraded while > 0)"
+                )
             cls._lost_gauge.set(count)
         except ImportError:  # pragma: no cover - the manager always runs inside Ray
             pass
@@ -64,8 +66,10 @@ def _escape(text: str) -> str:
 # name -> (help, how to read it from the health dict); every one a gauge of the run's current state
 _GAUGES = {
     "rl_ckpt_healthy": ("1 when /healthz answers 200, 0 when degraded", lambda h: h["status"] == "ok"),
-    "rl_ckpt_last_step": ("Furthest step a participant reported (or the newest snapshot's)",
-                          lambda h: h.get("last_step")),
+    "rl_ckpt_last_step": (
+        "Furthest step a participant reported (or the newest snapshot's)",
+        lambda h: h.get("last_step"),
+    ),
     "rl_ckpt_participants_lost": ("Participants dead or silent", lambda h: len(h.get("lost", []))),
     "rl_ckpt_pending_commits": ("Sharded snapshots waiting for reports", lambda h: len(h.get("pending_commits", []))),
     "rl_ckpt_committed_total": ("Snapshots this manager process committed", lambda h: h.get("committed")),
@@ -74,14 +78,20 @@ _GAUGES = {
 }
 _MEMORY_GAUGES = {
     "rl_ckpt_memory_tier_reachable": ("1 when the memory tier service answered", lambda m: m["reachable"]),
-    "rl_ckpt_memory_tier_degraded": ("1 when the memory tier is degraded or unreachable (see /healthz)",
-                                     lambda m: m["status"] != "ok"),
+    "rl_ckpt_memory_tier_degraded": (
+        "1 when the memory tier is degraded or unreachable (see /healthz)",
+        lambda m: m["status"] != "ok",
+    ),
     "rl_ckpt_memory_snapshots": ("Snapshots complete in memory", lambda m: m.get("snapshots")),
     "rl_ckpt_memory_newest_step": ("Step of the newest memory snapshot", lambda m: m.get("newest_step")),
-    "rl_ckpt_memory_replication_lag_seconds": ("Age of the oldest copy still queued for a peer store",
-                                               lambda m: m.get("replication_lag_s")),
-    "rl_ckpt_memory_flush_lag_seconds": ("Age of the oldest memory snapshot newer than durable storage's",
-                                         lambda m: m.get("flush_lag_s")),
+    "rl_ckpt_memory_replication_lag_seconds": (
+        "Age of the oldest copy still queued for a peer store",
+        lambda m: m.get("replication_lag_s"),
+    ),
+    "rl_ckpt_memory_flush_lag_seconds": (
+        "Age of the oldest memory snapshot newer than durable storage's",
+        lambda m: m.get("flush_lag_s"),
+    ),
 }
 
 
@@ -104,7 +114,12 @@ def prometheus_text(health: dict) -> str:
     if memory is not None:
         for name, (help_text, read) in _MEMORY_GAUGES.items():
             gauge(name, help_text, [_line(name, read(memory), run)])
-        gauge("rl_ckpt_memory_bytes", "Bytes held by a node's memory store",
-              [_line("rl_ckpt_memory_bytes", held, {**run, "node": node})
-               for node, held in sorted(memory.get("bytes_per_node", {}).items())])
+        gauge(
+            "rl_ckpt_memory_bytes",
+            "Bytes held by a node's memory store",
+            [
+                _line("rl_ckpt_memory_bytes", held, {**run, "node": node})
+                for node, held in sorted(memory.get("bytes_per_node", {}).items())
+            ],
+        )
     return "\n".join(out) + "\n"

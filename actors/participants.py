@@ -51,7 +51,9 @@ class ParticipantRegistry:
             raise UnknownParticipantError(
                 f"participant {participant!r} is not registered with the manager of run {self.run_name!r}: "
                 "only registered participants (a CheckpointEngine built with manager=...) may begin, report or "
-                f"abort snapshots. Registered: {sorted(self.participants)}.", participant=participant)
+                f"abort snapshots. Registered: {sorted(self.participants)}.",
+                participant=participant,
+            )
 
     def register(self, participant: str, meta: dict, handle: Any, now: float) -> None:
         """A participant process announces itself; a registration from the same process merges."""
@@ -88,8 +90,11 @@ class ParticipantRegistry:
         worker idle before training starts, or one already known to have failed,
         is not a new incident.
         """
-        lost = [(n, p) for n, p in self.participants.items()
-                if p.step is not None and not p.lost and now - p.last_beat > 2 * self.interval]
+        lost = [
+            (n, p)
+            for n, p in self.participants.items()
+            if p.step is not None and not p.lost and now - p.last_beat > 2 * self.interval
+        ]
         for _, p in lost:
             p.lost = True
         return lost
@@ -139,8 +144,16 @@ class ParticipantRegistry:
 
     def status(self, now: float) -> dict[str, dict]:
         """Each participant's heartbeat age, step, lost flag and registration metadata."""
-        return {n: {"heartbeat_age_s": round(now - p.last_beat, 3), "step": p.step, "lost": p.lost,
-                    "last_snapshot": p.last_snapshot, **p.meta} for n, p in self.participants.items()}
+        return {
+            n: {
+                "heartbeat_age_s": round(now - p.last_beat, 3),
+                "step": p.step,
+                "lost": p.lost,
+                "last_snapshot": p.last_snapshot,
+                **p.meta,
+            }
+            for n, p in self.participants.items()
+        }
 
     def furthest_step(self) -> int | None:
         steps = [p.step for p in self.participants.values() if p.step is not None]
@@ -157,8 +170,14 @@ class LivenessWatch:
     restarts them.
     """
 
-    def __init__(self, registry: ParticipantRegistry, lock: threading.RLock, tick: Callable[[float], None],
-                 record: Callable[[dict], Any], kill_hung: bool = False) -> None:
+    def __init__(
+        self,
+        registry: ParticipantRegistry,
+        lock: threading.RLock,
+        tick: Callable[[float], None],
+        record: Callable[[dict], Any],
+        kill_hung: bool = False,
+    ) -> None:
         self.registry = registry
         self.lock = lock
         self.tick = tick
@@ -198,8 +217,9 @@ class LivenessWatch:
         self._last_loss_record = now
         names = ", ".join(name for name, _ in lost)
         try:
-            self.record(FailureInfo(kind="heartbeat_lost", step=lost[0][1].step, message=msg,
-                                    participant=lost[0][0]).to_json())
+            self.record(
+                FailureInfo(kind="heartbeat_lost", step=lost[0][1].step, message=msg, participant=lost[0][0]).to_json()
+            )
         except CheckpointError as exc:
             log.error("could not record heartbeat loss of %s: %s", names, exc)
         if self.kill_hung:

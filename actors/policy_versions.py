@@ -91,26 +91,36 @@ class VersionsStorage(RayMemoryStorage):
             return self._write_each(items)  # commits: the base's, one by one
         store = self.store_of(self.node_id)
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
-        refs = [store.put.remote(path, np.frombuffer(data, dtype=np.uint8) if data.nbytes else b"", False, peers)
-                for path, data in items]
+        refs = [
+            store.put.remote(path, np.frombuffer(data, dtype=np.uint8) if data.nbytes else b"", False, peers)
+            for path, data in items
+        ]
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
             return self._write_each(items)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
-            raise cause if isinstance(cause, StorageError) else StorageError(
-                f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0]) from None
+            raise (
+                cause
+                if isinstance(cause, StorageError)
+                else StorageError(f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0])
+            ) from None
         if self.push_to:
             self.unpushed += [path for path, _d in items]
             self.push()
         # What the store now holds, mapped in one call: the read-back that verifies each file costs no round trip.
         answers = ray.get(store.get_many.remote([path for path, _d in items]))
         refs = [(path, got[0]) for (path, _d), got in zip(items, answers) if isinstance(got, list)]
-        self.written = {path: memoryview(got).cast("B").toreadonly() for (path, _d), got in zip(items, answers)
-                        if isinstance(got, bytes)}
-        self.written.update((path, memoryview(data).cast("B").toreadonly())
-                            for (path, _r), data in zip(refs, ray.get([r for _p, r in refs])))
+        self.written = {
+            path: memoryview(got).cast("B").toreadonly()
+            for (path, _d), got in zip(items, answers)
+            if isinstance(got, bytes)
+        }
+        self.written.update(
+            (path, memoryview(data).cast("B").toreadonly())
+            for (path, _r), data in zip(refs, ray.get([r for _p, r in refs]))
+        )
 
     def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
         """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
@@ -148,8 +158,14 @@ class VersionsStorage(RayMemoryStorage):
             try:
                 moved += ray.get(ref)
             except Exception as exc:  # that store is full or gone: its workers place (or read remotely)
-                log.warning("policy versions: %d files (%s...) not placed on node %s at publish (%s); its workers "
-                            "will place them", len(paths), paths[0], node[:12], str(exc)[:300])
+                log.warning(
+                    "policy versions: %d files (%s...) not placed on node %s at publish (%s); its workers "
+                    "will place them",
+                    len(paths),
+                    paths[0],
+                    node[:12],
+                    str(exc)[:300],
+                )
         self.pushed_bytes += moved
         return moved
 
@@ -185,12 +201,17 @@ class VersionsStorage(RayMemoryStorage):
 
     def subscriber_nodes(self) -> list[str]:
         """Nodes where a rollout worker pulled versions and whose store is alive (one call per store)."""
-        return sorted(node for node, files in self.inventory(SUBSCRIBERS).items()
-                      if f"{SUBSCRIBERS}/{node}" in files)
+        return sorted(node for node, files in self.inventory(SUBSCRIBERS).items() if f"{SUBSCRIBERS}/{node}" in files)
 
 
-def versions_storage(run_name: str, *, namespace: str = "rl_ckpt", replicas: int = 1,
-                     budget_bytes: int | None = None, node_id: str | None = None) -> VersionsStorage:
+def versions_storage(
+    run_name: str,
+    *,
+    namespace: str = "rl_ckpt",
+    replicas: int = 1,
+    budget_bytes: int | None = None,
+    node_id: str | None = None,
+) -> VersionsStorage:
     """The ``raymem://`` storage of run ``run_name``'s policy versions (its stores are created on first write)."""
     opts: dict[str, Any] = {"namespace": namespace, "replicas": replicas, "budget_bytes": budget_bytes}
     if node_id is not None:
@@ -215,11 +236,18 @@ def published(storage: RayMemoryStorage) -> dict[int, str]:
 
 def not_found(run_name: str, version: Any, available: list[int]) -> VersionNotFoundError:
     newest = available[-1] if available else None
-    what = "no policy version is published yet" if not available else (
-        f"newest available: {newest} (available: {', '.join(map(str, available[-8:]))})")
-    return VersionNotFoundError(f"policy version {version!r} of run {run_name!r} is unknown or retired; {what}. "
-                                "Ask for 'latest' or one of those", version=version, newest=newest,
-                                available=list(available))
+    what = (
+        "no policy version is published yet"
+        if not available
+        else (f"newest available: {newest} (available: {', '.join(map(str, available[-8:]))})")
+    )
+    return VersionNotFoundError(
+        f"policy version {version!r} of run {run_name!r} is unknown or retired; {what}. "
+        "Ask for 'latest' or one of those",
+        version=version,
+        newest=newest,
+        available=list(available),
+    )
 
 
 class CastPolicy:
@@ -230,12 +258,16 @@ class CastPolicy:
         self.dtype = dtype
 
     def state_dict(self) -> dict:
-        return {k: (v.detach().to(self.dtype) if v.is_floating_point() else v.detach())
-                for k, v in self.module.state_dict().items()}
+        return {
+            k: (v.detach().to(self.dtype) if v.is_floating_point() else v.detach())
+            for k, v in self.module.state_dict().items()
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        raise CheckpointError("a cast policy version is published, never restored into the learners: their "
-                              "full-precision state is in their own snapshots")
+        raise CheckpointError(
+            "a cast policy version is published, never restored into the learners: their "
+            "full-precision state is in their own snapshots"
+        )
 
 
 class PolicyVersions:
@@ -253,9 +285,20 @@ class PolicyVersions:
         min_object_bytes: tensors from this size are content-addressed objects (smaller ones share a file).
     """
 
-    def __init__(self, run_name: str, module: torch.nn.Module, *, keep: int = 4, replicas: int = 1,
-                 budget_bytes: int | None = None, dtype: torch.dtype | None = None, rank: int | None = None,
-                 world_size: int | None = None, namespace: str = "rl_ckpt", min_object_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        module: torch.nn.Module,
+        *,
+        keep: int = 4,
+        replicas: int = 1,
+        budget_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        namespace: str = "rl_ckpt",
+        min_object_bytes: int = 0,
+    ) -> None:
         from rl_ckpt.core.engine import CheckpointEngine
         from rl_ckpt.run.retention import KeepLatest
         from rl_ckpt.sharded.component import has_dtensors
@@ -265,8 +308,11 @@ class PolicyVersions:
         self.run_name = run_name
         self.sharded = has_dtensors(module.parameters())
         if dtype is not None and self.sharded:
-            raise ConfigError("PolicyVersions: dtype= casts plain modules; an FSDP2 module is published as it is "
-                              "sharded (give its params the dtype wanted, or publish from a plain copy)", key="dtype")
+            raise ConfigError(
+                "PolicyVersions: dtype= casts plain modules; an FSDP2 module is published as it is "
+                "sharded (give its params the dtype wanted, or publish from a plain copy)",
+                key="dtype",
+            )
         if not self.sharded:
             if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
                 rank = torch.distributed.get_rank()
@@ -277,9 +323,18 @@ class PolicyVersions:
         self.storage = versions_storage(run_name, namespace=namespace, replicas=replicas, budget_bytes=budget_bytes)
         self.engine = None
         if self.sharded or self.rank == 0:
-            self.engine = CheckpointEngine(base_dir=VERSIONS_BASE, run_name=run_name, storage=self.storage,
-                                           retention=KeepLatest(keep), dedup=True, keep_latest=keep, keep_best=0,
-                                           dedup_min_tensor_bytes=min_object_bytes, rank=rank, world_size=world_size)
+            self.engine = CheckpointEngine(
+                base_dir=VERSIONS_BASE,
+                run_name=run_name,
+                storage=self.storage,
+                retention=KeepLatest(keep),
+                dedup=True,
+                keep_latest=keep,
+                keep_best=0,
+                dedup_min_tensor_bytes=min_object_bytes,
+                rank=rank,
+                world_size=world_size,
+            )
             self.engine.register(COMPONENT, CastPolicy(module, dtype) if dtype is not None else module)
 
     def publish(self, step: int, metrics: dict | None = None) -> str | None:
@@ -356,11 +411,14 @@ def versions_status(storage: RayMemoryStorage) -> dict:
         except (CheckpointError, ValueError):
             continue
     pins = storage.each("pins") if info else {}
-    return {"versions": list(published(storage)), "bytes_per_node": {n: i["bytes_held"] for n, i in info.items()},
-            "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
-            "pinned": {n: p for n, p in pins.items() if p},
-            "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
-            "status": "degraded" if faults else "ok"}
+    return {
+        "versions": list(published(storage)),
+        "bytes_per_node": {n: i["bytes_held"] for n, i in info.items()},
+        "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
+        "pinned": {n: p for n, p in pins.items() if p},
+        "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
+        "status": "degraded" if faults else "ok",
+    }
 
 
 FAULTS = "faults"

@@ -53,8 +53,9 @@ def versions_section(run_name: str) -> dict | None:
             return section
         thread = _RUNNING.get(run_name)
         if thread is None:
-            thread = _RUNNING[run_name] = threading.Thread(target=_look, args=(run_name,), daemon=True,
-                                                           name="rl_ckpt-versions-health")
+            thread = _RUNNING[run_name] = threading.Thread(
+                target=_look, args=(run_name,), daemon=True, name="rl_ckpt-versions-health"
+            )
             thread.start()
     thread.join(WAIT_SECONDS)
     with _LOCK:

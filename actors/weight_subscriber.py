@@ -78,9 +78,17 @@ class WeightSubscriber:
             (as ``PolicyVersions``'; a placement that does not fit is skipped and the version read from its peers).
     """
 
-    def __init__(self, run_name: str, *, key: str = COMPONENT, namespace: str = "rl_ckpt",
-                 durable: dict | None = None, lease_seconds: float = 300.0, placement: bool = True,
-                 budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        *,
+        key: str = COMPONENT,
+        namespace: str = "rl_ckpt",
+        durable: dict | None = None,
+        lease_seconds: float = 300.0,
+        placement: bool = True,
+        budget_bytes: int | None = None,
+    ) -> None:
         self.run_name = run_name
         self.key = key
         self.storage = versions_storage(run_name, namespace=namespace, replicas=0, budget_bytes=budget_bytes)
@@ -140,17 +148,43 @@ class WeightSubscriber:
                 reasons[sid] = str(exc)
                 self._fault(sid, exc, target)
                 continue
-            return self._done(PullResult(step, sid, "memory", stats.bytes_moved, stats.bytes_total, copied,
-                                         time.monotonic() - started, placed, None if step == target else target,
-                                         "" if step == target else _why(reasons)))
+            return self._done(
+                PullResult(
+                    step,
+                    sid,
+                    "memory",
+                    stats.bytes_moved,
+                    stats.bytes_total,
+                    copied,
+                    time.monotonic() - started,
+                    placed,
+                    None if step == target else target,
+                    "" if step == target else _why(reasons),
+                )
+            )
         if self.durable is not None:
             sid, stats = self._pull_durable(puller, reasons)
             step = parse_snapshot_id(sid)[0]
-            return self._done(PullResult(step, sid, "durable", stats.bytes_moved, stats.bytes_total, 0,
-                                         time.monotonic() - started, 0.0, target, _why(reasons)))
-        raise NoValidSnapshotError(f"no policy version of run {self.run_name!r} up to {target} could be loaded and "
-                                   f"no durable fallback is configured; {_why(reasons)}. The module keeps what it "
-                                   "held", reasons=reasons)
+            return self._done(
+                PullResult(
+                    step,
+                    sid,
+                    "durable",
+                    stats.bytes_moved,
+                    stats.bytes_total,
+                    0,
+                    time.monotonic() - started,
+                    0.0,
+                    target,
+                    _why(reasons),
+                )
+            )
+        raise NoValidSnapshotError(
+            f"no policy version of run {self.run_name!r} up to {target} could be loaded and "
+            f"no durable fallback is configured; {_why(reasons)}. The module keeps what it "
+            "held",
+            reasons=reasons,
+        )
 
     def _announce(self) -> None:
         """Tell the publishers this node pulls versions (``subscribers/<node>`` in this node's store): they place
@@ -160,14 +194,21 @@ class WeightSubscriber:
             self.storage.write(f"{SUBSCRIBERS}/{node}", [json.dumps({"node": node, "since": time.time()}).encode()])
             self._announced = True
         except CheckpointError as exc:  # no room: the versions are placed by the pulls instead
-            log.warning("policy versions of %s: node %s not announced to the publishers (%s)", self.run_name,
-                        node[:12], exc)
+            log.warning(
+                "policy versions of %s: node %s not announced to the publishers (%s)", self.run_name, node[:12], exc
+            )
 
     def _done(self, result: PullResult) -> PullResult:
         self.version = result.version
         if result.fell_back_from is not None:
-            log.warning("policy version %s of run %s could not be loaded; holding %s from %s instead: %s",
-                        result.fell_back_from, self.run_name, result.version, result.source, result.reason)
+            log.warning(
+                "policy version %s of run %s could not be loaded; holding %s from %s instead: %s",
+                result.fell_back_from,
+                self.run_name,
+                result.version,
+                result.source,
+                result.reason,
+            )
         return result
 
     def _pull_version(self, puller: WeightPuller, sid: str):
@@ -214,13 +255,23 @@ class WeightSubscriber:
                 return info.snapshot_id, puller.pull(storage, info.manifest)
             except (CorruptSnapshotError, StorageError) as exc:
                 reasons[f"durable:{info.snapshot_id}"] = str(exc)
-        raise NoValidSnapshotError(f"no policy version of run {self.run_name!r} and no durable snapshot could be "
-                                   f"loaded: {_why(reasons)}. The module keeps what it held", reasons=reasons)
+        raise NoValidSnapshotError(
+            f"no policy version of run {self.run_name!r} and no durable snapshot could be "
+            f"loaded: {_why(reasons)}. The module keeps what it held",
+            reasons=reasons,
+        )
 
     def _fault(self, sid: str, exc: Exception, asked: int) -> None:
-        record = {"time": time.time(), "run": self.run_name, "snapshot_id": sid, "asked": asked,
-                  "holder": self.holder, "node": self.storage.node_id, "error": str(exc)[:500],
-                  "path": getattr(exc, "path", None)}
+        record = {
+            "time": time.time(),
+            "run": self.run_name,
+            "snapshot_id": sid,
+            "asked": asked,
+            "holder": self.holder,
+            "node": self.storage.node_id,
+            "error": str(exc)[:500],
+            "path": getattr(exc, "path", None),
+        }
         self.faults.append(record)
         del self.faults[:-50]
         log.warning("policy version %s of run %s not loaded: %s", sid, self.run_name, exc)
@@ -231,8 +282,12 @@ class WeightSubscriber:
 
     def status(self) -> dict:
         """This worker's view: the version it holds and the faults it met (newest last)."""
-        return {"version": self.version, "holder": self.holder, "faults": list(self.faults[-10:]),
-                "status": "degraded" if self.faults else "ok"}
+        return {
+            "version": self.version,
+            "holder": self.holder,
+            "faults": list(self.faults[-10:]),
+            "status": "degraded" if self.faults else "ok",
+        }
 
 
 def fetch_here(storage, paths: list[str]) -> int:

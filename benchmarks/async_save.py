@@ -102,8 +102,9 @@ class Trainer:
         g = torch.Generator().manual_seed(seed)
         self.width, self.hidden = width, hidden
         torch.manual_seed(seed)
-        self.net = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                                 nn.Linear(hidden, width))
+        self.net = nn.Sequential(
+            nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, width)
+        )
         self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4)
         self._g = g
         self.set_batch(batch)
@@ -198,8 +199,9 @@ def gbps(n: int, s: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------- phases (--phases)
-def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer,
-                   quiet=lambda: None) -> dict:
+def measure_phases(
+    staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer, quiet=lambda: None
+) -> dict:
     """Time each part of a save on its own, and the training step next to each one."""
     from rl_ckpt.format import safetensors_io
     from rl_ckpt.format.checksum import new_hasher
@@ -230,6 +232,7 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
                 v = memoryview(chunk).cast("B")
                 h.update(v)
                 yield v
+
         storage.write(f"x/h{next(counter)}.safetensors", gen(), durable=True)
         h.hexdigest()
 
@@ -255,8 +258,13 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
     t0 = time.perf_counter()
     encode_state("x", {"a": arrays})
     out["encode_state_s"] = time.perf_counter() - t0
-    for name, fn in (("hash_s", hash_only), ("write_fsync_s", write_only), ("write_hashed_s", write_hashed),
-                     ("verify_reread_hash_s", verify_only), ("copy_into_s", copy_only)):
+    for name, fn in (
+        ("hash_s", hash_only),
+        ("write_fsync_s", write_only),
+        ("write_hashed_s", write_hashed),
+        ("verify_reread_hash_s", verify_only),
+        ("copy_into_s", copy_only),
+    ):
         quiet()
         meter = CpuMeter()
         out[name] = timed(fn)
@@ -265,8 +273,12 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
     # Training next to one background activity at a time (looped until 12 steps ran), each
     # against an idle baseline measured just before it.
     contention = {}
-    for name, fn in (("hash", hash_only), ("write_fsync", write_only), ("verify", verify_only),
-                     ("copy_into", copy_only)):
+    for name, fn in (
+        ("hash", hash_only),
+        ("write_fsync", write_only),
+        ("verify", verify_only),
+        ("copy_into", copy_only),
+    ):
         quiet()
         meter = CpuMeter()
         idle = trainer.median_step(12)
@@ -275,14 +287,19 @@ def measure_phases(staged_tensors: list[torch.Tensor], algo: str, workdir: str, 
         def loop(fn=fn) -> None:
             while not stop.is_set():
                 fn()
+
         th = threading.Thread(target=loop, daemon=True)
         th.start()
         time.sleep(0.05)
         busy = statistics.median(trainer.step() for _ in range(12))
         stop.set()
         th.join()
-        contention[name] = {"idle_ms": 1e3 * idle, "step_ms": 1e3 * busy, "slowdown": busy / idle,
-                            "other_cores": meter.other_cores()}
+        contention[name] = {
+            "idle_ms": 1e3 * idle,
+            "step_ms": 1e3 * busy,
+            "slowdown": busy / idle,
+            "other_cores": meter.other_cores(),
+        }
         log(f"  step next to {name}: {1e3 * busy:.1f} ms vs idle {1e3 * idle:.1f} ms ({busy / idle:.2f}x)")
         storage.remove_tree("x")
         storage.makedirs("x")
@@ -299,13 +316,27 @@ def run(args: argparse.Namespace) -> dict:
     from rl_ckpt.config import FIELDS
 
     nice = FIELDS["writer_nice"][0] if args.writer_nice is None else args.writer_nice
-    res: dict = {"config": {"size_gib": args.size_gib, "repeat": args.repeat, "algo": args.algo, "writer_nice": nice,
-                            "post_load_check": not args.no_probe,
-                            "verify_after_write": True, "dir": workdir, "fs": fs_info(workdir)},
-                 "env": {"torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
-                         "torch_num_interop_threads": torch.get_num_interop_threads(),
-                         "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                         "machine": platform.machine(), "repo_commit": repo_commit()}}
+    res: dict = {
+        "config": {
+            "size_gib": args.size_gib,
+            "repeat": args.repeat,
+            "algo": args.algo,
+            "writer_nice": nice,
+            "post_load_check": not args.no_probe,
+            "verify_after_write": True,
+            "dir": workdir,
+            "fs": fs_info(workdir),
+        },
+        "env": {
+            "torch": torch.__version__,
+            "torch_num_threads": torch.get_num_threads(),
+            "torch_num_interop_threads": torch.get_num_interop_threads(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "repo_commit": repo_commit(),
+        },
+    }
     if res["config"]["fs"]["fstype"] == "tmpfs":
         log(f"warning: {workdir} is on tmpfs: write/fsync figures will not reflect a disk")
     engine = None
@@ -315,14 +346,23 @@ def run(args: argparse.Namespace) -> dict:
         tensors = state_tensors(model, opt)
         total = nbytes(tensors)
         model_bytes = nbytes(list(model.state_dict().values()))
-        res["state"] = {"bytes": total, "gib": total / GIB, "tensors": len(tensors), "model_bytes": model_bytes,
-                        "optimizer_bytes": total - model_bytes, "optimizer_fraction": (total - model_bytes) / total,
-                        "mix": size_mix(tensors), "shape": shape}
+        res["state"] = {
+            "bytes": total,
+            "gib": total / GIB,
+            "tensors": len(tensors),
+            "model_bytes": model_bytes,
+            "optimizer_bytes": total - model_bytes,
+            "optimizer_fraction": (total - model_bytes) / total,
+            "mix": size_mix(tensors),
+            "shape": shape,
+        }
         saves = 3 * (args.repeat + 1 + (MAX_DISCARDED if args.wait_quiet > 0 else 0))
         free = shutil.disk_usage(workdir).free
         if free < saves * total * 1.1 + 2 * total:
-            raise SystemExit(f"not enough free space in {workdir}: {free / GIB:.1f} GiB free, "
-                             f"~{(saves * total * 1.1 + 2 * total) / GIB:.1f} GiB needed ({saves} snapshots)")
+            raise SystemExit(
+                f"not enough free space in {workdir}: {free / GIB:.1f} GiB free, "
+                f"~{(saves * total * 1.1 + 2 * total) / GIB:.1f} GiB needed ({saves} snapshots)"
+            )
 
         trainer = Trainer()
         for _ in range(5):  # calibrate on a quiet machine if possible: other load makes steps look slow
@@ -334,12 +374,23 @@ def run(args: argparse.Namespace) -> dict:
             if args.wait_quiet <= 0 or (calib_load or 0.0) <= QUIET_LIMIT:
                 break
             log(f"  calibration disturbed ({calib_load:.2f} other cores); redoing it")
-        res["train"] = {"model": f"MLP {trainer.width}-{trainer.hidden}-{trainer.hidden}-{trainer.width} + Adam",
-                        "batch": trainer.batch, "target_ms": args.step_ms, "calibration_other_cores": calib_load}
+        res["train"] = {
+            "model": f"MLP {trainer.width}-{trainer.hidden}-{trainer.hidden}-{trainer.width} + Adam",
+            "batch": trainer.batch,
+            "target_ms": args.step_ms,
+            "calibration_other_cores": calib_load,
+        }
 
         extra = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
-        engine = CheckpointEngine(base_dir=workdir, run_name="bench", checksum_algo=args.algo,
-                                  verify_after_write=True, retention=False, post_load_check=not args.no_probe, **extra)
+        engine = CheckpointEngine(
+            base_dir=workdir,
+            run_name="bench",
+            checksum_algo=args.algo,
+            verify_after_write=True,
+            retention=False,
+            post_load_check=not args.no_probe,
+            **extra,
+        )
         engine.register("policy", model)
         engine.register("optimizer", opt)
         dst = [torch.empty_like(t) for t in tensors]
@@ -374,9 +425,13 @@ def run(args: argparse.Namespace) -> dict:
             trainer.step(then=opt.step)
             handle.wait()
             t2 = time.perf_counter()
-            r.update(async_call_s=t1 - t0, hook_wait_s=handle.hook_wait_seconds,
-                     async_block_s=t1 - t0 + handle.hook_wait_seconds, copy_s=handle.copy_seconds,
-                     async_total_s=t2 - t0)
+            r.update(
+                async_call_s=t1 - t0,
+                hook_wait_s=handle.hook_wait_seconds,
+                async_block_s=t1 - t0 + handle.hook_wait_seconds,
+                copy_s=handle.copy_seconds,
+                async_total_s=t2 - t0,
+            )
             t0 = time.perf_counter()
             engine.pipeline.probes("full")  # the post-load probe's reference forward, part of every save's call
             r["probe_s"] = time.perf_counter() - t0
@@ -416,18 +471,36 @@ def run(args: argparse.Namespace) -> dict:
             end = done_at[0] if done_at else time.perf_counter()
             inside = [e - s for s, e in spans if e <= end] or [e - s for s, e in spans]
             r["step_slowdown"] = med(inside) / med(r["step_idle_s"]) if inside else None
-            r.update(step_during_save_s=inside, steps_during_save=len(spans), busy_block_s=t1 - t0,
-                     busy_total_s=end - t0)
+            r.update(
+                step_during_save_s=inside, steps_during_save=len(spans), busy_block_s=t1 - t0, busy_total_s=end - t0
+            )
             alloc_after.append(engine.pipeline.staging.allocations)
             r["other_cores"] = meter.other_cores()
-            log("  sync %.3fs  async block %.4fs (call %.4fs + hook %.4fs; copy %.3fs) total %.3fs  clone %.3fs  "
-                "copy_into %.3fs  step idle %.1fms  during save %.1fms (%d steps, save %.2fs)  other load %.2f" % (
-                    r["sync_save_s"], r["async_block_s"], r["async_call_s"], r["hook_wait_s"], r["copy_s"],
-                    r["async_total_s"], r["clone_s"],
-                    r["copy_into_s"], 1e3 * med(r["step_idle_s"]), 1e3 * (med(inside) or 0), len(spans),
-                    r["busy_total_s"], r["other_cores"] or 0.0))
-            if (args.wait_quiet > 0 and not warm and (r["other_cores"] or 0.0) > QUIET_LIMIT
-                    and len(discarded) < MAX_DISCARDED):
+            log(
+                "  sync %.3fs  async block %.4fs (call %.4fs + hook %.4fs; copy %.3fs) total %.3fs  clone %.3fs  "
+                "copy_into %.3fs  step idle %.1fms  during save %.1fms (%d steps, save %.2fs)  other load %.2f"
+                % (
+                    r["sync_save_s"],
+                    r["async_block_s"],
+                    r["async_call_s"],
+                    r["hook_wait_s"],
+                    r["copy_s"],
+                    r["async_total_s"],
+                    r["clone_s"],
+                    r["copy_into_s"],
+                    1e3 * med(r["step_idle_s"]),
+                    1e3 * (med(inside) or 0),
+                    len(spans),
+                    r["busy_total_s"],
+                    r["other_cores"] or 0.0,
+                )
+            )
+            if (
+                args.wait_quiet > 0
+                and not warm
+                and (r["other_cores"] or 0.0) > QUIET_LIMIT
+                and len(discarded) < MAX_DISCARDED
+            ):
                 log(f"  round {rnd} discarded: other processes used {r['other_cores']:.2f} cores; redoing it")
                 discarded.append(r)
                 continue
@@ -435,10 +508,23 @@ def run(args: argparse.Namespace) -> dict:
             rnd += 1
 
         measured = [r for r in rounds if not r["warmup"]]
-        m = {k: med([r[k] for r in measured]) for k in
-             ("sync_save_s", "async_block_s", "async_call_s", "probe_s", "hook_wait_s", "copy_s", "async_total_s",
-              "clone_s",
-              "copy_into_s", "busy_block_s", "busy_hook_wait_s", "busy_total_s")}
+        m = {
+            k: med([r[k] for r in measured])
+            for k in (
+                "sync_save_s",
+                "async_block_s",
+                "async_call_s",
+                "probe_s",
+                "hook_wait_s",
+                "copy_s",
+                "async_total_s",
+                "clone_s",
+                "copy_into_s",
+                "busy_block_s",
+                "busy_hook_wait_s",
+                "busy_total_s",
+            )
+        }
         m["step_idle_s"] = med([x for r in measured for x in r["step_idle_s"]])
         m["step_during_save_s"] = med([x for r in measured for x in r["step_during_save_s"]])
         m["step_slowdown"] = m["step_during_save_s"] / m["step_idle_s"]
@@ -447,23 +533,40 @@ def run(args: argparse.Namespace) -> dict:
         loads = [r["other_cores"] for r in measured if r["other_cores"] is not None]
         res["other_load_cores"] = max(loads) if loads else None
         res["median"] = m
-        res["gbps"] = {k: gbps(total, m[k]) for k in
-                       ("sync_save_s", "copy_s", "async_total_s", "clone_s", "copy_into_s")}
-        res["first_save"] = {k: rounds[0][k] for k in ("sync_save_s", "async_block_s", "async_call_s", "hook_wait_s",
-                                                       "copy_s", "async_total_s")}
-        res["staging"] = {"allocations_after_first_save": alloc_first, "allocations_after_later_saves": alloc_after,
-                          "reused": all(a == alloc_first for a in alloc_after),
-                          "bytes_copied": engine.pipeline.staging.bytes_copied}
+        res["gbps"] = {
+            k: gbps(total, m[k]) for k in ("sync_save_s", "copy_s", "async_total_s", "clone_s", "copy_into_s")
+        }
+        res["first_save"] = {
+            k: rounds[0][k]
+            for k in ("sync_save_s", "async_block_s", "async_call_s", "hook_wait_s", "copy_s", "async_total_s")
+        }
+        res["staging"] = {
+            "allocations_after_first_save": alloc_first,
+            "allocations_after_later_saves": alloc_after,
+            "reused": all(a == alloc_first for a in alloc_after),
+            "bytes_copied": engine.pipeline.staging.bytes_copied,
+        }
         steady = max(m["async_block_s"], 1e-9)
-        res["ratios"] = {"async_block_vs_sync": m["async_block_s"] / m["sync_save_s"],
-                         "async_block_vs_clone": m["async_block_s"] / m["clone_s"]}
+        res["ratios"] = {
+            "async_block_vs_sync": m["async_block_s"] / m["sync_save_s"],
+            "async_block_vs_clone": m["async_block_s"] / m["clone_s"],
+        }
         res["goals"] = {
-            "steady_block": {"value": 1e3 * m["async_block_s"], "limit": 1e3 * GOAL_BLOCK_S,
-                             "text": f"async_block_s <= {1e3 * GOAL_BLOCK_S:.0f} ms (value in ms)"},
-            "first_vs_steady": {"value": res["first_save"]["async_block_s"] / steady, "limit": GOAL_FIRST_VS_STEADY,
-                                "text": f"first async_block_s <= {GOAL_FIRST_VS_STEADY:.0f} x steady"},
-            "step_slowdown": {"value": m["step_slowdown"], "limit": GOAL_STEP_SLOWDOWN,
-                              "text": f"step_slowdown <= {GOAL_STEP_SLOWDOWN}"},
+            "steady_block": {
+                "value": 1e3 * m["async_block_s"],
+                "limit": 1e3 * GOAL_BLOCK_S,
+                "text": f"async_block_s <= {1e3 * GOAL_BLOCK_S:.0f} ms (value in ms)",
+            },
+            "first_vs_steady": {
+                "value": res["first_save"]["async_block_s"] / steady,
+                "limit": GOAL_FIRST_VS_STEADY,
+                "text": f"first async_block_s <= {GOAL_FIRST_VS_STEADY:.0f} x steady",
+            },
+            "step_slowdown": {
+                "value": m["step_slowdown"],
+                "limit": GOAL_STEP_SLOWDOWN,
+                "text": f"step_slowdown <= {GOAL_STEP_SLOWDOWN}",
+            },
         }
         for g in res["goals"].values():
             g["met"] = g["value"] <= g["limit"]
@@ -487,25 +590,37 @@ def print_report(res: dict) -> None:
     c, e, st, m, gb = res["config"], res["env"], res["state"], res["median"], res["gbps"]
     mix = st["mix"]
     print("rl_ckpt two-phase save benchmark")
-    print(f"  state      {st['gib']:.3f} GiB ({st['bytes']:,} B) in {st['tensors']} fp32 tensors; "
-          f"optimizer {st['optimizer_fraction']:.1%} of bytes")
-    print("  mix        " + ", ".join(f"{mix[k]['count']} {k} ({mix[k]['bytes'] / GIB:.3f} GiB)"
-                                     for k in ("large", "medium", "small"))
-          + f"  [large >= {LARGE >> 20} MiB, small < {SMALL >> 10} KiB]")
-    print(f"  storage    {c['dir']} ({c['fs']['fstype']} on {c['fs']['source']}); checksum {c['algo']}, "
-          f"verify_after_write on, retention off, writer_nice {c.get('writer_nice')}, "
-          f"post_load_check {'on' if c.get('post_load_check', True) else 'off'}")
-    print(f"  machine    torch {e['torch']}, torch.get_num_threads()={e['torch_num_threads']}, "
-          f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}; "
-          f"repo at {(e.get('repo_commit') or '?')[:10]}")
-    print(f"  training   {res['train']['model']}, batch {res['train']['batch']} "
-          f"(calibrated to ~{res['train']['target_ms']:.0f} ms/step)")
+    print(
+        f"  state      {st['gib']:.3f} GiB ({st['bytes']:,} B) in {st['tensors']} fp32 tensors; "
+        f"optimizer {st['optimizer_fraction']:.1%} of bytes"
+    )
+    print(
+        "  mix        "
+        + ", ".join(f"{mix[k]['count']} {k} ({mix[k]['bytes'] / GIB:.3f} GiB)" for k in ("large", "medium", "small"))
+        + f"  [large >= {LARGE >> 20} MiB, small < {SMALL >> 10} KiB]"
+    )
+    print(
+        f"  storage    {c['dir']} ({c['fs']['fstype']} on {c['fs']['source']}); checksum {c['algo']}, "
+        f"verify_after_write on, retention off, writer_nice {c.get('writer_nice')}, "
+        f"post_load_check {'on' if c.get('post_load_check', True) else 'off'}"
+    )
+    print(
+        f"  machine    torch {e['torch']}, torch.get_num_threads()={e['torch_num_threads']}, "
+        f"interop={e['torch_num_interop_threads']}, os.cpu_count()={e['cpu_count']}; "
+        f"repo at {(e.get('repo_commit') or '?')[:10]}"
+    )
+    print(
+        f"  training   {res['train']['model']}, batch {res['train']['batch']} "
+        f"(calibrated to ~{res['train']['target_ms']:.0f} ms/step)"
+    )
     print(f"  rounds     1 warm-up + {c['repeat']} measured (medians below); GB/s = 1e9 B/s")
     load = res.get("other_load_cores")
     if load is not None:
         per = ", ".join(f"{r['other_cores']:.2f}" for r in res["rounds"] if not r["warmup"])
-        print(f"  other load {per} cores busy outside this process per round"
-              + ("   WARNING: the machine was not quiet; figures are skewed" if load > QUIET_LIMIT else " (quiet)"))
+        print(
+            f"  other load {per} cores busy outside this process per round"
+            + ("   WARNING: the machine was not quiet; figures are skewed" if load > QUIET_LIMIT else " (quiet)")
+        )
     if res.get("discarded_rounds"):
         print(f"  redone     {len(res['discarded_rounds'])} round(s) discarded because other processes were busy")
     print()
@@ -531,38 +646,52 @@ def print_report(res: dict) -> None:
         print(f"  {key:<18} {val:>8.4f}s {rate_s:>7}   {per:<28} {what}")
     measured = [r for r in res["rounds"] if not r["warmup"]]
     per = " ".join(f"{1e3 * med(r['step_idle_s']):.1f}" for r in measured)
-    print(f"  {'step_idle':<18} {1e3 * m['step_idle_s']:>7.1f}ms {'':>7}   "
-          f"{per:<28} training step, no save (ms)")
+    print(f"  {'step_idle':<18} {1e3 * m['step_idle_s']:>7.1f}ms {'':>7}   {per:<28} training step, no save (ms)")
     n_during = sum(len(r["step_during_save_s"]) for r in measured)
     per = " ".join(f"{1e3 * med(r['step_during_save_s']):.1f}" for r in measured)
-    print(f"  {'step_during_save':<18} {1e3 * m['step_during_save_s']:>7.1f}ms {'':>7}   "
-          f"{per:<28} training step while save_async persists ({n_during} steps, ms)")
+    print(
+        f"  {'step_during_save':<18} {1e3 * m['step_during_save_s']:>7.1f}ms {'':>7}   "
+        f"{per:<28} training step while save_async persists ({n_during} steps, ms)"
+    )
     per = " ".join(f"{r['step_slowdown']:.3f}" for r in res["rounds"] if not r["warmup"] and r["step_slowdown"])
     print(f"  {'step_slowdown':<18} {m['step_slowdown']:>8.3f}x {'':>7}   {per:<28} median during / median idle")
     f = res["first_save"]
-    print(f"  first (warm-up) round: sync {f['sync_save_s']:.3f}s, async block {f['async_block_s']:.4f}s "
-          f"(call {f['async_call_s']:.4f}s + hook {f['hook_wait_s']:.4f}s; the background copy allocates the "
-          f"staging buffers: {f['copy_s']:.3f}s), async total {f['async_total_s']:.3f}s")
-    print(f"  former ratios: async_block_s / sync_save_s {res['ratios']['async_block_vs_sync']:.4f}, "
-          f"async_block_s / clone_s {res['ratios']['async_block_vs_clone']:.4f}")
+    print(
+        f"  first (warm-up) round: sync {f['sync_save_s']:.3f}s, async block {f['async_block_s']:.4f}s "
+        f"(call {f['async_call_s']:.4f}s + hook {f['hook_wait_s']:.4f}s; the background copy allocates the "
+        f"staging buffers: {f['copy_s']:.3f}s), async total {f['async_total_s']:.3f}s"
+    )
+    print(
+        f"  former ratios: async_block_s / sync_save_s {res['ratios']['async_block_vs_sync']:.4f}, "
+        f"async_block_s / clone_s {res['ratios']['async_block_vs_clone']:.4f}"
+    )
     print()
     print("  goals")
     for g in res["goals"].values():
-        print(f"    {g['text']:<44} value {g['value']:7.3f} (limit {g['limit']:.2f})   "
-              f"{'MET' if g['met'] else 'MISSED'}")
+        print(
+            f"    {g['text']:<44} value {g['value']:7.3f} (limit {g['limit']:.2f})   {'MET' if g['met'] else 'MISSED'}"
+        )
     s = res["staging"]
     print()
-    print(f"  staging allocations: {s['allocations_after_first_save']} after the first save_async, "
-          f"{s['allocations_after_later_saves']} after each later one -> "
-          f"{'REUSED' if s['reused'] else 'NOT REUSED (buffers re-allocated)'}")
+    print(
+        f"  staging allocations: {s['allocations_after_first_save']} after the first save_async, "
+        f"{s['allocations_after_later_saves']} after each later one -> "
+        f"{'REUSED' if s['reused'] else 'NOT REUSED (buffers re-allocated)'}"
+    )
     if "phases" in res:
         p = res["phases"]
         n = p["bytes"]
         print()
         loads = p["other_cores"]
         print("  phases (each alone, same bytes, median of 2; other = cores busy outside this process)")
-        for key in ("encode_state_s", "hash_s", "write_fsync_s", "write_hashed_s", "verify_reread_hash_s",
-                    "copy_into_s"):
+        for key in (
+            "encode_state_s",
+            "hash_s",
+            "write_fsync_s",
+            "write_hashed_s",
+            "verify_reread_hash_s",
+            "copy_into_s",
+        ):
             load = loads.get(key)
             note = "" if load is None else f"   other {load:.2f}" + ("  NOT QUIET" if load > QUIET_LIMIT else "")
             print(f"    {key:<22} {p[key]:8.3f}s  {n / p[key] / 1e9:6.2f} GB/s{note}")
@@ -582,21 +711,38 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, _terminate)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", default=None, help="write into a fresh folder inside PATH (default: temp on repo disk)")
     ap.add_argument("--size-gib", type=float, default=1.0, help="total model + optimizer state (default 1.0)")
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds; medians reported (default 3)")
-    ap.add_argument("--writer-nice", type=int, default=None,
-                    help="writer_nice for the engine (default: the engine default); 0 = writer at normal priority")
-    ap.add_argument("--algo", default="xxh3_128", choices=CHECKSUM_ALGOS,
-                    help="checksum_algo (default xxh3_128, the engine default)")
+    ap.add_argument(
+        "--writer-nice",
+        type=int,
+        default=None,
+        help="writer_nice for the engine (default: the engine default); 0 = writer at normal priority",
+    )
+    ap.add_argument(
+        "--algo",
+        default="xxh3_128",
+        choices=CHECKSUM_ALGOS,
+        help="checksum_algo (default xxh3_128, the engine default)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--no-probe", action="store_true",
-                    help="post_load_check off: no reference forward of the model in the save_async call")
+    ap.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="post_load_check off: no reference forward of the model in the save_async call",
+    )
     ap.add_argument("--phases", action="store_true", help="also time hash / write / verify / copy on their own")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="before each round, wait up to S seconds for other processes to go idle (default 0)")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each round, wait up to S seconds for other processes to go idle (default 0)",
+    )
     ap.add_argument("--train-steps", type=int, default=15, help="idle training steps per round (default 15)")
     ap.add_argument("--step-ms", type=float, default=75.0, help="target training step time (default 75)")
     args = ap.parse_args(argv)

@@ -115,14 +115,25 @@ def measure(size: str, base: str, every: int, saves: int, more: int) -> dict:
     theirs.stop()
     skipped = next((c for c in plan.candidates if c.snapshot_id == newest.snapshot_id), None)
     return {
-        "size": size, "at": at, "more": more,
-        "ours_blocked": statistics.median(ours_blocked), "theirs_blocked": statistics.median(rllib_blocked),
-        "ours_first_save": ours_blocked[0], "theirs_first_save": rllib_blocked[0], "saves": len(ours_blocked),
-        "ours_bytes": snap_bytes, "theirs_bytes": rl_bytes, "pickles": pickles,
-        "ours_restore": ours_restore, "theirs_restore": theirs_restore,
-        "ours_first": ours_first, "theirs_first": theirs_first,
-        "ours_exact": ours_exact, "theirs_exact": theirs_exact,
-        "ours_resume": ours_resume, "theirs_resume": theirs_resume,
+        "size": size,
+        "at": at,
+        "more": more,
+        "ours_blocked": statistics.median(ours_blocked),
+        "theirs_blocked": statistics.median(rllib_blocked),
+        "ours_first_save": ours_blocked[0],
+        "theirs_first_save": rllib_blocked[0],
+        "saves": len(ours_blocked),
+        "ours_bytes": snap_bytes,
+        "theirs_bytes": rl_bytes,
+        "pickles": pickles,
+        "ours_restore": ours_restore,
+        "theirs_restore": theirs_restore,
+        "ours_first": ours_first,
+        "theirs_first": theirs_first,
+        "ours_exact": ours_exact,
+        "theirs_exact": theirs_exact,
+        "ours_resume": ours_resume,
+        "theirs_resume": theirs_resume,
         "ours_corrupt": f"{newest.snapshot_id} refused ({skipped.reason if skipped else '?'}); restores {plan.target}",
         "theirs_corrupt": f"{corrupt} ({os.path.basename(target)})",
     }
@@ -141,27 +152,48 @@ def table(r: dict) -> str:
         return f"{n / 2**20:.1f} MiB"
 
     yes = {True: "YES", False: "NO"}
-    return "\n".join([
-        f"size {r['size']}: checkpoint every {r['at'] // r['saves']} iterations ({r['saves']} saves); resume after "
-        f"iteration {r['at']}, "
-        f"{r['more']} more",
-        row("", "rl_ckpt", "RLlib save_to_path", "rl_ckpt / RLlib"),
-        row(f"train() blocked (median of {r['saves']} saves)", f"{r['ours_blocked'] * 1000:.1f} ms",
-            f"{r['theirs_blocked'] * 1000:.1f} ms", f"{r['ours_blocked'] / r['theirs_blocked']:.2f}x"),
-        row("  the first save (buffers allocated)", f"{r['ours_first_save'] * 1000:.1f} ms",
-            f"{r['theirs_first_save'] * 1000:.1f} ms", f"{r['ours_first_save'] / r['theirs_first_save']:.2f}x"),
-        row("checkpoint bytes", mb(r["ours_bytes"]), f"{mb(r['theirs_bytes'])} ({r['pickles']} .pkl)",
-            f"{r['ours_bytes'] / r['theirs_bytes']:.2f}x"),
-        row("restore time (fresh Algorithm)", f"{r['ours_restore']:.3f} s", f"{r['theirs_restore']:.3f} s",
-            f"{r['ours_restore'] / r['theirs_restore']:.2f}x"),
-        row("restore + first train()", f"{r['ours_restore'] + r['ours_first']:.3f} s",
-            f"{r['theirs_restore'] + r['theirs_first']:.3f} s",
-            f"{(r['ours_restore'] + r['ours_first']) / (r['theirs_restore'] + r['theirs_first']):.2f}x"),
-        row("learner state after restore = saved", yes[r["ours_exact"]], yes[r["theirs_exact"]]),
-        row(f"= uninterrupted after {r['more']} more", yes[r["ours_resume"]], yes[r["theirs_resume"]]),
-        row("a flipped byte in the largest file", "refused (checksum), falls back", r["theirs_corrupt"]),
-        f"  rl_ckpt's plan: {r['ours_corrupt']}",
-    ])
+    return "\n".join(
+        [
+            f"size {r['size']}: checkpoint every {r['at'] // r['saves']} iterations ({r['saves']} saves); resume after "
+            f"iteration {r['at']}, "
+            f"{r['more']} more",
+            row("", "rl_ckpt", "RLlib save_to_path", "rl_ckpt / RLlib"),
+            row(
+                f"train() blocked (median of {r['saves']} saves)",
+                f"{r['ours_blocked'] * 1000:.1f} ms",
+                f"{r['theirs_blocked'] * 1000:.1f} ms",
+                f"{r['ours_blocked'] / r['theirs_blocked']:.2f}x",
+            ),
+            row(
+                "  the first save (buffers allocated)",
+                f"{r['ours_first_save'] * 1000:.1f} ms",
+                f"{r['theirs_first_save'] * 1000:.1f} ms",
+                f"{r['ours_first_save'] / r['theirs_first_save']:.2f}x",
+            ),
+            row(
+                "checkpoint bytes",
+                mb(r["ours_bytes"]),
+                f"{mb(r['theirs_bytes'])} ({r['pickles']} .pkl)",
+                f"{r['ours_bytes'] / r['theirs_bytes']:.2f}x",
+            ),
+            row(
+                "restore time (fresh Algorithm)",
+                f"{r['ours_restore']:.3f} s",
+                f"{r['theirs_restore']:.3f} s",
+                f"{r['ours_restore'] / r['theirs_restore']:.2f}x",
+            ),
+            row(
+                "restore + first train()",
+                f"{r['ours_restore'] + r['ours_first']:.3f} s",
+                f"{r['theirs_restore'] + r['theirs_first']:.3f} s",
+                f"{(r['ours_restore'] + r['ours_first']) / (r['theirs_restore'] + r['theirs_first']):.2f}x",
+            ),
+            row("learner state after restore = saved", yes[r["ours_exact"]], yes[r["theirs_exact"]]),
+            row(f"= uninterrupted after {r['more']} more", yes[r["ours_resume"]], yes[r["theirs_resume"]]),
+            row("a flipped byte in the largest file", "refused (checksum), falls back", r["theirs_corrupt"]),
+            f"  rl_ckpt's plan: {r['ours_corrupt']}",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -188,9 +220,11 @@ def main(argv=None) -> int:
         print(table(r))
         print()
     if not all(r["ours_resume"] or r["theirs_resume"] for r in results):
-        print("Neither resumed run equals the uninterrupted one after more iterations: no RLlib checkpoint holds the "
-              "EnvRunners' in-flight episodes and random streams, so a restored run samples fresh episodes "
-              "(its learner state right after restore is bitwise the saved one).")
+        print(
+            "Neither resumed run equals the uninterrupted one after more iterations: no RLlib checkpoint holds the "
+            "EnvRunners' in-flight episodes and random streams, so a restored run samples fresh episodes "
+            "(its learner state right after restore is bitwise the saved one)."
+        )
     return 0
 
 

@@ -41,14 +41,22 @@ def main(argv=None) -> int:
     if args.address:
         ray.init(address=args.address, namespace="rl_ckpt", logging_level="ERROR")
     else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="rl_ckpt",
-                 logging_level="ERROR")
+        ray.init(
+            num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR"
+        )
     storage = os.path.abspath(args.storage)
     grpo = GRPOConfig(seed=args.seed)
     if args.crash_at:
-        report = crash_drill(storage, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
-                             restart_learners=args.restart_learners, save_every=args.save_every, grpo=grpo,
-                             run_name=args.run_name)
+        report = crash_drill(
+            storage,
+            steps=args.steps,
+            crash_at=args.crash_at,
+            learners=args.learners,
+            restart_learners=args.restart_learners,
+            save_every=args.save_every,
+            grpo=grpo,
+            run_name=args.run_name,
+        )
         print(report.text)
         return 0 if report.ok else 1
     run = Run.start(storage, args.run_name, grpo)
@@ -56,8 +64,10 @@ def main(argv=None) -> int:
         run.fit(args.learners, args.steps, save_every=args.save_every)
         for e in run.events():
             if e["event"] == "step":
-                print(f"step {e['step']:>3}  reward {e['reward']:.3f}  learners {e['world']}  "
-                      f"rollouts on {e['rollout_snapshot']}")
+                print(
+                    f"step {e['step']:>3}  reward {e['reward']:.3f}  learners {e['world']}  "
+                    f"rollouts on {e['rollout_snapshot']}"
+                )
     finally:
         run.close()
     return 0

@@ -51,15 +51,34 @@ def main(argv=None) -> int:
     else:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="rl_ckpt")
     storage = args.storage if "://" in args.storage else os.path.abspath(args.storage)
-    result = run(base_dir=storage, run_name=args.run_name, steps=args.steps, learners=args.learners,
-                 workers_per_learner=args.workers_per_learner, crash_at=args.crash_at,
-                 crash_target=args.crash_target, seed=args.seed, engine_cfg=engine_cfg,
-                 log_dir=os.path.abspath("./rl_ckpt_logs") if "://" in storage else None)
+    result = run(
+        base_dir=storage,
+        run_name=args.run_name,
+        steps=args.steps,
+        learners=args.learners,
+        workers_per_learner=args.workers_per_learner,
+        crash_at=args.crash_at,
+        crash_target=args.crash_target,
+        seed=args.seed,
+        engine_cfg=engine_cfg,
+        log_dir=os.path.abspath("./rl_ckpt_logs") if "://" in storage else None,
+    )
     done = result.done or {}
-    print(json.dumps({"run": args.run_name, "storage": storage, "attempts": len(result.attempts),
-                      "restored": [a["restored"] for a in result.attempts], "final_step": done.get("step"),
-                      "avg_reward": done.get("avg_reward"), "param_digest": done.get("digest"),
-                      "seconds": round(result.seconds, 1)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "run": args.run_name,
+                "storage": storage,
+                "attempts": len(result.attempts),
+                "restored": [a["restored"] for a in result.attempts],
+                "final_step": done.get("step"),
+                "avg_reward": done.get("avg_reward"),
+                "param_digest": done.get("digest"),
+                "seconds": round(result.seconds, 1),
+            },
+            indent=1,
+        )
+    )
     return 0 if done.get("step") == args.steps else 1
 
 

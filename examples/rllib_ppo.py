@@ -38,15 +38,23 @@ def main(argv=None) -> int:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = (
-        PPOConfig().environment("CartPole-v1")
+        PPOConfig()
+        .environment("CartPole-v1")
         .env_runners(num_env_runners=2)
         .training(train_batch_size_per_learner=1000, minibatch_size=250, num_epochs=4)
         .fault_tolerance(restart_failed_env_runners=True)
         .debugging(seed=0)
         # the one line: snapshots every N iterations, async, retention + keep-best, resume on build
-        .callbacks(checkpoint_callback(base_dir=args.storage, run_name=args.run_name,
-                                       save_interval_steps=args.save_every, save_interval_seconds=0,
-                                       keep_latest=3, keep_best=1))
+        .callbacks(
+            checkpoint_callback(
+                base_dir=args.storage,
+                run_name=args.run_name,
+                save_interval_steps=args.save_every,
+                save_interval_seconds=0,
+                keep_latest=3,
+                keep_best=1,
+            )
+        )
     )
     algo = config.build_algo()
     while algo.training_iteration < args.iterations:

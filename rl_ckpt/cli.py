@@ -71,8 +71,10 @@ def _snapshot_arg(storage, args) -> str:
     """The snapshot id given on the command line, if it names a committed snapshot (else UsageError)."""
     sid = args.snapshot_id
     if parse_snapshot_id(sid) is None:
-        raise UsageError(f"{sid!r} is not a snapshot id (they look like step_000000500 or step_000000500.light); "
-                         f"`rl-ckpt ls {args.url}` lists them")
+        raise UsageError(
+            f"{sid!r} is not a snapshot id (they look like step_000000500 or step_000000500.light); "
+            f"`rl-ckpt ls {args.url}` lists them"
+        )
     if not storage.exists(manifest_path(sid)):
         raise UsageError(f"no committed snapshot {sid!r} in {args.url}")
     return sid
@@ -89,8 +91,9 @@ def _catalog(storage):
 def _progress(total: int, desc: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                disable=None, leave=False)
+    return tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, disable=None, leave=False
+    )
 
 
 def _fmt_metrics(metrics: dict) -> str:
@@ -117,7 +120,7 @@ def cmd_ls(args) -> int:
             if args.deep:
                 problems = verify_snapshot(storage, info.snapshot_id).problems
                 valid = f"NO: {problems[0].path}: {problems[0].problem}" if problems else "yes"
-            for f in ([] if args.deep else manifest.files):
+            for f in [] if args.deep else manifest.files:
                 path = join(info.snapshot_id, f.path)
                 if not storage.exists(path):
                     valid = f"NO: {f.path} missing"
@@ -130,8 +133,16 @@ def cmd_ls(args) -> int:
         if info.quarantined:
             valid = f"QUARANTINED: {info.quarantined}"
         bad += valid != "yes"
-        rows.append((info.snapshot_id, str(info.global_step), info.kind, _human(info.size_bytes),
-                     _fmt_metrics(info.metrics), valid))
+        rows.append(
+            (
+                info.snapshot_id,
+                str(info.global_step),
+                info.kind,
+                _human(info.size_bytes),
+                _fmt_metrics(info.metrics),
+                valid,
+            )
+        )
     for u in cat.unreadable():
         bad += 1
         rows.append((u.snapshot_id, "?", "?", "?", "", f"NO: {u.reason}"))
@@ -140,8 +151,16 @@ def cmd_ls(args) -> int:
 
         for name in foreign_names(storage):
             bad += 1
-            rows.append((ascii(name), "?", "?", "?", "", "FOREIGN: named like a snapshot but not one rl_ckpt writes; "
-                                                        "ignored by restore and gc"))
+            rows.append(
+                (
+                    ascii(name),
+                    "?",
+                    "?",
+                    "?",
+                    "",
+                    "FOREIGN: named like a snapshot but not one rl_ckpt writes; ignored by restore and gc",
+                )
+            )
     if args.json:
         print(json.dumps([dict(zip(("id", "step", "kind", "size", "metrics", "valid"), r)) for r in rows], indent=1))
     elif rows:
@@ -181,9 +200,19 @@ def _ls_tiers(args, storage) -> int:
     from rl_ckpt.run.catalog import Catalog
 
     view = tier_view(memory, inventory, Catalog(storage), args.replicas)
-    rows = [(s.snapshot_id, str(s.global_step), s.kind, ",".join(s.tiers) or "-",
-             ("replicated" if s.replicated else f"{s.copies} cop{'y' if s.copies == 1 else 'ies'}") if s.memory_nodes
-             else "", ("missing " + ", ".join(s.missing[:2])) if s.missing else "") for s in view]
+    rows = [
+        (
+            s.snapshot_id,
+            str(s.global_step),
+            s.kind,
+            ",".join(s.tiers) or "-",
+            ("replicated" if s.replicated else f"{s.copies} cop{'y' if s.copies == 1 else 'ies'}")
+            if s.memory_nodes
+            else "",
+            ("missing " + ", ".join(s.missing[:2])) if s.missing else "",
+        )
+        for s in view
+    ]
     if args.json:
         print(json.dumps([s.to_json() for s in view], indent=1))
     elif rows:
@@ -275,15 +304,29 @@ def cmd_plan(args) -> int:
         # No job config: plan as the job that wrote the run would, with the newest snapshot's state schema
         # version (the default, 1, would refuse every snapshot of a run saved with schema_version 3).
         usable = catalog.snapshots("full", usable=True)
-        config = CheckpointConfig(**where, **({"schema_version": usable[-1].manifest.state_schema_version}
-                                               if usable and usable[-1].manifest is not None else {}))
+        config = CheckpointConfig(
+            **where,
+            **(
+                {"schema_version": usable[-1].manifest.state_schema_version}
+                if usable and usable[-1].manifest is not None
+                else {}
+            ),
+        )
     failure = None
     if args.failure:
         failure = FailureInfo(kind=args.failure, step=args.step, message="given on the command line")
     # No components: the plan loads what the target snapshot holds, and has no job config to compare.
-    plan = build_plan(catalog, storage, schema_version=config.schema_version, components=None,
-                      coordinator=coordinator_config(config), history=load_decisions(storage), failure=failure,
-                      deep=not args.quick, probes=probe_check(config))
+    plan = build_plan(
+        catalog,
+        storage,
+        schema_version=config.schema_version,
+        components=None,
+        coordinator=coordinator_config(config),
+        history=load_decisions(storage),
+        failure=failure,
+        deep=not args.quick,
+        probes=probe_check(config),
+    )
     print(plan)
     return EXIT_OK if plan.action != "give_up" else EXIT_PROBLEM
 
@@ -342,17 +385,33 @@ def cmd_export(args) -> int:
     storage = _storage(args)
     manifest = read_manifest(storage, _snapshot_arg(storage, args))
     if args.component not in manifest.components:
-        raise UsageError(f"{args.snapshot_id} has no component {args.component!r}; "
-                         f"it has: {', '.join(sorted(manifest.components))}")
+        raise UsageError(
+            f"{args.snapshot_id} has no component {args.component!r}; it has: {', '.join(sorted(manifest.components))}"
+        )
     if args.format == "hf":
-        out = export_hf(storage, manifest, args.component, args.output, max_shard_size=args.max_shard_size,
-                        strip_prefix=args.strip_prefix, storage_options=_storage_options(args))
-        print(f"wrote {out.path}: {out.tensors} tensors ({_human(out.total_size)}) in {len(out.files)} file"
-              f"{'s' if len(out.files) != 1 else ''} + model.safetensors.index.json from "
-              f"{args.snapshot_id}/{args.component}")
+        out = export_hf(
+            storage,
+            manifest,
+            args.component,
+            args.output,
+            max_shard_size=args.max_shard_size,
+            strip_prefix=args.strip_prefix,
+            storage_options=_storage_options(args),
+        )
+        print(
+            f"wrote {out.path}: {out.tensors} tensors ({_human(out.total_size)}) in {len(out.files)} file"
+            f"{'s' if len(out.files) != 1 else ''} + model.safetensors.index.json from "
+            f"{args.snapshot_id}/{args.component}"
+        )
         return EXIT_OK
-    meta = export_component(storage, manifest, args.component, args.output, strip_prefix=args.strip_prefix,
-                            storage_options=_storage_options(args))
+    meta = export_component(
+        storage,
+        manifest,
+        args.component,
+        args.output,
+        strip_prefix=args.strip_prefix,
+        storage_options=_storage_options(args),
+    )
     print(f"wrote {args.output}: {len(meta)} tensors from {args.snapshot_id}/{args.component}")
     return EXIT_OK
 
@@ -376,17 +435,21 @@ def build_parser() -> argparse.ArgumentParser:
         elif needs_id is None:
             s.add_argument("snapshot_id", nargs="?")
         s.add_argument("--config", help="YAML config to take storage_options from")
-        s.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                       help="fsspec storage option (repeatable)")
+        s.add_argument(
+            "--storage-option", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)"
+        )
         s.set_defaults(func=func)
         return s
 
     s = cmd("ls", cmd_ls, "list snapshots: id, step, kind, size, metrics, valid (exit 1 if any is bad)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--deep", action="store_true", help="re-hash every file instead of checking sizes")
-    s.add_argument("--tiers", action="store_true",
-                   help="also list the run's memory tier (from its memory stores on the Ray cluster) and say which "
-                        "tiers hold each snapshot")
+    s.add_argument(
+        "--tiers",
+        action="store_true",
+        help="also list the run's memory tier (from its memory stores on the Ray cluster) and say which "
+        "tiers hold each snapshot",
+    )
     s.add_argument("--replicas", type=int, default=1, help="with --tiers: the run's memory_replicas")
     cmd("verify", cmd_verify, "re-hash snapshots against their manifests (exit 1 if anything is bad)", needs_id=None)
     s = cmd("inspect", cmd_inspect, "show one snapshot's manifest: components, tensors, files, metrics", needs_id=True)
@@ -394,40 +457,68 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tensors", type=int, default=20)
     s = cmd("plan", cmd_plan, "print the recovery plan: which snapshot, why, what loads, what is checked")
     s.add_argument("--quick", action="store_true", help="check sizes only instead of re-hashing the candidates")
-    s.add_argument("--failure", choices=["exception", "nan_loss", "process_killed", "oom", "heartbeat_lost"],
-                   help="plan the recovery from this kind of failure (the coordinator decides)")
+    s.add_argument(
+        "--failure",
+        choices=["exception", "nan_loss", "process_killed", "oom", "heartbeat_lost"],
+        help="plan the recovery from this kind of failure (the coordinator decides)",
+    )
     s.add_argument("--step", type=int, help="the step the failure happened at")
     s = cmd("scrub", cmd_scrub, "re-hash every snapshot at a bounded rate; quarantine corrupt ones (exit 1 if any)")
     s.add_argument("--rate-mib", type=float, default=0, help="read-rate limit in MiB/s (default: unlimited)")
     s.add_argument("--min-free-gib", type=float, default=1.0, help="warn (exit 1) below this much free space")
-    s = cmd("timeline", cmd_timeline,
-            "draw the run: reward curve, snapshots (full/light, kept/deleted, best), crash and resume")
+    s = cmd(
+        "timeline",
+        cmd_timeline,
+        "draw the run: reward curve, snapshots (full/light, kept/deleted, best), crash and resume",
+    )
     s.add_argument("-o", "--output", required=True, help="output .png")
     s.add_argument("--metric", default="avg_reward")
     s.add_argument("--log", help="a JSON-lines step log with per-step metrics to draw as the curve")
     sub.add_parser("demo", help="run the crash drill: PPO, SIGKILL mid-run, verified exact restart (rl-ckpt demo -h)")
     s = cmd("gc", cmd_gc, "remove debris of crashed saves (never a committed snapshot)")
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
-                   help="leave debris younger than this alone: a save may still be writing it (default 3600)")
-    s = cmd("export", cmd_export, "write one component's tensors (plain or sharded) as a safetensors file or a "
-            "Hugging Face folder", needs_id=True)
+    s.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="leave debris younger than this alone: a save may still be writing it (default 3600)",
+    )
+    s = cmd(
+        "export",
+        cmd_export,
+        "write one component's tensors (plain or sharded) as a safetensors file or a Hugging Face folder",
+        needs_id=True,
+    )
     s.add_argument("component")
-    s.add_argument("-o", "--output", required=True,
-                   help="output .safetensors file (--format hf: a new folder): a path or a storage URL such as "
-                        "s3://bucket/model (written with the run's --storage-option/--config options)")
-    s.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
-                   help="safetensors: one file (default); hf: model-0000x-of-0000y.safetensors + "
-                        "model.safetensors.index.json")
+    s.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="output .safetensors file (--format hf: a new folder): a path or a storage URL such as "
+        "s3://bucket/model (written with the run's --storage-option/--config options)",
+    )
+    s.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="safetensors: one file (default); hf: model-0000x-of-0000y.safetensors + model.safetensors.index.json",
+    )
     s.add_argument("--max-shard-size", default="5GB", help="--format hf: largest shard file, e.g. 5GB, 500MB, 64MiB")
-    s.add_argument("--strip-prefix", default=None, metavar="PREFIX",
-                   help="remove PREFIX from tensor names that start with it (e.g. 'module.')")
+    s.add_argument(
+        "--strip-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="remove PREFIX from tensor names that start with it (e.g. 'module.')",
+    )
     from rl_ckpt.tools.bench import add_arguments as _bench_arguments
 
-    s = sub.add_parser("bench",
-                       help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
-                       description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
-                                   "`rl-ckpt bench weights --help`: policy versions to rollout actors")
+    s = sub.add_parser(
+        "bench",
+        help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
+        description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
+        "`rl-ckpt bench weights --help`: policy versions to rollout actors",
+    )
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p

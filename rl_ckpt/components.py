@@ -93,8 +93,13 @@ class RNGState:
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state = {
             "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
-            "numpy": {"kind": kind, "keys": keys.copy(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)},
+            "numpy": {
+                "kind": kind,
+                "keys": keys.copy(),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
             "torch_cpu": torch.get_rng_state(),
             "numpy_generators": {n: g.bit_generator.state for n, g in self.numpy_generators.items()},
             "torch_generators": {n: g.get_state() for n, g in self.torch_generators.items()},
@@ -107,8 +112,15 @@ class RNGState:
         py = state["python"]
         random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
         npst = state["numpy"]
-        np.random.set_state((npst["kind"], np.asarray(npst["keys"], dtype=np.uint32), npst["pos"], npst["has_gauss"],
-                             npst["cached_gaussian"]))
+        np.random.set_state(
+            (
+                npst["kind"],
+                np.asarray(npst["keys"], dtype=np.uint32),
+                npst["pos"],
+                npst["has_gauss"],
+                npst["cached_gaussian"],
+            )
+        )
         torch.set_rng_state(_byte_tensor(state["torch_cpu"]))
         if state.get("torch_cuda") and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([_byte_tensor(t) for t in state["torch_cuda"]])
@@ -122,7 +134,6 @@ class RNGState:
             if saved is None:
                 raise CheckpointError(f"RNGState: torch generator {name!r} is not in the snapshot", key=name)
             gen.set_state(_byte_tensor(saved))
-
 
     def derive_state(self, seed: bytes) -> None:
         """Seed every stream from ``seed``, each with a seed of its own (sha256 of ``seed`` and the stream's
@@ -160,8 +171,12 @@ class TrainingProgress:
         self.extra = dict(extra)
 
     def state_dict(self) -> dict:
-        return {"global_step": self.global_step, "epoch": self.epoch, "samples_seen": self.samples_seen,
-                "extra": dict(self.extra)}
+        return {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            "extra": dict(self.extra),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.global_step = int(state["global_step"])

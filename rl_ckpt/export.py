@@ -47,15 +47,17 @@ class TensorSpec:
 class ComponentSource:
     """The tensors of one component of a committed snapshot, listed up front and read one at a time, verified."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, component: str,
-                 buffer_bytes: int = READ_BUFFER_BYTES) -> None:
+    def __init__(
+        self, storage: Storage, manifest: Manifest, component: str, buffer_bytes: int = READ_BUFFER_BYTES
+    ) -> None:
         from rl_ckpt.sharded.component import chunk_reader, is_sharded_section
 
         sid = manifest.snapshot_id
         if component not in manifest.components:
             have = ", ".join(sorted(manifest.components)) or "(none)"
-            raise CheckpointError(f"{sid} has no component {component!r}; it has: {have}", component=component,
-                                  snapshot_id=sid)
+            raise CheckpointError(
+                f"{sid} has no component {component!r}; it has: {have}", component=component, snapshot_id=sid
+            )
         self.where = f"{sid}/{component}"
         self.buffer_bytes = max(1, int(buffer_bytes))
         self.bytes_read = 0
@@ -72,8 +74,11 @@ class ComponentSource:
             self.bytes_read = sum(t.numel() * t.element_size() for t in self._arrays.values())
             self.specs = {k: (safetensors_io.TORCH_TO_CODE[t.dtype], tuple(t.shape)) for k, t in self._arrays.items()}
         if not self.specs:
-            raise CheckpointError(f"{self.where}: the component holds no tensors (only JSON/tables); nothing to export",
-                                  component=component, snapshot_id=sid)
+            raise CheckpointError(
+                f"{self.where}: the component holds no tensors (only JSON/tables); nothing to export",
+                component=component,
+                snapshot_id=sid,
+            )
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor ``key``; for a sharded component every block it is made of is verified first."""
@@ -88,8 +93,9 @@ class ComponentSource:
             for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 view = view.narrow(dim, off, size)
             # Whole checksum blocks per read, about buffer_bytes at a time, so a chunk never sits in memory twice.
-            per_read = (max(1, self.buffer_bytes // max(1, chunk.row_bytes(t.dtype)) // chunk.block_rows)
-                        * chunk.block_rows)
+            per_read = (
+                max(1, self.buffer_bytes // max(1, chunk.row_bytes(t.dtype)) // chunk.block_rows) * chunk.block_rows
+            )
             first = 0
             while first < chunk.rows:
                 count = min(per_read, chunk.rows - first)
@@ -109,11 +115,21 @@ def parse_size(text: str | int) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
         if not m:
-            raise ConfigError(f"size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 512MiB",
-                              key="max_shard_size")
+            raise ConfigError(
+                f"size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 512MiB", key="max_shard_size"
+            )
         unit = (m.group(2) or "B").upper()
-        scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+        scale = {
+            "B": 1,
+            "KB": 10**3,
+            "MB": 10**6,
+            "GB": 10**9,
+            "TB": 10**12,
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+            "TIB": 2**40,
+        }[unit]
         size = int(float(m.group(1)) * scale)
     if size <= 0:
         raise ConfigError(f"size {text!r} must be positive", key="max_shard_size")
@@ -125,13 +141,15 @@ def output_names(keys: list[str], strip_prefix: str | None, where: str) -> dict[
     out: dict[str, str] = {}
     seen: dict[str, str] = {}
     for key in keys:
-        name = key[len(strip_prefix):] if strip_prefix and key.startswith(strip_prefix) else key
+        name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
         if not name:
-            raise ConfigError(f"{where}: --strip-prefix {strip_prefix!r} leaves tensor {key!r} without a name",
-                              key=key)
+            raise ConfigError(f"{where}: --strip-prefix {strip_prefix!r} leaves tensor {key!r} without a name", key=key)
         if name in seen:
-            raise ConfigError(f"{where}: --strip-prefix {strip_prefix!r} maps both {seen[name]!r} and {key!r} to "
-                              f"{name!r}; choose a longer prefix", key=key)
+            raise ConfigError(
+                f"{where}: --strip-prefix {strip_prefix!r} maps both {seen[name]!r} and {key!r} to "
+                f"{name!r}; choose a longer prefix",
+                key=key,
+            )
         seen[name] = key
         out[key] = name
     return out
@@ -182,8 +200,7 @@ def _output(target: str, options: dict | None) -> tuple[Storage, str]:
     if "://" in target:
         parent, _, name = target.rstrip("/").rpartition("/")
         if "://" not in parent or not name:
-            raise ConfigError(f"export target {target!r}: name a file or folder inside a bucket or folder",
-                              path=target)
+            raise ConfigError(f"export target {target!r}: name a file or folder inside a bucket or folder", path=target)
         return open_storage(parent, options or {}), name
     parent, name = os.path.split(os.path.abspath(target))
     while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
@@ -206,8 +223,9 @@ def _guard(where: str, out: str, step: Callable[[], None]) -> None:
         if exc.message.startswith(f"export of {where}"):
             raise
         # Keep the class and facts (file, tensor), and say which export found it.
-        raise exc.reworded(f"export of {where}: {exc.message}; nothing was written to {out}",
-                           component=where.split("/", 1)[1]) from exc
+        raise exc.reworded(
+            f"export of {where}: {exc.message}; nothing was written to {out}", component=where.split("/", 1)[1]
+        ) from exc
     except OSError as exc:
         raise StorageError(f"{where}: cannot write export {out}: {exc.strerror or exc}", path=out) from exc
 
@@ -217,8 +235,15 @@ def _specs(source: ComponentSource, strip_prefix: str | None) -> list[TensorSpec
     return [TensorSpec(names[k], k, *source.specs[k]) for k in source.specs]
 
 
-def export_component(storage: Storage, manifest: Manifest, component: str, out_path: str, *,
-                     strip_prefix: str | None = None, storage_options: dict | None = None) -> dict:
+def export_component(
+    storage: Storage,
+    manifest: Manifest,
+    component: str,
+    out_path: str,
+    *,
+    strip_prefix: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     """Verify and write ``component``'s tensors to one safetensors file ``out_path``; returns name -> {dtype, shape}.
 
     Works for plain and sharded components (a sharded one is put together
@@ -254,9 +279,17 @@ class HFExport:
     bytes_read: int
 
 
-def export_hf(storage: Storage, manifest: Manifest, component: str, out_dir: str, *,
-              max_shard_size: str | int = "5GB", strip_prefix: str | None = None,
-              buffer_bytes: int = READ_BUFFER_BYTES, storage_options: dict | None = None) -> HFExport:
+def export_hf(
+    storage: Storage,
+    manifest: Manifest,
+    component: str,
+    out_dir: str,
+    *,
+    max_shard_size: str | int = "5GB",
+    strip_prefix: str | None = None,
+    buffer_bytes: int = READ_BUFFER_BYTES,
+    storage_options: dict | None = None,
+) -> HFExport:
     """Write ``component`` as a Hugging Face folder:
     ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``.
 
@@ -276,20 +309,33 @@ def export_hf(storage: Storage, manifest: Manifest, component: str, out_dir: str
         target.close()
 
 
-def _export_hf_to(target: Storage, base: str, out_dir: str, storage: Storage, manifest: Manifest, component: str,
-                  limit: int, strip_prefix: str | None, buffer_bytes: int) -> HFExport:
+def _export_hf_to(
+    target: Storage,
+    base: str,
+    out_dir: str,
+    storage: Storage,
+    manifest: Manifest,
+    component: str,
+    limit: int,
+    strip_prefix: str | None,
+    buffer_bytes: int,
+) -> HFExport:
     entry = target.stat(base)
     if entry is not None and not entry.is_dir or target.list(base):
-        raise ConfigError(f"export target {out_dir} already exists and is not an empty folder; "
-                          "choose another -o or remove it", path=out_dir)
+        raise ConfigError(
+            f"export target {out_dir} already exists and is not an empty folder; choose another -o or remove it",
+            path=out_dir,
+        )
     source = ComponentSource(storage, manifest, component, buffer_bytes)
     specs = _specs(source, strip_prefix)
     shards = plan_shards(specs, limit)
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     meta = {"format": "pt", "rl_ckpt_snapshot": manifest.snapshot_id, "component": component}
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-             "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard}}
+    index = {
+        "metadata": {"total_size": sum(s.nbytes for s in specs)},
+        "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard},
+    }
     index_bytes = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
     folder = _sibling(f"{base}.export-{os.getpid()}", ".") if target.supports_rename else base
     written: list[str] = []

@@ -26,6 +26,7 @@ import uuid
 
 import pytest
 
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     pytest.importorskip("s3fs")
@@ -70,8 +71,9 @@ def s3_url(s3_endpoint):
         try:
             keys = [o["Key"] for o in fs.call_s3("list_objects_v2", Bucket=bucket).get("Contents", [])]
             if keys:
-                fs.call_s3("delete_objects", Bucket=bucket,
-                           Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+                fs.call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+                )
             fs.call_s3("delete_bucket", Bucket=bucket)
         except Exception:  # cleanup is best effort; the server dies with the session
             pass
@@ -128,7 +130,13 @@ def ray_cluster(tmp_path_factory):
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if not ray.is_initialized():
         # address="local": always a new cluster of this session's own, never one another process started
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_tests",
-                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level="ERROR",
+            namespace="rl_ckpt_tests",
+            runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}},
+        )
     yield ray
     ray.shutdown()

@@ -34,10 +34,23 @@ class DataLearner:
         self.sampler = PromptSampler(size, seed=11)
         self.auditor = ConsumptionAuditor(size, log_path=log)
         self.progress = TrainingProgress()
-        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, rank=0, world_size=1,
-                                       role="learner", participants=participants, keep_latest=3, keep_best=0)
-        for name, obj in (("policy", self.model), ("sampler", self.sampler), ("auditor", self.auditor),
-                          ("progress", self.progress)):
+        self.engine = CheckpointEngine(
+            base_dir=base_dir,
+            run_name=run_name,
+            manager=manager,
+            rank=0,
+            world_size=1,
+            role="learner",
+            participants=participants,
+            keep_latest=3,
+            keep_best=0,
+        )
+        for name, obj in (
+            ("policy", self.model),
+            ("sampler", self.sampler),
+            ("auditor", self.auditor),
+            ("progress", self.progress),
+        ):
             self.engine.register(name, obj)
 
     def restore(self) -> tuple:
@@ -54,8 +67,9 @@ class DataLearner:
         with torch.no_grad():
             for r in rollouts:
                 self.model.weight += torch.tensor(r["tokens"][:1] * 4, dtype=torch.float32) * 1e-3
-        self.auditor.record(step, [(r["epoch"], r["prompt"]) for r in rollouts],
-                            resumed=sum(bool(r["resumed"]) for r in rollouts))
+        self.auditor.record(
+            step, [(r["epoch"], r["prompt"]) for r in rollouts], resumed=sum(bool(r["resumed"]) for r in rollouts)
+        )
         self.progress.global_step = step
 
     def save(self, step: int) -> str:
@@ -79,8 +93,16 @@ class DataRollout:
 
     def __init__(self, base_dir: str, run_name: str, manager, participants: list[str], rank: int, world: int) -> None:
         self.inflight = InflightRollouts()
-        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, rank=rank,
-                                       world_size=world, role="rollout", participants=participants, keep_best=0)
+        self.engine = CheckpointEngine(
+            base_dir=base_dir,
+            run_name=run_name,
+            manager=manager,
+            rank=rank,
+            world_size=world,
+            role="rollout",
+            participants=participants,
+            keep_best=0,
+        )
         self.engine.register("inflight", self.inflight)
         self.saved_tokens = 0  # tokens of resumed rollouts that came from the snapshot
         self.begun = 0
@@ -103,16 +125,27 @@ class DataRollout:
             self.inflight.extend(key, tok, 0.0)
             if len(r.tokens) == GEN:
                 r = self.inflight.finish(key)
-                done.append({"prompt": r.prompt, "epoch": r.epoch, "tokens": r.tokens, "resumed": r.resumed,
-                             "restored_tokens": r.restored_tokens})
+                done.append(
+                    {
+                        "prompt": r.prompt,
+                        "epoch": r.epoch,
+                        "tokens": r.tokens,
+                        "resumed": r.resumed,
+                        "restored_tokens": r.restored_tokens,
+                    }
+                )
         return done
 
     def save(self, step: int) -> str:
         return self.engine.save(step).snapshot_id
 
     def stats(self) -> dict:
-        return {"in_flight": len(self.inflight), "begun": self.begun, "saved_tokens": self.saved_tokens,
-                "tokens_after_resume": self.inflight.tokens_after_resume}
+        return {
+            "in_flight": len(self.inflight),
+            "begun": self.begun,
+            "saved_tokens": self.saved_tokens,
+            "tokens_after_resume": self.inflight.tokens_after_resume,
+        }
 
     def die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

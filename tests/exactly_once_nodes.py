@@ -65,8 +65,15 @@ class Loop:
         for i in workers:
             self.workers[i] = self.new_worker(i, node)
         got = ray.get([self.learner.restore.remote(), *[w.restore.remote() for w in self.workers]])
-        self.restores.append({"snapshots": [g[0] for g in got], "steps": [g[1] for g in got], "from_step": self.step,
-                              "in_flight": sum(g[2] for g in got[1:]), "nodes": self.nodes()})
+        self.restores.append(
+            {
+                "snapshots": [g[0] for g in got],
+                "steps": [g[1] for g in got],
+                "from_step": self.step,
+                "in_flight": sum(g[2] for g in got[1:]),
+                "nodes": self.nodes(),
+            }
+        )
         self.trained = [(s, d) for s, d in self.trained if s <= got[0][1]]  # the updates the restored weights hold
         self.step = got[0][1]
 
@@ -78,8 +85,9 @@ def scenario(ray, cluster, base_dir: str) -> dict:
     t0 = time.monotonic()
     marks = {}
     run = f"once-{uuid.uuid4().hex[:6]}"
-    manager = CheckpointManager.get_or_create(run_name=run, base_dir=base_dir, healthz_port=None,
-                                              config={"heartbeat_interval_seconds": 60.0, "keep_best": 0})
+    manager = CheckpointManager.get_or_create(
+        run_name=run, base_dir=base_dir, healthz_port=None, config={"heartbeat_interval_seconds": 60.0, "keep_best": 0}
+    )
     ray.get(manager.ping.remote())  # on the head node: the only node so far
     worker = cluster.add_node(num_cpus=1, resources={"worker": 4})
     cluster.wait_for_nodes()
@@ -105,11 +113,17 @@ def scenario(ray, cluster, base_dir: str) -> dict:
         stats = ray.get([w.stats.remote() for w in loop.workers])
         if ray.get(loop.learner.position.remote())[0] >= EPOCHS and not any(s["in_flight"] for s in stats):
             break
-    out = {"nodes": nodes, "restores": loop.restores, "saves": loop.saves,
-           "report": ray.get(loop.learner.report.remote()),
-           "replayed": replay_log(log, SIZE).report(complete_below=EPOCHS).to_json(),
-           "trained": [r for _, done in loop.trained for r in done], "epochs": EPOCHS, "size": SIZE,
-           "seconds": {**marks, "done": time.monotonic() - t0}}  # where the time goes (not asserted)
+    out = {
+        "nodes": nodes,
+        "restores": loop.restores,
+        "saves": loop.saves,
+        "report": ray.get(loop.learner.report.remote()),
+        "replayed": replay_log(log, SIZE).report(complete_below=EPOCHS).to_json(),
+        "trained": [r for _, done in loop.trained for r in done],
+        "epochs": EPOCHS,
+        "size": SIZE,
+        "seconds": {**marks, "done": time.monotonic() - t0},
+    }  # where the time goes (not asserted)
     for p in [loop.learner, *loop.workers, manager]:
         ray.kill(p, no_restart=True)
     return out

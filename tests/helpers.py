@@ -30,8 +30,14 @@ class RolloutBuffer:
 
     def state_dict(self) -> dict:
         table = pa.table({"rewards": pa.array(self.episodes, type=pa.list_(pa.float64()))})
-        return {"obs": self.obs, "actions": self.actions, "advantages": self.advantages, "pos": self.pos,
-                "episodes": table, "ptr": np.int64(self.pos)}
+        return {
+            "obs": self.obs,
+            "actions": self.actions,
+            "advantages": self.advantages,
+            "pos": self.pos,
+            "episodes": table,
+            "ptr": np.int64(self.pos),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.obs = np.array(state["obs"])
@@ -57,9 +63,15 @@ class PPOState:
         self.replay_buffer = RolloutBuffer()
 
     def components(self) -> dict:
-        return {"policy": self.policy, "value": self.value, "optimizer": self.optimizer,
-                "lr_scheduler": self.lr_scheduler, "rng": self.rng, "progress": self.progress,
-                "replay_buffer": self.replay_buffer}
+        return {
+            "policy": self.policy,
+            "value": self.value,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "rng": self.rng,
+            "progress": self.progress,
+            "replay_buffer": self.replay_buffer,
+        }
 
     def register(self, engine: CheckpointEngine) -> CheckpointEngine:
         for name, obj in self.components().items():

@@ -25,8 +25,13 @@ def scenario(ray, cluster, base_dir: str, replicas: int) -> dict:
     worker = cluster.add_node(num_cpus=1, resources={"worker": 4})
     cluster.wait_for_nodes()
     run = f"nodes-{replicas}-{uuid.uuid4().hex[:6]}"
-    cfg = dict(keep_best=0, memory_interval_steps=2, memory_replicas=replicas, memory_flush_every=None,
-               heartbeat_interval_seconds=30.0)
+    cfg = dict(
+        keep_best=0,
+        memory_interval_steps=2,
+        memory_replicas=replicas,
+        memory_flush_every=None,
+        heartbeat_interval_seconds=30.0,
+    )
     config = CheckpointConfig(base_dir=base_dir, run_name=run, **cfg)
     durable_mgr = CheckpointManager.get_or_create(run_name=run, base_dir=base_dir, config=cfg, healthz_port=None)
     memory_mgr = memory_manager(config)
@@ -34,8 +39,10 @@ def scenario(ray, cluster, base_dir: str, replicas: int) -> dict:
     parts = ["rollout-0", "rollout-1"]
     actor = ray.remote(num_cpus=0, max_restarts=0)(MemParticipant)
     on_head = actor.options(resources={"head": 1})
-    group = [on_head.remote(base_dir, run, durable_mgr, memory_mgr, 0, parts, cfg),
-             actor.options(resources={"worker": 1}).remote(base_dir, run, durable_mgr, memory_mgr, 1, parts, cfg)]
+    group = [
+        on_head.remote(base_dir, run, durable_mgr, memory_mgr, 0, parts, cfg),
+        actor.options(resources={"worker": 1}).remote(base_dir, run, durable_mgr, memory_mgr, 1, parts, cfg),
+    ]
     nodes = ray.get([p.node.remote() for p in group])
     ray.get([p.train_to.remote(2) for p in group])
     digests_2 = ray.get([p.digest.remote() for p in group])
@@ -53,10 +60,19 @@ def scenario(ray, cluster, base_dir: str, replicas: int) -> dict:
     restored = ray.get([p.restore.remote() for p in fresh])
     for p in fresh:
         ray.get(p.close.remote())
-    out = {"replicas": replicas, "nodes": nodes, "flushed": flushed, "saved": saved, "digests_at_2": digests_2,
-           "digests_at_6": digests,
-           "memory_before": before["memory_snapshots"], "replicated_before": before["replicated"],
-           "memory_after": after["memory_snapshots"], "dropped": after["dropped"], "restored": restored}
+    out = {
+        "replicas": replicas,
+        "nodes": nodes,
+        "flushed": flushed,
+        "saved": saved,
+        "digests_at_2": digests_2,
+        "digests_at_6": digests,
+        "memory_before": before["memory_snapshots"],
+        "replicated_before": before["replicated"],
+        "memory_after": after["memory_snapshots"],
+        "dropped": after["dropped"],
+        "restored": restored,
+    }
     memory.destroy()
     for handle in (durable_mgr, memory_mgr, service):
         ray.kill(handle, no_restart=True)

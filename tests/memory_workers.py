@@ -28,15 +28,32 @@ class Shard:
 class MemParticipant:
     """Trains a tiny model plus a shard, memory snapshots through the memory manager, restores across tiers."""
 
-    def __init__(self, base_dir: str, run_name: str, durable_mgr, memory_mgr, rank: int, participants: list[str],
-                 cfg: dict, nbytes: int = 256 * 1024) -> None:
+    def __init__(
+        self,
+        base_dir: str,
+        run_name: str,
+        durable_mgr,
+        memory_mgr,
+        rank: int,
+        participants: list[str],
+        cfg: dict,
+        nbytes: int = 256 * 1024,
+    ) -> None:
         from rl_ckpt.integrations.memory_tier import MemoryTier
 
         torch.manual_seed(1000 + rank)
         self.model = torch.nn.Linear(32, 32)
         self.shard = Shard(nbytes)
-        engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=durable_mgr, rank=rank,
-                                  world_size=len(participants), role="rollout", participants=participants, **cfg)
+        engine = CheckpointEngine(
+            base_dir=base_dir,
+            run_name=run_name,
+            manager=durable_mgr,
+            rank=rank,
+            world_size=len(participants),
+            role="rollout",
+            participants=participants,
+            **cfg,
+        )
         self.tier = MemoryTier(engine, manager=memory_mgr)
         self.tier.register("policy", self.model)
         self.tier.register("shard", self.shard)
@@ -72,8 +89,13 @@ class MemParticipant:
     def restore(self) -> dict:
         result = self.tier.restore()
         self.step = result.global_step
-        return {"tier": self.tier.tier_restored, "snapshot": result.snapshot_id, "step": result.global_step,
-                "reason": result.warnings[0] if result.warnings else "", "digest": self.digest()}
+        return {
+            "tier": self.tier.tier_restored,
+            "snapshot": result.snapshot_id,
+            "step": result.global_step,
+            "reason": result.warnings[0] if result.warnings else "",
+            "digest": self.digest(),
+        }
 
     def die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -105,8 +127,14 @@ def train_loop(config: dict) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     shard = Shard(4096)
-    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["durable"],
-                              rank=rank, world_size=world, **config["cfg"])
+    engine = CheckpointEngine(
+        base_dir=config["base_dir"],
+        run_name=config["run_name"],
+        manager=config["durable"],
+        rank=rank,
+        world_size=world,
+        **config["cfg"],
+    )
     tier = MemoryTier(engine, manager=config["memory"], service=config["service"])
     tier.register("policy", model)
     tier.register("optim", optim)
@@ -133,7 +161,13 @@ def train_loop(config: dict) -> None:
     tier.wait()
     if rank == 0:
         save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, config["out"])
-    Path(f"{config['out']}.rank{rank}.json").write_text(json.dumps(
-        {"restored_from": start, "tier": tier.tier_restored,
-         "shard": hashlib.sha256(shard.data.tobytes()).hexdigest()}))
+    Path(f"{config['out']}.rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "restored_from": start,
+                "tier": tier.tier_restored,
+                "shard": hashlib.sha256(shard.data.tobytes()).hexdigest(),
+            }
+        )
+    )
     tier.close()

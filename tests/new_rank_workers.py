@@ -156,10 +156,15 @@ def ray_train_loop(config: dict) -> None:
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     explore = np.random.default_rng(2000 + rank)
     buffer = RankBuffer()
-    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
-                              retention=False)
-    for name, obj in (("policy", model), ("optim", optim), ("rng", RNGState(numpy_generators={"explore": explore})),
-                      ("replay_buffer", buffer)):
+    engine = CheckpointEngine(
+        base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"], retention=False
+    )
+    for name, obj in (
+        ("policy", model),
+        ("optim", optim),
+        ("rng", RNGState(numpy_generators={"explore": explore})),
+        ("replay_buffer", buffer),
+    ):
         engine.register(name, obj)
     plan = engine.plan_recovery()
     result = engine.restore(plan)
@@ -174,7 +179,16 @@ def ray_train_loop(config: dict) -> None:
         engine.save(3)
         (out / f"saved_{rank}.json").write_text(json.dumps({"rng": rng_fingerprint(explore), "items": buffer.items}))
     else:
-        (out / f"restored_{rank}.json").write_text(json.dumps({
-            "world": world, "snapshot": result.snapshot_id, "step": result.global_step, "plan": str(plan),
-            "rng": rng_fingerprint(explore), "items": buffer.items}))
+        (out / f"restored_{rank}.json").write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "snapshot": result.snapshot_id,
+                    "step": result.global_step,
+                    "plan": str(plan),
+                    "rng": rng_fingerprint(explore),
+                    "items": buffer.items,
+                }
+            )
+        )
     engine.close()

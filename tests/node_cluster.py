@@ -24,8 +24,12 @@ def node_cluster(namespace: str, head_resources: int, worker_resources: int = 0)
     if worker_resources:
         cluster.add_node(num_cpus=1, resources={"worker": worker_resources})
         cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=namespace, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": PYTHONPATH}})
+    ray.init(
+        address=cluster.address,
+        namespace=namespace,
+        logging_level="ERROR",
+        runtime_env={"env_vars": {"PYTHONPATH": PYTHONPATH}},
+    )
     try:
         yield ray, cluster
     finally:
@@ -37,8 +41,9 @@ def run_node_script(script: str, *args: str, lines: int) -> list[dict]:
     """Run ``tests/<script>`` in a subprocess; the ``lines`` JSON objects it printed (assert that it printed them
     and exited 0, with its output's tail otherwise)."""
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, script), *args], env=env, capture_output=True, text=True, timeout=900
+    )
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and len(out) == lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out

@@ -36,13 +36,31 @@ class EnvShard:
 class Participant:
     """A learner rank or rollout worker that checkpoints through the manager."""
 
-    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world_size: int, role: str,
-                 participants: list[str], nbytes: int = 64 * 1024, cfg: dict | None = None) -> None:
+    def __init__(
+        self,
+        base_dir: str,
+        run_name: str,
+        manager,
+        rank: int,
+        world_size: int,
+        role: str,
+        participants: list[str],
+        nbytes: int = 64 * 1024,
+        cfg: dict | None = None,
+    ) -> None:
         torch.manual_seed(rank)
         self.model = torch.nn.Linear(64, 64)
         self.env = EnvShard(nbytes)
-        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, rank=rank,
-                                       world_size=world_size, role=role, participants=participants, **(cfg or {}))
+        self.engine = CheckpointEngine(
+            base_dir=base_dir,
+            run_name=run_name,
+            manager=manager,
+            rank=rank,
+            world_size=world_size,
+            role=role,
+            participants=participants,
+            **(cfg or {}),
+        )
         if role == "learner":
             self.engine.register("policy", self.model)
         self.engine.register("env", self.env)
@@ -79,7 +97,6 @@ class Participant:
 
     def close(self) -> None:
         self.engine.close()
-
 
 
 class GlooLearner:
@@ -145,16 +162,24 @@ class Rank:
     rank > 0 with nothing of its own to save.
     """
 
-    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world: int, cfg: dict | None = None,
-                 rng: bool = True) -> None:
+    def __init__(
+        self, base_dir: str, run_name: str, manager, rank: int, world: int, cfg: dict | None = None, rng: bool = True
+    ) -> None:
         torch.manual_seed(0)
         self.model = torch.nn.Linear(16, 16)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.model(torch.ones(2, 16)).sum().backward()
         self.opt.step()
         self.storage = GatedStorage(os.path.join(base_dir, run_name))
-        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, rank=rank,
-                                       world_size=world, storage=self.storage, **(cfg or {}))
+        self.engine = CheckpointEngine(
+            base_dir=base_dir,
+            run_name=run_name,
+            manager=manager,
+            rank=rank,
+            world_size=world,
+            storage=self.storage,
+            **(cfg or {}),
+        )
         self.engine.register("policy", self.model)
         self.engine.register("optimizer", self.opt)
         if rng:
@@ -203,8 +228,11 @@ class Rank:
 
     def sched_wait(self) -> dict:
         self.engine.wait()
-        return {"skipped": self.scheduler.skipped, "failures": self.scheduler.failures,
-                "error": str(self.scheduler.last_error) if self.scheduler.last_error else None}
+        return {
+            "skipped": self.scheduler.skipped,
+            "failures": self.scheduler.failures,
+            "error": str(self.scheduler.last_error) if self.scheduler.last_error else None,
+        }
 
     def beat(self, step: int) -> None:
         self.engine.beat(step)

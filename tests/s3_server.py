@@ -16,6 +16,7 @@ import threading
 
 from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options, serialize_conditional_writes
 
+
 @dataclasses.dataclass
 class S3Server:
     server: object  # moto.server.ThreadedMotoServer

@@ -104,7 +104,6 @@ def write_json(out: str, name: str, data) -> None:
     Path(out, name).write_text(json.dumps(data))
 
 
-
 # -- dedup ------------------------------------------------------------------------------------------------
 FEATURES = 64
 
@@ -112,8 +111,9 @@ FEATURES = 64
 def frozen_model(seed: int) -> torch.nn.Module:
     """A small policy whose first layer (a 64 x 48 float32 weight, 12 KiB) is frozen, as a frozen embedding."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10),
-                                torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3)
+    )
     model[0].requires_grad_(False)
     return model
 
@@ -160,8 +160,15 @@ def dedup_save_job(rank: int, world: int, port: int, run: str, out: str) -> None
 
     w.init(rank, world, port)
     model, optim = frozen_setup(world, 0)
-    engine = CheckpointEngine(base_dir=str(Path(run).parent), run_name=Path(run).name, rank=rank, world_size=world,
-                              dedup=True, dedup_min_tensor_bytes=256, keep_latest=2)
+    engine = CheckpointEngine(
+        base_dir=str(Path(run).parent),
+        run_name=Path(run).name,
+        rank=rank,
+        world_size=world,
+        dedup=True,
+        dedup_min_tensor_bytes=256,
+        keep_latest=2,
+    )
     engine.register("policy", model)
     engine.register("optim", optim)
     counts = counting_writes(engine)
@@ -177,8 +184,11 @@ def dedup_save_job(rank: int, world: int, port: int, run: str, out: str) -> None
             if step == 1:  # kept for the test: retention deletes step 1 after step 3
                 Path(out, "meta_1.json").write_bytes((Path(run) / "step_000000001" / "meta.json").read_bytes())
     local_frozen = model[0].weight.to_local()
-    write_json(out, f"written_{rank}.json", {"written": written,
-                                             "frozen_bytes": local_frozen.numel() * local_frozen.element_size()})
+    write_json(
+        out,
+        f"written_{rank}.json",
+        {"written": written, "frozen_bytes": local_frozen.numel() * local_frozen.element_size()},
+    )
     engine.close()
     dist.destroy_process_group()
 
@@ -232,7 +242,7 @@ def dedup_kill_job(rank: int, world: int, port: int, run: str, out: str, nth: in
         def dying(items):
             calls["n"] += 1
             if calls["n"] == nth:
-                write_many(items[:max(1, len(items) // 2)] if partial else items)
+                write_many(items[: max(1, len(items) // 2)] if partial else items)
                 Path(out, "killed").write_text(str(len(items)))
                 os.kill(os.getpid(), signal.SIGKILL)
             return write_many(items)

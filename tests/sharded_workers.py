@@ -26,8 +26,13 @@ def free_port() -> int:
 
 def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, ROWS[0]), torch.nn.Tanh(), torch.nn.Linear(ROWS[0], ROWS[1]),
-                               torch.nn.Tanh(), torch.nn.Linear(ROWS[1], 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, ROWS[0]),
+        torch.nn.Tanh(),
+        torch.nn.Linear(ROWS[0], ROWS[1]),
+        torch.nn.Tanh(),
+        torch.nn.Linear(ROWS[1], 3),
+    )
 
 
 def init(rank: int, world: int, port: int) -> None:
@@ -88,8 +93,9 @@ def local_bytes(model, optim) -> int:
 def engine_for(run: str, rank: int, world: int, **kw):
     from rl_ckpt import CheckpointEngine
 
-    return CheckpointEngine(base_dir=str(Path(run).parent), run_name=Path(run).name, rank=rank, world_size=world,
-                            retention=False, **kw)
+    return CheckpointEngine(
+        base_dir=str(Path(run).parent), run_name=Path(run).name, rank=rank, world_size=world, retention=False, **kw
+    )
 
 
 def counting(engine) -> dict:
@@ -175,8 +181,13 @@ def restore_job(rank: int, world: int, port: int, run: str, out: str, mesh_shape
     for k, v in expected.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"rank {rank}: {k} differs after restore"
     manifest = (Path(run) / result.snapshot_id / "meta.json").stat().st_size
-    report = {"rank": rank, "share": share, "range_bytes": counts["range"], "whole_file_bytes": counts["read"],
-              "manifest": manifest}
+    report = {
+        "rank": rank,
+        "share": share,
+        "range_bytes": counts["range"],
+        "whole_file_bytes": counts["read"],
+        "manifest": manifest,
+    }
     (Path(out) / f"read_{world}_{rank}.json").write_text(json.dumps(report))
     # The tensor bytes a rank reads stay within 1.25x its share (whole-file reads are the manifest and catalog).
     assert counts["range"] <= 1.25 * share, report
@@ -272,8 +283,9 @@ def corrupt_job(rank: int, world: int, port: int, run: str, out: str) -> None:
     dist.barrier()
     if rank == 0:  # damage one block of rank 1's part of the policy in step 2
         meta = json.loads((Path(run) / "step_000000002" / "meta.json").read_text())
-        chunk = next(c for c in meta["components"]["policy"]["layout"]["tensors"]["0.weight"]["chunks"]
-                     if c["offsets"][0] > 0)
+        chunk = next(
+            c for c in meta["components"]["policy"]["layout"]["tensors"]["0.weight"]["chunks"] if c["offsets"][0] > 0
+        )
         f = Path(run) / "step_000000002" / chunk["file"]
         data = bytearray(f.read_bytes())
         data[chunk["start"] + 5] ^= 0x40
@@ -299,8 +311,9 @@ def corrupt_job(rank: int, world: int, port: int, run: str, out: str) -> None:
 class ManagedFSDPLearner:
     """A Ray actor: one FSDP2 rank in a gloo group, checkpointing through the CheckpointManager."""
 
-    def __init__(self, base_dir: str, run_name: str, manager, rank: int, world: int, init_method: str,
-                 seed: int) -> None:
+    def __init__(
+        self, base_dir: str, run_name: str, manager, rank: int, world: int, init_method: str, seed: int
+    ) -> None:
         from rl_ckpt import CheckpointEngine
 
         torch.set_num_threads(1)
@@ -308,8 +321,9 @@ class ManagedFSDPLearner:
         self.rank = rank
         self.model = shard(make_model(seed), (world,))
         self.optim = torch.optim.Adam(self.model.parameters(), lr=0.01)
-        self.engine = CheckpointEngine(base_dir=base_dir, run_name=run_name, manager=manager, rank=rank,
-                                       world_size=world, retention=False)
+        self.engine = CheckpointEngine(
+            base_dir=base_dir, run_name=run_name, manager=manager, rank=rank, world_size=world, retention=False
+        )
         self.engine.register("policy", self.model)
         self.engine.register("optim", self.optim)
 
@@ -328,7 +342,7 @@ def global_batch_loss(model, step: int, rank: int, world: int) -> torch.Tensor:
     """This rank's slice of one global batch: the averaged gradient does not depend on the number of ranks."""
     rows = batch(step, 0)
     per = rows.shape[0] // world
-    return model(rows[rank * per:(rank + 1) * per]).pow(2).mean()
+    return model(rows[rank * per : (rank + 1) * per]).pow(2).mean()
 
 
 def ray_train_loop(config: dict) -> None:
@@ -350,8 +364,13 @@ def ray_train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     model = shard(make_model(config["seed"]), (world,))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
-                              retention=False, **config.get("cfg", {}))
+    engine = CheckpointEngine(
+        base_dir=config["base_dir"],
+        run_name=config["run_name"],
+        manager=config["manager"],
+        retention=False,
+        **config.get("cfg", {}),
+    )
     tier = None
     if config.get("memory"):
         from rl_ckpt.integrations.memory_tier import MemoryTier
@@ -382,9 +401,17 @@ def ray_train_loop(config: dict) -> None:
     full = full_state(model, optim)
     if rank == 0:
         save_file(full, config["out"])
-        Path(config["out"] + ".json").write_text(json.dumps({
-            "world": world, "restored_from": start, "snapshot": result.snapshot_id,
-            "tier": tier.tier_restored if tier is not None else None,
-            "layout": result.plan.layout if result.plan is not None else "",
-            "reason": result.warnings[0] if tier is not None and result.warnings else "", "ranged_reads": reads}))
+        Path(config["out"] + ".json").write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "restored_from": start,
+                    "snapshot": result.snapshot_id,
+                    "tier": tier.tier_restored if tier is not None else None,
+                    "layout": result.plan.layout if result.plan is not None else "",
+                    "reason": result.warnings[0] if tier is not None and result.warnings else "",
+                    "ranged_reads": reads,
+                }
+            )
+        )
     saver.close()

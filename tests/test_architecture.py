@@ -34,8 +34,12 @@ TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.
 
 
 def _params(rule: str) -> list:
-    return [pytest.param(m, id=m, marks=pytest.mark.xfail(reason=KNOWN[(rule, m)], strict=True))
-            if (rule, m) in KNOWN else pytest.param(m, id=m) for m in sorted(MODULES)]
+    return [
+        pytest.param(m, id=m, marks=pytest.mark.xfail(reason=KNOWN[(rule, m)], strict=True))
+        if (rule, m) in KNOWN
+        else pytest.param(m, id=m)
+        for m in sorted(MODULES)
+    ]
 
 
 def _is_package(module: str) -> bool:
@@ -48,7 +52,7 @@ def _absolute(module: str, node: ast.ImportFrom) -> str:
         return node.module or ""
     base = module.split(".")
     base = base if _is_package(module) else base[:-1]
-    base = base[:len(base) - node.level + 1]
+    base = base[: len(base) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -70,8 +74,11 @@ def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
 
 def _imported_modules(module: str, tree: ast.Module, all_imports: bool = False) -> set[str]:
     """Our modules ``module`` imports (at import time, or anywhere with ``all_imports``)."""
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] if all_imports \
+    nodes = (
+        [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        if all_imports
         else _top_level_imports(tree)
+    )
     found = set()
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -88,8 +95,11 @@ def _imported_modules(module: str, tree: ast.Module, all_imports: bool = False) 
 def test_modules_and_classes_are_small(module):
     tree, lines = TREES[module], MODULES[module].read_text().count("\n")
     assert lines <= MAX_MODULE_LINES, f"{MODULES[module]} has {lines} lines (> {MAX_MODULE_LINES}): split it"
-    big = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
-           and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES}
+    big = {
+        n.name: n.end_lineno - n.lineno + 1
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES
+    }
     assert not big, f"{MODULES[module]}: classes over {MAX_CLASS_LINES} lines: {big}"
 
 
@@ -146,6 +156,7 @@ def test_cycle_finder_finds_cycles():
 
 def _private_uses(module: str, tree: ast.Module) -> list[str]:
     """``from ours import _name`` and ``ours_module._name`` in ``module`` (dunders are not private)."""
+
     def private(name: str) -> bool:
         return name.startswith("_") and not name.startswith("__")
 
@@ -165,8 +176,12 @@ def _private_uses(module: str, tree: ast.Module) -> list[str]:
                 if a.name in MODULES and a.asname:
                     aliases[a.asname] = a.name
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
-                and node.value.id in aliases):
+        if (
+            isinstance(node, ast.Attribute)
+            and private(node.attr)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
             found.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
     return found
 
@@ -187,6 +202,7 @@ THIRD_PARTY_PRIVATE = {
 def _private_attributes(tree: ast.Module) -> list[str]:
     """``obj._name`` where ``obj`` is not ``self``/``cls`` and ``_name`` is not this module's own (defined or set
     on ``self`` here): reaching into another object's privates."""
+
     def private(name: str) -> bool:
         return name.startswith("_") and not name.startswith("__")
 
@@ -198,22 +214,31 @@ def _private_attributes(tree: ast.Module) -> list[str]:
             own.add(node.attr)
         elif isinstance(node, ast.Name) and private(node.id):
             own.add(node.id)
-    return sorted(f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
-                  if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own
-                  and node.attr not in THIRD_PARTY_PRIVATE
-                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+    return sorted(
+        f"line {node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and private(node.attr)
+        and node.attr not in own
+        and node.attr not in THIRD_PARTY_PRIVATE
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    )
 
 
 @pytest.mark.parametrize("module", _params("private"))
 def test_no_private_attribute_of_another_object(module):
     uses = _private_attributes(TREES[module])
-    assert not uses, (f"{MODULES[module]} reaches into another object's private attributes (make them public, or "
-                      f"add a third-party name with its reason to THIRD_PARTY_PRIVATE): {uses}")
+    assert not uses, (
+        f"{MODULES[module]} reaches into another object's private attributes (make them public, or "
+        f"add a third-party name with its reason to THIRD_PARTY_PRIVATE): {uses}"
+    )
 
 
 def test_private_attribute_finder():
-    tree = ast.parse("class A:\n    def f(self, other, storage):\n        self._mine = 1\n"
-                     "        return other._mine, storage._observed_fsync(), self._x, torch.a._traverse\n")
+    tree = ast.parse(
+        "class A:\n    def f(self, other, storage):\n        self._mine = 1\n"
+        "        return other._mine, storage._observed_fsync(), self._x, torch.a._traverse\n"
+    )
     assert _private_attributes(tree) == ["line 4: storage._observed_fsync", "line 4: torch.a._traverse"]
 
 
@@ -224,11 +249,15 @@ def test_no_private_name_of_another_module(module):
 
 
 def test_private_name_finder():
-    tree = ast.parse("from rl_ckpt.run.commit import _x, Attempt\nfrom rl_ckpt.run import catalog as c\n"
-                     "def f():\n    from .layout import _y\n    return c._z, c.Catalog\n")
+    tree = ast.parse(
+        "from rl_ckpt.run.commit import _x, Attempt\nfrom rl_ckpt.run import catalog as c\n"
+        "def f():\n    from .layout import _y\n    return c._z, c.Catalog\n"
+    )
     assert _private_uses("rl_ckpt.run.gc", tree) == [
-        "line 1: from rl_ckpt.run.commit import _x", "line 4: from rl_ckpt.run.layout import _y",
-        "line 5: rl_ckpt.run.catalog._z"]
+        "line 1: from rl_ckpt.run.commit import _x",
+        "line 4: from rl_ckpt.run.layout import _y",
+        "line 5: rl_ckpt.run.catalog._z",
+    ]
 
 
 # The package's layers, lowest first. A module may import (at import time, or later inside a
@@ -298,22 +327,30 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module", _params("layers"))
 def test_imports_point_down_the_layers(module):
     up = _upward_imports(module, TREES[module])
-    assert not up, (f"{MODULES[module]} imports upward (move what it needs down, or the importer up; layers, "
-                    f"lowest first: {[name for name, _ in LAYERS]}): {up}")
+    assert not up, (
+        f"{MODULES[module]} imports upward (move what it needs down, or the importer up; layers, "
+        f"lowest first: {[name for name, _ in LAYERS]}): {up}"
+    )
 
 
 def test_layer_checker_sees_lazy_type_only_and_facade_imports():
-    tree = ast.parse("from rl_ckpt.format.manifest import Manifest\nfrom rl_ckpt import errors\n"
-                     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_ckpt.core.engine import E\n"
-                     "def f():\n    from rl_ckpt.core.reader import load_component\n"
-                     "    from rl_ckpt import CheckpointEngine\n    import rl_ckpt.recovery.plan\n")
+    tree = ast.parse(
+        "from rl_ckpt.format.manifest import Manifest\nfrom rl_ckpt import errors\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_ckpt.core.engine import E\n"
+        "def f():\n    from rl_ckpt.core.reader import load_component\n"
+        "    from rl_ckpt import CheckpointEngine\n    import rl_ckpt.recovery.plan\n"
+    )
     assert _upward_imports("rl_ckpt.run.gc", tree) == [
         "line 5: rl_ckpt.run.gc (run) imports rl_ckpt.core.engine (core)",
         "line 7: rl_ckpt.run.gc (run) imports rl_ckpt.core.reader (core)",
         "line 8: rl_ckpt.run.gc (run) imports rl_ckpt (applications and tools)",
-        "line 9: rl_ckpt.run.gc (run) imports rl_ckpt.recovery.plan (recovery)"]
-    assert (_layer("rl_ckpt.integrations.managed") < _layer("rl_ckpt.core.engine")
-            < _layer("rl_ckpt.integrations.ray_train"))
+        "line 9: rl_ckpt.run.gc (run) imports rl_ckpt.recovery.plan (recovery)",
+    ]
+    assert (
+        _layer("rl_ckpt.integrations.managed")
+        < _layer("rl_ckpt.core.engine")
+        < _layer("rl_ckpt.integrations.ray_train")
+    )
     assert _layer("rl_ckpt.storage.local") < _layer("rl_ckpt.format.manifest") < _layer("rl_ckpt.run.catalog")
 
 
@@ -328,12 +365,16 @@ def test_every_error_class_lives_in_errors_and_is_exported():
         if module == "rl_ckpt.errors" or module.startswith("rl_ckpt.tools"):
             continue
         for node in tree.body:
-            if isinstance(node, ast.ClassDef) and (node.name.endswith("Error")
-                                                   or any(ast.unparse(b).endswith("Error") for b in node.bases)):
+            if isinstance(node, ast.ClassDef) and (
+                node.name.endswith("Error") or any(ast.unparse(b).endswith("Error") for b in node.bases)
+            ):
                 elsewhere.append(f"{module}.{node.name}")
     assert not elsewhere, f"error classes outside rl_ckpt/errors.py: {elsewhere}"
-    defined = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)
-               and v.__module__ == errors.__name__]
+    defined = [
+        v
+        for v in vars(errors).values()
+        if isinstance(v, type) and issubclass(v, BaseException) and v.__module__ == errors.__name__
+    ]
     assert all(issubclass(cls, errors.CheckpointError) for cls in defined)
     missing = sorted(cls.__name__ for cls in defined if cls.__name__ not in rl_ckpt.__all__)
     assert not missing, f"errors not exported from rl_ckpt: {missing}"
@@ -341,8 +382,13 @@ def test_every_error_class_lives_in_errors_and_is_exported():
 
 # The topology seam (rl_ckpt/core/topology.py): who a process is in a save (Solo, TorchDistributed, Managed) is
 # chosen once; these modules ask the topology and never branch on it themselves.
-TOPOLOGY_CLIENTS = ("rl_ckpt.core.engine", "rl_ckpt.core.save_pipeline", "rl_ckpt.core.restorer",
-                    "rl_ckpt.core.registry", "rl_ckpt.core.scheduler")
+TOPOLOGY_CLIENTS = (
+    "rl_ckpt.core.engine",
+    "rl_ckpt.core.save_pipeline",
+    "rl_ckpt.core.restorer",
+    "rl_ckpt.core.registry",
+    "rl_ckpt.core.scheduler",
+)
 TOPOLOGY_FLAGS = {"managed", "distributed", "multi", "manager_client", "heartbeat"}  # (torch.distributed is torch's)
 TOPOLOGY_OBJECTS = {"manager", "manager_client", "client", "heartbeat"}
 TOPOLOGY_CLASSES = {"Topology", "Solo", "TorchDistributed", "Managed", "ParticipantCommit", "DistributedCommit"}
@@ -351,16 +397,21 @@ TOPOLOGY_CLASSES = {"Topology", "Solo", "TorchDistributed", "Managed", "Particip
 def _topology_branches(tree: ast.Module) -> list[str]:
     """Flags read (``reg.managed``, ``self.distributed``), a manager/client tested against None, and topology or
     commit classes tested with ``isinstance``: a module branching on who it is instead of asking its topology."""
+
     def tail(node: ast.AST) -> str | None:
         return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
 
     found = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr in TOPOLOGY_FLAGS
-                and not (isinstance(node.value, ast.Name) and node.value.id == "torch")):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in TOPOLOGY_FLAGS
+            and not (isinstance(node.value, ast.Name) and node.value.id == "torch")
+        ):
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq))
-                                                   for op in node.ops):
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)) for op in node.ops
+        ):
             if any(tail(side) in TOPOLOGY_OBJECTS for side in [node.left, *node.comparators]):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.Call) and tail(node.func) in ("isinstance", "type") and node.args:
@@ -372,15 +423,24 @@ def _topology_branches(tree: ast.Module) -> list[str]:
 @pytest.mark.parametrize("module", TOPOLOGY_CLIENTS)
 def test_engine_pipeline_and_restorer_ask_the_topology(module):
     branches = _topology_branches(TREES[module])
-    assert not branches, (f"{MODULES[module]} branches on who this process is; ask the topology "
-                          f"(rl_ckpt/core/topology.py) instead: {branches}")
+    assert not branches, (
+        f"{MODULES[module]} branches on who this process is; ask the topology "
+        f"(rl_ckpt/core/topology.py) instead: {branches}"
+    )
 
 
 def test_topology_branch_finder():
-    tree = ast.parse("def f(self, reg, torch):\n    if reg.managed or self.registry.distributed:\n        pass\n"
-                     "    if self.manager is None and client is not None:\n        pass\n"
-                     "    ok = isinstance(self.commit, (DistributedCommit, int)) or reg.multi\n"
-                     "    return torch.distributed.is_initialized(), self.topology.agree(1, 'full', False)\n")
+    tree = ast.parse(
+        "def f(self, reg, torch):\n    if reg.managed or self.registry.distributed:\n        pass\n"
+        "    if self.manager is None and client is not None:\n        pass\n"
+        "    ok = isinstance(self.commit, (DistributedCommit, int)) or reg.multi\n"
+        "    return torch.distributed.is_initialized(), self.topology.agree(1, 'full', False)\n"
+    )
     assert _topology_branches(tree) == [
-        "line 2: reg.managed", "line 2: self.registry.distributed", "line 4: self.manager is None",
-        "line 4: client is not None", "line 6: isinstance(self.commit, (DistributedCommit, int))", "line 6: reg.multi"]
+        "line 2: reg.managed",
+        "line 2: self.registry.distributed",
+        "line 4: self.manager is None",
+        "line 4: client is not None",
+        "line 6: isinstance(self.commit, (DistributedCommit, int))",
+        "line 6: reg.multi",
+    ]

@@ -111,8 +111,15 @@ def test_scheduler_skips_rather_than_queues(tmp_path):
 def test_scheduler_steps_or_seconds_and_light(tmp_path):
     now = [0.0]
     s = PPOState()
-    engine = s.register(CheckpointEngine(base_dir=str(tmp_path), save_interval_steps=10, save_interval_seconds=60,
-                                         light_interval_steps=3, keep_latest=50))
+    engine = s.register(
+        CheckpointEngine(
+            base_dir=str(tmp_path),
+            save_interval_steps=10,
+            save_interval_seconds=60,
+            light_interval_steps=3,
+            keep_latest=50,
+        )
+    )
     sched = engine.scheduler(clock=lambda: now[0])
     kinds = {}
     for step in range(0, 25):
@@ -179,7 +186,7 @@ def test_an_error_raised_by_on_commit_reaches_on_error(tmp_path):
     sched.step(0)
     sched.step(1).wait(timeout=60)
     sched.close()  # collects the finished save and the callback's error, without another step
-    (exc, step), = errors
+    ((exc, step),) = errors
     assert isinstance(exc, ValueError) and "step_000000001" in str(exc) and step == 1
     assert sched.failures == 0 and sched.warnings == 1
     assert [i.global_step for i in engine.snapshots()] == [1]

@@ -164,8 +164,11 @@ def test_state_the_engine_cannot_guard_is_copied_at_the_call(tmp_path, gate):
     assert background_names(engine.registry) == {"model", "optimizer", "declared", "opt2"}
     with pytest.raises(Exception, match="background must be True, False or None"):
         engine.register("bad", nn.Linear(2, 2), background="yes")
-    at_call = {"target": copy.deepcopy(target.state_dict()), "pinned_sync": copy.deepcopy(pinned_sync.state_dict()),
-               "declared": copy.deepcopy(declared.state_dict())}
+    at_call = {
+        "target": copy.deepcopy(target.state_dict()),
+        "pinned_sync": copy.deepcopy(pinned_sync.state_dict()),
+        "declared": copy.deepcopy(declared.state_dict()),
+    }
 
     handle = engine.save_async(1)
     assert not handle.staged()

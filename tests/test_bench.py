@@ -12,19 +12,46 @@ from rl_ckpt.tools import bench
 
 pytestmark = pytest.mark.slow  # the benchmarks run end to end on small sizes
 
-TOP_KEYS = ("mode", "url", "workdir", "repeat", "host", "cache", "load", "state", "results", "dedup", "ratios",
-            "goals", "goals_met", "goals_total")
+TOP_KEYS = (
+    "mode",
+    "url",
+    "workdir",
+    "repeat",
+    "host",
+    "cache",
+    "load",
+    "state",
+    "results",
+    "dedup",
+    "ratios",
+    "goals",
+    "goals_met",
+    "goals_total",
+)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rl_ckpt.cli", "bench", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "rl_ckpt.cli", "bench", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_docstring_documents_every_key():
     doc = bench.__doc__
-    for key in (*TOP_KEYS, *bench.RESULT_KEYS, *bench.VARIANT_KEYS, *bench.RATIOS, "scaling", "sizes[]", "catalog[]",
-                "other_cores_mean", "second_bytes_added", "per_snapshot_us", "plan_recovery_cold_s", "create_per_s"):
+    for key in (
+        *TOP_KEYS,
+        *bench.RESULT_KEYS,
+        *bench.VARIANT_KEYS,
+        *bench.RATIOS,
+        "scaling",
+        "sizes[]",
+        "catalog[]",
+        "other_cores_mean",
+        "second_bytes_added",
+        "per_snapshot_us",
+        "plan_recovery_cold_s",
+        "create_per_s",
+    ):
         if key.startswith("hash_") and key != "hash_sha256":
             assert key.split("_", 1)[1] in doc, key
             continue
@@ -33,8 +60,9 @@ def test_docstring_documents_every_key():
 
 def test_bench_json_table_and_plot(tmp_path):
     png = tmp_path / "bench.png"
-    proc = run_cli(str(tmp_path / "b"), "--size", "8MiB", "--repeat", "1", "--json", "--cache", "fadvise",
-                   "--plot", str(png))
+    proc = run_cli(
+        str(tmp_path / "b"), "--size", "8MiB", "--repeat", "1", "--json", "--cache", "fadvise", "--plot", str(png)
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     for key in TOP_KEYS:
@@ -66,14 +94,28 @@ def test_bench_json_table_and_plot(tmp_path):
 
     # The table, from the same function the CLI uses.
     text = bench.format_compare(out)
-    assert ("rl_ckpt save (defaults: xxh3_128+verify)" in text and "torch.load(weights_only)" in text
-            and "DCP save" in text)
+    assert (
+        "rl_ckpt save (defaults: xxh3_128+verify)" in text and "torch.load(weights_only)" in text and "DCP save" in text
+    )
     assert "goals (medians of this run)" in text and ("MET" in text or "MISSED" in text)
 
 
 def test_scaling_json(tmp_path, capsys):
-    code = bench.main([str(tmp_path), "--scaling", "--sizes", "2M,4M", "--counts", "1,3", "--repeat", "1", "--json",
-                       "--cache", "none"])
+    code = bench.main(
+        [
+            str(tmp_path),
+            "--scaling",
+            "--sizes",
+            "2M,4M",
+            "--counts",
+            "1,3",
+            "--repeat",
+            "1",
+            "--json",
+            "--cache",
+            "none",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "scaling"
@@ -85,8 +127,16 @@ def test_scaling_json(tmp_path, capsys):
             assert row[key] is not None
     assert [r["count"] for r in catalog] == [1, 3]
     for row in catalog:
-        for key in ("create_s", "create_per_s", "snapshots_s", "refresh_s", "plan_recovery_s", "plan_recovery_cold_s",
-                    "retention_s", "open_s"):
+        for key in (
+            "create_s",
+            "create_per_s",
+            "snapshots_s",
+            "refresh_s",
+            "plan_recovery_s",
+            "plan_recovery_cold_s",
+            "retention_s",
+            "open_s",
+        ):
             assert row[key] is not None and row[key] >= 0, key
         assert set(row["per_snapshot_us"]) == {"snapshots", "refresh", "plan_recovery", "retention", "open"}
     assert "catalog operations" in bench.format_scaling(out)
@@ -108,8 +158,10 @@ def test_cache_drop_falls_back_to_fadvise(tmp_path, monkeypatch):
     assert bench.CacheDropper("none").method == "none"
 
 
-@pytest.mark.parametrize("text,expected", [("64M", 64 << 20), ("256MiB", 256 << 20), ("1G", 1 << 30),
-                                           ("1.5GiB", 3 << 29), ("4096", 4096), ("8MB", 8 << 20)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("64M", 64 << 20), ("256MiB", 256 << 20), ("1G", 1 << 30), ("1.5GiB", 3 << 29), ("4096", 4096), ("8MB", 8 << 20)],
+)
 def test_parse_size(text, expected):
     assert bench.parse_size(text) == expected
 
@@ -130,9 +182,24 @@ def test_async_benchmark_script_runs_and_reports_every_goal(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "async_save.py"
-    out = subprocess.run([sys.executable, str(script), "--size-gib", "0.02", "--repeat", "1", "--json",
-                          "--dir", str(tmp_path), "--writer-nice", "3"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--size-gib",
+            "0.02",
+            "--repeat",
+            "1",
+            "--json",
+            "--dir",
+            str(tmp_path),
+            "--writer-nice",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["config"]["writer_nice"] == 3 and res["config"]["cleaned_up"]

@@ -92,8 +92,12 @@ def test_first_decision_wins_on_storage_and_planted_records_are_ignored(tmp_path
     clock = Clock()
     storage = LocalStorage(str(tmp_path))
     storage.makedirs(FOLDER)
-    for name, body in (("step_000000003.json", b"[" * 5000), ("step_000000002.json", b'{"decision": 5}'),
-                       ("horizon-x.json", b"{}"), ("notes.txt", b"hello")):
+    for name, body in (
+        ("step_000000003.json", b"[" * 5000),
+        ("step_000000002.json", b'{"decision": 5}'),
+        ("horizon-x.json", b"{}"),
+        ("notes.txt", b"hello"),
+    ):
         with open(os.path.join(tmp_path, FOLDER, name), "wb") as f:
             f.write(body)
     d = _decisions(tmp_path, clock)  # never raises because of what the folder holds
@@ -135,8 +139,7 @@ class ClockedRank(Rank):
     def __init__(self, *args, rate: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         start = time.monotonic()
-        self.scheduler = self.engine.scheduler(start_step=0,
-                                               clock=lambda: start + (time.monotonic() - start) * rate)
+        self.scheduler = self.engine.scheduler(start_step=0, clock=lambda: start + (time.monotonic() - start) * rate)
 
     def cadence_step(self, step: int) -> tuple[bool, int]:
         """(a save started, saves skipped so far)."""
@@ -170,8 +173,9 @@ def cluster(ray_cluster, tmp_path):
 def _both_parts(run_dir: str, sid: str) -> bool:
     with open(os.path.join(run_dir, sid, MANIFEST_NAME), "rb") as f:
         writer = json.load(f)["writer"]
-    return (writer["participants"] == ["learner-0", "learner-1"]
-            and os.path.isdir(os.path.join(run_dir, sid, "learner-1")))
+    return writer["participants"] == ["learner-0", "learner-1"] and os.path.isdir(
+        os.path.join(run_dir, sid, "learner-1")
+    )
 
 
 @pytest.mark.ray
@@ -243,8 +247,9 @@ def test_a_restarted_manager_gives_the_second_rank_the_first_ranks_answer(cluste
     assert [x["snapshot_id"] for x in ray.get(mgr.snapshots.remote())] == ["step_000000002", "step_000000005"]
     assert ray.get(mgr.stats.remote())["aborted"] == 0
     # Records of steps older than the newest commit are gone.
-    assert (sorted(n for n in os.listdir(os.path.join(run_dir, FOLDER)) if n.startswith("step_"))
-            == ["step_000000005.json"])
+    assert sorted(n for n in os.listdir(os.path.join(run_dir, FOLDER)) if n.startswith("step_")) == [
+        "step_000000005.json"
+    ]
 
 
 @pytest.mark.ray

@@ -87,8 +87,11 @@ def test_manifest_edited_in_place_is_reread(tmp_path):
     path = os.path.join(e.storage.root, "step_000000002", "meta.json")
     before = os.stat(path)
     raw = open(path, "rb").read()
-    edited = (raw.replace(b'"reward":2.0', b'"reward":9.0') if b'"reward":2.0' in raw
-              else raw.replace(b'"reward": 2.0', b'"reward": 9.0'))
+    edited = (
+        raw.replace(b'"reward":2.0', b'"reward":9.0')
+        if b'"reward":2.0' in raw
+        else raw.replace(b'"reward": 2.0', b'"reward": 9.0')
+    )
     assert edited != raw and len(edited) == len(raw)
     with open(path, "r+b") as f:  # in place: same inode, same size
         f.write(edited)

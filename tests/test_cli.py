@@ -98,8 +98,13 @@ def test_timeline_draws_kept_deleted_best_and_failures(tmp_path):
     e.restore(e.plan_recovery(FailureInfo(kind="process_killed", step=47)))
     data = load(e.storage)
     states = {x["id"]: x["state"] for x in data["snapshots"]}
-    assert states == {"step_000000010": "deleted", "step_000000020": "kept", "step_000000030": "kept",
-                      "step_000000040": "kept", "step_000000045.light": "kept"}
+    assert states == {
+        "step_000000010": "deleted",
+        "step_000000020": "kept",
+        "step_000000030": "kept",
+        "step_000000040": "kept",
+        "step_000000045.light": "kept",
+    }
     assert data["best"]["avg_reward"] == "step_000000020"
     assert data["decisions"][0]["to"] == 40 and data["decisions"][0]["step"] == 47
     out = tmp_path / "t.png"
@@ -128,10 +133,16 @@ def test_hostile_manifest_is_one_line_not_a_traceback(tmp_path):
     _, url = _run_dir(tmp_path)
     meta_path = tmp_path / "run" / "step_000000002" / "meta.json"
     meta_path.write_text(meta_path.read_text().replace('"global_step": 2', '"global_step": ' + "9" * 5000))
-    for args, code in ((("ls", url), 1), (("verify", url), 1), (("inspect", url, "step_000000002"), 1),
-                       (("export", url, "step_000000002", "policy", "-o", str(tmp_path / "x")), 1), (("plan", url), 0)):
+    for args, code in (
+        (("ls", url), 1),
+        (("verify", url), 1),
+        (("inspect", url, "step_000000002"), 1),
+        (("export", url, "step_000000002", "policy", "-o", str(tmp_path / "x")), 1),
+        (("plan", url), 0),
+    ):
         out = run(*args)
         assert out.returncode == code, (args, out.stderr)
         assert "Traceback" not in out.stderr
-        assert (len([line for line in out.stderr.splitlines() if line.startswith("rl-ckpt ")])
-                == (code == 1 and args[0] in ("inspect", "export")))
+        assert len([line for line in out.stderr.splitlines() if line.startswith("rl-ckpt ")]) == (
+            code == 1 and args[0] in ("inspect", "export")
+        )

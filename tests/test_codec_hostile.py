@@ -25,17 +25,76 @@ from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.format.state_codec import MAX_DEPTH, decode_state
 from helpers import Bag
 
-TAGS = ("$tensor", "$ndarray", "$table", "$tuple", "$dict", "$float", "$np", "$bytes", "$odict", "$ddict", "$counter",
-        "$td", "$ntd", "$view", "$param", "$c128", "$nd", "$size", "$device", "$dtype", "$complex", "$int",
-        "$bytearray", "$unknown")
-JSON_VALUES: tuple = (None, True, 0, -1, 2**70, 1.5, float("inf"), "", "t", "x" * 100, [], {}, [1], ["t"], [[1, 2]],
-                      [["t", 1]], [[[1], 2]], [["a"], 1], {"a": 1}, {"items": 5}, {"items": [[[], 1]]},
-                      ["t", 0, [2], [1]], ["t", 0, [5], [1]], ["t", -1, [1], [1]], ["t", 0, [2**62], [2**62]],
-                      ["int8", 10**5], ["uint8", -1], ["bool", 1], ["float32", "1"], ["object", 1],
-                      ["i4,i4", 1], ["int64", 2**63], ["t", "<c16"], ["t", "|O8"], ["t", ">f4"],
-                      {"batch_size": [2], "device": None, "items": [["a", {"$tensor": "t"}]]},
-                      {"batch_size": [-1], "device": "nope", "items": []},
-                      {"batch_size": [1], "device": None, "items": [["a", 1]]}, "cuda:99", "meta", "nan", "-")
+TAGS = (
+    "$tensor",
+    "$ndarray",
+    "$table",
+    "$tuple",
+    "$dict",
+    "$float",
+    "$np",
+    "$bytes",
+    "$odict",
+    "$ddict",
+    "$counter",
+    "$td",
+    "$ntd",
+    "$view",
+    "$param",
+    "$c128",
+    "$nd",
+    "$size",
+    "$device",
+    "$dtype",
+    "$complex",
+    "$int",
+    "$bytearray",
+    "$unknown",
+)
+JSON_VALUES: tuple = (
+    None,
+    True,
+    0,
+    -1,
+    2**70,
+    1.5,
+    float("inf"),
+    "",
+    "t",
+    "x" * 100,
+    [],
+    {},
+    [1],
+    ["t"],
+    [[1, 2]],
+    [["t", 1]],
+    [[[1], 2]],
+    [["a"], 1],
+    {"a": 1},
+    {"items": 5},
+    {"items": [[[], 1]]},
+    ["t", 0, [2], [1]],
+    ["t", 0, [5], [1]],
+    ["t", -1, [1], [1]],
+    ["t", 0, [2**62], [2**62]],
+    ["int8", 10**5],
+    ["uint8", -1],
+    ["bool", 1],
+    ["float32", "1"],
+    ["object", 1],
+    ["i4,i4", 1],
+    ["int64", 2**63],
+    ["t", "<c16"],
+    ["t", "|O8"],
+    ["t", ">f4"],
+    {"batch_size": [2], "device": None, "items": [["a", {"$tensor": "t"}]]},
+    {"batch_size": [-1], "device": "nope", "items": []},
+    {"batch_size": [1], "device": None, "items": [["a", 1]]},
+    "cuda:99",
+    "meta",
+    "nan",
+    "-",
+)
 
 
 def nested(depth: int, kind: str) -> Any:
@@ -71,28 +130,35 @@ def test_hostile_tree_decodes_or_is_a_clean_error(label, tree):
         assert isinstance(exc, CorruptSnapshotError) and "step_000000001/bag.json" in str(exc), label
 
 
-@pytest.mark.parametrize("tree,why", [
-    (nested(600, "dict"), "nested more than"),           # was a RecursionError
-    ({"$np": ["int8", 100000]}, "out of range"),          # was an OverflowError
-    ({"$np": ["float16", 1e308]}, "out of range"),        # was a silent inf
-    ({"$dict": [[[1, 2], "v"]]}, "key must be str or int"),  # was a TypeError (unhashable list)
-    ({"$int": "12g"}, "hex"),
-    ({"$view": ["t", 1, [4], [1]]}, "runs past"),
-    ({"$dtype": "_dynamo"}, "unknown torch dtype"),      # never imported by name
-], ids=["deep", "np-overflow", "np-float-overflow", "list-key", "int-not-hex", "view-past-end", "dtype-name"])
+@pytest.mark.parametrize(
+    "tree,why",
+    [
+        (nested(600, "dict"), "nested more than"),  # was a RecursionError
+        ({"$np": ["int8", 100000]}, "out of range"),  # was an OverflowError
+        ({"$np": ["float16", 1e308]}, "out of range"),  # was a silent inf
+        ({"$dict": [[[1, 2], "v"]]}, "key must be str or int"),  # was a TypeError (unhashable list)
+        ({"$int": "12g"}, "hex"),
+        ({"$view": ["t", 1, [4], [1]]}, "runs past"),
+        ({"$dtype": "_dynamo"}, "unknown torch dtype"),  # never imported by name
+    ],
+    ids=["deep", "np-overflow", "np-float-overflow", "list-key", "int-not-hex", "view-past-end", "dtype-name"],
+)
 def test_issue_cases_get_a_specific_reason(tree, why):
     with pytest.raises(CorruptSnapshotError, match=why) as err:
         decode_state({"x": tree}, ARRAYS, {}, where="step_000000001/bag.json")
     assert str(err.value).startswith("step_000000001/bag.json: ")
 
 
-@pytest.mark.parametrize("label,tree", [
-    ("deep-600", nested(600, "dict")),
-    ("np-int8-overflow", {"$np": ["int8", 100000]}),
-    ("list-as-dict-key", {"$dict": [[[1, 2], "v"]]}),
-    ("view-past-end", {"$view": ["bag/w", 0, [1000], [1]]}),
-    ("td-bad-batch", {"$td": {"batch_size": [7], "device": None, "items": [["w", {"$tensor": "bag/w"}]]}}),
-])
+@pytest.mark.parametrize(
+    "label,tree",
+    [
+        ("deep-600", nested(600, "dict")),
+        ("np-int8-overflow", {"$np": ["int8", 100000]}),
+        ("list-as-dict-key", {"$dict": [[[1, 2], "v"]]}),
+        ("view-past-end", {"$view": ["bag/w", 0, [1000], [1]]}),
+        ("td-bad-batch", {"$td": {"batch_size": [7], "device": None, "items": [["w", {"$tensor": "bag/w"}]]}}),
+    ],
+)
 def test_forged_component_json_makes_restore_fall_back(tmp_path, label, tree):
     cfg = {"base_dir": str(tmp_path), "run_name": "run"}
     bag = Bag({"bag": {"w": torch.ones(3)}, "step": 1})
@@ -115,12 +181,15 @@ def forge(snap: Path, rel: str, data: bytes) -> None:
     """Replace a file and fix its checksum and the manifest's own, as someone who can write the storage would."""
     (snap / rel).write_bytes(data)
     manifest = Manifest.from_bytes((snap / "meta.json").read_bytes(), snap.name)
-    manifest.files = [dataclasses.replace(f, size=len(data), checksum=digest_bytes(f.algo, data))
-                      if f.path == rel else f for f in manifest.files]
+    manifest.files = [
+        dataclasses.replace(f, size=len(data), checksum=digest_bytes(f.algo, data)) if f.path == rel else f
+        for f in manifest.files
+    ]
     (snap / "meta.json").write_bytes(manifest.to_bytes())
 
 
 # -- every earlier format still loads ------------------------------------------------------------------
+
 
 def test_snapshot_written_by_format_1_still_decodes(tmp_path):
     """tests/data/format_v1 was written by the codec before tags for OrderedDict, TensorDict etc. existed."""
@@ -148,7 +217,9 @@ def test_snapshot_written_by_format_1_still_decodes(tmp_path):
     # Format 1 stored these as plain JSON, so they come back as it always did.
     assert s["od"] == {"b": 1, "a": 2} and s["f64"] == 0.5 and s["size"] == (2, 3) and s["big"] == 2**100
     assert s["tuple"] == (1, (2, "x")) and s["intkeys"] == {3: "a", 1: "b"} and s["dollar"] == {"$tensor": "not a tag"}
-    assert (s["bytes"] == b"\x00\xff" and type(s["f32"]) is np.float32 and np.isnan(s["nan"])
-            and s["ninf"] == float("-inf"))
-    assert (s["none"] is None and s["flag"] is True and s["s"] == "text"
-            and s["table"].column("x").to_pylist() == [1, 2, 3])
+    assert (
+        s["bytes"] == b"\x00\xff" and type(s["f32"]) is np.float32 and np.isnan(s["nan"]) and s["ninf"] == float("-inf")
+    )
+    assert (
+        s["none"] is None and s["flag"] is True and s["s"] == "text" and s["table"].column("x").to_pylist() == [1, 2, 3]
+    )

@@ -21,8 +21,13 @@ def test_defaults_and_kwargs():
 
 def test_shipped_yaml_mirrors_the_article():
     cfg = CheckpointConfig.from_yaml(str(ROOT / "configs" / "ppo.yaml"))
-    assert (cfg.save_interval_steps, cfg.save_interval_seconds, cfg.keep_latest, cfg.keep_best,
-            cfg.keep_interval_steps) == (500, 1800.0, 5, 3, 2000)
+    assert (
+        cfg.save_interval_steps,
+        cfg.save_interval_seconds,
+        cfg.keep_latest,
+        cfg.keep_best,
+        cfg.keep_interval_steps,
+    ) == (500, 1800.0, 5, 3, 2000)
     assert cfg.atomic_write and cfg.verify_after_write and cfg.save_replay_buffer
 
 
@@ -31,12 +36,21 @@ def test_dict_with_checkpoint_section_or_flat():
     assert CheckpointConfig.from_dict({"keep_best": 1}).keep_best == 1
 
 
-@pytest.mark.parametrize("key,value,allowed", [
-    ("keep_latest", 0, ">= 1"), ("keep_latest", "5", ">= 1"), ("keep_best", -1, ">= 0"),
-    ("checksum_algo", "md5", "xxh3_128, blake3, sha256"), ("best_mode", "up", "max, min"),
-    ("atomic_write", "yes", "true or false"), ("save_interval_seconds", -1, ">= 0"),
-    ("run_name", "../escape", "no '/'"), ("storage_options", [1], "mapping"), ("best_metric", "", "name"),
-])
+@pytest.mark.parametrize(
+    "key,value,allowed",
+    [
+        ("keep_latest", 0, ">= 1"),
+        ("keep_latest", "5", ">= 1"),
+        ("keep_best", -1, ">= 0"),
+        ("checksum_algo", "md5", "xxh3_128, blake3, sha256"),
+        ("best_mode", "up", "max, min"),
+        ("atomic_write", "yes", "true or false"),
+        ("save_interval_seconds", -1, ">= 0"),
+        ("run_name", "../escape", "no '/'"),
+        ("storage_options", [1], "mapping"),
+        ("best_metric", "", "name"),
+    ],
+)
 def test_bad_values_name_key_and_allowed(key, value, allowed):
     with pytest.raises(ConfigError) as err:
         CheckpointConfig(**{key: value})

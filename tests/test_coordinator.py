@@ -8,8 +8,16 @@ import logging
 import pytest
 
 from rl_ckpt.run.catalog import SnapshotInfo
-from rl_ckpt.recovery.coordinator import (Action, CoordinatorConfig, Decision, FailureInfo, FailureKind,
-                                         RecoveryCoordinator, make_decision, snapshot_failures)
+from rl_ckpt.recovery.coordinator import (
+    Action,
+    CoordinatorConfig,
+    Decision,
+    FailureInfo,
+    FailureKind,
+    RecoveryCoordinator,
+    make_decision,
+    snapshot_failures,
+)
 from rl_ckpt.errors import CheckpointError, ConfigError
 
 
@@ -78,8 +86,14 @@ def test_max_acceptable_loss_steps_restores_best():
     snaps = [snap(500, avg_reward=120.0), snap(700, avg_reward=187.0), snap(900, avg_reward=50.0)]
     d = coord(snaps, max_acceptable_loss_steps=1000).decide(fail(step=2500))
     assert (d.action, d.snapshot_id, d.global_step) == (Action.restore_best, "step_000000700", 700)
-    for part in ("step_000000900", "1600", "2500", "max_acceptable_loss_steps=1000", "avg_reward=187",
-                 "step_000000700"):
+    for part in (
+        "step_000000900",
+        "1600",
+        "2500",
+        "max_acceptable_loss_steps=1000",
+        "avg_reward=187",
+        "step_000000700",
+    ):
         assert part in d.reason
 
 
@@ -175,22 +189,30 @@ def test_from_history_rebuilds_counts():
     for _ in range(4):
         records.append(json.dumps(c.decide(fail(step=950)).to_json(), allow_nan=False))
     assert len(records) == 4
-    rebuilt = RecoveryCoordinator.from_history(CoordinatorConfig(), lambda: list(snaps),
-                                               [json.loads(line) for line in records])
+    rebuilt = RecoveryCoordinator.from_history(
+        CoordinatorConfig(), lambda: list(snaps), [json.loads(line) for line in records]
+    )
     assert rebuilt.failures == c.failures == 4
     assert rebuilt.snapshot_failures == c.snapshot_failures == {"step_000000900": 3}
     assert rebuilt.history == c.history
     nxt_a, nxt_b = c.decide(fail(step=950)), rebuilt.decide(fail(step=950))
     assert (nxt_b.snapshot_id, nxt_b.charged_to, nxt_b.attempt) == (nxt_a.snapshot_id, nxt_a.charged_to, 5)
     # budget survives a restart too
-    rebuilt = RecoveryCoordinator.from_history(CoordinatorConfig(max_failures=4), lambda: list(snaps),
-                                               [Decision.from_json(json.loads(r)) for r in records])
+    rebuilt = RecoveryCoordinator.from_history(
+        CoordinatorConfig(max_failures=4), lambda: list(snaps), [Decision.from_json(json.loads(r)) for r in records]
+    )
     assert rebuilt.decide(fail()).action == Action.give_up
 
 
 def test_failure_info_round_trip():
-    f = FailureInfo(FailureKind.nan_loss, 300, "loss is nan", {"loss": float("nan"), "lr": 1e-3, "x": "inf"},
-                    first_nonfinite_step=290, participant="rank3")
+    f = FailureInfo(
+        FailureKind.nan_loss,
+        300,
+        "loss is nan",
+        {"loss": float("nan"), "lr": 1e-3, "x": "inf"},
+        first_nonfinite_step=290,
+        participant="rank3",
+    )
     d = json.loads(json.dumps(f.to_json(), allow_nan=False))
     assert d["version"] == 1 and d["kind"] == "nan_loss" and d["metrics"]["loss"] == "nan"
     back = FailureInfo.from_json(d)
@@ -250,9 +272,11 @@ def test_make_decision_is_a_pure_function_of_its_inputs():
     first = make_decision(cfg, fail(step=950), snaps, history)
     again = make_decision(cfg, fail(step=950), snaps, history)
     assert history == frozen and len(snaps) == 2  # nothing it was given changed
-    assert (first.action, first.snapshot_id, first.charged_to, first.attempt) == \
-        (again.action, again.snapshot_id, again.charged_to, again.attempt) == \
-        (Action.restore_latest, "step_000000900", "step_000000900", 2)
+    assert (
+        (first.action, first.snapshot_id, first.charged_to, first.attempt)
+        == (again.action, again.snapshot_id, again.charged_to, again.attempt)
+        == (Action.restore_latest, "step_000000900", "step_000000900", 2)
+    )
     # the same inputs with a longer history: 900 has now failed twice after restore
     third = make_decision(cfg, fail(step=950), snaps, history + [first])
     assert (third.snapshot_id, third.attempt) == ("step_000000500", 3)

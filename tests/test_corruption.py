@@ -47,9 +47,22 @@ def _corrupt(path, how: str) -> None:
 
 
 # Every file kind a snapshot of this state has: tensors, JSON structure, Arrow table, and the manifest.
-FILES = ["policy.safetensors", "policy.json", "value.safetensors", "value.json", "optimizer.safetensors",
-         "optimizer.json", "lr_scheduler.json", "rng.safetensors", "rng.json", "progress.json",
-         "replay_buffer.safetensors", "replay_buffer.json", "replay_buffer.t0.arrow", "meta.json"]
+FILES = [
+    "policy.safetensors",
+    "policy.json",
+    "value.safetensors",
+    "value.json",
+    "optimizer.safetensors",
+    "optimizer.json",
+    "lr_scheduler.json",
+    "rng.safetensors",
+    "rng.json",
+    "progress.json",
+    "replay_buffer.safetensors",
+    "replay_buffer.json",
+    "replay_buffer.t0.arrow",
+    "meta.json",
+]
 
 
 def test_file_list_covers_every_file(tmp_path):
@@ -118,7 +131,7 @@ def test_every_bit_flip_in_the_manifest_is_refused(tmp_path):
                 continue
             except Exception as exc:  # noqa: BLE001 - anything else is a bug in the reader
                 raise AssertionError(f"flip at byte {pos} bit {bit} raised {type(exc).__name__}: {exc}") from exc
-            accepted.append((pos, bit, bytes(data[max(0, pos - 10):pos + 10])))
+            accepted.append((pos, bit, bytes(data[max(0, pos - 10) : pos + 10])))
     # Only flips that leave the very same JSON document (whitespace <-> whitespace) may pass.
     assert all(json.loads(bytes(_flip(raw, p, b))) == json.loads(raw) for p, b, _ in accepted), accepted[:5]
 

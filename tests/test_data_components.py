@@ -72,8 +72,13 @@ def test_stateful_dataloader_with_a_shuffling_generator_resumes_exactly_once(tmp
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     def loader(seed: int = 5):
-        return StatefulDataLoader(list(range(12)), batch_size=4, shuffle=True, num_workers=workers,
-                                  generator=torch.Generator().manual_seed(seed))
+        return StatefulDataLoader(
+            list(range(12)),
+            batch_size=4,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     ref = loader()
     reference = [[b.tolist() for b in ref] for _ in range(3)]
@@ -137,8 +142,9 @@ def test_plain_bytes_in_a_dataset_state_come_back_as_bytes(tmp_path):
     dl = StatefulDataLoader(Cursor(), batch_size=2)
     it = iter(dl)
     next(it)
-    fresh = _roundtrip(tmp_path, "data", DataLoaderPosition(dl),
-                       DataLoaderPosition(StatefulDataLoader(Cursor(), batch_size=2)))
+    fresh = _roundtrip(
+        tmp_path, "data", DataLoaderPosition(dl), DataLoaderPosition(StatefulDataLoader(Cursor(), batch_size=2))
+    )
     assert [b.tolist() for b in fresh.loader] == [[2, 3], [4, 5]]
     assert fresh.loader.dataset.token == b"\x00\x01 resume-token \xff"  # exact bytes, exact type
 
@@ -147,7 +153,8 @@ def _hf(num_shards: int = 3, rows: int = 10):
     from datasets import Dataset
 
     return Dataset.from_dict({"id": list(range(rows)), "text": [f"p{i}" for i in range(rows)]}).to_iterable_dataset(
-        num_shards=num_shards)
+        num_shards=num_shards
+    )
 
 
 def test_hf_iterable_position_resumes_and_refuses_other_data(tmp_path):
@@ -166,8 +173,9 @@ def test_hf_iterable_position_resumes_and_refuses_other_data(tmp_path):
         IterablePosition(_hf().shuffle(seed=1, buffer_size=4))
 
 
-@pytest.mark.parametrize("field,fresh", [("dataset_size", PromptSampler(11, seed=3)),
-                                         ("seed", PromptSampler(10, seed=4))])
+@pytest.mark.parametrize(
+    "field,fresh", [("dataset_size", PromptSampler(11, seed=3)), ("seed", PromptSampler(10, seed=4))]
+)
 def test_sampler_position_for_other_data_is_an_error_naming_both(tmp_path, field, fresh):
     sampler = PromptSampler(10, seed=3)
     sampler.take(4)

@@ -183,8 +183,9 @@ def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly
     meta["manifest_checksum"] = manifest_checksum(meta)  # forged consistently: only the contradiction is left
     meta_path.write_text(json.dumps(meta))
     e3 = CheckpointEngine(base_dir=str(tmp_path), dedup=True, retention=False)
-    e3.register("policy", torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512),
-                                              torch.nn.Linear(512, 8)))
+    e3.register(
+        "policy", torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 8))
+    )
     report = e3.verify()
     assert report.ok  # every file and object still matches its checksum...
     with pytest.raises(NoValidSnapshotError, match="both in"):  # ...but the manifest contradicts itself

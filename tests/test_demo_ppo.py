@@ -1,4 +1,5 @@
 """Determinism and exact-resume tests for the demo PPO (rl_ckpt.demo.ppo)."""
+
 from __future__ import annotations
 
 import copy
@@ -28,6 +29,7 @@ def _run(tr: PPOTrainer, until: int) -> list[dict[str, Any]]:
 def _same_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     def norm(ms: list[dict[str, Any]]) -> list[tuple]:  # nan != nan, so compare via repr
         return [tuple((k, repr(v)) for k, v in sorted(m.items())) for m in ms]
+
     return norm(a) == norm(b)
 
 
@@ -59,7 +61,9 @@ def _assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
 def _capture(tr: PPOTrainer) -> dict[str, Any]:
     return {
         "components": {n: copy.deepcopy(c.state_dict()) for n, c in tr.components().items()},
-        "torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
     }
 
 
@@ -110,12 +114,14 @@ def test_exact_resume_in_memory(reference: dict[str, Any]) -> None:
 
 def test_load_accepts_lists_for_tuples(reference: dict[str, Any]) -> None:
     """A state that went through a tuple->list conversion must load identically."""
+
     def detuple(x: Any) -> Any:
         if isinstance(x, dict):
             return {k: detuple(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             return [detuple(v) for v in x]
         return x
+
     snap = copy.deepcopy(reference["snap"])
     snap["components"] = {n: detuple(s) for n, s in snap["components"].items()}
     b = PPOTrainer(_cfg(seed=7))
@@ -151,8 +157,7 @@ def test_state_dicts_contain_only_allowed_types(reference: dict[str, Any]) -> No
     _run(mid, CKPT_STEP)
     for t in (fresh, mid, tr):
         comps = t.components()
-        assert set(comps) == {"policy", "optimizer", "lr_scheduler", "replay_buffer", "env",
-                              "progress"}
+        assert set(comps) == {"policy", "optimizer", "lr_scheduler", "replay_buffer", "env", "progress"}
         for name, comp in comps.items():
             _check_allowed(comp.state_dict(), name)
 

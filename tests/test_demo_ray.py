@@ -14,8 +14,14 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STEPS = 36
 # dedup_min_tensor_bytes: the demo's 64x64 layers (16 KiB) become objects, its biases stay in the snapshot files
-ENGINE = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True,
-          "dedup_min_tensor_bytes": 4096}
+ENGINE = {
+    "save_interval_steps": 10,
+    "light_interval_steps": 5,
+    "keep_latest": 2,
+    "keep_best": 1,
+    "dedup": True,
+    "dedup_min_tensor_bytes": 4096,
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +49,15 @@ def _crashed(base, target: str, crash_at: int, memory_tier: bool = False):
 
     key = (target, crash_at, memory_tier)
     if key not in _CRASHED:
-        _CRASHED[key] = run(base_dir=str(base), run_name=f"crash-{target}" + ("-memory" if memory_tier else ""),
-                            steps=STEPS, engine_cfg=ENGINE, crash_at=crash_at, crash_target=target,
-                            memory_tier=memory_tier)
+        _CRASHED[key] = run(
+            base_dir=str(base),
+            run_name=f"crash-{target}" + ("-memory" if memory_tier else ""),
+            steps=STEPS,
+            engine_cfg=ENGINE,
+            crash_at=crash_at,
+            crash_target=target,
+            memory_tier=memory_tier,
+        )
     return _CRASHED[key]
 
 
@@ -97,8 +109,11 @@ def _check_summary(ref, result, base, target: str, crash_at: int) -> None:
     restored = re.search(r"restored\s+(\S+) \(step (\d+)\)", text)
     redone = re.search(r"time lost\s+(\d+) steps redone", text)
     resumes = re.search(r"continue:\s+training resumes after step (\d+)", text)
-    dedup = re.search(r"tensor chunks ([\d.]+ \w+) referenced, ([\d.]+ \w+) stored "
-                      r"\(dedup saved ([\d.]+) (\w+)\)", text)
+    dedup = re.search(
+        r"tensor chunks ([\d.]+ \w+) referenced, ([\d.]+ \w+) stored "
+        r"\(dedup saved ([\d.]+) (\w+)\)",
+        text,
+    )
     assert failure and decision and restored and redone and resumes and dedup, text
     crash_step, resume_step = int(failure.group(2)), int(restored.group(2))
     assert failure.group(1) == ("learner-1" if target == "learner" else "rollout-0")

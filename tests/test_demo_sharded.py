@@ -28,15 +28,22 @@ def _sharded(world: int, mesh: list, placements: list) -> dict:
 
 
 def test_layout_line_names_saved_and_restored_layouts():
-    comps = {"policy": _sharded(2, [2], ["S(0)"]), "optim": _sharded(2, [2], ["S(0)"]),
-             "learner-0/rng": {"kind": "rng"}}
-    assert layout_change(comps, {"world_size": 1, "mesh": [1], "placements": ["S(0)"]}) == \
-        "optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)"
+    comps = {
+        "policy": _sharded(2, [2], ["S(0)"]),
+        "optim": _sharded(2, [2], ["S(0)"]),
+        "learner-0/rng": {"kind": "rng"},
+    }
+    assert (
+        layout_change(comps, {"world_size": 1, "mesh": [1], "placements": ["S(0)"]})
+        == "optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)"
+    )
     same = layout_change(comps, {"world_size": 2, "mesh": [2], "placements": ["Shard(dim=0)"]})
     assert same.endswith("(same layout)")
     hsdp = {"policy": _sharded(4, [2, 2], ["R", "S(0)"])}
-    assert layout_change(hsdp, {"world_size": 1, "mesh": []}) == \
-        "policy saved by 4 ranks as HSDP(2x2) -> restored on 1 rank as unsharded (resharded)"
+    assert (
+        layout_change(hsdp, {"world_size": 1, "mesh": []})
+        == "policy saved by 4 ranks as HSDP(2x2) -> restored on 1 rank as unsharded (resharded)"
+    )
     assert layout_change(hsdp, None) == "policy saved by 4 ranks as HSDP(2x2)"  # planning from the CLI
     assert layout_change({"policy": {"kind": "module"}}, None) == ""  # nothing sharded: no line
     # The manifest is untrusted: odd values give a readable line, not an exception.
@@ -45,8 +52,14 @@ def test_layout_line_names_saved_and_restored_layouts():
 
 
 def test_plan_prints_and_keeps_the_layout():
-    plan = RecoveryPlan("/r", "restore", "newest", target="step_000000008", continue_from_step=8,
-                        layout="policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)")
+    plan = RecoveryPlan(
+        "/r",
+        "restore",
+        "newest",
+        target="step_000000008",
+        continue_from_step=8,
+        layout="policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)",
+    )
     assert "  layout:    policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1)" in str(plan)
     assert RecoveryPlan.from_json(plan.to_json()).layout == plan.layout
     assert "layout:" not in str(RecoveryPlan("/r", "restore", "newest", target="s"))
@@ -86,11 +99,16 @@ def _drills(base: str):
     """Both drills (durable-only, then with the memory tier) on a Ray cluster of their own, in a subprocess."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", DRILLS, base, f"grpo-{uuid.uuid4().hex[:6]}"], env=env,
-                          capture_output=True, text=True, timeout=570)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRILLS, base, f"grpo-{uuid.uuid4().hex[:6]}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=570,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-6000:]
-    report = json.loads(line[len("REPORT "):])
+    report = json.loads(line[len("REPORT ") :])
     return types.SimpleNamespace(**report, ok=not report["problems"])
 
 
@@ -133,8 +151,11 @@ def test_sharded_demo_crash_and_restart_on_fewer_learners(tmp_path):
     # restart on fewer learners: 4 complete epochs, each prompt trained on once per epoch as of the final snapshot.
     for figs, txt in ((f, durable_text), (m, memory_text)):
         assert figs["audit"] == {"consumed": 192, "skipped": 0, "duplicated": 0, "resumed_in_flight": 0, "epochs": 4}
-        assert re.search(r"data\s+40 prompts .*192 trained on over 4 complete epoch\(s\): skipped 0, duplicated 0, "
-                         r"resumed in flight 0", txt)
+        assert re.search(
+            r"data\s+40 prompts .*192 trained on over 4 complete epoch\(s\): skipped 0, duplicated 0, "
+            r"resumed in flight 0",
+            txt,
+        )
     assert (m["kill_step"], m["restored_step"], m["steps_redone"], m["first_step_after"]) == (9, 8, 1, 9)
     assert (m["saved_world"], m["restart_world"], m["final_step"], m["tier"]) == (2, 1, 12, "memory")
     assert re.search(r"restored\s+step_000000008 \(step 8\) on 1 learner\(s\), from memory in \d+\.\d\d s", text)
@@ -149,7 +170,9 @@ def test_sharded_demo_crash_and_restart_on_fewer_learners(tmp_path):
     assert rows["restored step"] == ["6", "8"] and rows["failure step"] == ["9", "9"]
     assert rows["steps lost"] == ["3", "1"] and int(rows["steps lost"][1]) <= int(rows["steps lost"][0])
     for name, key in (("restore time", "restore_seconds"), ("kill to first step", "kill_to_first_step")):
-        assert [float(rows[name][0]), float(rows[name][2])] == [pytest.approx(f[key], abs=0.006),
-                                                                pytest.approx(m[key], abs=0.006)]
+        assert [float(rows[name][0]), float(rows[name][2])] == [
+            pytest.approx(f[key], abs=0.006),
+            pytest.approx(m[key], abs=0.006),
+        ]
     assert "exact restart" not in table  # a restart on fewer learners is not bitwise: the table claims nothing
     assert rows["consistent"] == ["YES"]

@@ -90,16 +90,18 @@ def test_schema_version_mismatch_refuses(tmp_path):
     with pytest.raises(NoValidSnapshotError, match="saved with schema_version 3, this job declares 4"):
         other.restore()
     e.save(2)  # an older layout never loads into the new one, but a matching snapshot still does
-    assert (CheckpointEngine(base_dir=str(tmp_path), schema_version=3).restore(strict=False).snapshot_id
-            == "step_000000002")
+    assert (
+        CheckpointEngine(base_dir=str(tmp_path), schema_version=3).restore(strict=False).snapshot_id == "step_000000002"
+    )
 
 
 def test_config_change_warns_with_changed_keys(tmp_path, caplog):
     e = CheckpointEngine(base_dir=str(tmp_path), train_config={"lr": 3e-4, "clip": 0.2, "batch": 64})
     e.register("policy", torch.nn.Linear(2, 2))
     e.save(1)
-    other = CheckpointEngine(base_dir=str(tmp_path), train_config={"lr": 1e-4, "clip": 0.2, "batch": 64},
-                             save_rng_state=False)
+    other = CheckpointEngine(
+        base_dir=str(tmp_path), train_config={"lr": 1e-4, "clip": 0.2, "batch": 64}, save_rng_state=False
+    )
     other.register("policy", torch.nn.Linear(2, 2))
     with caplog.at_level(logging.WARNING, logger="rl_ckpt"):
         result = other.restore()
@@ -122,13 +124,22 @@ def test_registered_component_missing_from_snapshot(tmp_path):
 
 def test_save_switches_exclude_components(tmp_path):
     s = PPOState()
-    e = s.register(CheckpointEngine(base_dir=str(tmp_path), save_optimizer=False, save_rng_state=False,
-                                    save_replay_buffer=False))
+    e = s.register(
+        CheckpointEngine(base_dir=str(tmp_path), save_optimizer=False, save_rng_state=False, save_replay_buffer=False)
+    )
     info = e.save(1)
     assert set(info.manifest.components) == {"policy", "value", "lr_scheduler", "progress"}
     s2 = PPOState(seed=5)
-    assert s2.register(CheckpointEngine(base_dir=str(tmp_path), save_optimizer=False, save_rng_state=False,
-                                        save_replay_buffer=False)).restore().snapshot_id == "step_000000001"
+    assert (
+        s2.register(
+            CheckpointEngine(
+                base_dir=str(tmp_path), save_optimizer=False, save_rng_state=False, save_replay_buffer=False
+            )
+        )
+        .restore()
+        .snapshot_id
+        == "step_000000001"
+    )
 
 
 def test_register_checks(tmp_path):
@@ -153,9 +164,15 @@ def test_an_error_after_the_manifest_landed_does_not_claim_nothing_was_committed
     storage = FaultyStorage(open_storage(str(tmp_path / "run")))
     engine = CheckpointEngine(base_dir=str(tmp_path), storage=storage)
     engine.register("policy", torch.nn.Linear(4, 2))
-    storage.fail("sync_dir", nth=2, error=StorageError(
-        "cannot sync .: No space left on device (disk full: free space on the checkpoint volume; nothing was "
-        "committed by this save)", path="."))
+    storage.fail(
+        "sync_dir",
+        nth=2,
+        error=StorageError(
+            "cannot sync .: No space left on device (disk full: free space on the checkpoint volume; nothing was "
+            "committed by this save)",
+            path=".",
+        ),
+    )
     with pytest.raises(StorageError) as err:
         engine.save(1)
     assert "nothing was committed" not in str(err.value) and "manifest landed" in str(err.value)

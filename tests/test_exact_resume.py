@@ -22,8 +22,14 @@ def ctx():
 def test_sigkill_mid_run_then_exact_resume(ctx, tmp_path, seed):
     rnd = random.Random(seed + 99)
     crash_at = rnd.randint(12, STEPS - 6)
-    cfg = {"base_dir": str(tmp_path), "run_name": "ppo", "save_interval_steps": 5, "save_interval_seconds": None,
-           "keep_latest": 3, "keep_best": 1}
+    cfg = {
+        "base_dir": str(tmp_path),
+        "run_name": "ppo",
+        "save_interval_steps": 5,
+        "save_interval_seconds": None,
+        "keep_latest": 3,
+        "keep_best": 1,
+    }
     result = crash_drill(cfg, STEPS, crash_at, seed=seed, ctx=ctx)
     assert result.crashed.killed_at >= crash_at and result.crashed.done is None
     assert result.resumed.restored["snapshot"] is not None, "nothing was restored"
@@ -57,8 +63,13 @@ class TorchRLLearner:
         self.losses: list[float] = []
 
     def register(self, engine):
-        for name, obj in (("q", self.q), ("optimizer", self.opt), ("replay_buffer", self.rb),
-                          ("progress", self.progress), ("rng", self.rng)):
+        for name, obj in (
+            ("q", self.q),
+            ("optimizer", self.opt),
+            ("replay_buffer", self.rb),
+            ("progress", self.progress),
+            ("rng", self.rng),
+        ):
             engine.register(name, obj)
         return engine
 
@@ -67,8 +78,9 @@ class TorchRLLearner:
         from tensordict import TensorDict
 
         obs = torch.randn(8, 4)
-        self.rb.extend(TensorDict({"obs": obs, "action": torch.randint(0, 2, (8,)), "reward": obs.sum(-1)},
-                                  batch_size=[8]))
+        self.rb.extend(
+            TensorDict({"obs": obs, "action": torch.randint(0, 2, (8,)), "reward": obs.sum(-1)}, batch_size=[8])
+        )
         batch = self.rb.sample()
         q = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
         loss = torch.nn.functional.mse_loss(q, batch["reward"])

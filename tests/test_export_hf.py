@@ -27,8 +27,9 @@ SHARD_SIZE = "200KB"  # several files for the tiny model below
 
 
 def gpt2_config():
-    return transformers.GPT2Config(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                   attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    return transformers.GPT2Config(
+        vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0
+    )
 
 
 def reference_model(config=None) -> torch.nn.Module:
@@ -80,12 +81,28 @@ def check_loads_equal(folder: Path, reference: torch.nn.Module) -> None:
 
 def test_sharded_component_exports_to_hf_folder_that_from_pretrained_loads(sharded_run, tmp_path):
     out = tmp_path / "hf"
-    assert cli(["export", str(sharded_run), "step_000000001", "policy", "--format", "hf", "-o", str(out),
-                "--max-shard-size", SHARD_SIZE]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                str(sharded_run),
+                "step_000000001",
+                "policy",
+                "--format",
+                "hf",
+                "-o",
+                str(out),
+                "--max-shard-size",
+                SHARD_SIZE,
+            ]
+        )
+        == 0
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.glob("*.safetensors"))
-    assert len(files) >= 3 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
-                                         for i in range(1, len(files) + 1)]
+    assert len(files) >= 3 and files == [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)
+    ]
     assert sorted(set(index["weight_map"].values())) == files
     total = 0
     for name in files:
@@ -121,14 +138,44 @@ def test_sharded_component_exports_to_one_safetensors_file(sharded_run, tmp_path
 
 def test_strip_prefix_and_refusals(sharded_run, tmp_path):
     out = tmp_path / "hf"
-    assert cli(["export", str(sharded_run), "step_000000001", "policy", "--format", "hf", "-o", str(out),
-                "--strip-prefix", "transformer."]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                str(sharded_run),
+                "step_000000001",
+                "policy",
+                "--format",
+                "hf",
+                "-o",
+                str(out),
+                "--strip-prefix",
+                "transformer.",
+            ]
+        )
+        == 0
+    )
     names = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
     assert "wte.weight" in names and not any(n.startswith("transformer.") for n in names)
     # An existing non-empty folder is never written into; a bad size is bad usage.
     assert cli(["export", str(sharded_run), "step_000000001", "policy", "--format", "hf", "-o", str(out)]) == 2
-    assert cli(["export", str(sharded_run), "step_000000001", "policy", "--format", "hf", "-o", str(tmp_path / "x"),
-                "--max-shard-size", "lots"]) == 2
+    assert (
+        cli(
+            [
+                "export",
+                str(sharded_run),
+                "step_000000001",
+                "policy",
+                "--format",
+                "hf",
+                "-o",
+                str(tmp_path / "x"),
+                "--max-shard-size",
+                "lots",
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -138,17 +185,34 @@ def test_corrupted_block_fails_the_export_and_leaves_no_folder(sharded_run, tmp_
     run = tmp_path / "run"
     shutil.copytree(sharded_run, run)
     meta = json.loads((run / "step_000000001" / "meta.json").read_text())
-    chunk = next(c for c in
-                 meta["components"]["policy"]["layout"]["tensors"]["transformer.h.1.mlp.c_fc.weight"]["chunks"]
-                 if c["offsets"][0] > 0)
+    chunk = next(
+        c
+        for c in meta["components"]["policy"]["layout"]["tensors"]["transformer.h.1.mlp.c_fc.weight"]["chunks"]
+        if c["offsets"][0] > 0
+    )
     f = run / "step_000000001" / chunk["file"]
     data = bytearray(f.read_bytes())
     data[chunk["start"] + 3] ^= 0x10
     f.write_bytes(bytes(data))
     out = tmp_path / "hf"
     capsys.readouterr()
-    assert cli(["export", str(run), "step_000000001", "policy", "--format", "hf", "-o", str(out),
-                "--max-shard-size", SHARD_SIZE]) == 1
+    assert (
+        cli(
+            [
+                "export",
+                str(run),
+                "step_000000001",
+                "policy",
+                "--format",
+                "hf",
+                "-o",
+                str(out),
+                "--max-shard-size",
+                SHARD_SIZE,
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "step_000000001/policy" in err and "checksum mismatch" in err and chunk["file"] in err, err
     assert "transformer.h.1.mlp.c_fc.weight" in err, err
@@ -167,8 +231,23 @@ def test_plain_component_exports_to_hf_folder(tmp_path):
     engine.save(1)
     engine.close()
     out = tmp_path / "hf"
-    assert cli(["export", str(tmp_path / "plain"), "step_000000001", "policy", "--format", "hf", "-o", str(out),
-                "--max-shard-size", SHARD_SIZE]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                str(tmp_path / "plain"),
+                "step_000000001",
+                "policy",
+                "--format",
+                "hf",
+                "-o",
+                str(out),
+                "--max-shard-size",
+                SHARD_SIZE,
+            ]
+        )
+        == 0
+    )
     assert len(list(out.glob("model-*.safetensors"))) >= 3
     check_loads_equal(out, reference_model())
 
@@ -200,13 +279,19 @@ def test_export_peak_memory_figure(tmp_path):
         "print(json.dumps({'grown': rss('VmHWM') - base, 'total': res.total_size, 'tensors': res.tensors,\n"
         "                  'files': len(res.files), 'largest': largest, 'read': res.bytes_read}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", "import json\n" + code, str(run), str(tmp_path / "hf")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import json\n" + code, str(run), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     fig = json.loads(out.stdout.strip().splitlines()[-1])
     mib = 2**20
-    print(f"\nexport --format hf of {fig['total'] / mib:.1f} MiB ({fig['tensors']} tensors, {fig['files']} files, "
-          f"largest tensor {fig['largest'] / mib:.1f} MiB): peak RSS growth {fig['grown'] / mib:.1f} MiB = "
-          f"{fig['grown'] / fig['total']:.2f}x the model, {fig['grown'] / fig['largest']:.2f}x the largest tensor")
+    print(
+        f"\nexport --format hf of {fig['total'] / mib:.1f} MiB ({fig['tensors']} tensors, {fig['files']} files, "
+        f"largest tensor {fig['largest'] / mib:.1f} MiB): peak RSS growth {fig['grown'] / mib:.1f} MiB = "
+        f"{fig['grown'] / fig['total']:.2f}x the model, {fig['grown'] / fig['largest']:.2f}x the largest tensor"
+    )
     assert fig["read"] >= fig["total"]
 
 
@@ -226,5 +311,3 @@ def big_save_job(rank: int, world: int, port: int, run: str, config: dict) -> No
     engine.save(1)
     engine.close()
     torch.distributed.destroy_process_group()
-
-

@@ -56,7 +56,8 @@ def read_hf(target, folder: str) -> dict[str, torch.Tensor]:
     for name in files:
         out.update(load_safetensors(bytes(target.read(f"{folder}/{name}"))))
     assert {k: f for k, f in index["weight_map"].items()} == {
-        k: f for f in files for k in load_safetensors(bytes(target.read(f"{folder}/{f}")))}
+        k: f for f in files for k in load_safetensors(bytes(target.read(f"{folder}/{f}")))
+    }
     return out
 
 
@@ -104,8 +105,23 @@ def test_export_to_memory_and_local_through_the_cli(run, tmp_path):
     export_component(storage, manifest, "policy", "memory://exports/policy.safetensors")
     assert_equal(load_safetensors(bytes(open_storage("memory://exports", {}).read("policy.safetensors"))))
     (tmp_path / "hf").mkdir()  # an empty folder is a valid target
-    assert cli(["export", path, "step_000000001", "policy", "--format", "hf", "-o", str(tmp_path / "hf"),
-                "--max-shard-size", SHARD]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                path,
+                "step_000000001",
+                "policy",
+                "--format",
+                "hf",
+                "-o",
+                str(tmp_path / "hf"),
+                "--max-shard-size",
+                SHARD,
+            ]
+        )
+        == 0
+    )
     assert_equal(read_hf(open_storage(str(tmp_path), {}), "hf"))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
     # Missing folders on the way to a local target are created.

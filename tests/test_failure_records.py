@@ -12,8 +12,19 @@ from rl_ckpt.recovery.history import load_decisions, load_failures, record_decis
 from rl_ckpt.run.layout import timed_record_stem
 from rl_ckpt.storage import open_storage
 
-HOSTILE = ["/abs/escape", "../../outside", "..", "a/b", "x\x00y", "C:\\windows\\x", "2026-01-01T00:00:00+00:00/../../x",
-           " ", "", "é" * 300, "t" * 5000]
+HOSTILE = [
+    "/abs/escape",
+    "../../outside",
+    "..",
+    "a/b",
+    "x\x00y",
+    "C:\\windows\\x",
+    "2026-01-01T00:00:00+00:00/../../x",
+    " ",
+    "",
+    "é" * 300,
+    "t" * 5000,
+]
 
 
 def files_under(root) -> list[str]:
@@ -50,8 +61,10 @@ def test_two_failures_get_two_records_and_names_sort_by_recording(tmp_path):
     assert first < second and [f["step"] for f in load_failures(storage)] == [3, 4]
 
 
-@pytest.mark.parametrize("time,what", [("/abs/escape", "exception"), ("2026-01-01T00:00:00+00:00", "../x"),
-                                       ("2026-01-01T00:00:00+00:00", "a/b")])
+@pytest.mark.parametrize(
+    "time,what",
+    [("/abs/escape", "exception"), ("2026-01-01T00:00:00+00:00", "../x"), ("2026-01-01T00:00:00+00:00", "a/b")],
+)
 def test_record_stems_refuse_anything_but_a_time_and_a_word(time, what):
     with pytest.raises(CheckpointError, match="not a record name"):
         timed_record_stem(time, what)

@@ -25,8 +25,18 @@ import pytest
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import StorageError, UnsafePathError
 from rl_ckpt.tools.fault_suite import (
-    MALICIOUS, PROFILES, SCENARIOS, ScenarioResult, SuiteReport, build, engine_cfg, machine_info, observed, op_phases,
-    run_url, save_step,
+    MALICIOUS,
+    PROFILES,
+    SCENARIOS,
+    ScenarioResult,
+    SuiteReport,
+    build,
+    engine_cfg,
+    machine_info,
+    observed,
+    op_phases,
+    run_url,
+    save_step,
 )
 from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
@@ -40,7 +50,9 @@ def quick(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("fault-suite")
     proc = subprocess.run(
         [sys.executable, "-m", "rl_ckpt.tools.fault_suite", "--quick", "--json", "-q", "--base-dir", str(base)],
-        capture_output=True, text=True, timeout=540,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -62,12 +74,20 @@ def test_quick_suite_runs_every_scenario_and_exit_status_matches(quick):
 
 def test_quick_suite_has_no_violation(quick):
     violations = [v for s in quick["scenarios"] for v in s["violations"]]
-    assert not violations, "\n".join(f"[{v['scenario']} {v['variant']}] {v['case']}: {v['kind']}: {v['message']}"
-                                      for v in violations[:20])
+    assert not violations, "\n".join(
+        f"[{v['scenario']} {v['variant']}] {v['case']}: {v['kind']}: {v['message']}" for v in violations[:20]
+    )
 
 
-@pytest.mark.parametrize("figure,kind", [("corrupt_loads", "corrupt_load"), ("acked_lost", "acked_lost"),
-                                         ("escapes", "escape"), ("broken_listed", "broken_listed")])
+@pytest.mark.parametrize(
+    "figure,kind",
+    [
+        ("corrupt_loads", "corrupt_load"),
+        ("acked_lost", "acked_lost"),
+        ("escapes", "escape"),
+        ("broken_listed", "broken_listed"),
+    ],
+)
 def test_quick_suite_invariant_figures(quick, figure, kind):
     # every increment of a figure comes with a violation of that kind: none
     for s in quick["scenarios"]:
@@ -103,8 +123,13 @@ def test_quick_suite_corruption_detected_equals_injected(quick):
         detected, injected = map(int, s["notes"][f"{kind} detected"].split("/"))
         assert detected == injected and injected > 0, kind
     assert s["notes"]["manifest bit flips"] >= 48
-    outcomes = ("caught by verify", "caught by restore only", "restore refused, no fallback",
-                "unnoticed, load unaffected", "corrupt load")
+    outcomes = (
+        "caught by verify",
+        "caught by restore only",
+        "restore refused, no fallback",
+        "unnoticed, load unaffected",
+        "corrupt load",
+    )
     assert sum(s["notes"][f"manifest flips {o}"] for o in outcomes) == s["notes"]["manifest bit flips"]
     assert s["notes"]["manifest flips corrupt load"] == 0
 
@@ -136,16 +161,19 @@ def test_quick_suite_concurrent_writers_exactly_one_commits(quick):
 def test_quick_suite_malicious_inputs_all_refused(quick):
     s = _scenario(quick, "malicious")
     assert s["ok"], s["violations"][:5]
-    assert (s["notes"].get("refused with a CheckpointError", 0) + s["notes"].get("refused: never listed", 0)
-            == len(MALICIOUS))
+    assert s["notes"].get("refused with a CheckpointError", 0) + s["notes"].get("refused: never listed", 0) == len(
+        MALICIOUS
+    )
     generated = s["tried"] - len(MALICIOUS)
     for family in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"):
         assert s["injected"][family] > 0, family
-    assert generated == sum(s["injected"][f]
-                            for f in ("wrong JSON type", "nesting depth", "number size", "non-canonical name"))
+    assert generated == sum(
+        s["injected"][f] for f in ("wrong JSON type", "nesting depth", "number size", "non-canonical name")
+    )
     # every generated case either made restore fall back or was loaded exactly (a field the core ignores)
-    assert (s["notes"]["refused: restore fell back to step 1"] + s["notes"]["harmless: step 2 loaded exactly"]
-            == generated)
+    assert (
+        s["notes"]["refused: restore fell back to step 1"] + s["notes"]["harmless: step 2 loaded exactly"] == generated
+    )
     assert s["notes"]["refused: restore fell back to step 1"] > generated / 2
 
 
@@ -197,12 +225,24 @@ def test_report_table_flags_violations():
 
 
 def test_op_phases():
-    ops = [("exists", "step_000000003/meta.json"), ("write", ".staging/x/a"), ("write", ".staging/x/meta.json"),
-           ("rename_dir", ".staging/x -> step_000000003"), ("sync_dir", ""), ("sync_dir", ".staging"),
-           ("rename_dir", "step_000000001 -> .trash/step_000000001.y"), ("sync_dir", "")]
+    ops = [
+        ("exists", "step_000000003/meta.json"),
+        ("write", ".staging/x/a"),
+        ("write", ".staging/x/meta.json"),
+        ("rename_dir", ".staging/x -> step_000000003"),
+        ("sync_dir", ""),
+        ("sync_dir", ".staging"),
+        ("rename_dir", "step_000000001 -> .trash/step_000000001.y"),
+        ("sync_dir", ""),
+    ]
     assert op_phases(ops) == ["write"] * 3 + ["commit"] * 3 + ["after-commit"] * 2
-    ml = [("makedirs", "step_000000003/a"), ("write", "step_000000003/a/x"), ("write", "step_000000003/meta.json"),
-          ("sync_dir", "step_000000003"), ("exists", "best/avg_reward.json")]
+    ml = [
+        ("makedirs", "step_000000003/a"),
+        ("write", "step_000000003/a/x"),
+        ("write", "step_000000003/meta.json"),
+        ("sync_dir", "step_000000003"),
+        ("exists", "best/avg_reward.json"),
+    ]
     assert op_phases(ml) == ["write", "write", "commit", "commit", "after-commit"]
 
 
@@ -260,7 +300,7 @@ def test_regression_dedup_rewrites_an_object_that_rotted(tmp_path):
     from rl_ckpt.storage import open_storage
 
     section = read_manifest(open_storage(run_url(cfg)), "step_000000001").components["model"]
-    (digest, _size), = section["objects"]["frozen"]  # the same in every snapshot: one shared object
+    ((digest, _size),) = section["objects"]["frozen"]  # the same in every snapshot: one shared object
     path = os.path.join(run_url(cfg), *object_path(section["objects_algo"], digest).split("/"))
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x10  # bit rot after commit
@@ -279,7 +319,7 @@ def _two_saves_then_flip(tmp_path, needle: bytes, offset: int, expected: bytes) 
     path = os.path.join(run_url(cfg), "step_000000002", "meta.json")
     data = bytearray(open(path, "rb").read())
     at = data.find(needle) + offset
-    assert data[at:at + 1] == expected
+    assert data[at : at + 1] == expected
     data[at] ^= 0x01
     open(path, "wb").write(bytes(data))
     return cfg
@@ -345,8 +385,13 @@ def test_power_loss_after_a_batched_publish_loses_nothing(disk):
     storage.write_many_atomic([("objects/aa/x", b"x" * 100), ("objects/bb/y", b"y" * 5000)])
     assert storage.pending == []
     storage.power_cut()
-    assert _tree(root) == {"objects/": None, "objects/aa/": None, "objects/bb/": None,
-                           "objects/aa/x": b"x" * 100, "objects/bb/y": b"y" * 5000}
+    assert _tree(root) == {
+        "objects/": None,
+        "objects/aa/": None,
+        "objects/bb/": None,
+        "objects/aa/x": b"x" * 100,
+        "objects/bb/y": b"y" * 5000,
+    }
     storage.restart()
     with pytest.raises(StorageError):  # the second file's folder is missing: nothing half-written stays
         storage.write_many_atomic([("objects/aa/z", b"z" * 10), ("objects/cc/w", b"w")])

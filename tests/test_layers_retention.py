@@ -91,21 +91,33 @@ def test_retention_example_and_best_alias(tmp_path):
 
 
 def test_retention_keeps_archive_points_and_multi_objective(tmp_path):
-    e = PPOState().register(CheckpointEngine(base_dir=str(tmp_path), keep_latest=1, keep_best=1, keep_interval_steps=4,
-                                             best_metric=["success", "violations"], best_mode=["max", "min"]))
+    e = PPOState().register(
+        CheckpointEngine(
+            base_dir=str(tmp_path),
+            keep_latest=1,
+            keep_best=1,
+            keep_interval_steps=4,
+            best_metric=["success", "violations"],
+            best_mode=["max", "min"],
+        )
+    )
     rows = [(1, 0.5, 3), (2, 0.9, 5), (3, 0.9, 1), (4, 0.1, 9), (5, 0.2, 0), (6, 0.3, 0), (7, 0.2, 2), (8, 0.1, 1)]
     for step, success, violations in rows:
         e.save(step, metrics={"success": success, "violations": violations})
     assert [i.global_step for i in e.snapshots()] == [3, 4, 8]  # best (0.9, 1), archive 4 and 8, latest 8
 
 
-@pytest.mark.parametrize("atomic_write,op,nth,partial", [
-    (True, "rename_dir", 2, False),    # after the commit rename of step 3, before retiring step 1
-    (True, "remove_tree", 1, False),   # retired into .trash, not yet deleted
-    (True, "remove_tree", 1, True),    # the deletion cut short halfway
-    (False, "rename_dir", 1, False),   # manifest-last layout on a local disk: retired by rename too
-    (False, "remove_tree", 1, True),
-], ids=["staged-before-retire", "staged-in-trash", "staged-half-deleted", "ml-before-retire", "ml-half-deleted"])
+@pytest.mark.parametrize(
+    "atomic_write,op,nth,partial",
+    [
+        (True, "rename_dir", 2, False),  # after the commit rename of step 3, before retiring step 1
+        (True, "remove_tree", 1, False),  # retired into .trash, not yet deleted
+        (True, "remove_tree", 1, True),  # the deletion cut short halfway
+        (False, "rename_dir", 1, False),  # manifest-last layout on a local disk: retired by rename too
+        (False, "remove_tree", 1, True),
+    ],
+    ids=["staged-before-retire", "staged-in-trash", "staged-half-deleted", "ml-before-retire", "ml-half-deleted"],
+)
 def test_crash_during_retention_never_leaves_a_half_deleted_listed_snapshot(tmp_path, atomic_write, op, nth, partial):
     """A real process is SIGKILLed at the chosen storage operation of a retention pass."""
     cfg = {"base_dir": str(tmp_path), "keep_latest": 2, "keep_best": 0, "atomic_write": atomic_write}
@@ -123,8 +135,14 @@ def test_crash_during_retention_never_leaves_a_half_deleted_listed_snapshot(tmp_
     assert e.restore().global_step == 3 and model.consistent_step() == 3
     assert cli(["gc", str(tmp_path / "run"), "--grace", "0"]) == 0
     assert [i.global_step for i in CheckpointEngine(**cfg).snapshots()] == listed
-    leftovers = {p.name for p in (tmp_path / "run").iterdir()} - {"step_000000001", "step_000000002", "step_000000003",
-                                                                 ".staging", ".trash", "history"}
+    leftovers = {p.name for p in (tmp_path / "run").iterdir()} - {
+        "step_000000001",
+        "step_000000002",
+        "step_000000003",
+        ".staging",
+        ".trash",
+        "history",
+    }
     assert leftovers == set()
     assert not (tmp_path / "run" / ".trash").exists() or not any((tmp_path / "run" / ".trash").iterdir())
     assert proc.exitcode == -9, "the kill point was never reached"
@@ -203,9 +221,15 @@ def test_disk_full_on_the_best_alias_is_a_warning_about_a_committed_snapshot(tmp
     e, storage = _faulty(tmp_path, keep_latest=10, keep_best=1)
     s = PPOState()
     s.register(e)
-    storage.fail("write_atomic", path_contains="best/", nth=1,
-                 error=StorageError("cannot write best/avg_reward.json: No space left on device (disk full: free "
-                                    "space on the checkpoint volume; nothing was committed by this save)"))
+    storage.fail(
+        "write_atomic",
+        path_contains="best/",
+        nth=1,
+        error=StorageError(
+            "cannot write best/avg_reward.json: No space left on device (disk full: free "
+            "space on the checkpoint volume; nothing was committed by this save)"
+        ),
+    )
     info = e.save(1, metrics={"avg_reward": 1.0})  # does not raise: the snapshot is committed
     assert len(info.warnings) == 1 and "best-snapshot alias" in info.warnings[0]
     assert "No space left" in info.warnings[0] and "nothing was committed" not in info.warnings[0]
@@ -251,7 +275,7 @@ def test_scheduler_reports_a_post_commit_error_through_on_error_not_as_a_failed_
     sched.close()
     assert handle.warnings and [c.global_step for c in commits] == [1, 2]
     assert sched.failures == 0 and sched.warnings == 1
-    (exc, step), = errors
+    ((exc, step),) = errors
     assert isinstance(exc, PostCommitError) and step == 2 and exc.snapshot_id == "step_000000002"
     assert "is committed" in str(exc) and "nothing was committed" not in str(exc)
 

@@ -43,8 +43,9 @@ def test_maintenance_with_sweep_objects_off_leaves_chunks_to_gc(tmp_path):
     storage = open_storage(run)
     catalog = Catalog(storage)
     catalog.refresh()
-    m = RunMaintenance(storage, catalog, retention=KeepLatest(1), best_metric="avg_reward", keep_best=1,
-                       sweep_objects=False)
+    m = RunMaintenance(
+        storage, catalog, retention=KeepLatest(1), best_metric="avg_reward", keep_best=1, sweep_objects=False
+    )
     assert m.after_commit() == []
     assert [i.global_step for i in catalog.snapshots()] == [3]
     assert m.last_retention.delete == ["step_000000001", "step_000000002"]
@@ -61,8 +62,13 @@ def test_maintenance_sweeps_the_chunks_only_deleted_snapshots_used(tmp_path):
     storage = open_storage(run)
     catalog = Catalog(storage)
     catalog.refresh()
-    kept = {d for i in catalog.snapshots() if i.snapshot_id == "step_000000003"
-            for chunks in i.manifest.components["policy"]["objects"].values() for d, _s in chunks}
+    kept = {
+        d
+        for i in catalog.snapshots()
+        if i.snapshot_id == "step_000000003"
+        for chunks in i.manifest.components["policy"]["objects"].values()
+        for d, _s in chunks
+    }
     m = RunMaintenance(storage, catalog, retention=KeepLatest(1))
     assert m.after_commit() == []
     after = _objects(run)

@@ -72,8 +72,9 @@ def _snapshot_of_outside(outside):
     return {p.name: p.read_bytes() for p in outside.iterdir()}
 
 
-@pytest.mark.parametrize("bad_path", ["../../outside/secret.txt", "/etc/passwd", "a/../../x", "policy.safetensors/..",
-                                      "", "a//b"])
+@pytest.mark.parametrize(
+    "bad_path", ["../../outside/secret.txt", "/etc/passwd", "a/../../x", "policy.safetensors/..", "", "a//b"]
+)
 def test_bad_paths_in_manifest_are_refused(tmp_path, bad_path):
     cfg, snap, outside = _setup(tmp_path)
     before = _snapshot_of_outside(outside)
@@ -122,19 +123,20 @@ def test_pickle_in_place_of_shard_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("case", ["huge-header", "header-past-end", "bad-json", "offsets-overlap", "bad-dtype",
-                                  "short"])
+@pytest.mark.parametrize(
+    "case", ["huge-header", "header-past-end", "bad-json", "offsets-overlap", "bad-dtype", "short"]
+)
 def test_malformed_safetensors_is_a_clean_error(tmp_path, case):
     cfg, snap, _ = _setup(tmp_path)
     good = (snap / "policy.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", good[:8])
-    header = json.loads(good[8:8 + n])
+    header = json.loads(good[8 : 8 + n])
     if case == "huge-header":
         data = struct.pack("<Q", 2**40) + good[8:]
     elif case == "header-past-end":
         data = struct.pack("<Q", len(good) + 10) + good[8:]
     elif case == "bad-json":
-        data = good[:8] + b"{" * n + good[8 + n:]
+        data = good[:8] + b"{" * n + good[8 + n :]
     elif case == "short":
         data = b"\x01\x02"
     else:
@@ -144,7 +146,7 @@ def test_malformed_safetensors_is_a_clean_error(tmp_path, case):
         else:
             header[key]["dtype"] = "OBJ"
         blob = json.dumps(header).encode()
-        data = struct.pack("<Q", len(blob)) + blob + good[8 + n:]
+        data = struct.pack("<Q", len(blob)) + blob + good[8 + n :]
     (snap / "policy.safetensors").write_bytes(data)
     _rewrite_manifest(snap, lambda m: _set_file(m, "policy.safetensors", data))
     with pytest.raises(NoValidSnapshotError) as err:
@@ -169,7 +171,7 @@ def test_corrupt_arrow_is_a_clean_error(tmp_path):
     snap = tmp_path / "run" / "step_000000001"
     arrow = snap / "replay_buffer.t0.arrow"
     data = bytearray(arrow.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 16] = b"\xff" * 16
+    data[len(data) // 2 : len(data) // 2 + 16] = b"\xff" * 16
     arrow.write_bytes(bytes(data))
     _rewrite_manifest(snap, lambda m: _set_file(m, "replay_buffer.t0.arrow", bytes(data)))
     e2 = CheckpointEngine(**cfg)
@@ -273,9 +275,9 @@ def _header_with(snap, change) -> None:
     shard = snap / "policy.safetensors"
     good = shard.read_bytes()
     (n,) = struct.unpack("<Q", good[:8])
-    text = change(json.loads(good[8:8 + n]), good[8 + n:])
+    text = change(json.loads(good[8 : 8 + n]), good[8 + n :])
     blob = text.encode() + b" " * (-(len(text) + 8) % 8)
-    data = struct.pack("<Q", len(blob)) + blob + good[8 + n:]
+    data = struct.pack("<Q", len(blob)) + blob + good[8 + n :]
     shard.write_bytes(data)
     _forge(snap, lambda m: _set_file(m, "policy.safetensors", data))
 
@@ -299,8 +301,9 @@ def test_hostile_safetensors_header_falls_back(tmp_path, capsys, change):
     cfg, run, first = _two_steps(tmp_path)
     _header_with(run / "step_000000002", change)
     # The CLI first: the restore below retires the refused newer snapshot (history/retired/).
-    rc, out = _cli_one_line(capsys, "export", str(run), "step_000000002", "policy",
-                            "-o", str(tmp_path / "x.safetensors"))
+    rc, out = _cli_one_line(
+        capsys, "export", str(run), "step_000000002", "policy", "-o", str(tmp_path / "x.safetensors")
+    )
     assert rc == 1 and "policy.safetensors" in out
     engine = CheckpointEngine(**cfg)
     engine.register("policy", torch.nn.Linear(3, 2))
@@ -318,13 +321,19 @@ MANIFEST_CASES = {
     "a file size of -1": (lambda m: m["files"][0].update(size=-1), None, "files[0].size"),
     "a probe that is not an object": (lambda m: m["extra"]["probes"].update(policy=5), None, "extra.probes.policy"),
     "an unknown checksum algorithm": (lambda m: m["files"][0].update(algo="md5"), None, "files[0].algo"),
-    "a tensor dtype that is an object": (lambda m: m["components"]["policy"]["tensors"]["weight"].update(dtype={}),
-                                         None, "dtype"),
+    "a tensor dtype that is an object": (
+        lambda m: m["components"]["policy"]["tensors"]["weight"].update(dtype={}),
+        None,
+        "dtype",
+    ),
     "tags nested 100000 deep": (lambda m: m.update(tags="@"), {"@": "[" * 100000 + "]" * 100000}, "not valid JSON"),
     "tags nested 70 deep": (lambda m: m.update(tags={"x": "@"}), {"@": "[" * 70 + "]" * 70}, "nested more than"),
     "a light snapshot without a base": (lambda m: m.update(kind="light"), None, "base_snapshot_id"),
-    "a snapshot_id in Arabic-Indic digits": (lambda m: m.update(snapshot_id="step_" + "\u0660" * 8 + "\u0662"), None,
-                                             "not a snapshot name"),
+    "a snapshot_id in Arabic-Indic digits": (
+        lambda m: m.update(snapshot_id="step_" + "\u0660" * 8 + "\u0662"),
+        None,
+        "not a snapshot name",
+    ),
 }
 
 
@@ -338,8 +347,13 @@ def test_hostile_manifest_falls_back_and_the_cli_answers(tmp_path, capsys, case)
     assert [u.snapshot_id for u in engine.catalog.unreadable()] == ["step_000000002"]
     assert reason in engine.catalog.unreadable()[0].reason
     _falls_back_to_step_1(cfg, first)
-    for argv, want in ((["ls"], 1), (["verify"], 1), (["plan"], 0), (["inspect", "step_000000002"], 1),
-                       (["export", "step_000000002", "policy", "-o", str(tmp_path / "x")], 1)):
+    for argv, want in (
+        (["ls"], 1),
+        (["verify"], 1),
+        (["plan"], 0),
+        (["inspect", "step_000000002"], 1),
+        (["export", "step_000000002", "policy", "-o", str(tmp_path / "x")], 1),
+    ):
         rc, out = _cli_one_line(capsys, argv[0], str(run), *argv[1:])
         assert rc == want, (argv, out)
         assert "step_000000002" in out
@@ -380,15 +394,27 @@ def test_manifest_size_is_checked_before_reading(tmp_path, size):
     assert "step_000000002/meta.json" not in storage.reads
 
 
-FOREIGN = ["step_0000000003", "step_" + "\u0660" * 8 + "\u0663", "step_" + "\uff10" * 8 + "\uff13", "step_000000003\n",
-           "step_000000003.b0", "step_000000003.b01", "step_000000003.light\n", "step_00000003"]
+FOREIGN = [
+    "step_0000000003",
+    "step_" + "\u0660" * 8 + "\u0663",
+    "step_" + "\uff10" * 8 + "\uff13",
+    "step_000000003\n",
+    "step_000000003.b0",
+    "step_000000003.b01",
+    "step_000000003.light\n",
+    "step_00000003",
+]
 
 
 def test_only_canonical_names_are_snapshots():
     from rl_ckpt.format.manifest import parse_snapshot_id, snapshot_id
 
-    for name in FOREIGN + ["step_000000003.b1.light.light", "STEP_000000003", "step_" + "9" * 5000,
-                           "step_000000003.b" + "1" * 5000]:
+    for name in FOREIGN + [
+        "step_000000003.b1.light.light",
+        "STEP_000000003",
+        "step_" + "9" * 5000,
+        "step_000000003.b" + "1" * 5000,
+    ]:
         assert parse_snapshot_id(name) is None, repr(name)
     for step, branch, kind in [(3, 0, "full"), (3, 2, "light"), (10**12, 0, "full"), (0, 1, "full")]:
         assert parse_snapshot_id(snapshot_id(step, kind, branch)) == (step, branch, kind)
@@ -416,14 +442,27 @@ def test_non_canonical_folders_are_never_listed_restored_or_collected(tmp_path, 
     assert all((run / name).is_dir() for name in FOREIGN)
 
 
-@pytest.mark.parametrize("body", ["[" * 100000 + "]" * 100000, '{"version": 1, "action": "' + "9" * 5000 + '"}',
-                                  '{"version": 1, "step": ' + "9" * 5000 + "}", "[1, 2]", '"x"', "5",
-                                  '{"version": 1, "action": "restore", "snapshot_id": [1], "global_step": 2, '
-                                  '"failure": {"version": 1, "kind": "exception"}, "charged_to": [2]}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[" * 100000 + "]" * 100000,
+        '{"version": 1, "action": "' + "9" * 5000 + '"}',
+        '{"version": 1, "step": ' + "9" * 5000 + "}",
+        "[1, 2]",
+        '"x"',
+        "5",
+        '{"version": 1, "action": "restore", "snapshot_id": [1], "global_step": 2, '
+        '"failure": {"version": 1, "kind": "exception"}, "charged_to": [2]}',
+    ],
+)
 def test_run_records_are_parsed_as_untrusted(tmp_path, capsys, body):
     cfg, run, first = _two_steps(tmp_path)
-    for folder, name in (("decisions", "2026-01-01T000000p0000-restore.json"), ("failures", "x.json"),
-                         ("history/retired", "step_000000000.json"), ("best", "avg_reward.json")):
+    for folder, name in (
+        ("decisions", "2026-01-01T000000p0000-restore.json"),
+        ("failures", "x.json"),
+        ("history/retired", "step_000000000.json"),
+        ("best", "avg_reward.json"),
+    ):
         (run / folder).mkdir(parents=True, exist_ok=True)
         (run / folder / name).write_text(body)
     engine = CheckpointEngine(**cfg)

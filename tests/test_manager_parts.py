@@ -56,8 +56,9 @@ def write_part(storage, attempt: dict, participant: str, step: int) -> bytes:
     data = participant.encode() * 10
     storage.write(a.data_path(f"{participant}.bin"), [data])
     entry = FileEntry(a.manifest_path(f"{participant}.bin"), len(data), "0" * 32, "xxh3_128", participant, "json")
-    part = Manifest(a.snapshot_id, step, files=[entry], metrics={participant: 1.0},
-                    components={participant: {"kind": "rng"}}).to_bytes()
+    part = Manifest(
+        a.snapshot_id, step, files=[entry], metrics={participant: 1.0}, components={participant: {"kind": "rng"}}
+    ).to_bytes()
     storage.write(a.data_path(layout.report_name(participant)), [part])
     return part
 
@@ -69,8 +70,9 @@ def test_commit_when_every_part_is_in_then_maintenance(run):
         sid = layout.snapshot_id(step)
         attempts = [commits.begin(sid, PARTS, p) for p in PARTS]
         assert attempts[0] == attempts[1]  # one attempt for every participant
-        first = commits.report(sid, attempts[0]["attempt_id"], PARTS[0],
-                               write_part(storage, attempts[0], PARTS[0], step))
+        first = commits.report(
+            sid, attempts[0]["attempt_id"], PARTS[0], write_part(storage, attempts[0], PARTS[0], step)
+        )
         assert isinstance(first, Pending) and not first.done.is_set()
         commits.report(sid, attempts[0]["attempt_id"], PARTS[1], write_part(storage, attempts[0], PARTS[1], step))
         assert first.done.is_set() and first.error is None
@@ -161,9 +163,16 @@ def test_plan_from_explicit_inputs_and_recorded_history(run):
     catalog = Catalog(storage)
 
     def plan():
-        return build_plan(catalog, storage, schema_version=1, components=None,
-                          coordinator=CoordinatorConfig(max_same_snapshot_failures=1), history=load_decisions(storage),
-                          failure=FailureInfo("exception", 9), deep=False)
+        return build_plan(
+            catalog,
+            storage,
+            schema_version=1,
+            components=None,
+            coordinator=CoordinatorConfig(max_same_snapshot_failures=1),
+            history=load_decisions(storage),
+            failure=FailureInfo("exception", 9),
+            deep=False,
+        )
 
     first = plan()
     assert (first.action, first.target, first.decision.action) == ("restore", "step_000000002", Action.restore_latest)
@@ -171,8 +180,12 @@ def test_plan_from_explicit_inputs_and_recorded_history(run):
     assert plan().decision.attempt == 1  # planning writes nothing: the same inputs, the same plan
     record_decision(storage, first.decision)
     second = plan()  # 2 was restored and failed again: charged to it, and it is used up
-    assert (second.decision.attempt, second.decision.charged_to, second.decision.action) == \
-        (2, "step_000000002", Action.give_up)
-    other = build_plan(catalog, storage, schema_version=2, components={"policy": "module"},
-                       coordinator=CoordinatorConfig(), deep=False)
+    assert (second.decision.attempt, second.decision.charged_to, second.decision.action) == (
+        2,
+        "step_000000002",
+        Action.give_up,
+    )
+    other = build_plan(
+        catalog, storage, schema_version=2, components={"policy": "module"}, coordinator=CoordinatorConfig(), deep=False
+    )
     assert other.action == "give_up" and all("schema_version 1" in c.reason for c in other.candidates)

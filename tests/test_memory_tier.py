@@ -39,8 +39,14 @@ def mem(ray_cluster):
 
 
 def _engine(storage, tmp_path, **cfg) -> CheckpointEngine:
-    return CheckpointEngine(base_dir="raymem://mem", run_name=storage.key.split("/", 1)[1], storage=storage,
-                            keep_latest=cfg.pop("keep_latest", 10), keep_best=0, **cfg)
+    return CheckpointEngine(
+        base_dir="raymem://mem",
+        run_name=storage.key.split("/", 1)[1],
+        storage=storage,
+        keep_latest=cfg.pop("keep_latest", 10),
+        keep_best=0,
+        **cfg,
+    )
 
 
 # -- the store and the storage -----------------------------------------------------------------------------
@@ -149,13 +155,18 @@ def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path, mon
     for name in modules:
         reader.register(name, torch.nn.Linear(4, 4))
     counts = {"listings": 0, "lists": 0, "store_calls": 0}
-    cls, stores, listing, first = (memory_storage.RayMemoryStorage, memory_storage.RayMemoryStorage.stores,
-                                   memory_storage.RayMemoryStorage.list, memory_storage.first_answer)
+    cls, stores, listing, first = (
+        memory_storage.RayMemoryStorage,
+        memory_storage.RayMemoryStorage.stores,
+        memory_storage.RayMemoryStorage.list,
+        memory_storage.first_answer,
+    )
 
     def counted(key, fn):
         def call(*args, **kwargs):
             counts[key] += 1
             return fn(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(cls, "stores", counted("listings", stores))
@@ -223,9 +234,15 @@ def tier(ray_cluster, tmp_path):
     made = []
 
     def make(seed: int = 0, **cfg):
-        values = dict(base_dir=str(tmp_path / "durable"), run_name=f"t-{uuid.uuid4().hex[:8]}" if not made
-                      else made[0][2], keep_best=0, memory_replicas=0, memory_interval_steps=2,
-                      memory_flush_every=None, **cfg)
+        values = dict(
+            base_dir=str(tmp_path / "durable"),
+            run_name=f"t-{uuid.uuid4().hex[:8]}" if not made else made[0][2],
+            keep_best=0,
+            memory_replicas=0,
+            memory_interval_steps=2,
+            memory_flush_every=None,
+            **cfg,
+        )
         engine = CheckpointEngine(**values)
         service = MemoryTierService.get_or_create(engine.config, interval=3600)
         t = MemoryTier(engine, service=None)
@@ -260,8 +277,9 @@ def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
     assert status["durable_snapshots"] == ["step_000000004"]
     assert status["not_flushed"] == ["step_000000006"] and status["flush_lag_s"] >= 0
     # The durable copy is the memory snapshot: same manifest bytes, every file verified.
-    assert bytes(t.durable.storage.read(f"step_000000004/{MANIFEST_NAME}")) == \
-        bytes(t.memory.storage.read(f"step_000000004/{MANIFEST_NAME}"))
+    assert bytes(t.durable.storage.read(f"step_000000004/{MANIFEST_NAME}")) == bytes(
+        t.memory.storage.read(f"step_000000004/{MANIFEST_NAME}")
+    )
     assert t.durable.verify("step_000000004").ok
 
     # `rl-ckpt ls --tiers`: durable from storage, memory from the stores on this cluster, one table.
@@ -275,8 +293,11 @@ def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
     with contextlib.redirect_stdout(text):
         assert cli_main(["ls", t.durable.storage.url, "--tiers", "--replicas", "0", "--json"]) == 0
     listed = {r["snapshot_id"]: r["tiers"] for r in json.loads(text.getvalue())}
-    assert listed == {"step_000000002": ["memory"], "step_000000004": ["memory", "durable"],
-                      "step_000000006": ["memory"]}
+    assert listed == {
+        "step_000000002": ["memory"],
+        "step_000000004": ["memory", "durable"],
+        "step_000000006": ["memory"],
+    }
 
     t2, b, _ = tier(seed=7)
     plan = t2.plan()

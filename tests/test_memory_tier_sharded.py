@@ -31,11 +31,16 @@ def fit(config: dict, workers: int, tag: str, max_failures: int = 0) -> dict:
 
     out = f"{config['base_dir']}/{tag}.safetensors"
     trainer = TorchTrainer(
-        w.ray_train_loop, train_loop_config={**config, "out": out},
+        w.ray_train_loop,
+        train_loop_config={**config, "out": out},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(name=f"{config['run_name']}-{tag}", storage_path=config["base_dir"] + "/ray_results",
-                             failure_config=FailureConfig(max_failures=max_failures)))
+        run_config=RunConfig(
+            name=f"{config['run_name']}-{tag}",
+            storage_path=config["base_dir"] + "/ray_results",
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
     trainer.fit()
     return {"state": load_file(out), "info": json.loads(open(out + ".json").read()), "out": out}
 
@@ -48,8 +53,17 @@ def start(ray, base: str, name: str) -> dict:
     config = CheckpointConfig(base_dir=base, run_name=name, **CFG)
     mgr = CheckpointManager.get_or_create(run_name=name, base_dir=base, config=CFG, healthz_port=None)
     memory = {"manager": memory_manager(config), "service": MemoryTierService.get_or_create(config, interval=3600)}
-    return {"base_dir": base, "run_name": name, "manager": mgr, "memory": memory, "cfg": CFG, "seed": 0,
-            "steps": STEPS, "save_at": [], "config": config}
+    return {
+        "base_dir": base,
+        "run_name": name,
+        "manager": mgr,
+        "memory": memory,
+        "cfg": CFG,
+        "seed": 0,
+        "steps": STEPS,
+        "save_at": [],
+        "config": config,
+    }
 
 
 def stop(ray, run: dict) -> None:
@@ -71,8 +85,13 @@ def runs(ray_cluster, tmp_path_factory):
     try:
         # The uninterrupted run: the same loop and math, no snapshots at all. It needs nothing from the crashed
         # run, so it runs next to it (at most 2 + 2 workers of half a CPU: the 2-CPU cluster holds both).
-        ref = {**crash, "base_dir": str(tmp_path_factory.mktemp("ref")), "manager": None, "memory": None,
-               "gather_at": 6}
+        ref = {
+            **crash,
+            "base_dir": str(tmp_path_factory.mktemp("ref")),
+            "manager": None,
+            "memory": None,
+            "gather_at": 6,
+        }
         with ThreadPoolExecutor(1) as pool:
             ref_fit = pool.submit(fit, ref, 2, "ref")
             with pytest.raises(TrainingFailedError):
@@ -102,8 +121,12 @@ def test_restart_on_two_learners_restores_memory_bitwise(runs):
 
 def test_restart_on_one_learner_restores_the_memory_snapshot_resharded(runs):
     info = runs["one"]["info"]
-    assert (info["world"], info["restored_from"], info["tier"], info["snapshot"]) == (1, 6, "memory",
-                                                                                     "step_000000006"), info
+    assert (info["world"], info["restored_from"], info["tier"], info["snapshot"]) == (
+        1,
+        6,
+        "memory",
+        "step_000000006",
+    ), info
     assert "optim, policy saved by 2 ranks as FSDP(2) -> restored on 1 rank as FSDP(1) (resharded)" in info["layout"]
     assert "restoring from memory" in info["reason"]
     # Resharded: the one rank reads parts of both ranks' files, each stored file with one request to its store.

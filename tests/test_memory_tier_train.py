@@ -26,28 +26,37 @@ def fit(ray, tmp_path, name: str, die_at: int | None, max_failures: int) -> dict
     cfg = dict(keep_best=0, memory_interval_steps=2, memory_flush_every=3, memory_replicas=1)
     base = str(tmp_path / "durable")
     config = CheckpointConfig(base_dir=base, run_name=name, **cfg)
-    handles = {"durable": CheckpointManager.get_or_create(run_name=name, base_dir=base, config=cfg, healthz_port=None),
-               "memory": memory_manager(config), "service": MemoryTierService.get_or_create(config, interval=3600)}
+    handles = {
+        "durable": CheckpointManager.get_or_create(run_name=name, base_dir=base, config=cfg, healthz_port=None),
+        "memory": memory_manager(config),
+        "service": MemoryTierService.get_or_create(config, interval=3600),
+    }
     out = str(tmp_path / f"{name}.safetensors")
-    loop_config = {"base_dir": base, "run_name": name, "cfg": cfg, "steps": 12, "die_at": die_at, "out": out,
-                   **handles}
+    loop_config = {"base_dir": base, "run_name": name, "cfg": cfg, "steps": 12, "die_at": die_at, "out": out, **handles}
     trainer = TorchTrainer(
-        w.train_loop, train_loop_config=loop_config,
+        w.train_loop,
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray_results"),
-                             failure_config=FailureConfig(max_failures=max_failures)))
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "ray_results"),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
     trainer.fit()
     status = ray.get(handles["service"].tick.remote())
     ranks = [json.loads((tmp_path / f"{name}.safetensors.rank{r}.json").read_text()) for r in range(2)]
     from rl_ckpt.storage import open_storage
     from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
 
-    durable_meta = (tmp_path / "durable" / name / "step_000000006" / "meta.json")
+    durable_meta = tmp_path / "durable" / name / "step_000000006" / "meta.json"
     memory = open_storage(f"{MEMORY_BASE}/{name}", memory_options(config))
-    same_manifest = (durable_meta.exists()
-                     and durable_meta.read_bytes() == bytes(memory.read("step_000000006/meta.json"))
-                     if "step_000000006" in status["memory_snapshots"] else durable_meta.exists())
+    same_manifest = (
+        durable_meta.exists() and durable_meta.read_bytes() == bytes(memory.read("step_000000006/meta.json"))
+        if "step_000000006" in status["memory_snapshots"]
+        else durable_meta.exists()
+    )
     memory.destroy()
     for h in handles.values():
         ray.kill(h, no_restart=True)

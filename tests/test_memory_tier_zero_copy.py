@@ -46,8 +46,14 @@ def mem(ray_cluster):
 
 def _saved(storage, seed: int = 1):
     state = Big(seed)
-    engine = CheckpointEngine(base_dir="raymem://mem", run_name=storage.key.split("/", 1)[1], storage=storage,
-                              keep_latest=5, keep_best=0, post_load_check=False)
+    engine = CheckpointEngine(
+        base_dir="raymem://mem",
+        run_name=storage.key.split("/", 1)[1],
+        storage=storage,
+        keep_latest=5,
+        keep_best=0,
+        post_load_check=False,
+    )
     engine.register("big", state)
     sid = engine.save(1).snapshot_id
     manifest = engine.catalog.get(sid).manifest
@@ -129,8 +135,10 @@ def test_decoding_a_read_only_buffer():
     assert view.readonly
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = {k: safetensors_io.to_torch(code, shape, v) for k, (code, shape, v) in
-               safetensors_io.decode(view, where="x").items()}
+        out = {
+            k: safetensors_io.to_torch(code, shape, v)
+            for k, (code, shape, v) in safetensors_io.decode(view, where="x").items()
+        }
     assert torch.equal(out["a"], arrays["a"]) and torch.equal(out["b"], arrays["b"])
     base = np.frombuffer(blob, np.uint8).ctypes.data
     assert base <= out["a"].data_ptr() < base + len(blob)  # no copy
@@ -142,15 +150,22 @@ def test_optimizer_state_restored_from_memory_into_its_own_tensors(mem):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 4))  # 360 KB of exp_avg
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    engine = CheckpointEngine(base_dir="raymem://mem", run_name=mem.key.split("/", 1)[1], storage=mem,
-                              keep_latest=5, keep_best=0, post_load_check=False)
+    engine = CheckpointEngine(
+        base_dir="raymem://mem",
+        run_name=mem.key.split("/", 1)[1],
+        storage=mem,
+        keep_latest=5,
+        keep_best=0,
+        post_load_check=False,
+    )
     engine.register("model", model)
     engine.register("optim", optim)
     for _ in range(2):
         model(torch.randn(3, 300)).sum().backward()
         optim.step()
-    saved = {k: v.clone() for i, s in optim.state_dict()["state"].items() for k, v in ((f"{i}.{n}", t)
-                                                                                      for n, t in s.items())}
+    saved = {
+        k: v.clone() for i, s in optim.state_dict()["state"].items() for k, v in ((f"{i}.{n}", t) for n, t in s.items())
+    }
     engine.save(2)
     model(torch.randn(3, 300)).sum().backward()
     optim.step()  # the state moves on; the restore must bring back step 2's

@@ -63,8 +63,10 @@ def test_healthz_and_metrics_show_the_memory_tier(ray_cluster, tmp_path):
         held = sum(tier.memory.storage.store_info()[n]["bytes_held"] for n in section["bytes_per_node"])
         assert len(section["bytes_per_node"]) == 1 and section["bytes_total"] == held > 0
         assert section["replicas"] == 1 and not section["newest_replicated"]
-        assert (section["status"] == "degraded"
-                and "step_000000004 is not yet held on 2 nodes" in section["degraded_reason"])
+        assert (
+            section["status"] == "degraded"
+            and "step_000000004 is not yet held on 2 nodes" in section["degraded_reason"]
+        )
         assert section["replication_lag_s"] >= 0 and section["flush_lag_s"] > 0
         assert section["newest_durable"] == "step_000000002" and section["not_flushed"] == ["step_000000004"]
 
@@ -81,6 +83,7 @@ def test_healthz_and_metrics_show_the_memory_tier(ray_cluster, tmp_path):
         # The service gone: the section says so (null: no service any more), /healthz still answers.
         ray.get(service.stop.remote())
         ray.kill(service, no_restart=True)
+
         def gone():
             status, body = _get(url)
             return status == 200 and json.loads(body)["memory_tier"] is None
@@ -126,20 +129,53 @@ def test_summary_and_prometheus_text():
     from actors.memory_health import summarize
     from actors.metrics import prometheus_text
 
-    tiers = [{"snapshot_id": "step_000000002", "global_step": 2, "tiers": ["memory", "durable"], "replicated": True,
-              "memory_nodes": ["a", "b"]},
-             {"snapshot_id": "step_000000004", "global_step": 4, "tiers": ["memory"], "replicated": True,
-              "memory_nodes": ["a", "b"]}]
-    ok = summarize({"tiers": tiers, "bytes_per_node": {"a": 10, "b": 12}, "replicas": 1, "replication_lag_s": 0.0,
-                    "flush_lag_s": 3.5, "not_flushed": ["step_000000004"], "updated_at": 100.0}, now=101.0)
+    tiers = [
+        {
+            "snapshot_id": "step_000000002",
+            "global_step": 2,
+            "tiers": ["memory", "durable"],
+            "replicated": True,
+            "memory_nodes": ["a", "b"],
+        },
+        {
+            "snapshot_id": "step_000000004",
+            "global_step": 4,
+            "tiers": ["memory"],
+            "replicated": True,
+            "memory_nodes": ["a", "b"],
+        },
+    ]
+    ok = summarize(
+        {
+            "tiers": tiers,
+            "bytes_per_node": {"a": 10, "b": 12},
+            "replicas": 1,
+            "replication_lag_s": 0.0,
+            "flush_lag_s": 3.5,
+            "not_flushed": ["step_000000004"],
+            "updated_at": 100.0,
+        },
+        now=101.0,
+    )
     assert ok["status"] == "ok" and ok["degraded_reason"] is None and ok["figures_age_s"] == 1.0
     assert (ok["snapshots"], ok["newest_step"], ok["bytes_total"], ok["newest_durable"]) == (2, 4, 22, "step_000000002")
-    health = {"status": "ok", "run": 'r"1', "last_step": 4, "lost": [], "pending_commits": [], "committed": 0,
-              "aborted": 0, "storage_free_bytes": 123456789012, "memory_tier": ok}
+    health = {
+        "status": "ok",
+        "run": 'r"1',
+        "last_step": 4,
+        "lost": [],
+        "pending_commits": [],
+        "committed": 0,
+        "aborted": 0,
+        "storage_free_bytes": 123456789012,
+        "memory_tier": ok,
+    }
     text = prometheus_text(health).splitlines()
     assert 'rl_ckpt_storage_free_bytes{run="r\\"1"} 123456789012' in text
-    assert ('rl_ckpt_memory_bytes{run="r\\"1",node="b"} 12' in text
-            and 'rl_ckpt_memory_tier_degraded{run="r\\"1"} 0' in text)
+    assert (
+        'rl_ckpt_memory_bytes{run="r\\"1",node="b"} 12' in text
+        and 'rl_ckpt_memory_tier_degraded{run="r\\"1"} 0' in text
+    )
     assert 'rl_ckpt_memory_flush_lag_seconds{run="r\\"1"} 3.5' in text
     assert not any("memory" in ln for ln in prometheus_text({**health, "memory_tier": None}).splitlines())
 
@@ -158,8 +194,14 @@ def test_timeline_marks_memory_snapshots_and_restores_from_memory(tmp_path):
         engine.save(4, metrics={"avg_reward": 20.0})
         storage = engine.storage
         for step in (2, 4, 6):  # as MemoryTier records its memory snapshots (step 4 was also flushed)
-            info = SnapshotInfo(f"step_{step:09d}", step, "full", "2026-12-01T10:00:00+00:00",
-                                {"avg_reward": 10.0 + step, "loss": float("nan")}, 1000)
+            info = SnapshotInfo(
+                f"step_{step:09d}",
+                step,
+                "full",
+                "2026-12-01T10:00:00+00:00",
+                {"avg_reward": 10.0 + step, "loss": float("nan")},
+                1000,
+            )
             record_memory_snapshot(storage, info)
             record_memory_snapshot(storage, info)  # a second participant's copy of the same record: one record
         plan = engine.plan_recovery(FailureInfo(kind="process_killed", step=7, participant="learner-1"))
@@ -170,8 +212,11 @@ def test_timeline_marks_memory_snapshots_and_restores_from_memory(tmp_path):
         record_tier_restore(storage, "memory", "step_000000006", 6, memory_plan, decision)
     (tmp_path / "r" / "memory_tier" / "planted.json").write_text("[1, 2]")  # damaged: skipped, never a crash
     data = load(storage)
-    assert [(m["id"], m["value"]) for m in data["memory_snapshots"]] == \
-        [("step_000000002", 12.0), ("step_000000004", 14.0), ("step_000000006", 16.0)]
+    assert [(m["id"], m["value"]) for m in data["memory_snapshots"]] == [
+        ("step_000000002", 12.0),
+        ("step_000000004", 14.0),
+        ("step_000000006", 16.0),
+    ]
     assert [s["id"] for s in data["snapshots"]] == ["step_000000004"]  # the durable one, as before
     assert [(d["step"], d["to"], d["resumed_to"], d["tier"]) for d in data["decisions"]] == [(7, 4, 6, "memory")]
     drawn = plot(data, str(tmp_path / "t.png"))

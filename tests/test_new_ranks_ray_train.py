@@ -19,11 +19,14 @@ def fit(config: dict, workers):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
-        nw.ray_train_loop, train_loop_config=config,
+        nw.ray_train_loop,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(name=f"{config['run_name']}-{uuid.uuid4().hex[:4]}",
-                             storage_path=config["base_dir"] + "/ray_results")).fit()
+        run_config=RunConfig(
+            name=f"{config['run_name']}-{uuid.uuid4().hex[:4]}", storage_path=config["base_dir"] + "/ray_results"
+        ),
+    ).fit()
 
 
 def test_two_workers_save_and_an_elastic_run_restores_on_four(ray_cluster, tmp_path):
@@ -38,8 +41,10 @@ def test_two_workers_save_and_an_elastic_run_restores_on_four(ray_cluster, tmp_p
     got = [json.loads((tmp_path / f"restored_{r}.json").read_text()) for r in range(4)]
     assert all(g["world"] == 4 and g["snapshot"] == "step_000000003" for g in got), got
     plan = got[0]["plan"]
-    assert ("  new ranks: learner-2, learner-3: no saved rng; derived from the saved streams of learner-0, learner-1 "
-            "and the rank's name (new_rank_state='derive')") in plan.splitlines(), plan
+    assert (
+        "  new ranks: learner-2, learner-3: no saved rng; derived from the saved streams of learner-0, learner-1 "
+        "and the rank's name (new_rank_state='derive')"
+    ) in plan.splitlines(), plan
     assert "learner-2, learner-3: no saved replay_buffer; starts as constructed" in plan
     assert "saved by 2 ranks as FSDP(2) -> restored on 4 ranks as FSDP(4)" in plan
     for rank in (0, 1):

@@ -102,12 +102,14 @@ SCHEDULERS = {
     "CyclicLR": lambda o: lrs.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2, mode="exp_range", gamma=0.9),
     "OneCycleLR": lambda o: lrs.OneCycleLR(o, max_lr=0.1, total_steps=10),
     "ReduceLROnPlateau": lambda o: lrs.ReduceLROnPlateau(o, patience=0, factor=0.5, threshold=10.0),
-    "SequentialLR": lambda o: lrs.SequentialLR(o, [lrs.LinearLR(o, start_factor=0.5, total_iters=2),
-                                                   lrs.ExponentialLR(o, gamma=0.8)], milestones=[2]),
-    "ChainedScheduler": lambda o: lrs.ChainedScheduler([lrs.ConstantLR(o, factor=0.5, total_iters=2),
-                                                        lrs.ExponentialLR(o, gamma=0.9)]),
+    "SequentialLR": lambda o: lrs.SequentialLR(
+        o, [lrs.LinearLR(o, start_factor=0.5, total_iters=2), lrs.ExponentialLR(o, gamma=0.8)], milestones=[2]
+    ),
+    "ChainedScheduler": lambda o: lrs.ChainedScheduler(
+        [lrs.ConstantLR(o, factor=0.5, total_iters=2), lrs.ExponentialLR(o, gamma=0.9)]
+    ),
     # A lambda is code, not state: the fresh object's own lambda is used (the same code resumes exactly).
-    "LambdaLR-lambda": lambda o: lrs.LambdaLR(o, lambda e: 0.9 ** e),
+    "LambdaLR-lambda": lambda o: lrs.LambdaLR(o, lambda e: 0.9**e),
     "LambdaLR-callable": lambda o: lrs.LambdaLR(o, Warmup(4)),
     "MultiplicativeLR": lambda o: lrs.MultiplicativeLR(o, lambda e: 0.95),
 }
@@ -157,8 +159,11 @@ class Run:
         return out
 
     def states(self) -> dict:
-        out = {"params": [p.detach() for p in self.model.parameters()], "optimizer": self.opt.state_dict(),
-               "lrs": [g["lr"] for g in self.opt.param_groups]}
+        out = {
+            "params": [p.detach() for p in self.model.parameters()],
+            "optimizer": self.opt.state_dict(),
+            "lrs": [g["lr"] for g in self.opt.param_groups],
+        }
         if self.sched is not None:
             out["scheduler"] = self.sched.state_dict()
         return out
@@ -173,10 +178,13 @@ def differences(a, b, where: str = "") -> list[str]:
             return [f"{where}: {a.dtype}{list(a.shape)} {a.layout} vs {b.dtype}{list(b.shape)} {b.layout}"]
         if a.is_sparse:
             a, b = a.coalesce(), b.coalesce()
-            return differences(a.indices(), b.indices(), where + ".indices") + differences(a.values(), b.values(),
-                                                                                           where + ".values")
-        same = a.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() == \
-            b.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            return differences(a.indices(), b.indices(), where + ".indices") + differences(
+                a.values(), b.values(), where + ".values"
+            )
+        same = (
+            a.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            == b.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        )
         return [] if same else [f"{where}: tensor bytes differ"]
     if isinstance(a, float):
         return [] if struct.pack("<d", a) == struct.pack("<d", b) else [f"{where}: {a!r} vs {b!r}"]
@@ -247,12 +255,18 @@ def test_lbfgs_with_a_scheduler_resumes_bitwise(tmp_path):
 
 
 def test_the_cases_cover_every_class_torch_optim_exports():
-    optimizers = {n for n, c in vars(torch.optim).items()
-                  if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    optimizers = {
+        n
+        for n, c in vars(torch.optim).items()
+        if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
     covered = {type(Run(case, None, 0).opt).__name__ for case in OPTIMIZERS}
     assert optimizers <= covered, f"optimizers without a resume case: {sorted(optimizers - covered)}"
     abstract = {lrs.LRScheduler, getattr(lrs, "_LRScheduler", lrs.LRScheduler)}
-    schedulers = {n for n, c in vars(lrs).items() if inspect.isclass(c) and c not in abstract
-                  and issubclass(c, (lrs.LRScheduler, lrs.ReduceLROnPlateau))}
+    schedulers = {
+        n
+        for n, c in vars(lrs).items()
+        if inspect.isclass(c) and c not in abstract and issubclass(c, (lrs.LRScheduler, lrs.ReduceLROnPlateau))
+    }
     covered = {type(Run("SGD-momentum", case, 0).sched).__name__ for case in SCHEDULERS}
     assert schedulers <= covered, f"schedulers without a resume case: {sorted(schedulers - covered)}"

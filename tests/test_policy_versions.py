@@ -27,8 +27,9 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def test_puller_moves_only_changed_pieces_and_never_a_bad_one(tmp_path):
     learner, worker = policy(0), policy(1)
     # Tensors from 4 KiB are objects; the biases and the norm share the snapshot's small-tensor file.
-    engine = CheckpointEngine(base_dir=str(tmp_path), run_name="p", dedup=True, dedup_min_tensor_bytes=4096,
-                              keep_best=0)
+    engine = CheckpointEngine(
+        base_dir=str(tmp_path), run_name="p", dedup=True, dedup_min_tensor_bytes=4096, keep_best=0
+    )
     engine.register("policy", learner)
     puller = WeightPuller(worker)
     stats = puller.pull(engine.storage, read_manifest(engine.storage, engine.save(1).snapshot_id))
@@ -144,8 +145,11 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
         learner[0].weight.add_(1.0)
     pv = PolicyVersions(versions_run, learner, replicas=0)
     pv.publish(2)
-    bad = next(p for p in component_pieces(read_manifest(pv.storage, "step_000000002"), "policy").paths()
-               if p.startswith("objects/"))
+    bad = next(
+        p
+        for p in component_pieces(read_manifest(pv.storage, "step_000000002"), "policy").paths()
+        if p.startswith("objects/")
+    )
     for handle in pv.storage.stores().values():
         got = ray.get(handle.get.remote(bad))
         data = bytearray(ray.get(got[0]) if isinstance(got, list) else got)

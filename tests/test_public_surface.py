@@ -16,8 +16,9 @@ def test_import_rl_ckpt_does_not_import_ray():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("name", [n for n in rl_ckpt.__all__
-                                  if n not in ("MemoryTier", "CheckpointCallback", "report")])
+@pytest.mark.parametrize(
+    "name", [n for n in rl_ckpt.__all__ if n not in ("MemoryTier", "CheckpointCallback", "report")]
+)
 def test_every_public_name_resolves(name):
     assert getattr(rl_ckpt, name) is not None
 
@@ -37,6 +38,15 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_the_engine_api_of_the_contract():
     engine = rl_ckpt.CheckpointEngine
-    for method in ("register", "save", "save_async", "scheduler", "snapshots", "verify", "plan_recovery", "restore",
-                   "close"):
+    for method in (
+        "register",
+        "save",
+        "save_async",
+        "scheduler",
+        "snapshots",
+        "verify",
+        "plan_recovery",
+        "restore",
+        "close",
+    ):
         assert callable(getattr(engine, method)), method

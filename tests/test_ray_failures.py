@@ -26,8 +26,6 @@ def _get(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-
-
 def _dead_actor_error(ray, actor):
     """SIGKILL ``actor``; returns the real error Ray raises for the call that was queued behind the kill."""
     from ray.exceptions import RayActorError
@@ -69,8 +67,7 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     ray = ray_cluster
     name, mgr = manager(heartbeat_interval_seconds=60)  # no heartbeat loss in this test: only the kills
     actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(Participant)
-    group = {p: actor.remote(str(tmp_path), name, mgr, int(p[-1]), 2, p.split("-")[0], PARTS, 4096)
-             for p in PARTS}
+    group = {p: actor.remote(str(tmp_path), name, mgr, int(p[-1]), 2, p.split("-")[0], PARTS, 4096) for p in PARTS}
     wait_until(lambda: _registered(ray, mgr, PARTS), "every participant registered")
     url = ray.get(mgr.healthz_url.remote())
     assert _get(url)[0] == 200
@@ -80,8 +77,10 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     for p, step in zip(PARTS, (12, 12, 9, 12)):
         ray.get(mgr.heartbeat.remote(p, step, None))
     died = _dead_actor_error(ray, group["rollout-0"])
-    seen = {0: UserExceptionWithTraceback(died, "Traceback ...\nActorDiedError"),
-            1: RuntimeError("[gloo] Connection closed by peer")}
+    seen = {
+        0: UserExceptionWithTraceback(died, "Traceback ...\nActorDiedError"),
+        1: RuntimeError("[gloo] Connection closed by peer"),
+    }
     failure = failure_from_exceptions(seen)
     assert failure.kind.value == "process_killed"
     stored = ray.get(mgr.record_failure.remote(failure.to_json(), dead_processes(seen)))
@@ -100,8 +99,10 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     for p, step in zip(PARTS, (31, 30, 31, 31)):
         ray.get(mgr.heartbeat.remote(p, step, None))
     died = _dead_actor_error(ray, group["learner-1"])
-    seen = {0: RuntimeError("[gloo] Connection closed by peer; a remote worker crashed"),
-            1: WorkerHealthCheckFailedError("A worker health check failed.", failure=died)}
+    seen = {
+        0: RuntimeError("[gloo] Connection closed by peer; a remote worker crashed"),
+        1: WorkerHealthCheckFailedError("A worker health check failed.", failure=died),
+    }
     failure = failure_from_exceptions(seen)
     assert failure.participant == "learner-1" and failure.kind.value == "process_killed"
     stored = ray.get(mgr.record_failure.remote(failure.to_json(), dead_processes(seen)))
@@ -163,8 +164,13 @@ def test_report_pointer_is_per_engine(tmp_path, monkeypatch):
     from rl_ckpt.integrations import ray_train
 
     sent = []
-    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None: sent.append(
-        json.load(open(f"{checkpoint.path}/rl_ckpt_pointer.json"))["snapshot_id"] if checkpoint else None))
+    monkeypatch.setattr(
+        ray.train,
+        "report",
+        lambda metrics, checkpoint=None: sent.append(
+            json.load(open(f"{checkpoint.path}/rl_ckpt_pointer.json"))["snapshot_id"] if checkpoint else None
+        ),
+    )
     engines = []
     for run in ("a", "b"):
         e = CheckpointEngine(base_dir=str(tmp_path), run_name=run)
@@ -194,11 +200,20 @@ def test_a_rank_can_name_the_failed_participant_and_its_step():
     from rl_ckpt.errors import CheckpointError
     from rl_ckpt.integrations.ray_train import ParticipantFailedError, dead_processes, failure_from_exceptions
 
-    told = ParticipantFailedError("rollout-3 died after step 24: ActorDiedError", participant="rollout-3", step=24,
-                                  kind="process_killed", actor_id="ab12", pid=4242)
+    told = ParticipantFailedError(
+        "rollout-3 died after step 24: ActorDiedError",
+        participant="rollout-3",
+        step=24,
+        kind="process_killed",
+        actor_id="ab12",
+        pid=4242,
+    )
     assert isinstance(told, CheckpointError)
-    seen = pickle.loads(pickle.dumps({0: RuntimeError("[gloo] Connection closed by peer"),
-                                      1: UserExceptionWithTraceback(told, "Traceback ...")}))
+    seen = pickle.loads(
+        pickle.dumps(
+            {0: RuntimeError("[gloo] Connection closed by peer"), 1: UserExceptionWithTraceback(told, "Traceback ...")}
+        )
+    )
     failure = failure_from_exceptions(seen)
     assert (failure.kind.value, failure.participant, failure.step) == ("process_killed", "rollout-3", 24)
     assert dead_processes(seen) == [{"actor_id": "ab12", "pid": 4242}]

@@ -37,10 +37,12 @@ def run(ray_cluster, tmp_path):
 
 def _group(ray, base, name, mgr, nbytes=64 * 1024, cfg=None, restarts=0):
     actor = ray.remote(num_cpus=0, max_restarts=restarts, max_task_retries=0)(Participant)
-    return [actor.remote(base, name, mgr, 0, 2, "learner", PARTS, nbytes, cfg),
-            actor.remote(base, name, mgr, 1, 2, "learner", PARTS, nbytes, cfg),
-            actor.remote(base, name, mgr, 0, 2, "rollout", PARTS, nbytes, cfg),
-            actor.remote(base, name, mgr, 1, 2, "rollout", PARTS, nbytes, cfg)]
+    return [
+        actor.remote(base, name, mgr, 0, 2, "learner", PARTS, nbytes, cfg),
+        actor.remote(base, name, mgr, 1, 2, "learner", PARTS, nbytes, cfg),
+        actor.remote(base, name, mgr, 0, 2, "rollout", PARTS, nbytes, cfg),
+        actor.remote(base, name, mgr, 1, 2, "rollout", PARTS, nbytes, cfg),
+    ]
 
 
 def test_sharded_commit_sends_only_metadata(ray_cluster, run):
@@ -91,8 +93,9 @@ def test_killed_rollout_worker_means_no_commit_and_the_next_one_commits(ray_clus
     # restart instead of failing): a restart slower than the 8 s commit timeout must not abort step 3.
     new_pid = ray.get(group[3].pid.options(max_task_retries=-1).remote(), timeout=120)
     assert new_pid != dead_pid
-    assert (ray.get([p.save.options(max_task_retries=-1).remote(3) for p in group], timeout=120)
-            == ["step_000000003"] * 4)
+    assert (
+        ray.get([p.save.options(max_task_retries=-1).remote(3) for p in group], timeout=120) == ["step_000000003"] * 4
+    )
     restored = ray.get([p.restore.remote() for p in group])
     assert all(r[1] == 3 and r[2] == 3 for r in restored)
 

@@ -17,8 +17,6 @@ from helpers import wait_until
 pytestmark = pytest.mark.ray
 
 
-
-
 @pytest.fixture
 def cluster(ray_cluster, tmp_path):
     """(ray, base_dir, make_manager, make_ranks); everything made is killed afterwards."""
@@ -103,8 +101,9 @@ def test_manager_killed_between_last_report_and_commit_restarts_finishes_and_ser
     before = ray.get(mgr.stats.remote())
     (pause / "pause-before-commit-step_000000002").touch()
     saves = [r0.save.remote(2), r1.save.remote(2)]
-    wait_until(lambda: (pause / "paused-before-commit-step_000000002").exists(),
-               "the manager to pause before the commit")
+    wait_until(
+        lambda: (pause / "paused-before-commit-step_000000002").exists(), "the manager to pause before the commit"
+    )
     ray.kill(mgr, no_restart=False)  # both reports are on storage; the commit has not happened
     (pause / "pause-before-commit-step_000000002").unlink()
     results = ray.get(saves, timeout=180)
@@ -151,8 +150,10 @@ def test_heartbeats_go_on_while_a_rank_waits_and_a_clean_close_unregisters(clust
     # Both ranks now wait (rank 0 on its disk, rank 1 on the commit) and their loops send nothing. Let
     # the manager see eight liveness beats, 4 s at an interval of 1 s: twice its loss threshold.
     start = ray.get(mgr.stats.remote())["beats"]
-    wait_until(lambda: all(ray.get(mgr.stats.remote())["beats"][p] >= start[p] + 8 for p in ("learner-0", "learner-1")),
-           "eight liveness beats from each rank")
+    wait_until(
+        lambda: all(ray.get(mgr.stats.remote())["beats"][p] >= start[p] + 8 for p in ("learner-0", "learner-1")),
+        "eight liveness beats from each rank",
+    )
     assert [f for f in ray.get(mgr.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
     ray.get(r0.open_gate.remote())
     assert [x[0] for x in ray.get([r0.wait.remote(), r1.wait.remote()])] == ["step_000000002"] * 2
@@ -183,10 +184,12 @@ def test_begin_report_abort_are_bound_to_registered_participants(cluster):
 
     mgr = manager()
     r0, r1 = ranks(mgr)
-    for call in (mgr.begin.remote("step_000000009", ["learner-0", "intruder"], "intruder"),
-                 mgr.report.remote("step_000000009", "x", "intruder", b"{}"),
-                 mgr.abort.remote("step_000000009", None, "intruder", "planted"),
-                 mgr.decide.remote("step_000000009", "intruder", True)):
+    for call in (
+        mgr.begin.remote("step_000000009", ["learner-0", "intruder"], "intruder"),
+        mgr.report.remote("step_000000009", "x", "intruder", b"{}"),
+        mgr.abort.remote("step_000000009", None, "intruder", "planted"),
+        mgr.decide.remote("step_000000009", "intruder", True),
+    ):
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(call)
         assert isinstance(info.value.as_instanceof_cause(), UnknownParticipantError)
@@ -203,13 +206,18 @@ def test_clean_ray_train_run_with_1s_heartbeats_records_no_lost_heartbeat(ray_cl
 
     from rl_ckpt.demo.ray_ppo import run
 
-    result = run(base_dir=str(tmp_path), run_name=f"hb-{uuid.uuid4().hex[:6]}", steps=24,
-                 engine_cfg={"heartbeat_interval_seconds": 1.0, "save_interval_steps": 5, "keep_latest": 2})
+    result = run(
+        base_dir=str(tmp_path),
+        run_name=f"hb-{uuid.uuid4().hex[:6]}",
+        steps=24,
+        engine_cfg={"heartbeat_interval_seconds": 1.0, "save_interval_steps": 5, "keep_latest": 2},
+    )
     try:
         assert result.done is not None and len(result.attempts) == 1
         assert [f for f in ray.get(result.manager.failures.remote()) if f["kind"] == "heartbeat_lost"] == []
-        wait_until(lambda: ray.get(result.manager.health.remote())["participants"] == {},
-                   "every participant to unregister")
+        wait_until(
+            lambda: ray.get(result.manager.health.remote())["participants"] == {}, "every participant to unregister"
+        )
         steps = [s["global_step"] for s in ray.get(result.manager.snapshots.remote())]
         # Every 5 steps, unless a save was still running when one was due (then the next step saves): how many
         # are skipped depends on the machine's load, so only the spacing is checked.
@@ -226,10 +234,10 @@ def test_manager_starts_whatever_the_staging_folder_holds(cluster):
     ray, run_dir, manager, ranks = cluster
     staging = os.path.join(run_dir, ".staging")
     for name, attempt, report in (
-            ("step_000000007.a", b"{not json", None),
-            ("step_000000008.b", json.dumps({"expected": ["learner-0"]}).encode(),
-             b'{"schema_version": 1, "files": 5}'),
-            ("step_000000009.c", json.dumps({"expected": 7}).encode(), None)):
+        ("step_000000007.a", b"{not json", None),
+        ("step_000000008.b", json.dumps({"expected": ["learner-0"]}).encode(), b'{"schema_version": 1, "files": 5}'),
+        ("step_000000009.c", json.dumps({"expected": 7}).encode(), None),
+    ):
         os.makedirs(os.path.join(staging, name))
         with open(os.path.join(staging, name, "attempt.json"), "wb") as f:
             f.write(attempt)

@@ -57,9 +57,9 @@ def test_restore_falls_back_when_the_post_load_probe_disagrees(tmp_path):
     shard = tmp_path / "run" / "step_000000020" / "policy.safetensors"
     data = bytearray(shard.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     begin = header["0.weight"]["data_offsets"][0] + 8 + n
-    data[begin:begin + 4] = struct.pack("<f", 1000.0)
+    data[begin : begin + 4] = struct.pack("<f", 1000.0)
     shard.write_bytes(bytes(data))
     meta_path = shard.parent / "meta.json"
     meta = json.loads(meta_path.read_text())

@@ -27,8 +27,9 @@ def full(step: int, **metrics) -> SnapshotInfo:
 
 
 def light(step: int, base: SnapshotInfo) -> SnapshotInfo:
-    return SnapshotInfo(f"step_{step:09d}.light", step, "light", "2024-01-01T00:00:00", {}, 10,
-                        base_snapshot_id=base.snapshot_id)
+    return SnapshotInfo(
+        f"step_{step:09d}.light", step, "light", "2024-01-01T00:00:00", {}, 10, base_snapshot_id=base.snapshot_id
+    )
 
 
 def steps(ids) -> list[int]:
@@ -217,8 +218,9 @@ def test_policy_from_config():
     cfg = CheckpointConfig(keep_latest=3, keep_best=0, keep_interval_steps=None)
     p = policy_from_config(cfg)
     assert isinstance(p, AnyOf) and p.policies == (KeepLatest(3),)
-    cfg = CheckpointConfig(keep_latest=1, keep_best=2, best_metric=["a", "b"], best_mode=["max", "min"],
-                           keep_interval_steps=1000)
+    cfg = CheckpointConfig(
+        keep_latest=1, keep_best=2, best_metric=["a", "b"], best_mode=["max", "min"], keep_interval_steps=1000
+    )
     p = policy_from_config(cfg)
     assert p.policies == (KeepLatest(1), KeepBest(2, ("a", "b"), ("max", "min")), KeepEveryNSteps(1000))
     hash(p.policies[1])  # list config values become tuples: policies stay hashable

@@ -178,8 +178,14 @@ def _template(root: Path, manifest_last: bool) -> Path:
 
 
 def _retire(storage, retire_storage=None):
-    return retire_newer(retire_storage or storage, Catalog(retire_storage or storage), continue_step=10,
-                        loaded=[S(10)], restored=S(10), by="test")
+    return retire_newer(
+        retire_storage or storage,
+        Catalog(retire_storage or storage),
+        continue_step=10,
+        loaded=[S(10)],
+        restored=S(10),
+        by="test",
+    )
 
 
 CHANGES = ("write", "write_atomic", "remove", "remove_tree", "rename_dir", "sync_dir")
@@ -197,7 +203,7 @@ def test_a_retire_killed_at_any_storage_operation_is_finished_by_the_next(tmp_pa
     assert _retire(probe).retired == NEWER
     # A crash before a read leaves what a crash before the next change does: crash before each change.
     changes = [op for op, _path in probe.ops if op in CHANGES]
-    points = [(op, changes[:i + 1].count(op)) for i, op in enumerate(changes)]
+    points = [(op, changes[: i + 1].count(op)) for i, op in enumerate(changes)]
     assert len(points) >= 4 * len(NEWER)  # per snapshot at least: record, move, two syncs or three removes
     for k, (op, nth) in enumerate(points, start=1):
         run = Path(shutil.copytree(template, tmp_path / f"k{k}"))
@@ -235,8 +241,9 @@ def test_a_retire_killed_at_any_storage_operation_is_finished_by_the_next(tmp_pa
         assert _retire(plain).retired == []  # done: nothing more to retire
     # A step of the failed timeline saves again once the interrupted retire was finished.
     state = PPOState(seed=3)
-    e = state.register(CheckpointEngine(base_dir=str(tmp_path), run_name=f"k{len(points)}", retention=False,
-                                        atomic_write=rename))
+    e = state.register(
+        CheckpointEngine(base_dir=str(tmp_path), run_name=f"k{len(points)}", retention=False, atomic_write=rename)
+    )
     state.train(1)
     assert e.save(15).snapshot_id == S(15) and verify_snapshot(e.storage, S(15)).ok
     e.close()

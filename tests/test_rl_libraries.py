@@ -21,6 +21,7 @@ def engine(tmp_path, **kw) -> CheckpointEngine:
 
 # -- torchrl / tensordict ----------------------------------------------------------------------------------
 
+
 def make_buffer(without_replacement: bool):
     from torchrl.data import LazyTensorStorage, ReplayBuffer
     from torchrl.data.replay_buffers import RandomSampler, SamplerWithoutReplacement
@@ -34,11 +35,21 @@ def transitions(n: int, seed: int):
     from tensordict import TensorDict
 
     g = torch.Generator().manual_seed(seed)
-    return TensorDict({
-        "obs": torch.randn(n, 4, generator=g), "action": torch.randint(0, 2, (n,), generator=g),
-        "next": TensorDict({"obs": torch.randn(n, 4, generator=g), "reward": torch.randn(n, 1, generator=g),
-                            "done": torch.zeros(n, 1, dtype=torch.bool)}, batch_size=[n]),
-    }, batch_size=[n])
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 4, generator=g),
+            "action": torch.randint(0, 2, (n,), generator=g),
+            "next": TensorDict(
+                {
+                    "obs": torch.randn(n, 4, generator=g),
+                    "reward": torch.randn(n, 1, generator=g),
+                    "done": torch.zeros(n, 1, dtype=torch.bool),
+                },
+                batch_size=[n],
+            ),
+        },
+        batch_size=[n],
+    )
 
 
 @pytest.mark.parametrize("without_replacement", [False, True], ids=["random", "without-replacement"])
@@ -121,6 +132,7 @@ def test_tensordict_device_names_and_non_tensor_data_are_kept(tmp_path):
 
 # -- transformers GPT-2: tied weights --------------------------------------------------------------------
 
+
 def tiny_gpt2(seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -159,8 +171,12 @@ def test_names_sharing_storage_in_a_plain_dict_share_it_again(tmp_path, how):
     buf = torch.arange(20.0)
     w = torch.randn(4, 3)
     state = {"w": w, "w_again": w, "w_t": w.t(), "head": buf[:8], "tail": buf[6:20:2], "own": buf[3:5].clone()}
-    got = save_and_load(tmp_path, state, use_async=how == "save_async",
-                        **({"dedup": True, "dedup_min_tensor_bytes": 16} if how == "dedup" else {}))
+    got = save_and_load(
+        tmp_path,
+        state,
+        use_async=how == "save_async",
+        **({"dedup": True, "dedup_min_tensor_bytes": 16} if how == "dedup" else {}),
+    )
     for k in state:
         assert torch.equal(got[k], state[k]), k
     assert got["w"].data_ptr() == got["w_again"].data_ptr() == got["w_t"].data_ptr()
@@ -186,6 +202,7 @@ def save_and_load(tmp_path, state: dict, use_async: bool = False, **cfg) -> dict
 
 # -- stable-baselines3 PPO on CartPole ------------------------------------------------------------------
 
+
 class SB3RolloutBuffer:
     """The rollout buffer's arrays and cursor (SB3 gives it no state_dict of its own)."""
 
@@ -196,14 +213,21 @@ class SB3RolloutBuffer:
 
     def state_dict(self) -> dict:
         b = self.buffer
-        return {**{f: getattr(b, f) for f in self.FIELDS}, "pos": b.pos, "full": b.full,
-                "generator_ready": b.generator_ready}
+        return {
+            **{f: getattr(b, f) for f in self.FIELDS},
+            "pos": b.pos,
+            "full": b.full,
+            "generator_ready": b.generator_ready,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for f in self.FIELDS:
             setattr(self.buffer, f, state[f].copy())
-        self.buffer.pos, self.buffer.full, self.buffer.generator_ready = (state["pos"], state["full"],
-                                                                          state["generator_ready"])
+        self.buffer.pos, self.buffer.full, self.buffer.generator_ready = (
+            state["pos"],
+            state["full"],
+            state["generator_ready"],
+        )
 
 
 def sb3_ppo(seed: int):
@@ -239,8 +263,10 @@ def test_sb3_ppo_policy_optimizer_and_rollout_buffer_round_trip(tmp_path):
     for f in SB3RolloutBuffer.FIELDS:
         a, b = getattr(model.rollout_buffer, f), getattr(fresh.rollout_buffer, f)
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f
-    assert ((fresh.rollout_buffer.pos, fresh.rollout_buffer.full)
-            == (model.rollout_buffer.pos, model.rollout_buffer.full))
+    assert (fresh.rollout_buffer.pos, fresh.rollout_buffer.full) == (
+        model.rollout_buffer.pos,
+        model.rollout_buffer.full,
+    )
     # One more round of PPO updates over the restored rollout gives the same parameters.
     for m in (model, fresh):
         torch.manual_seed(0)
@@ -252,6 +278,7 @@ def test_sb3_ppo_policy_optimizer_and_rollout_buffer_round_trip(tmp_path):
 
 # -- other third-party state dicts: OrderedDict metadata and module versions ------------------------------
 
+
 def test_module_state_dict_keeps_ordered_dict_and_its_metadata(tmp_path):
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     state = {"net": net.state_dict()}
@@ -262,14 +289,22 @@ def test_module_state_dict_keeps_ordered_dict_and_its_metadata(tmp_path):
 
 # -- every optimizer and LR scheduler in torch ----------------------------------------------------------
 
+
 def optimizers(params) -> dict:
     opt = torch.optim
     return {
-        "SGD": opt.SGD(params(), lr=0.1, momentum=0.9, nesterov=True), "Adam": opt.Adam(params(), amsgrad=True),
-        "AdamW": opt.AdamW(params()), "Adamax": opt.Adamax(params()), "Adadelta": opt.Adadelta(params()),
-        "Adagrad": opt.Adagrad(params()), "ASGD": opt.ASGD(params()), "NAdam": opt.NAdam(params()),
-        "RAdam": opt.RAdam(params()), "RMSprop": opt.RMSprop(params(), centered=True, momentum=0.5),
-        "Rprop": opt.Rprop(params()), "LBFGS": opt.LBFGS(params(), history_size=3),
+        "SGD": opt.SGD(params(), lr=0.1, momentum=0.9, nesterov=True),
+        "Adam": opt.Adam(params(), amsgrad=True),
+        "AdamW": opt.AdamW(params()),
+        "Adamax": opt.Adamax(params()),
+        "Adadelta": opt.Adadelta(params()),
+        "Adagrad": opt.Adagrad(params()),
+        "ASGD": opt.ASGD(params()),
+        "NAdam": opt.NAdam(params()),
+        "RAdam": opt.RAdam(params()),
+        "RMSprop": opt.RMSprop(params(), centered=True, momentum=0.5),
+        "Rprop": opt.Rprop(params()),
+        "LBFGS": opt.LBFGS(params(), history_size=3),
         "Adafactor": opt.Adafactor(params()),
     }  # (SparseAdam needs sparse gradients; its state is Adam's)
 
@@ -277,15 +312,18 @@ def optimizers(params) -> dict:
 def schedulers(make_opt) -> dict:
     s = torch.optim.lr_scheduler
     out = {
-        "StepLR": lambda o: s.StepLR(o, 2), "MultiStepLR": lambda o: s.MultiStepLR(o, [1, 3]),
-        "ConstantLR": lambda o: s.ConstantLR(o), "LinearLR": lambda o: s.LinearLR(o),
+        "StepLR": lambda o: s.StepLR(o, 2),
+        "MultiStepLR": lambda o: s.MultiStepLR(o, [1, 3]),
+        "ConstantLR": lambda o: s.ConstantLR(o),
+        "LinearLR": lambda o: s.LinearLR(o),
         "ExponentialLR": lambda o: s.ExponentialLR(o, 0.9),
-        "PolynomialLR": lambda o: s.PolynomialLR(o), "CosineAnnealingLR": lambda o: s.CosineAnnealingLR(o, 5),
+        "PolynomialLR": lambda o: s.PolynomialLR(o),
+        "CosineAnnealingLR": lambda o: s.CosineAnnealingLR(o, 5),
         "CosineAnnealingWarmRestarts": lambda o: s.CosineAnnealingWarmRestarts(o, 2),
         "CyclicLR": lambda o: s.CyclicLR(o, 0.01, 0.1, step_size_up=2),
         "OneCycleLR": lambda o: s.OneCycleLR(o, 0.1, total_steps=20),
         "ReduceLROnPlateau": lambda o: s.ReduceLROnPlateau(o, patience=0),
-        "LambdaLR": lambda o: s.LambdaLR(o, lambda e: 0.9 ** e),
+        "LambdaLR": lambda o: s.LambdaLR(o, lambda e: 0.9**e),
         "MultiplicativeLR": lambda o: s.MultiplicativeLR(o, lambda e: 0.95),
         "SequentialLR": lambda o: s.SequentialLR(o, [s.ConstantLR(o, total_iters=2), s.ExponentialLR(o, 0.9)], [2]),
         "ChainedScheduler": lambda o: s.ChainedScheduler([s.ConstantLR(o, total_iters=2), s.ExponentialLR(o, 0.9)]),
@@ -298,20 +336,29 @@ def test_every_torch_optimizer_and_scheduler_state_comes_back_equal(tmp_path):
         torch.manual_seed(seed)
         net = torch.nn.Linear(3, 2)
         opts = optimizers(lambda: [torch.nn.Parameter(p.detach().clone()) for p in net.parameters()])
-        scheds = {k: f() for k, f in schedulers(lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.05,
-                                                                      momentum=0.9)).items()}
+        scheds = {
+            k: f()
+            for k, f in schedulers(
+                lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.05, momentum=0.9)
+            ).items()
+        }
         return opts, scheds
 
     opts, scheds = run(0)
     x = torch.randn(4, 3)
     for opt in opts.values():
         for _ in range(3):
+
             def closure(opt=opt):
                 opt.zero_grad()
-                loss = sum((x @ p.reshape(-1, 3).T if p.dim() == 2 else p).square().sum() for g in opt.param_groups
-                           for p in g["params"])
+                loss = sum(
+                    (x @ p.reshape(-1, 3).T if p.dim() == 2 else p).square().sum()
+                    for g in opt.param_groups
+                    for p in g["params"]
+                )
                 loss.backward()
                 return loss
+
             opt.step(closure)
     for sched in scheds.values():
         for _ in range(3):

@@ -15,8 +15,16 @@ import pytest
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import ConfigError, SerializationError
-from rl_ckpt.integrations.rllib import (NONE_KEY, AlgorithmPart, checkpoint_callback, component_names, from_stored,
-                                        learner_value, to_storable, train_metrics)
+from rl_ckpt.integrations.rllib import (
+    NONE_KEY,
+    AlgorithmPart,
+    checkpoint_callback,
+    component_names,
+    from_stored,
+    learner_value,
+    to_storable,
+    train_metrics,
+)
 
 
 def test_none_keys_round_trip_and_a_clash_is_refused():
@@ -34,7 +42,10 @@ def test_explicit_rules_names_and_metrics():
     assert learner_value("should_module_be_updated", {"p2", "p1"}) == ["p1", "p2"]
     assert learner_value("should_module_be_updated", None) is None
     assert component_names(["default_policy", "agent.1", "agent/1"]) == {
-        "default_policy": "module-default_policy", "agent.1": "module-agent_1", "agent/1": "module-agent_1-2"}
+        "default_policy": "module-default_policy",
+        "agent.1": "module-agent_1",
+        "agent/1": "module-agent_1-2",
+    }
     result = {"env_runners": {"episode_return_mean": np.float64(21.5), "episode_len_mean": float("nan")}}
     assert train_metrics(result) == {"env_runners/episode_return_mean": 21.5}
     with pytest.raises(ConfigError):
@@ -70,8 +81,17 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     from rl_ckpt.cli import main as cli
     from rl_ckpt.demo.rllib_drill import run_driver
 
-    cfg = dict(base_dir=str(tmp_path), run_name="ppo", every=2, log=str(tmp_path / "log.jsonl"), until=6,
-               kill_runner_at=3, stop_at=5, rllib_save_every=2, rllib_path=str(tmp_path / "rllib_ckpt"))
+    cfg = dict(
+        base_dir=str(tmp_path),
+        run_name="ppo",
+        every=2,
+        log=str(tmp_path / "log.jsonl"),
+        until=6,
+        kill_runner_at=3,
+        stop_at=5,
+        rllib_save_every=2,
+        rllib_path=str(tmp_path / "rllib_ckpt"),
+    )
     first = run_driver(cfg, kill_when_ready=True)
     iters = {e["iteration"]: e for e in first if e["event"] == "iter"}
     assert sorted(iters) == [1, 2, 3, 4, 5]
@@ -83,8 +103,7 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     assert iters[5]["runner_connectors"] == [iters[5]["local_connector"]] * 2
 
     # The driver was SIGKILLed after iteration 5; the rebuilt one restores step 4 (the newest verified snapshot).
-    second = run_driver(dict(cfg, until=8, kill_runner_at=None, stop_at=None, rllib_save_every=2,
-                             corrupt_newest=True))
+    second = run_driver(dict(cfg, until=8, kill_runner_at=None, stop_at=None, rllib_save_every=2, corrupt_newest=True))
     built = second[0]
     assert built["event"] == "built" and built["restored"] == "step_000000004" and built["iteration"] == 4
     assert "newest valid full snapshot" in built["plan"] and "module-default_policy" in built["plan"]

@@ -14,11 +14,14 @@ def _config():
     from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 
     return (
-        PPOConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
+        PPOConfig()
+        .environment(MultiAgentCartPole, env_config={"num_agents": 2})
         .env_runners(num_env_runners=0)
-        .multi_agent(policies={"p0", "policy.1"},
-                     policy_mapping_fn=lambda agent_id, *args, **kwargs: "p0" if agent_id == 0 else "policy.1",
-                     policies_to_train={"p0", "policy.1"})
+        .multi_agent(
+            policies={"p0", "policy.1"},
+            policy_mapping_fn=lambda agent_id, *args, **kwargs: "p0" if agent_id == 0 else "policy.1",
+            policies_to_train={"p0", "policy.1"},
+        )
         .training(train_batch_size_per_learner=128, minibatch_size=64, num_epochs=1)
         .debugging(seed=3, log_level="ERROR")
     )

@@ -27,8 +27,11 @@ def cfg(request, tmp_path) -> dict:
 def test_round_trip_is_exact(cfg):
     a = PPOState(seed=1)
     engine = a.register(CheckpointEngine(**cfg, train_config={"lr": 3e-3}))
-    expected = (ManifestLastCommit if (cfg.get("atomic_write") is False or cfg["base_dir"].startswith("memory"))
-                else StagedRenameCommit)
+    expected = (
+        ManifestLastCommit
+        if (cfg.get("atomic_write") is False or cfg["base_dir"].startswith("memory"))
+        else StagedRenameCommit
+    )
     assert type(engine.commit) is expected
     a.train(5)
     info = engine.save(global_step=5, metrics={"avg_reward": 12.5, "loss": float("nan")}, tags={"phase": "warmup"})
@@ -100,12 +103,23 @@ def test_unsupported_value_names_component_and_key(cfg):
 
 def test_torch_dtypes_and_special_values_round_trip(cfg):
     state = {
-        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(2).half(),
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "f16": torch.randn(2).half(),
         "i8": torch.arange(-3, 3, dtype=torch.int8),
-        "bool": torch.tensor([True, False]), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
-        "noncontig": torch.arange(12.0).reshape(3, 4).t(), "u32": np.arange(5, dtype=np.uint32),
-        "big": 2**100, "inf": float("inf"), "nan": float("nan"), "tuple": (1, (2, "x")), "intkeys": {3: "a", 1: "b"},
-        "dollar": {"$tensor": "not a tag"}, "bytes": b"\x00\xff", "np_scalar": np.float32(1.25), "none": None,
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "noncontig": torch.arange(12.0).reshape(3, 4).t(),
+        "u32": np.arange(5, dtype=np.uint32),
+        "big": 2**100,
+        "inf": float("inf"),
+        "nan": float("nan"),
+        "tuple": (1, (2, "x")),
+        "intkeys": {3: "a", 1: "b"},
+        "dollar": {"$tensor": "not a tag"},
+        "bytes": b"\x00\xff",
+        "np_scalar": np.float32(1.25),
+        "none": None,
     }
     engine = CheckpointEngine(**cfg)
     engine.register("bag", Bag(state))
@@ -153,16 +167,32 @@ def exact_state() -> dict:
     od = OrderedDict([("z", 1), ("a", [2.5])])
     od._metadata = OrderedDict([("", {"version": 3})])
     return {
-        "odict": od, "ddict": defaultdict(list, {"x": [1, 2]}), "ddict_none": defaultdict(None, {1: "a"}),
-        "f64": np.float64(0.1), "f32": np.float32(0.25), "i64": np.int64(-(2**63)), "u64": np.uint64(2**64 - 1),
-        "npbool": np.bool_(True), "npc": np.complex128(1 - 2j), "size": torch.Size([3, 4]),
-        "device": torch.device("cpu"), "dtype": torch.bfloat16, "complex": complex(1.5, float("-inf")),
-        "huge": -(3**5000), "bytearray": bytearray(b"\x01"),
-        "c64": torch.randn(3, 2, dtype=torch.complex64), "c128": torch.randn(4, dtype=torch.complex128).conj(),
-        "np_c64": (np.arange(3) * 1j).astype(np.complex64), "np_c128": np.arange(4).astype(np.complex128) + 0.5j,
-        "np_0d": np.array(2.5), "np_0d_int": np.array(7, dtype=np.int8), "big_endian": np.arange(3, dtype=">i4"),
-        "np_fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "t_0d": torch.tensor(1.0),
-        "param": torch.nn.Parameter(torch.ones(2)), "frozen": torch.nn.Parameter(torch.zeros(1), requires_grad=False),
+        "odict": od,
+        "ddict": defaultdict(list, {"x": [1, 2]}),
+        "ddict_none": defaultdict(None, {1: "a"}),
+        "f64": np.float64(0.1),
+        "f32": np.float32(0.25),
+        "i64": np.int64(-(2**63)),
+        "u64": np.uint64(2**64 - 1),
+        "npbool": np.bool_(True),
+        "npc": np.complex128(1 - 2j),
+        "size": torch.Size([3, 4]),
+        "device": torch.device("cpu"),
+        "dtype": torch.bfloat16,
+        "complex": complex(1.5, float("-inf")),
+        "huge": -(3**5000),
+        "bytearray": bytearray(b"\x01"),
+        "c64": torch.randn(3, 2, dtype=torch.complex64),
+        "c128": torch.randn(4, dtype=torch.complex128).conj(),
+        "np_c64": (np.arange(3) * 1j).astype(np.complex64),
+        "np_c128": np.arange(4).astype(np.complex128) + 0.5j,
+        "np_0d": np.array(2.5),
+        "np_0d_int": np.array(7, dtype=np.int8),
+        "big_endian": np.arange(3, dtype=">i4"),
+        "np_fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "t_0d": torch.tensor(1.0),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "frozen": torch.nn.Parameter(torch.zeros(1), requires_grad=False),
         "int_keys": {2**70: "big key", -1: "neg"},
     }
 
@@ -176,8 +206,9 @@ def test_every_supported_type_comes_back_exactly(cfg, use_async):
         value = got[key]
         assert type(value) is type(want), f"{key}: {type(value).__name__} is not {type(want).__name__}"
         if isinstance(want, torch.Tensor):
-            assert (value.dtype == want.dtype and value.shape == want.shape
-                    and torch.equal(value, want.resolve_conj())), key
+            assert (
+                value.dtype == want.dtype and value.shape == want.shape and torch.equal(value, want.resolve_conj())
+            ), key
             assert value.requires_grad == want.requires_grad, key
         elif isinstance(want, np.ndarray):
             assert value.dtype == want.dtype and value.shape == want.shape and np.array_equal(value, want), key
@@ -204,13 +235,20 @@ def refusals() -> list:
         warnings.simplefilter("ignore")
         chalf, matrix = torch.zeros(2, dtype=torch.complex32), np.matrix([[1, 2]])
     return [
-        ("int_enum", Color.RED, "enum"), ("enum", Mode.TRAIN, "enum"), ("namedtuple", Point(1, 2), "namedtuple"),
-        ("set", {1, 2}, "set"), ("dict_subclass", MyDict(a=1), "subclass of dict"),
+        ("int_enum", Color.RED, "enum"),
+        ("enum", Mode.TRAIN, "enum"),
+        ("namedtuple", Point(1, 2), "namedtuple"),
+        ("set", {1, 2}, "set"),
+        ("dict_subclass", MyDict(a=1), "subclass of dict"),
         ("float_subclass", Flt(1.0), "subclass of float"),
-        ("lambda_ddict", defaultdict(lambda: 0), "default_factory"), ("chalf", chalf, "complex32"),
-        ("matrix", matrix, "subclass of ndarray"), ("datetimes", np.zeros(2, dtype="datetime64[s]"), "datetime64"),
-        ("longdouble", np.zeros(2, dtype=np.longdouble), "float128"), ("too_deep", nest(200), "levels deep"),
-        ("bool_key", {True: 1}, "keys must be str or int"), ("obj", object(), "fits none of"),
+        ("lambda_ddict", defaultdict(lambda: 0), "default_factory"),
+        ("chalf", chalf, "complex32"),
+        ("matrix", matrix, "subclass of ndarray"),
+        ("datetimes", np.zeros(2, dtype="datetime64[s]"), "datetime64"),
+        ("longdouble", np.zeros(2, dtype=np.longdouble), "float128"),
+        ("too_deep", nest(200), "levels deep"),
+        ("bool_key", {True: 1}, "keys must be str or int"),
+        ("obj", object(), "fits none of"),
     ]
 
 

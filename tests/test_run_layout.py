@@ -21,12 +21,18 @@ def storage(tmp_path):
     s.close()
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("step_000000005.host-1-2-ab", ("step_000000005", "host-1-2-ab")),
-    ("step_000000005.light.host-1-2-ab", ("step_000000005.light", "host-1-2-ab")),
-    ("step_000000005.b2.light.x", ("step_000000005.b2.light", "x")),
-    ("step_000000005", None), ("step_5.x", None), ("step_000000005.", None), ("other.x", None),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("step_000000005.host-1-2-ab", ("step_000000005", "host-1-2-ab")),
+        ("step_000000005.light.host-1-2-ab", ("step_000000005.light", "host-1-2-ab")),
+        ("step_000000005.b2.light.x", ("step_000000005.b2.light", "x")),
+        ("step_000000005", None),
+        ("step_5.x", None),
+        ("step_000000005.", None),
+        ("other.x", None),
+    ],
+)
 def test_staged_names_parse_back(name, expected):
     assert layout.parse_staged_name(name) == expected
 
@@ -76,8 +82,12 @@ def test_bad_records_are_skipped_with_a_warning(storage, caplog):
     store = RecordStore(storage, layout.DECISIONS, "decision record")
     store.add("a", {"n": 1})
     storage.makedirs(layout.DECISIONS)
-    for name, body in (("b.json", b"[1, 2]"), ("c.json", b"[" * 100000), ("d.json", b'{"n": "x"}'),
-                       ("e.txt", b'{"n": 5}')):
+    for name, body in (
+        ("b.json", b"[1, 2]"),
+        ("c.json", b"[" * 100000),
+        ("d.json", b'{"n": "x"}'),
+        ("e.txt", b'{"n": 5}'),
+    ):
         storage.write_atomic(f"{layout.DECISIONS}/{name}", body)
 
     def parse(record: dict) -> int:

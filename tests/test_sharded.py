@@ -40,8 +40,12 @@ def test_fsdp2_save_writes_local_shards_and_global_layout(fsdp_snapshot):
     assert layout["saved_by"]["world_size"] == 2
     # One plain safetensors file per rank per component, each holding only that rank's shards.
     files = sorted(f["path"] for f in meta["files"])
-    assert files == ["optim.rank0.safetensors", "optim.rank1.safetensors",
-                     "policy.rank0.safetensors", "policy.rank1.safetensors"]
+    assert files == [
+        "optim.rank0.safetensors",
+        "optim.rank1.safetensors",
+        "policy.rank0.safetensors",
+        "policy.rank1.safetensors",
+    ]
     for rank in (0, 1):
         local = load_file(str(run / "step_000000001" / f"policy.rank{rank}.safetensors"))
         for fqn, t in local.items():

@@ -64,14 +64,24 @@ def test_unchanged_shards_are_referenced_not_rewritten(dedup_run):
     from rl_ckpt.run.catalog import Catalog
 
     storage = LocalStorage(str(run))
-    plan = build_plan(Catalog(storage), storage, schema_version=manifest.state_schema_version, components=None,
-                      coordinator=CoordinatorConfig(), deep=False)
+    plan = build_plan(
+        Catalog(storage),
+        storage,
+        schema_version=manifest.state_schema_version,
+        components=None,
+        coordinator=CoordinatorConfig(),
+        deep=False,
+    )
     assert plan.target == "step_000000003"
     m3 = Manifest.from_bytes((run / "step_000000003" / "meta.json").read_bytes(), "step_000000003")
     assert sum(a.bytes for a in plan.actions) == m3.size_bytes
     # Small tensors (biases, Adam's step) stay in each rank's shard file.
-    assert sorted(f["path"] for f in m2["files"]) == ["optim.rank0.safetensors", "optim.rank1.safetensors",
-                                                      "policy.rank0.safetensors", "policy.rank1.safetensors"]
+    assert sorted(f["path"] for f in m2["files"]) == [
+        "optim.rank0.safetensors",
+        "optim.rank1.safetensors",
+        "policy.rank0.safetensors",
+        "policy.rank1.safetensors",
+    ]
     for rank in (0, 1):
         report = json.loads((out / f"written_{rank}.json").read_text())
         first, second, third = report["written"]
@@ -89,8 +99,11 @@ def test_restore_on_two_and_one_ranks_is_bitwise(dedup_run):
 def test_retention_and_gc_keep_referenced_objects_and_remove_the_rest(dedup_run):
     run, out = dedup_run
     assert not (run / "step_000000001").exists()  # keep_latest=2 deleted it after step 3
-    live = {d for sid in ("step_000000002", "step_000000003")
-            for d in manifest_objects(Manifest.from_bytes((run / sid / "meta.json").read_bytes(), sid))}
+    live = {
+        d
+        for sid in ("step_000000002", "step_000000003")
+        for d in manifest_objects(Manifest.from_bytes((run / sid / "meta.json").read_bytes(), sid))
+    }
     m1 = Manifest.from_bytes((out / "meta_1.json").read_bytes(), "step_000000001")
     only_1 = set(manifest_objects(m1)) - live
     assert only_1 and live
@@ -115,7 +128,7 @@ def test_retention_and_gc_keep_referenced_objects_and_remove_the_rest(dedup_run)
     m3 = Manifest.from_bytes((run / "step_000000003" / "meta.json").read_bytes(), "step_000000003")
     export_component(storage, m3, "policy", str(out / "policy_3.safetensors"))
     exported, full = load_file(str(out / "policy_3.safetensors")), load_file(str(out / "full_3.safetensors"))
-    assert set(exported) == {k[len("model."):] for k in full if k.startswith("model.")}
+    assert set(exported) == {k[len("model.") :] for k in full if k.startswith("model.")}
     assert all(exported[k].equal(full[f"model.{k}"]) for k in exported)
 
 
@@ -127,9 +140,10 @@ def test_corrupt_object_is_caught_by_its_reader_and_all_ranks_roll_back(dedup_ru
     shutil.copytree(run0, run)
     m2, m3 = read_meta(run, "step_000000002"), read_meta(run, "step_000000003")
     in_2 = {d for objs in chunk_objects(m2, "policy", "2.weight") for d, _n in objs}
-    chunk = next(c for c in m3["components"]["policy"]["layout"]["tensors"]["2.weight"]["chunks"]
-                 if c["offsets"][0] > 0)  # rank 1's part
-    (digest, _size), = chunk["objects"]
+    chunk = next(
+        c for c in m3["components"]["policy"]["layout"]["tensors"]["2.weight"]["chunks"] if c["offsets"][0] > 0
+    )  # rank 1's part
+    ((digest, _size),) = chunk["objects"]
     assert digest not in in_2
     path = run / object_path(m3["components"]["policy"]["layout"]["algo"], digest)
     data = bytearray(path.read_bytes())
@@ -161,8 +175,9 @@ def test_rank_killed_while_publishing_objects_commits_nothing_and_gc_cleans_up(t
     assert (tmp_path / "killed").exists()  # rank 1 died where intended, not earlier
     assert not (run / "step_000000002" / "meta.json").exists()
     storage = LocalStorage(str(run))
-    live = set(manifest_objects(Manifest.from_bytes((run / "step_000000001" / "meta.json").read_bytes(),
-                                                    "step_000000001")))
+    live = set(
+        manifest_objects(Manifest.from_bytes((run / "step_000000001" / "meta.json").read_bytes(), "step_000000001"))
+    )
     assert objects_on_disk(run) > live  # step 2's published objects are there, named by no manifest
     debris, refusal = find_unreferenced_objects(storage, grace_seconds=0)
     assert refusal is None and debris
@@ -189,10 +204,12 @@ def test_layout_with_object_chunks_round_trips_and_refuses_hostile_ones():
         c = {**js["tensors"]["w"]["chunks"][0], **change}
         return {**js, "tensors": {"w": {**js["tensors"]["w"], "chunks": [c]}}}
 
-    for bad, why in ((broken(objects=[["../../../etc/passwd", 32]]), "hex digest"),
-                     (broken(objects=[[d, 16]]), "objects of 16 bytes"),  # the chunk takes 32
-                     (broken(objects=[]), "hex digest"),
-                     (broken(objects=[[d, 16], [d, True]]), "hex digest"),
-                     (broken(file="w.safetensors"), "exactly")):  # both a file and objects
+    for bad, why in (
+        (broken(objects=[["../../../etc/passwd", 32]]), "hex digest"),
+        (broken(objects=[[d, 16]]), "objects of 16 bytes"),  # the chunk takes 32
+        (broken(objects=[]), "hex digest"),
+        (broken(objects=[[d, 16], [d, True]]), "hex digest"),
+        (broken(file="w.safetensors"), "exactly"),
+    ):  # both a file and objects
         with pytest.raises(CorruptSnapshotError, match=why):
             Layout.from_json(bad, "s/c")

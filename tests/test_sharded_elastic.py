@@ -56,8 +56,11 @@ def child(base_dir: str) -> None:
         def lose_a_node() -> None:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:  # wait for the event: a commit by both learners
-                saved = [e for e in _events(log) if e["event"] == "step" and e["world"] == 2 and e.get("saved")
-                         and e["step"] >= LOSE_AFTER]
+                saved = [
+                    e
+                    for e in _events(log)
+                    if e["event"] == "step" and e["world"] == 2 and e.get("saved") and e["step"] >= LOSE_AFTER
+                ]
                 if saved:
                     lost.update(step=saved[0]["step"])
                     cluster.remove_node(nodes[1])
@@ -76,10 +79,13 @@ def child(base_dir: str) -> None:
 
 
 def test_elastic_group_restarts_smaller_from_the_sharded_snapshot(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=900)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     lost = json.loads((tmp_path / "node_lost.json").read_text())
     events = _events(tmp_path / "elastic.log.jsonl")

@@ -11,13 +11,24 @@ from rl_ckpt.sharded.layout import Layout, merge_components
 
 
 def part(rank: int, rows: int = 4) -> dict:
-    chunk = {"offsets": [rank * rows, 0], "sizes": [rows, 3], "file": f"p.rank{rank}.safetensors", "start": 64,
-             "block_rows": 2, "checksums": "a" * 32 + "b" * 32}
-    layout = {"version": 1, "algo": "xxh3_128", "saved_by": {"world_size": 2},
-              "values": {"lr": {"v": 0.1}} if rank == 0 else {},
-              "tensors": {"w": {"dtype": "F32", "shape": [2 * rows, 3], "chunks": [chunk]}}}
-    return {"p": {"tensors": {"w": {"dtype": "F32", "shape": [8, 3]}}, "tables": {}, "layout": layout,
-                  "kind": "module"}}
+    chunk = {
+        "offsets": [rank * rows, 0],
+        "sizes": [rows, 3],
+        "file": f"p.rank{rank}.safetensors",
+        "start": 64,
+        "block_rows": 2,
+        "checksums": "a" * 32 + "b" * 32,
+    }
+    layout = {
+        "version": 1,
+        "algo": "xxh3_128",
+        "saved_by": {"world_size": 2},
+        "values": {"lr": {"v": 0.1}} if rank == 0 else {},
+        "tensors": {"w": {"dtype": "F32", "shape": [2 * rows, 3], "chunks": [chunk]}},
+    }
+    return {
+        "p": {"tensors": {"w": {"dtype": "F32", "shape": [8, 3]}}, "tables": {}, "layout": layout, "kind": "module"}
+    }
 
 
 def test_merge_unions_chunks_of_the_same_component_and_keeps_other_sections():
@@ -39,14 +50,17 @@ def test_merge_refuses_ranks_that_disagree_on_a_tensor():
         merge_components(components, b)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda c: c.update(sizes=[9, 3]), "runs past shape"),
-    (lambda c: c.update(checksums="a" * 32), "block checksums"),
-    (lambda c: c.update(checksums="a" * 33), "malformed"),
-    (lambda c: c.update(start=-1), "malformed"),
-    (lambda c: c.update(extra=1), "exactly"),
-    (lambda c: c.update(offsets=[0]), "do not match shape"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c.update(sizes=[9, 3]), "runs past shape"),
+        (lambda c: c.update(checksums="a" * 32), "block checksums"),
+        (lambda c: c.update(checksums="a" * 33), "malformed"),
+        (lambda c: c.update(start=-1), "malformed"),
+        (lambda c: c.update(extra=1), "exactly"),
+        (lambda c: c.update(offsets=[0]), "do not match shape"),
+    ],
+)
 def test_layout_json_is_checked(mutate, message):
     bad = copy.deepcopy(part(0))["p"]["layout"]
     mutate(bad["tensors"]["w"]["chunks"][0])

@@ -19,11 +19,16 @@ def fit(ray, config: dict, workers: int, max_failures: int = 0):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     trainer = TorchTrainer(
-        w.ray_train_loop, train_loop_config=config,
+        w.ray_train_loop,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(name=f"{config['run_name']}-{workers}", storage_path=config["base_dir"] + "/ray_results",
-                             failure_config=FailureConfig(max_failures=max_failures)))
+        run_config=RunConfig(
+            name=f"{config['run_name']}-{workers}",
+            storage_path=config["base_dir"] + "/ray_results",
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
     return trainer.fit()
 
 
@@ -33,8 +38,16 @@ def test_four_workers_lose_one_and_resume_on_two(ray_cluster, tmp_path):
 
     name = f"elastic-{uuid.uuid4().hex[:6]}"
     mgr = CheckpointManager.get_or_create(run_name=name, base_dir=str(tmp_path))
-    config = {"base_dir": str(tmp_path), "run_name": name, "manager": mgr, "seed": 0, "steps": 6,
-              "save_at": [3], "die_at": 5, "out": str(tmp_path / "final.safetensors")}
+    config = {
+        "base_dir": str(tmp_path),
+        "run_name": name,
+        "manager": mgr,
+        "seed": 0,
+        "steps": 6,
+        "save_at": [3],
+        "die_at": 5,
+        "out": str(tmp_path / "final.safetensors"),
+    }
     with pytest.raises(Exception):
         fit(ray, config, 4)  # rank 3 dies at step 5, after the step-3 snapshot of 4 shards
     meta = json.loads((tmp_path / name / "step_000000003" / "meta.json").read_text())

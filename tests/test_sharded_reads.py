@@ -92,8 +92,10 @@ def test_fetch_merges_adjacent_and_overlapping_ranges_of_a_file(tmp_path):
     reader.fetch([(fqn, chunk, 0, 4), (fqn, chunk, 3, 5), (fqn, chunk, 12, 1)])  # rows 0-3, 3-7 and 12
     row = chunk.row_bytes(layout.tensors[fqn].dtype)
     # Rows 0-7 (the overlap merged) and row 12, in one request.
-    assert [(at, len(data)) for at, data in reader.fetched[chunk.file]] == [(chunk.start, 8 * row),
-                                                                           (chunk.start + 12 * row, row)]
+    assert [(at, len(data)) for at, data in reader.fetched[chunk.file]] == [
+        (chunk.start, 8 * row),
+        (chunk.start + 12 * row, row),
+    ]
     assert storage.requests == {f"step_000000001/{chunk.file}": 1}
     fresh = ChunkReader(storage, "step_000000001", layout, files)
     assert torch.equal(reader.rows(fqn, chunk, 3, 4), fresh.rows(fqn, chunk, 3, 4))

@@ -50,8 +50,12 @@ def test_pool_reallocates_on_growth_dtype_change_or_pinning():
     assert grown.numel() == 20 and grown.data_ptr() != first.data_ptr() and pool.allocations == 2
     pool.buffer("k", (20,), torch.bfloat16)
     pool.buffer("k", (20,), torch.bfloat16, pinned=True)  # a CUDA source now: page-locked memory wanted
-    assert alloc.calls == [(10, torch.float32, False), (20, torch.float32, False), (20, torch.bfloat16, False),
-                           (20, torch.bfloat16, True)]
+    assert alloc.calls == [
+        (10, torch.float32, False),
+        (20, torch.float32, False),
+        (20, torch.bfloat16, False),
+        (20, torch.bfloat16, True),
+    ]
     assert pool.nbytes == 20 * 2  # one buffer per key: the old ones were dropped
 
 
@@ -79,22 +83,28 @@ def test_staging_area_copies_exact_bytes_reuses_and_releases():
     alloc = RecordingAllocator()
     area = StagingArea(alloc)
     g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(100),
-             "half": torch.randn(7, generator=g).half(), "np": np.arange(12, dtype=np.int32).reshape(3, 4)}
+    state = {
+        "w": torch.randn(64, 32, generator=g),
+        "ids": torch.arange(100),
+        "half": torch.randn(7, generator=g).half(),
+        "np": np.arange(12, dtype=np.int32).reshape(3, 4),
+    }
     staged = area.stage("c", encode_state("c", state, host=False))
     area.finish()
     for key, value in encode_state("c", state, host=False).arrays.items():
         src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
-        dst = (staged.arrays[key] if isinstance(staged.arrays[key], torch.Tensor)
-               else torch.from_numpy(staged.arrays[key]))
+        dst = (
+            staged.arrays[key] if isinstance(staged.arrays[key], torch.Tensor) else torch.from_numpy(staged.arrays[key])
+        )
         assert dst.dtype == src.dtype and dst.shape == src.shape
         assert dst.contiguous().view(torch.uint8).equal(src.contiguous().view(torch.uint8)), key  # bitwise
-    assert (area.bytes_copied
-            == sum(t.nbytes for t in state.values() if not isinstance(t, np.ndarray)) + state["np"].nbytes)
+    assert (
+        area.bytes_copied == sum(t.nbytes for t in state.values() if not isinstance(t, np.ndarray)) + state["np"].nbytes
+    )
     before = {k: v.clone() if isinstance(v, torch.Tensor) else v.copy() for k, v in staged.arrays.items()}
     state["w"].add_(1.0)  # the trainer changes its tensor right after the blocking phase
     for k, v in staged.arrays.items():
-        assert (v.equal(before[k]) if isinstance(v, torch.Tensor) else (v == before[k]).all()), k
+        assert v.equal(before[k]) if isinstance(v, torch.Tensor) else (v == before[k]).all(), k
     allocated = area.allocations
     assert allocated == 4 and all(not pinned for *_, pinned in alloc.calls)  # CPU sources: plain memory
 

@@ -18,11 +18,28 @@ import uuid
 import pytest
 
 from rl_ckpt.commit import ManifestLastCommit
-from rl_ckpt.errors import (CommitConflictError, ConfigError, FileTooLargeError, ReadRangeError, StorageArgumentError,
-                            StorageError, StoragePermissionError, UnsafePathError)
+from rl_ckpt.errors import (
+    CommitConflictError,
+    ConfigError,
+    FileTooLargeError,
+    ReadRangeError,
+    StorageArgumentError,
+    StorageError,
+    StoragePermissionError,
+    UnsafePathError,
+)
 from rl_ckpt.format.manifest import MANIFEST_NAME
-from rl_ckpt.storage import (FsspecStorage, LocalStorage, MemoryStorage, S3Storage, Storage, join, open_storage,
-                             register_storage, storage_class)
+from rl_ckpt.storage import (
+    FsspecStorage,
+    LocalStorage,
+    MemoryStorage,
+    S3Storage,
+    Storage,
+    join,
+    open_storage,
+    register_storage,
+    storage_class,
+)
 from rl_ckpt.storage.registry import registry as storage_registry
 
 
@@ -90,14 +107,12 @@ def _memory_backend() -> Backend:
 def _s3_backend(s3_url) -> Backend:
     url, options = s3_url
     storage = open_storage(url, options)
-    bucket = url[len("s3://"):].split("/", 1)[0]
+    bucket = url[len("s3://") :].split("/", 1)[0]
     storage.fs.call_s3("put_object", Bucket=bucket, Key="runs/neighbour.txt", Body=b"not ours")
 
     def outside():
         page = storage.fs.call_s3("list_objects_v2", Bucket=bucket)
-        return frozenset(
-            (o["Key"], o["Size"]) for o in page.get("Contents", []) if not o["Key"].startswith("runs/r1/")
-        )
+        return frozenset((o["Key"], o["Size"]) for o in page.get("Contents", []) if not o["Key"].startswith("runs/r1/"))
 
     return Backend("s3", storage, url, options, outside)
 
@@ -151,8 +166,10 @@ CHUNKINGS = {
     "bytearray": ([bytearray(b"\x00\x01\x02" * 1000)], b"\x00\x01\x02" * 1000),
     "memoryview": ([memoryview(b"abcdef")[1:5]], b"bcde"),
     "typed-memoryview": ([memoryview(array.array("i", range(100)))], array.array("i", range(100)).tobytes()),
-    "multi-chunk": ([b"a" * 10, bytearray(b"b" * 100_000), memoryview(b"c" * 7), b""],
-                    b"a" * 10 + b"b" * 100_000 + b"c" * 7),
+    "multi-chunk": (
+        [b"a" * 10, bytearray(b"b" * 100_000), memoryview(b"c" * 7), b""],
+        b"a" * 10 + b"b" * 100_000 + b"c" * 7,
+    ),
     "empty-file": ([], b""),
     "empty-chunk": ([b""], b""),
 }
@@ -185,8 +202,12 @@ def test_write_many_atomic_publishes_every_file(store):
     store.makedirs("objects/ab")
     store.makedirs("objects/cd")
     store.write_atomic("objects/cd/old", b"stale")
-    items = [("objects/ab/one", b"1" * 10), ("objects/cd/two", memoryview(b"2" * (3 << 20))),
-             ("objects/cd/old", bytearray(b"fresh")), ("objects/ab/empty", b"")]
+    items = [
+        ("objects/ab/one", b"1" * 10),
+        ("objects/cd/two", memoryview(b"2" * (3 << 20))),
+        ("objects/cd/old", bytearray(b"fresh")),
+        ("objects/ab/empty", b""),
+    ]
     store.write_many_atomic(items)
     for path, data in items:
         assert bytes(store.read(path)) == bytes(data), path
@@ -223,8 +244,10 @@ def test_create_only_refuses_existing_and_keeps_original(store):
 
 def test_create_only_concurrent_writers_exactly_one_wins(backend, store):
     if backend.name == "fsspec":
-        pytest.skip("the generic class's create-only is as atomic as the backend's pipe_file(mode='create'); "
-                    "fsspec's local filesystem checks, then writes (protocols that need more get a class)")
+        pytest.skip(
+            "the generic class's create-only is as atomic as the backend's pipe_file(mode='create'); "
+            "fsspec's local filesystem checks, then writes (protocols that need more get a class)"
+        )
     n = 8
     barrier = threading.Barrier(n)
     wins, conflicts, other = [], [], []
@@ -379,7 +402,7 @@ def test_read_range_returns_exact_bytes(store, impl):
     read_range = _range_reader(store, impl)
     for start, length in [(0, 0), (0, 1), (0, 1024), (5, 10), (255, 2), (1000, 24), (1024, 0), (512, 0)]:
         got = read_range("snap/r.bin", start, length)
-        assert isinstance(got, bytes) and got == RANGE_DATA[start:start + length], (start, length)
+        assert isinstance(got, bytes) and got == RANGE_DATA[start : start + length], (start, length)
     put(store, "snap/empty.bin", [])
     assert read_range("snap/empty.bin", 0, 0) == b""
 
@@ -389,8 +412,13 @@ def test_read_range_past_end_is_a_clear_error(store, impl):
     put(store, "snap/r.bin", [RANGE_DATA])
     put(store, "snap/empty.bin", [])
     read_range = _range_reader(store, impl)
-    for path, start, length in [("snap/r.bin", 1000, 25), ("snap/r.bin", 1025, 0), ("snap/r.bin", 4096, 8),
-                                ("snap/r.bin", 0, 1 << 40), ("snap/empty.bin", 0, 1)]:
+    for path, start, length in [
+        ("snap/r.bin", 1000, 25),
+        ("snap/r.bin", 1025, 0),
+        ("snap/r.bin", 4096, 8),
+        ("snap/r.bin", 0, 1 << 40),
+        ("snap/empty.bin", 0, 1),
+    ]:
         with pytest.raises(ReadRangeError) as info:
             read_range(path, start, length)
         err = info.value
@@ -416,7 +444,7 @@ def test_read_range_bad_arguments_and_missing_file(store, impl):
 def test_read_ranges_and_stat_many_answer_like_one_call_each(store):
     put(store, "snap/r.bin", [RANGE_DATA])
     ranges = [(0, 1), (5, 10), (1000, 24), (512, 0)]
-    assert store.read_ranges("snap/r.bin", ranges) == [RANGE_DATA[a:a + n] for a, n in ranges]
+    assert store.read_ranges("snap/r.bin", ranges) == [RANGE_DATA[a : a + n] for a, n in ranges]
     with pytest.raises(ReadRangeError) as info:
         store.read_ranges("snap/r.bin", [(0, 4), (1000, 25)])
     assert (info.value.start, info.value.length, info.value.size) == (1000, 25, 1024)
@@ -456,7 +484,7 @@ def test_abort_incomplete_uploads_is_declared_everywhere(backend, store):
     put(store, "snap/f.bin", [b"x"])
     assert store.abort_incomplete_uploads(0) == []
     if backend.name == "s3":
-        bucket = backend.url[len("s3://"):].split("/", 1)[0]
+        bucket = backend.url[len("s3://") :].split("/", 1)[0]
         store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key="runs/r1/step_000000003/big.bin")
         store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key="runs/r1-neighbour/big.bin")  # not ours
         # (moto lists every upload as initiated in 2010, so the age filter cannot be told apart here)
@@ -587,8 +615,21 @@ def test_unsafe_paths_refused_by_every_method(store, bad):
 
 # "" is the root itself: it may be listed, checked and synced, never written, read,
 # created or removed (remove_tree("") would delete the whole run).
-ROOT_REFUSERS = ["write", "write_create_only", "write_atomic", "write_atomic_create_only", "write_stream_atomic",
-                 "read", "read_capped", "read_range", "open_read", "size", "remove", "remove_tree", "makedirs"]
+ROOT_REFUSERS = [
+    "write",
+    "write_create_only",
+    "write_atomic",
+    "write_atomic_create_only",
+    "write_stream_atomic",
+    "read",
+    "read_capped",
+    "read_range",
+    "open_read",
+    "size",
+    "remove",
+    "remove_tree",
+    "makedirs",
+]
 
 
 @pytest.mark.parametrize("method", ROOT_REFUSERS)
@@ -781,8 +822,9 @@ def test_os_errors_map_to_storage_errors_that_say_what_to_do():
     assert type(err) is StorageError and err.errno == errno.EIO
     store = open_storage("memory://rlckpt-perm/run")
     err = store._error(PermissionError("Access Denied"), "cannot read", "step_000000002/meta.json")
-    assert (isinstance(err, StoragePermissionError) and "credentials" in str(err)
-            and err.path == "step_000000002/meta.json")
+    assert (
+        isinstance(err, StoragePermissionError) and "credentials" in str(err) and err.path == "step_000000002/meta.json"
+    )
 
 
 _PERMISSION_CHILD = r"""
@@ -847,8 +889,13 @@ def test_local_permission_denied_is_a_storage_error_on_every_operation(tmp_path)
     os.chmod(root / "readonly", 0o555)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rl_ckpt.__file__))}
     try:
-        done = subprocess.run(prefix + [sys.executable, "-c", _PERMISSION_CHILD, str(root)], env=env,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            prefix + [sys.executable, "-c", _PERMISSION_CHILD, str(root)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         for p, mode in ((root / "snap" / "meta.json", 0o644), (root / "locked", 0o755), (root / "readonly", 0o755)):
             os.chmod(p, mode)
@@ -858,7 +905,7 @@ def test_local_permission_denied_is_a_storage_error_on_every_operation(tmp_path)
     for name, (kind, message) in results.items():
         assert kind == "StoragePermissionError", (name, kind, message)
         assert "Permission denied" in message and "chmod" in message, (name, message)
-        assert ("snap/meta.json" in message or "locked" in message or "readonly/" in message), (name, message)
+        assert "snap/meta.json" in message or "locked" in message or "readonly/" in message, (name, message)
     # nothing was lost or changed by the refused calls
     assert (root / "snap" / "meta.json").read_bytes() == b"{}" and (root / "locked" / "f.bin").read_bytes() == b"x"
     assert sorted(os.listdir(root / "readonly")) == ["old.bin"]
@@ -905,8 +952,13 @@ def test_local_restore_from_a_run_folder_the_user_may_not_read(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rl_ckpt.__file__))}
     os.chmod(tmp_path / "run", 0)
     try:
-        done = subprocess.run(prefix + [sys.executable, "-c", _RESTORE_CHILD, str(tmp_path), "run"], env=env,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            prefix + [sys.executable, "-c", _RESTORE_CHILD, str(tmp_path), "run"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         os.chmod(tmp_path / "run", 0o755)
     assert done.returncode == 0, done.stderr
@@ -1067,7 +1119,7 @@ def test_s3_write_streams_multipart_and_aborts_on_failure(s3_url):
     with pytest.raises(RuntimeError, match="producer died"):
         store.write("big/partial.bin", failing())
     assert not store.exists("big/partial.bin")
-    bucket = url[len("s3://"):].split("/", 1)[0]
+    bucket = url[len("s3://") :].split("/", 1)[0]
     assert not store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
 
 
@@ -1127,8 +1179,10 @@ def test_s3_capped_read_of_a_large_object_gets_nothing(s3_url, monkeypatch):
     assert [m for m, _ in sent] == ["head_object"]
     sent.clear()
     assert bytes(store.read("snap/meta.json", max_bytes=1 << 20)) == b"x" * (1 << 20)
-    assert ([(m, kw.get("Range")) for m, kw in sent]
-            == [("head_object", None), ("get_object", f"bytes=0-{(1 << 20) - 1}")])
+    assert [(m, kw.get("Range")) for m, kw in sent] == [
+        ("head_object", None),
+        ("get_object", f"bytes=0-{(1 << 20) - 1}"),
+    ]
 
 
 def test_s3_create_only_is_a_conditional_put(s3_url, monkeypatch):
@@ -1175,8 +1229,13 @@ def test_s3_conditional_write_in_flight_is_retried(s3_url, monkeypatch):
 
     def busy_once(kw):
         if len(calls) == 1:
-            err = ClientError({"Error": {"Code": "ConditionalRequestConflict", "Message": "in progress"},
-                               "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
+            err = ClientError(
+                {
+                    "Error": {"Code": "ConditionalRequestConflict", "Message": "in progress"},
+                    "ResponseMetadata": {"HTTPStatusCode": 409},
+                },
+                "PutObject",
+            )
             raise OSError(16, "in progress") from err  # how s3fs translates a 409
 
     calls = _spy_put_object(monkeypatch, store, before=busy_once)
@@ -1203,8 +1262,10 @@ def test_s3_client_defaults(s3_url):
     assert store.fs.s3.meta.config.s3["addressing_style"] == "path"  # caller's config_kwargs kept
     store._check_conditional_put()
     assert store._conditional_put is True  # this botocore can send If-None-Match on PutObject
-    mine = S3Storage(url, {**options, "skip_instance_cache": True,
-                               "config_kwargs": {"retries": {"max_attempts": 2, "mode": "legacy"}}})
+    mine = S3Storage(
+        url,
+        {**options, "skip_instance_cache": True, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "legacy"}}},
+    )
     assert mine.fs.s3.meta.config.retries["mode"] == "legacy"  # caller's retry config wins
 
 
@@ -1250,7 +1311,7 @@ def test_s3_manifest_last_commit_race_has_one_winner(s3_url):
         t.join(60)
     kinds = sorted(r[0] for r in results.values())
     assert kinds == ["lost"] * (n - 1) + ["won"], results
-    (_, manifest, attempt), = [r for r in results.values() if r[0] == "won"]
+    ((_, manifest, attempt),) = [r for r in results.values() if r[0] == "won"]
     store = open_storage(url, options)
     assert bytes(store.read(join("step_000100", MANIFEST_NAME))) == manifest
     # the winner's data is where its manifest says

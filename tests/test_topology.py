@@ -63,8 +63,15 @@ class FakeClient:
 
 def managed(rank: int = 1, world_size: int = 2) -> tuple[Managed, FakeClient, FakeCommit]:
     client, commit = FakeClient(f"learner-{rank}"), FakeCommit()
-    topo = Managed(object(), client, rank=rank, world_size=world_size, role="learner", commit=commit,
-                   participants=["learner-0", "learner-1", "rollout-0"])
+    topo = Managed(
+        object(),
+        client,
+        rank=rank,
+        world_size=world_size,
+        role="learner",
+        commit=commit,
+        participants=["learner-0", "learner-1", "rollout-0"],
+    )
     return topo, client, commit
 
 
@@ -143,7 +150,8 @@ def test_solo_retires_on_rank_0_only():
     retired = []
     for rank in (0, 1):
         Solo(rank=rank, world_size=2, role="learner", commit=FakeCommit()).after_restore(
-            "result", "plan", lambda r, p, rank=rank: retired.append(rank))
+            "result", "plan", lambda r, p, rank=rank: retired.append(rank)
+        )
     assert retired == [0]
 
 

@@ -12,8 +12,12 @@ LAYER = 128  # a Linear(LAYER, LAYER) weight is LAYER * LAYER * 4 bytes
 
 def make_policy(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(LAYER, LAYER), torch.nn.Linear(LAYER, LAYER),
-                               torch.nn.Linear(LAYER, LAYER), torch.nn.LayerNorm(LAYER))
+    return torch.nn.Sequential(
+        torch.nn.Linear(LAYER, LAYER),
+        torch.nn.Linear(LAYER, LAYER),
+        torch.nn.Linear(LAYER, LAYER),
+        torch.nn.LayerNorm(LAYER),
+    )
 
 
 def digest(state: dict) -> str:
@@ -50,8 +54,9 @@ class Learner:
 
             dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
             fully_shard(self.model, mesh=init_device_mesh("cpu", (world,)))
-        self.versions = PolicyVersions(run, self.model, keep=3, replicas=0, rank=rank, world_size=world,
-                                       namespace=namespace)
+        self.versions = PolicyVersions(
+            run, self.model, keep=3, replicas=0, rank=rank, world_size=world, namespace=namespace
+        )
 
     def publish(self, version: int) -> tuple[str | None, str]:
         """Make ``version`` (the same update on every rank) and publish it; returns (snapshot id, digest of the
@@ -89,8 +94,12 @@ class Rollout:
     def pull(self, run: str, version="latest") -> dict:
         model, sub = self._of(run)
         result = sub.pull(model, version)
-        return {**result.to_json(), "digest": digest(model.state_dict()), "node": sub.storage.node_id,
-                "pid": os.getpid()}
+        return {
+            **result.to_json(),
+            "digest": digest(model.state_dict()),
+            "node": sub.storage.node_id,
+            "pid": os.getpid(),
+        }
 
     def try_pull(self, run: str, version) -> dict:
         try:

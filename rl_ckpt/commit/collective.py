@@ -32,10 +32,10 @@ def _all_gather_bytes(data: bytes, group) -> list[bytes]:
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s.item()) for s in sizes)
     buf = torch.zeros(longest, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(out, buf, group=group)
-    return [bytes(o[:int(s.item())].numpy()) for o, s in zip(out, sizes)]
+    return [bytes(o[: int(s.item())].numpy()) for o, s in zip(out, sizes)]
 
 
 def _broadcast_bytes(data: bytes | None, group, src_rank: int = 0) -> bytes:
@@ -60,7 +60,6 @@ def _raise(outcome: dict) -> None:
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
         cls = CheckpointError
     raise cls(outcome["message"])
-
 
 
 class DistributedCommit(CommitStrategy):
@@ -116,8 +115,9 @@ class DistributedCommit(CommitStrategy):
             return  # the outcome was already agreed (the error came from the commit itself)
         exc = sys.exc_info()[1]
         try:
-            self._settle(attempt,
-                         b"\x00" + f"rank {self.rank}: {type(exc).__name__ if exc else 'error'}: {exc}".encode())
+            self._settle(
+                attempt, b"\x00" + f"rank {self.rank}: {type(exc).__name__ if exc else 'error'}: {exc}".encode()
+            )
         except CheckpointError:
             pass  # the caller re-raises its own error
 
@@ -136,10 +136,13 @@ class DistributedCommit(CommitStrategy):
         failed = [p[1:].decode(errors="replace") for p in parts if p[:1] != b"\x01"]
         try:
             if failed:
-                raise CheckpointError(f"snapshot {attempt.snapshot_id} not committed: a rank's save failed ("
-                                      + "; ".join(failed) + ")", snapshot_id=attempt.snapshot_id)
-            manifests = {name: Manifest.from_bytes(p[1:], attempt.snapshot_id)
-                         for name, p in zip(self.participants, parts)}
+                raise CheckpointError(
+                    f"snapshot {attempt.snapshot_id} not committed: a rank's save failed (" + "; ".join(failed) + ")",
+                    snapshot_id=attempt.snapshot_id,
+                )
+            manifests = {
+                name: Manifest.from_bytes(p[1:], attempt.snapshot_id) for name, p in zip(self.participants, parts)
+            }
             merged = merge_parts(manifests, attempt.attempt_id, self.participants, head=self.participants[0])
             data = merged.to_bytes()
             self.inner.commit(attempt, data)

@@ -30,8 +30,9 @@ from rl_ckpt.storage import Storage, join
 log = logging.getLogger("rl_ckpt")
 
 
-def flush_snapshot(memory: Storage, durable: Storage, snapshot_id: str, strategy: CommitStrategy, *,
-                   verify: bool = True) -> Manifest | None:
+def flush_snapshot(
+    memory: Storage, durable: Storage, snapshot_id: str, strategy: CommitStrategy, *, verify: bool = True
+) -> Manifest | None:
     """Copy the committed memory snapshot ``snapshot_id`` to ``durable`` and commit it there.
 
     Returns its manifest, or None when ``durable`` holds it already. Raises
@@ -43,19 +44,24 @@ def flush_snapshot(memory: Storage, durable: Storage, snapshot_id: str, strategy
         return None
     manifest = read_manifest(memory, snapshot_id)
     if any((sec or {}).get("objects") for sec in manifest.components.values()):
-        raise CheckpointError(f"{snapshot_id}: its tensors are dedup objects outside the snapshot folder; the memory "
-                              "tier keeps whole snapshots only (turn dedup off for memory snapshots)",
-                              snapshot_id=snapshot_id)
+        raise CheckpointError(
+            f"{snapshot_id}: its tensors are dedup objects outside the snapshot folder; the memory "
+            "tier keeps whole snapshots only (turn dedup off for memory snapshots)",
+            snapshot_id=snapshot_id,
+        )
     raw = bytes(memory.read(join(snapshot_id, MANIFEST_NAME)))
     prefix = _common_prefix(manifest)
     attempt = strategy.begin(snapshot_id, prefix.rstrip("/") or None)
     try:
         made: set[str] = set()
         for entry in manifest.files:
-            rel = entry.path[len(attempt.file_prefix):] if entry.path.startswith(attempt.file_prefix) else None
+            rel = entry.path[len(attempt.file_prefix) :] if entry.path.startswith(attempt.file_prefix) else None
             if rel is None:
-                raise CheckpointError(f"{snapshot_id}: file {entry.path} lies outside the attempt folder "
-                                      f"{attempt.file_prefix!r} of the durable commit", snapshot_id=snapshot_id)
+                raise CheckpointError(
+                    f"{snapshot_id}: file {entry.path} lies outside the attempt folder "
+                    f"{attempt.file_prefix!r} of the durable commit",
+                    snapshot_id=snapshot_id,
+                )
             path = attempt.data_path(rel)
             parent = path.rsplit("/", 1)[0]
             if parent not in made:
@@ -93,13 +99,16 @@ class FlushPolicy:
     every_snapshots: int | None = 1
     every_seconds: float | None = None
 
-    def due(self, memory_ids: list[str], durable_ids: list[str], last_flush: float | None,
-            now: float | None = None) -> str | None:
+    def due(
+        self, memory_ids: list[str], durable_ids: list[str], last_flush: float | None, now: float | None = None
+    ) -> str | None:
         """The memory snapshot to flush now, or None. Ids are full snapshot ids, any order."""
         now = time.monotonic() if now is None else now
         newest_durable = max((parse_snapshot_id(s) for s in durable_ids), default=None)
-        newer = sorted((s for s in memory_ids if newest_durable is None or parse_snapshot_id(s) > newest_durable),
-                       key=parse_snapshot_id)
+        newer = sorted(
+            (s for s in memory_ids if newest_durable is None or parse_snapshot_id(s) > newest_durable),
+            key=parse_snapshot_id,
+        )
         if not newer:
             return None
         if self.every_snapshots is not None and len(newer) >= self.every_snapshots:
@@ -107,4 +116,3 @@ class FlushPolicy:
         if self.every_seconds is not None and (last_flush is None or now - last_flush >= self.every_seconds):
             return newer[-1]
         return None
-

@@ -42,8 +42,15 @@ class ParticipantCommit(CommitStrategy):
     snapshot for every participant.
     """
 
-    def __init__(self, storage: Storage, client: ManagerCalls, participant: str, expected: list[str], *,
-                 commit_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        client: ManagerCalls,
+        participant: str,
+        expected: list[str],
+        *,
+        commit_timeout: float = 300.0,
+    ) -> None:
         super().__init__(storage)
         self.client = client
         self.participant = participant
@@ -59,8 +66,14 @@ class ParticipantCommit(CommitStrategy):
         """Report this participant's part; returns the merged manifest once the manager committed it."""
         self.storage.write(join(attempt.data_prefix, report_name(self.participant)), [manifest], durable=True)
         self.bytes_sent += len(manifest)
-        final = self.client.call("report", attempt.snapshot_id, attempt.attempt_id, self.participant, manifest,
-                                 timeout=self.commit_timeout + 30)
+        final = self.client.call(
+            "report",
+            attempt.snapshot_id,
+            attempt.attempt_id,
+            self.participant,
+            manifest,
+            timeout=self.commit_timeout + 30,
+        )
         return Manifest.from_bytes(final, attempt.snapshot_id)
 
     def fail(self, snapshot_id: str, attempt: Attempt | None, error: BaseException) -> None:
@@ -73,8 +86,14 @@ class ParticipantCommit(CommitStrategy):
         # leaves the debris to gc, rather than each participant deleting pieces of it.
         reason = f"{type(error).__name__}: {error}"
         try:
-            self.client.call("abort", snapshot_id, attempt.attempt_id if attempt else None, self.participant,
-                             reason[:2000], timeout=30)
+            self.client.call(
+                "abort",
+                snapshot_id,
+                attempt.attempt_id if attempt else None,
+                self.participant,
+                reason[:2000],
+                timeout=30,
+            )
         except CheckpointError as exc:
             log.warning("could not tell the manager to abort %s: %s", snapshot_id, exc)
 

@@ -15,8 +15,13 @@ from rl_ckpt.format.manifest import Manifest, now_iso
 from rl_ckpt.sharded.layout import merge_components
 
 
-def merge_parts(parts: Mapping[str, Manifest], attempt_id: str, participants: list[str], head: str,
-                extra_metrics: Mapping | None = None) -> Manifest:
+def merge_parts(
+    parts: Mapping[str, Manifest],
+    attempt_id: str,
+    participants: list[str],
+    head: str,
+    extra_metrics: Mapping | None = None,
+) -> Manifest:
     """One manifest from every participant's part (``participant -> part``).
 
     Files are concatenated, sharded layouts of one component unioned, probes
@@ -29,8 +34,10 @@ def merge_parts(parts: Mapping[str, Manifest], attempt_id: str, participants: li
     first = parts[head]
     steps = {(m.global_step, m.kind) for m in ordered}
     if len(steps) != 1:
-        raise CheckpointError(f"participants disagree on step/kind of this save: {sorted(steps)}; nothing was "
-                              "committed", snapshot_id=first.snapshot_id)
+        raise CheckpointError(
+            f"participants disagree on step/kind of this save: {sorted(steps)}; nothing was committed",
+            snapshot_id=first.snapshot_id,
+        )
     files, components, probes, metrics, tags = [], {}, {}, dict(extra_metrics or {}), {}
     for m in ordered:
         files += m.files
@@ -41,6 +48,12 @@ def merge_parts(parts: Mapping[str, Manifest], attempt_id: str, participants: li
         metrics.update(m.metrics)
     metrics.update(first.metrics)
     return dataclasses.replace(
-        first, files=files, components=components, metrics=metrics, tags=tags, created_at=now_iso(),
+        first,
+        files=files,
+        components=components,
+        metrics=metrics,
+        tags=tags,
+        created_at=now_iso(),
         writer={"attempt": attempt_id, "participants": list(participants)},
-        extra={"probes": probes} if probes else {})
+        extra={"probes": probes} if probes else {},
+    )

@@ -33,8 +33,14 @@ from rl_ckpt.errors import CheckpointError, CommitConflictError, SnapshotAborted
 from rl_ckpt.format.manifest import Manifest, now_iso
 from rl_ckpt.format.untrusted import read_json
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.run.layout import (ATTEMPT_FILE, Attempt, committed_data_prefix, manifest_path, report_name,
-                                uncommitted_attempts)
+from rl_ckpt.run.layout import (
+    ATTEMPT_FILE,
+    Attempt,
+    committed_data_prefix,
+    manifest_path,
+    report_name,
+    uncommitted_attempts,
+)
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.run.snapshot_files import read_manifest
 from rl_ckpt.storage import Storage, join
@@ -86,7 +92,6 @@ class Refusal:
     waiting: set | None  # participants still to be told; None: every participant but ``by``
 
 
-
 def pause_point(point: str, snapshot_id: str) -> None:
     """The test hook (``RL_CKPT_TEST_PAUSE_DIR``): hold here while the test's pause file exists."""
     folder = os.environ.get(PAUSE_DIR_ENV)
@@ -105,9 +110,16 @@ def pause_point(point: str, snapshot_id: str) -> None:
 class CommitProtocol:
     """Pending sharded commits of one run: begin, report, abort, commit, resume after a restart."""
 
-    def __init__(self, storage: Storage, strategy: CommitStrategy, catalog: Catalog, maintenance: RunMaintenance,
-                 commit_timeout: float, metrics: CommitCounters | None = None,
-                 on_commit: Callable[[SnapshotInfo], None] = lambda info: None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        strategy: CommitStrategy,
+        catalog: Catalog,
+        maintenance: RunMaintenance,
+        commit_timeout: float,
+        metrics: CommitCounters | None = None,
+        on_commit: Callable[[SnapshotInfo], None] = lambda info: None,
+    ) -> None:
         self.storage = storage
         self.strategy = strategy
         self.catalog = catalog
@@ -159,13 +171,16 @@ class CommitProtocol:
         if attempt_id in self.abort_errors and (pending is None or pending.attempt.attempt_id != attempt_id):
             raise self.abort_errors[attempt_id]
         if pending is None or pending.attempt.attempt_id != attempt_id:
-            raise CheckpointError(f"{snapshot_id}: attempt {attempt_id} is not pending (aborted or superseded)",
-                                  snapshot_id=snapshot_id)
+            raise CheckpointError(
+                f"{snapshot_id}: attempt {attempt_id} is not pending (aborted or superseded)", snapshot_id=snapshot_id
+            )
         if pending.error is not None:
             raise pending.error
         if participant not in pending.expected:
-            raise CheckpointError(f"{snapshot_id}: {participant!r} is not one of the expected participants "
-                                  f"{pending.expected}", snapshot_id=snapshot_id)
+            raise CheckpointError(
+                f"{snapshot_id}: {participant!r} is not one of the expected participants {pending.expected}",
+                snapshot_id=snapshot_id,
+            )
         manifest = Manifest.from_bytes(part, snapshot_id)
         self._check_files(pending, participant, manifest)
         pending.reports[participant] = manifest
@@ -202,18 +217,25 @@ class CommitProtocol:
     def _check_files(self, pending: Pending, participant: str, part: Manifest) -> None:
         attempt = pending.attempt
         for f in part.files:
-            rel = f.path[len(attempt.file_prefix):] if f.path.startswith(attempt.file_prefix) else f.path
+            rel = f.path[len(attempt.file_prefix) :] if f.path.startswith(attempt.file_prefix) else f.path
             path = attempt.data_path(rel)
             size = self.storage.size(path) if self.storage.exists(path) else None
             if size != f.size:
-                raise CheckpointError(f"{attempt.snapshot_id}: {participant} reported {f.path} ({f.size} bytes) but "
-                                      f"storage has {size}", snapshot_id=attempt.snapshot_id)
+                raise CheckpointError(
+                    f"{attempt.snapshot_id}: {participant} reported {f.path} ({f.size} bytes) but storage has {size}",
+                    snapshot_id=attempt.snapshot_id,
+                )
 
     def _commit(self, snapshot_id: str, pending: Pending) -> None:
         started = time.monotonic()
         try:
-            merged = merge_parts(pending.reports, pending.attempt.attempt_id, pending.expected,
-                                 head=self._head(pending.reports), extra_metrics=self._reported(pending.reports))
+            merged = merge_parts(
+                pending.reports,
+                pending.attempt.attempt_id,
+                pending.expected,
+                head=self._head(pending.reports),
+                extra_metrics=self._reported(pending.reports),
+            )
         except CheckpointError as exc:
             self._abort(snapshot_id, pending, str(exc))
             return
@@ -319,8 +341,9 @@ class CommitProtocol:
                 continue
             self.pending[sid] = pending
             on_resumed(sid)
-            log.info("resumed pending commit of %s (%d of %d reports)",
-                     sid, len(pending.reports), len(pending.expected))
+            log.info(
+                "resumed pending commit of %s (%d of %d reports)", sid, len(pending.reports), len(pending.expected)
+            )
             if set(pending.reports) >= set(pending.expected):
                 try:
                     self._commit(sid, pending)
@@ -330,5 +353,9 @@ class CommitProtocol:
 
 def abort_error(snapshot_id: str, reason: str, by: str | None) -> SnapshotAbortedError:
     """The error every participant of an aborted snapshot gets."""
-    return SnapshotAbortedError(f"snapshot {snapshot_id} aborted, not committed: {reason}. Its files are "
-                                "debris for `rl-ckpt gc`.", snapshot_id=snapshot_id, participant=by, reason=reason)
+    return SnapshotAbortedError(
+        f"snapshot {snapshot_id} aborted, not committed: {reason}. Its files are debris for `rl-ckpt gc`.",
+        snapshot_id=snapshot_id,
+        participant=by,
+        reason=reason,
+    )

@@ -24,8 +24,7 @@ class SaveHandle:
     """One background save. ``call_seconds``: how long the ``save_async`` call blocked; ``hook_wait_seconds``:
     how long the trainer waited since, in hooks before changing state not yet copied; ``stage_seconds``: both."""
 
-    def __init__(self, future: cf.Future, global_step: int, kind: str, stage_seconds: float,
-                 stage: Any = None) -> None:
+    def __init__(self, future: cf.Future, global_step: int, kind: str, stage_seconds: float, stage: Any = None) -> None:
         self._future = future
         self._stage = stage  # the StageRound copying the state (core/stage_guard.py), if any
         self.global_step = global_step
@@ -87,8 +86,9 @@ class BackgroundWriter:
     """A single writer thread: persisting never overlaps, and fails loudly."""
 
     def __init__(self, nice: int = 0) -> None:
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl_ckpt-writer",
-                                           initializer=_lower_priority, initargs=(nice,))
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rl_ckpt-writer", initializer=_lower_priority, initargs=(nice,)
+        )
         self._lock = threading.Lock()
         self._current: SaveHandle | None = None
 
@@ -104,8 +104,9 @@ class BackgroundWriter:
         if current is not None:
             cf.wait([current._future])
 
-    def submit(self, fn: Callable[[], SnapshotInfo], global_step: int, kind: str, stage_seconds: float,
-               stage: Any = None) -> SaveHandle:
+    def submit(
+        self, fn: Callable[[], SnapshotInfo], global_step: int, kind: str, stage_seconds: float, stage: Any = None
+    ) -> SaveHandle:
         future = self._pool.submit(fn)
         handle = SaveHandle(future, global_step, kind, stage_seconds, stage)
 

@@ -67,11 +67,20 @@ class CheckpointEngine:
             ``world_size`` participants of this role).
     """
 
-    def __init__(self, config: CheckpointConfig | Mapping[str, Any] | str | None = None, *,
-                 train_config: Mapping[str, Any] | None = None, storage: Storage | None = None,
-                 retention: RetentionPolicy | bool | None = None, manager: Any = None, rank: int | None = None,
-                 world_size: int | None = None, role: str = "learner", participants: list[str] | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig | Mapping[str, Any] | str | None = None,
+        *,
+        train_config: Mapping[str, Any] | None = None,
+        storage: Storage | None = None,
+        retention: RetentionPolicy | bool | None = None,
+        manager: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        role: str = "learner",
+        participants: list[str] | None = None,
+        **overrides: Any,
+    ) -> None:
         config = _as_config(config, overrides)
         self.config: CheckpointConfig = config
         self.train_config = dict(train_config or {})
@@ -79,21 +88,39 @@ class CheckpointEngine:
         self.catalog = Catalog(self.storage)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.role = role
-        topology = choose_topology(self.storage, config, commit=strategy_for(self.storage, config.atomic_write),
-                                   manager=manager, rank=self.rank, world_size=self.world_size, role=role,
-                                   participants=participants, actor_handle=_current_actor())
+        topology = choose_topology(
+            self.storage,
+            config,
+            commit=strategy_for(self.storage, config.atomic_write),
+            manager=manager,
+            rank=self.rank,
+            world_size=self.world_size,
+            role=role,
+            participants=participants,
+            actor_handle=_current_actor(),
+        )
         self.registry = ComponentRegistry(config, topology)
         self.maintenance = RunMaintenance.from_config(  # with a manager, the manager applies retention
-            self.storage, self.catalog, config, retention=retention if topology.applies_retention else False)
-        self.pipeline = SavePipeline(config, self.train_config, self.storage, self.catalog, self.registry,
-                                     maintenance=self.maintenance)
+            self.storage, self.catalog, config, retention=retention if topology.applies_retention else False
+        )
+        self.pipeline = SavePipeline(
+            config, self.train_config, self.storage, self.catalog, self.registry, maintenance=self.maintenance
+        )
         self.restorer = Restorer(config, self.train_config, self.storage, self.catalog, self.registry)
         self._patrol: HealthPatrol | None = None
         self._closed = False
 
     # -- registration --------------------------------------------------------
-    def register(self, name: str, obj: Any, *, kind: str | None = None, probe: Any = None,
-                 replicated: bool | None = None, background: bool | None = None) -> Any:
+    def register(
+        self,
+        name: str,
+        obj: Any,
+        *,
+        kind: str | None = None,
+        probe: Any = None,
+        replicated: bool | None = None,
+        background: bool | None = None,
+    ) -> Any:
         """Register a component (module, optimizer, scheduler, RNGState, buffer, any Checkpointable).
 
         ``probe``: a function ``obj -> tensor(s)`` run at save and after load
@@ -138,14 +165,26 @@ class CheckpointEngine:
         """Phase 1: every saved component's state, split into tensors/tables/JSON."""
         return self.pipeline.stage(kind)
 
-    def save(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
-             tags: Mapping[str, Any] | None = None, kind: str = "full") -> SnapshotInfo:
+    def save(
+        self,
+        global_step: int,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        tags: Mapping[str, Any] | None = None,
+        kind: str = "full",
+    ) -> SnapshotInfo:
         """Save synchronously; returns only after the snapshot is committed (and verified)."""
         self._check_open()
         return self.pipeline.save(global_step, metrics, tags, kind)
 
-    def save_async(self, global_step: int, metrics: Mapping[str, Any] | None = None, *,
-                   tags: Mapping[str, Any] | None = None, kind: str = "full") -> SaveHandle:
+    def save_async(
+        self,
+        global_step: int,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        tags: Mapping[str, Any] | None = None,
+        kind: str = "full",
+    ) -> SaveHandle:
         """Capture the state now; copy, write, verify and commit it in the background.
 
         The snapshot holds the state as of this call, whatever training does next: guarded tensors are copied
@@ -156,11 +195,21 @@ class CheckpointEngine:
         self._check_open()
         return self.pipeline.save_async(global_step, metrics, tags, kind)
 
-    def persist(self, staged: Mapping[str, EncodedState], global_step: int, *, metrics=None, tags=None,
-                kind: str = "full", base: str | None = None, probes: dict | None = None) -> SnapshotInfo:
+    def persist(
+        self,
+        staged: Mapping[str, EncodedState],
+        global_step: int,
+        *,
+        metrics=None,
+        tags=None,
+        kind: str = "full",
+        base: str | None = None,
+        probes: dict | None = None,
+    ) -> SnapshotInfo:
         """Phase 2: write, verify and commit ``staged``. Safe to run on a background thread."""
-        return self.pipeline.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base,
-                                     probes=probes)
+        return self.pipeline.persist(
+            staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes
+        )
 
     def scheduler(self, **kwargs: Any) -> CheckpointScheduler:
         """A :class:`CheckpointScheduler` over this engine (``on_error``, ``on_commit``, ``start_step``)."""
@@ -209,8 +258,14 @@ class CheckpointEngine:
         return verify_run(self.catalog, None if snapshot_id is None else [snapshot_id])
 
     # -- recovery --------------------------------------------------------------
-    def plan_recovery(self, failure: FailureInfo | None = None, *, deep: bool = True, snapshot_id: str | None = None,
-                      light: bool = True) -> RecoveryPlan:
+    def plan_recovery(
+        self,
+        failure: FailureInfo | None = None,
+        *,
+        deep: bool = True,
+        snapshot_id: str | None = None,
+        light: bool = True,
+    ) -> RecoveryPlan:
         """What a restore would do, and why; no side effects.
 
         Args:
@@ -222,11 +277,21 @@ class CheckpointEngine:
         self._check_open()
 
         def build() -> RecoveryPlan:
-            return build_plan(self.catalog, self.storage, schema_version=self.config.schema_version,
-                              components=self.registry.kinds(), coordinator=coordinator_config(self.config),
-                              history=self.decisions(), failure=failure, deep=deep, snapshot_id=snapshot_id,
-                              probes=probe_check(self.config), restart_mesh=self.registry.restart_mesh(), light=light,
-                              job_config=recorded_config(self.config, self.train_config))
+            return build_plan(
+                self.catalog,
+                self.storage,
+                schema_version=self.config.schema_version,
+                components=self.registry.kinds(),
+                coordinator=coordinator_config(self.config),
+                history=self.decisions(),
+                failure=failure,
+                deep=deep,
+                snapshot_id=snapshot_id,
+                probes=probe_check(self.config),
+                restart_mesh=self.registry.restart_mesh(),
+                light=light,
+                job_config=recorded_config(self.config, self.train_config),
+            )
 
         # The topology's plan: this process's own, or with a manager one plan for all, made (and recorded) by it.
         plan = self.topology.recovery_plan(failure, snapshot_id, self.storage, self.registry.restart_mesh(), build)
@@ -240,8 +305,14 @@ class CheckpointEngine:
         """Write a coordinator decision into the run folder (one file each: atomic on every backend)."""
         record_decision(self.storage, decision)
 
-    def restore(self, plan: RecoveryPlan | None = None, *, snapshot_id: str | None = None, strict: bool = True,
-                light: bool = True) -> RestoreResult:
+    def restore(
+        self,
+        plan: RecoveryPlan | None = None,
+        *,
+        snapshot_id: str | None = None,
+        strict: bool = True,
+        light: bool = True,
+    ) -> RestoreResult:
         """Execute a recovery plan (default: newest valid snapshot) into the registered objects.
 
         A snapshot that fails while loading (checksum, decoding, post-load
@@ -272,8 +343,11 @@ class CheckpointEngine:
         """Re-hash old snapshots in the background (rate-limited); corrupt ones are quarantined."""
         if self._patrol is None:
             cfg, refresh = self.config, lambda r: self.catalog.refresh()
-            limits = {"bytes_per_second": cfg.scrub_bytes_per_second, "min_free_bytes": cfg.min_free_bytes,
-                      "on_report": refresh}
+            limits = {
+                "bytes_per_second": cfg.scrub_bytes_per_second,
+                "min_free_bytes": cfg.min_free_bytes,
+                "on_report": refresh,
+            }
             self._patrol = HealthPatrol(self.storage, interval_seconds=interval_seconds, **{**limits, **kwargs}).start()
         return self._patrol
 

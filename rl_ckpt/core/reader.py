@@ -28,8 +28,15 @@ __all__ = ["load_arrays", "load_component", "aligned", "into_optimizer_state"]
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
 
-def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy: bool = False,
-                   readonly_ok: bool = False, into: Any = None) -> Any:
+def load_component(
+    storage: Storage,
+    manifest: Manifest,
+    name: str,
+    *,
+    as_numpy: bool = False,
+    readonly_ok: bool = False,
+    into: Any = None,
+) -> Any:
     """Verify and decode one component's state dict from a snapshot.
 
     By default every tensor is at least as good as what ``torch.load`` gives: writable, and at an address
@@ -47,11 +54,12 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     sid = manifest.snapshot_id
     section = manifest.components.get(name)
     if section is None:
-        raise CorruptSnapshotError(f"{sid}: component {name!r} is not in this snapshot", snapshot_id=sid,
-                                   problems=[f"no component {name}"])
+        raise CorruptSnapshotError(
+            f"{sid}: component {name!r} is not in this snapshot", snapshot_id=sid, problems=[f"no component {name}"]
+        )
     entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
     by_path = {f.path: f for f in manifest.files_of(name)}
-    in_place = (not readonly_ok and storage.shares_views and isinstance(into, torch.optim.Optimizer))
+    in_place = not readonly_ok and storage.shares_views and isinstance(into, torch.optim.Optimizer)
     arrays = load_arrays(storage, manifest, name, readonly_ok=readonly_ok or in_place)
     if not readonly_ok and not in_place:
         # The stored arrays, not the decoded tensors: views of one stored array stay views of one array.
@@ -60,15 +68,24 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     for table_name, rel in (section.get("tables") or {}).items():
         entry = by_path.get(rel)
         if entry is None:
-            raise CorruptSnapshotError(f"{sid}: table {table_name!r} file {rel!r} not listed", snapshot_id=sid,
-                                       problems=["table file missing from manifest"])
+            raise CorruptSnapshotError(
+                f"{sid}: table {table_name!r} file {rel!r} not listed",
+                snapshot_id=sid,
+                problems=["table file missing from manifest"],
+            )
         tables[table_name] = read_table(read_verified(storage, sid, entry), f"{sid}/{rel}")
     if "json" not in entries:
-        raise CorruptSnapshotError(f"{sid}: component {name!r} has no JSON structure file", snapshot_id=sid,
-                                   problems=["json missing"])
+        raise CorruptSnapshotError(
+            f"{sid}: component {name!r} has no JSON structure file", snapshot_id=sid, problems=["json missing"]
+        )
     where = f"{sid}/{entries['json'].path}"
-    tree = parse_json(read_verified(storage, sid, entries["json"]), where, error=CorruptSnapshotError,
-                      snapshot_id=sid, problems=["bad json"])
+    tree = parse_json(
+        read_verified(storage, sid, entries["json"]),
+        where,
+        error=CorruptSnapshotError,
+        snapshot_id=sid,
+        problems=["bad json"],
+    )
     try:
         state = decode_state(tree, arrays, tables, where=where)
         return into_optimizer_state(into, state) if in_place else state
@@ -77,8 +94,11 @@ def load_component(storage: Storage, manifest: Manifest, name: str, *, as_numpy:
     except (RecursionError, ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
         # The codec's own checks name the key; this net makes sure a forged structure they did not foresee
         # still reads as a bad snapshot (recovery falls back) and never as a crash.
-        raise CorruptSnapshotError(f"{where}: cannot decode the state structure ({type(exc).__name__}: "
-                                   f"{str(exc)[:200]})", snapshot_id=sid, problems=["bad state structure"]) from None
+        raise CorruptSnapshotError(
+            f"{where}: cannot decode the state structure ({type(exc).__name__}: {str(exc)[:200]})",
+            snapshot_id=sid,
+            problems=["bad state structure"],
+        ) from None
 
 
 def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok: bool = False) -> dict:
@@ -91,13 +111,19 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok:
         for key, chunks in section["objects"].items():
             meta = section.get("tensors", {}).get(key)
             if not isinstance(meta, dict) or meta.get("dtype") not in safetensors_io.ITEMSIZE:
-                raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r} has no valid dtype", snapshot_id=sid,
-                                           problems=["bad tensor meta"])
+                raise CorruptSnapshotError(
+                    f"{sid}: tensor {key!r} of {name!r} has no valid dtype",
+                    snapshot_id=sid,
+                    problems=["bad tensor meta"],
+                )
             raw = read_tensor_bytes(storage, section.get("objects_algo", ""), chunks)
             shape = meta.get("shape")
             if not isinstance(shape, list) or len(raw) != math.prod(shape) * safetensors_io.ITEMSIZE[meta["dtype"]]:
-                raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r}: bytes do not match its shape",
-                                           snapshot_id=sid, problems=["object size mismatch"])
+                raise CorruptSnapshotError(
+                    f"{sid}: tensor {key!r} of {name!r}: bytes do not match its shape",
+                    snapshot_id=sid,
+                    problems=["object size mismatch"],
+                )
             arrays[key] = safetensors_io.to_torch(meta["dtype"], shape, memoryview(raw))
     # Without dedup every tensor is here; with dedup, the small ones are.
     entry = next((f for f in manifest.files_of(name) if f.role == "tensors"), None)
@@ -106,13 +132,19 @@ def load_arrays(storage: Storage, manifest: Manifest, name: str, *, readonly_ok:
         listed = section.get("tensors") or {}
         for key, (code, shape, view) in safetensors_io.decode(raw, where=f"{sid}/{entry.path}").items():
             if key in arrays:
-                raise CorruptSnapshotError(f"{sid}: tensor {key!r} of {name!r} is both in {entry.path} and in objects/",
-                                           snapshot_id=sid, problems=["tensor stored twice"])
+                raise CorruptSnapshotError(
+                    f"{sid}: tensor {key!r} of {name!r} is both in {entry.path} and in objects/",
+                    snapshot_id=sid,
+                    problems=["tensor stored twice"],
+                )
             if key in listed and (listed[key].get("dtype"), listed[key].get("shape")) != (code, shape):
                 raise CorruptSnapshotError(
                     f"{sid}/{entry.path}: tensor {key!r} is {code} {shape} in the file but "
-                    f"{listed[key].get('dtype')} {listed[key].get('shape')} in the manifest", snapshot_id=sid,
-                    path=entry.path, problems=["tensor meta mismatch"])
+                    f"{listed[key].get('dtype')} {listed[key].get('shape')} in the manifest",
+                    snapshot_id=sid,
+                    path=entry.path,
+                    problems=["tensor meta mismatch"],
+                )
             arrays[key] = safetensors_io.to_torch(code, shape, view)
     return arrays
 
@@ -127,8 +159,15 @@ def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
     shared: set[int] = set()
 
     def fits(x: Any, cur: Any) -> bool:
-        return (isinstance(x, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == x.shape
-                and cur.dtype == x.dtype and cur.device == x.device and cur.is_contiguous() and not cur.requires_grad)
+        return (
+            isinstance(x, torch.Tensor)
+            and isinstance(cur, torch.Tensor)
+            and cur.shape == x.shape
+            and cur.dtype == x.dtype
+            and cur.device == x.device
+            and cur.is_contiguous()
+            and not cur.requires_grad
+        )
 
     def walk(x: Any, cur: Any, make) -> Any:
         if isinstance(x, torch.Tensor):
@@ -153,8 +192,13 @@ def into_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
 
     walk(state.get("state") if isinstance(state, dict) else None, current, collect)
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key) for key, t in targets.items())
-    safe = {key for i, (start, end, key) in enumerate(spans) if key not in shared
-            and (i == 0 or spans[i - 1][1] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][0])}
+    safe = {
+        key
+        for i, (start, end, key) in enumerate(spans)
+        if key not in shared
+        and (i == 0 or spans[i - 1][1] <= start)
+        and (i + 1 == len(spans) or end <= spans[i + 1][0])
+    }
     if not isinstance(state, dict):
         return walk(state, None, own)
     return {k: walk(v, current if k == "state" else None, own) for k, v in state.items()}
@@ -165,4 +209,3 @@ def aligned(tensor):
     if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() % safetensors_io.ALIGN == 0:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
-

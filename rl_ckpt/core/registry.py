@@ -166,8 +166,11 @@ class ComponentRegistry:
         process: name -> whether it can derive its state (``derive_state``) as a rank that did not exist at save."""
         if self.participant is None:
             return {}
-        return {r.name: callable(getattr(r.obj, "derive_state", None)) for r in self._components.values()
-                if r.sharded is None and not r.replicated and not self.excluded(r)}
+        return {
+            r.name: callable(getattr(r.obj, "derive_state", None))
+            for r in self._components.values()
+            if r.sharded is None and not r.replicated and not self.excluded(r)
+        }
 
     def group(self) -> list[str]:
         """The participants of this process's role in the group restoring (``learner-0`` ... ``learner-<world-1>``)."""

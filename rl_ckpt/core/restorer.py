@@ -69,8 +69,14 @@ class RestoreResult:
 class Restorer:
     """Loads snapshots of one run into the components of a registry."""
 
-    def __init__(self, config: CheckpointConfig, train_config: Mapping[str, Any], storage: Storage, catalog: Catalog,
-                 registry: ComponentRegistry) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        train_config: Mapping[str, Any],
+        storage: Storage,
+        catalog: Catalog,
+        registry: ComponentRegistry,
+    ) -> None:
         self.config = config
         self.train_config = train_config
         self.storage = storage
@@ -78,8 +84,9 @@ class Restorer:
         self.registry = registry
         self._probe_outputs: dict = {}
 
-    def restore(self, plan: RecoveryPlan, *, strict: bool = True, light: bool = True,
-                record: bool = True, retire: bool = True) -> RestoreResult:
+    def restore(
+        self, plan: RecoveryPlan, *, strict: bool = True, light: bool = True, record: bool = True, retire: bool = True
+    ) -> RestoreResult:
         """Follow ``plan``: its target, then its fallbacks; NoValidSnapshotError if none loads.
 
         ``record``: write the coordinator decision the plan carries into the run's decision records.
@@ -95,14 +102,17 @@ class Restorer:
             return RestoreResult(None, 0, skipped=skipped, warnings=[plan.reason], plan=plan)
         if plan.action == "give_up":
             lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
-            raise NoValidSnapshotError(f"recovery of {self.storage.url} gave up: {plan.reason}"
-                                       + (f"; skipped:\n{lines}" if lines else ""), reasons=skipped)
+            raise NoValidSnapshotError(
+                f"recovery of {self.storage.url} gave up: {plan.reason}" + (f"; skipped:\n{lines}" if lines else ""),
+                reasons=skipped,
+            )
         for sid in [plan.target, *plan.fallbacks]:
             result, fatal, error = None, None, None
             self._probe_outputs = {}
             try:
-                result = self._restore_one(sid, skipped, strict,
-                                           light=light and (plan.light is not None or sid != plan.target), plan=plan)
+                result = self._restore_one(
+                    sid, skipped, strict, light=light and (plan.light is not None or sid != plan.target), plan=plan
+                )
             except (StateMismatchError, RestoreError) as exc:
                 fatal = exc
             except CheckpointError as exc:
@@ -111,11 +121,13 @@ class Restorer:
                 # Every rank loaded its own shards; continue only if all did, and all compute the same
                 # probe outputs. Otherwise all roll back together to the next snapshot.
                 mine = error or (str(fatal) if fatal else None)
-                error, fatal_elsewhere = agree_across_ranks(result is not None, mine, fatal is not None,
-                                                            self._probe_outputs, self.config)
+                error, fatal_elsewhere = agree_across_ranks(
+                    result is not None, mine, fatal is not None, self._probe_outputs, self.config
+                )
                 if fatal is None and fatal_elsewhere:
-                    fatal = RestoreError(f"{sid}: another rank could not load its state: {fatal_elsewhere}",
-                                         snapshot_id=sid)
+                    fatal = RestoreError(
+                        f"{sid}: another rank could not load its state: {fatal_elsewhere}", snapshot_id=sid
+                    )
             if fatal is not None:
                 raise fatal
             if error is not None:
@@ -136,9 +148,15 @@ class Restorer:
         light = f" + light {result.light_snapshot_id}" if result.light_snapshot_id else ""
         loaded = f"{result.snapshot_id}{light}"
         try:
-            outcome = retire_newer(self.storage, self.catalog, continue_step=result.global_step,
-                                   loaded=[result.snapshot_id, result.light_snapshot_id], restored=loaded,
-                                   by=f"engine rank 0 (pid {os.getpid()})", skipped=result.skipped)
+            outcome = retire_newer(
+                self.storage,
+                self.catalog,
+                continue_step=result.global_step,
+                loaded=[result.snapshot_id, result.light_snapshot_id],
+                restored=loaded,
+                by=f"engine rank 0 (pid {os.getpid()})",
+                skipped=result.skipped,
+            )
         except CheckpointError as exc:  # the state is loaded; the next restore retries
             outcome = None
             result.warnings.append(f"could not retire the snapshots newer than step {result.global_step}: {exc}")
@@ -154,8 +172,9 @@ class Restorer:
     def _restore_one(self, sid: str, skipped: dict, strict: bool, light: bool, plan: RecoveryPlan) -> RestoreResult:
         manifest = self._manifest(sid)
         # The plan's schema check and config warnings for this snapshot (made now for one it did not check).
-        warnings = verdict_of(plan, manifest, self.config.schema_version,
-                              recorded_config(self.config, self.train_config))
+        warnings = verdict_of(
+            plan, manifest, self.config.schema_version, recorded_config(self.config, self.train_config)
+        )
         states: dict[str, Any] = {}
         missing = []
         sharded: dict[str, str] = {}
@@ -169,8 +188,9 @@ class Restorer:
                 continue
             # A module copies every tensor into its own parameters: it may get views of read-only memory (the
             # memory tier's shared object store: no copy out of it); anything else may keep what it is given.
-            states[reg.name] = load_component(self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj),
-                                              into=reg.obj)
+            states[reg.name] = load_component(
+                self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj), into=reg.obj
+            )
         gaps = self._new_rank_gaps(manifest, missing)
         missing = [m for m in missing if m not in {g.component for g in gaps}]
         if missing:
@@ -178,7 +198,10 @@ class Restorer:
             if strict and not all(self.registry.excluded(self.registry.get(m)) for m in missing):
                 raise StateMismatchError(
                     msg + "; register them under the names used when saving, or restore(strict=False)",
-                    component=missing[0], mismatches=missing, snapshot_id=sid)
+                    component=missing[0],
+                    mismatches=missing,
+                    snapshot_id=sid,
+                )
             warnings.append(msg + "; they keep their current state")
         top = self._apply_light(manifest, states, skipped, plan) if light else None
         for name, state in states.items():
@@ -190,29 +213,43 @@ class Restorer:
             except StateMismatchError as exc:  # the state does not fit (e.g. a data position, other data): say where
                 raise exc.reworded(f"{sid}: component {name!r}: {exc}", snapshot_id=sid) from exc
             except Exception as exc:  # a user object's own error: name the component and snapshot
-                raise RestoreError(f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
-                                   snapshot_id=sid, component=name) from exc
+                raise RestoreError(
+                    f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
+                    snapshot_id=sid,
+                    component=name,
+                ) from exc
         self._fill_new_rank(manifest, [g for g in gaps if g.component not in states])  # (a light layer may hold it)
         self._post_load_check(manifest)
         for w in warnings:
             log.warning(w)
         last = top or manifest
         log.info("restored %s (step %d)%s", sid, last.global_step, f" + light {top.snapshot_id}" if top else "")
-        return RestoreResult(sid, last.global_step, top.snapshot_id if top else None, [*states, *sharded],
-                             dict(skipped), warnings, decode_metrics(last.metrics))
+        return RestoreResult(
+            sid,
+            last.global_step,
+            top.snapshot_id if top else None,
+            [*states, *sharded],
+            dict(skipped),
+            warnings,
+            decode_metrics(last.metrics),
+        )
 
     def note_new_ranks(self, plan: RecoveryPlan) -> RecoveryPlan:
         """``plan`` with its ``new ranks`` lines for restoring its target onto this process's group."""
-        plan.new_ranks = new_rank_lines(self.storage, plan.target, self.registry.group(), self.registry.per_rank(),
-                                        self.config.new_rank_state)
+        plan.new_ranks = new_rank_lines(
+            self.storage, plan.target, self.registry.group(), self.registry.per_rank(), self.config.new_rank_state
+        )
         return plan
 
     def _new_rank_gaps(self, manifest: Manifest, missing: list[str]) -> list[NewRankGap]:
         """This participant's per-rank components that other ranks saved and it did not (it did not exist at
         save); StateMismatchError under ``new_rank_state='error'``."""
         me, rule = self.registry.participant, self.config.new_rank_state
-        gaps = [g for g in new_rank_gaps(list(manifest.components), self.registry.group(), self.registry.per_rank(),
-                                         rule) if me in g.new and g.component in missing]
+        gaps = [
+            g
+            for g in new_rank_gaps(list(manifest.components), self.registry.group(), self.registry.per_rank(), rule)
+            if me in g.new and g.component in missing
+        ]
         if gaps and rule == "error":
             names = [g.component for g in gaps]
             raise StateMismatchError(
@@ -220,7 +257,10 @@ class Restorer:
                 f"{', '.join(gaps[0].saved_by)} only (the group grew since). new_rank_state='error' refuses this; set "
                 "new_rank_state to 'derive' (RNG derived from the saved streams and the rank, other per-rank state "
                 "starts as constructed) or 'empty' (all start as constructed)",
-                component=names[0], mismatches=[g.line() for g in gaps], snapshot_id=manifest.snapshot_id)
+                component=names[0],
+                mismatches=[g.line() for g in gaps],
+                snapshot_id=manifest.snapshot_id,
+            )
         return gaps
 
     def _fill_new_rank(self, manifest: Manifest, gaps: list[NewRankGap]) -> None:
@@ -239,9 +279,13 @@ class Restorer:
         for name, key in keys.items():
             reg = self.registry.get(name)
             if not is_sharded_section(manifest.components[key]):
-                raise StateMismatchError(f"{manifest.snapshot_id}: component {name!r} holds sharded state here but was "
-                                         "saved unsharded; register it as it was saved", component=name,
-                                         mismatches=[name], snapshot_id=manifest.snapshot_id)
+                raise StateMismatchError(
+                    f"{manifest.snapshot_id}: component {name!r} holds sharded state here but was "
+                    "saved unsharded; register it as it was saved",
+                    component=name,
+                    mismatches=[name],
+                    snapshot_id=manifest.snapshot_id,
+                )
             load_sharded(self.storage, manifest, key, reg.sharded or sharded_view(name, reg.obj, objects), name)
 
     def _post_load_check(self, manifest: Manifest) -> None:
@@ -261,8 +305,11 @@ class Restorer:
                 reason = f"post-load check failed for component {name!r}: {problem}"
                 quarantine(self.storage, manifest.snapshot_id, reason, source="post-load check")
                 self.catalog.mark_quarantined(manifest.snapshot_id, reason)
-                raise CorruptSnapshotError(f"{manifest.snapshot_id}: {reason}; snapshot quarantined",
-                                           snapshot_id=manifest.snapshot_id, problems=[reason])
+                raise CorruptSnapshotError(
+                    f"{manifest.snapshot_id}: {reason}; snapshot quarantined",
+                    snapshot_id=manifest.snapshot_id,
+                    problems=[reason],
+                )
 
     def _apply_light(self, full: Manifest, states: dict, skipped: dict, plan: RecoveryPlan) -> Manifest | None:
         """Overlay the newest valid light snapshot built on ``full``; a broken one is skipped."""
@@ -276,8 +323,9 @@ class Restorer:
                 for reg in self.registry:
                     key = self.registry.stored_key(manifest, reg.name)
                     if key is not None:
-                        light_states[reg.name] = load_component(self.storage, manifest, key,
-                                                                         readonly_ok=copies_on_load(reg.obj))
+                        light_states[reg.name] = load_component(
+                            self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj)
+                        )
             except CheckpointError as exc:
                 skipped[info.snapshot_id] = str(exc)
                 log.warning("skipping light snapshot %s: %s", info.snapshot_id, exc)
@@ -291,19 +339,26 @@ class Restorer:
         from rl_ckpt.sharded import load_full_weights  # (lazy: registry.SHARDED_IMPORT)
 
         self.catalog.refresh()
-        candidates = [snapshot_id] if snapshot_id else [i.snapshot_id for i in reversed(self.catalog.snapshots("full"))
-                                                        if not i.quarantined]
+        candidates = (
+            [snapshot_id]
+            if snapshot_id
+            else [i.snapshot_id for i in reversed(self.catalog.snapshots("full")) if not i.quarantined]
+        )
         for sid in candidates:
             manifest = read_manifest(self.storage, sid)
             if name in manifest.components:
                 load_full_weights(self.storage, manifest, name, module)
                 return sid
-        raise NoValidSnapshotError(f"no committed snapshot in {self.storage.url} holds component {name!r}"
-                                   + (f" (looked in {snapshot_id})" if snapshot_id else ""), reasons={})
+        raise NoValidSnapshotError(
+            f"no committed snapshot in {self.storage.url} holds component {name!r}"
+            + (f" (looked in {snapshot_id})" if snapshot_id else ""),
+            reasons={},
+        )
 
 
-def agree_across_ranks(ok: bool, error: str | None, fatal: bool, probe_outputs: dict,
-                       cfg) -> tuple[str | None, str | None]:
+def agree_across_ranks(
+    ok: bool, error: str | None, fatal: bool, probe_outputs: dict, cfg
+) -> tuple[str | None, str | None]:
     """All-gather every rank's restore outcome and probe outputs (gloo works on CPU).
 
     Returns ``(error, fatal_error)`` as seen by all ranks: an error if any rank
@@ -355,7 +410,9 @@ def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:
             f"{sid}: component {name!r} does not fit the registered model ({len(problems)} tensor(s) differ):\n"
             f"  {shown}\n"
             "Is this snapshot from a different model? Restore into the model it was saved from, or start a new run.",
-            component=name, mismatches=problems, snapshot_id=sid,
+            component=name,
+            mismatches=problems,
+            snapshot_id=sid,
         )
 
 

@@ -42,6 +42,7 @@ from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
 
+
 def check_step(step: Any) -> None:
     """ConfigError unless ``step`` is a non-negative int."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -56,8 +57,16 @@ class SavePipeline:
         maintenance: run after each commit when the topology says this process runs it.
     """
 
-    def __init__(self, config: CheckpointConfig, train_config: Mapping[str, Any], storage: Storage, catalog: Catalog,
-                 registry: ComponentRegistry, *, maintenance: RunMaintenance | None) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        train_config: Mapping[str, Any],
+        storage: Storage,
+        catalog: Catalog,
+        registry: ComponentRegistry,
+        *,
+        maintenance: RunMaintenance | None,
+    ) -> None:
         self.config = config
         self.train_config = train_config
         self.storage = storage
@@ -102,8 +111,13 @@ class SavePipeline:
         try:
             for reg in self.registry.saved(kind):
                 if reg.sharded is not None:
-                    staged[reg.name] = stage_sharded(reg.sharded, self.registry.rank, copy=copy, name=reg.name,
-                                                     staging=self.staging if copy else None)
+                    staged[reg.name] = stage_sharded(
+                        reg.sharded,
+                        self.registry.rank,
+                        copy=copy,
+                        name=reg.name,
+                        staging=self.staging if copy else None,
+                    )
                 elif copy:
                     staged[reg.name] = area.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
                 else:
@@ -121,8 +135,9 @@ class SavePipeline:
         return staged
 
     # -- save --------------------------------------------------------------------
-    def save(self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None,
-             kind: str) -> SnapshotInfo:
+    def save(
+        self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None, kind: str
+    ) -> SnapshotInfo:
         """Stage and persist now; returns once committed."""
         check_step(global_step)
         self.wait()  # one save at a time, in order
@@ -135,8 +150,9 @@ class SavePipeline:
             raise
         return self.persist(staged, global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes)
 
-    def save_async(self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None,
-                   kind: str) -> SaveHandle:
+    def save_async(
+        self, global_step: int, metrics: Mapping[str, Any] | None, tags: Mapping[str, Any] | None, kind: str
+    ) -> SaveHandle:
         """Capture the state now, copy it in the background (``core/stage_guard.py``), persist on the writer."""
         check_step(global_step)
         self.wait()
@@ -152,9 +168,13 @@ class SavePipeline:
         blocked = time.perf_counter() - started
         if self._writer is None:
             self._writer = BackgroundWriter(nice=self.config.writer_nice)
-        job = after_staging(rnd, partial(self.persist, global_step=global_step, metrics=metrics, tags=tags,
-                                         kind=kind, base=base, probes=probes),
-                            partial(self.failed_before_begin, global_step, kind))
+        job = after_staging(
+            rnd,
+            partial(
+                self.persist, global_step=global_step, metrics=metrics, tags=tags, kind=kind, base=base, probes=probes
+            ),
+            partial(self.failed_before_begin, global_step, kind),
+        )
         return self._writer.submit(job, global_step, kind, blocked, stage=rnd)
 
     def failed_before_begin(self, global_step: int, kind: str, error: BaseException) -> None:
@@ -195,8 +215,17 @@ class SavePipeline:
         return fulls[-1].snapshot_id
 
     # -- persist -------------------------------------------------------------------
-    def persist(self, staged: Mapping[str, EncodedState], global_step: int, *, metrics=None, tags=None,
-                kind: str = "full", base: str | None = None, probes: dict | None = None) -> SnapshotInfo:
+    def persist(
+        self,
+        staged: Mapping[str, EncodedState],
+        global_step: int,
+        *,
+        metrics=None,
+        tags=None,
+        kind: str = "full",
+        base: str | None = None,
+        probes: dict | None = None,
+    ) -> SnapshotInfo:
         """Write, verify and commit ``staged``. Safe to run on a background thread."""
         sid = snapshot_id(global_step, kind)
         attempt = self.commit.begin(sid)
@@ -205,9 +234,18 @@ class SavePipeline:
             recorded = recorded_config(self.config, self.train_config)
             participant = self.registry.participant
             manifest = Manifest(
-                snapshot_id=sid, global_step=global_step, kind=kind, created_at=now_iso(), base_snapshot_id=base,
-                config_digest=config_digest(recorded), config=recorded, state_schema_version=self.config.schema_version,
-                metrics=clean_metrics(metrics), tags=dict(tags or {}), files=files, components=sections,
+                snapshot_id=sid,
+                global_step=global_step,
+                kind=kind,
+                created_at=now_iso(),
+                base_snapshot_id=base,
+                config_digest=config_digest(recorded),
+                config=recorded,
+                state_schema_version=self.config.schema_version,
+                metrics=clean_metrics(metrics),
+                tags=dict(tags or {}),
+                files=files,
+                components=sections,
                 writer={"attempt": attempt.attempt_id, **({"participant": participant} if participant else {})},
                 extra={"probes": probes} if probes else {},
             )
@@ -249,13 +287,28 @@ class SavePipeline:
                 self.storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
             reg = self.registry.get(name)
             if reg is not None and reg.sharded is not None:
-                entries, section = write_shards(self.storage, attempt, key, enc, self.registry.rank,
-                                                algo=cfg.checksum_algo, verify=cfg.verify_after_write,
-                                                block_bytes=reg.sharded.block_bytes,
-                                                min_block_bytes=reg.sharded.min_block_bytes, objects=objects)
+                entries, section = write_shards(
+                    self.storage,
+                    attempt,
+                    key,
+                    enc,
+                    self.registry.rank,
+                    algo=cfg.checksum_algo,
+                    verify=cfg.verify_after_write,
+                    block_bytes=reg.sharded.block_bytes,
+                    min_block_bytes=reg.sharded.min_block_bytes,
+                    objects=objects,
+                )
             else:
-                entries, section = write_component(self.storage, attempt, key, enc, algo=cfg.checksum_algo,
-                                                   verify=cfg.verify_after_write, objects=objects)
+                entries, section = write_component(
+                    self.storage,
+                    attempt,
+                    key,
+                    enc,
+                    algo=cfg.checksum_algo,
+                    verify=cfg.verify_after_write,
+                    objects=objects,
+                )
             section["kind"] = reg.kind if reg is not None else "other"
             files += entries
             sections[key] = section
@@ -266,11 +319,13 @@ class SavePipeline:
             # The manager applies retention: see its deletions before reusing any chunk.
             self.catalog.refresh()
         committed = referenced_objects(self.catalog.snapshots())
-        return ObjectWriter(self.storage, self.config.checksum_algo, committed,
-                            min_bytes=self.config.dedup_min_tensor_bytes)
+        return ObjectWriter(
+            self.storage, self.config.checksum_algo, committed, min_bytes=self.config.dedup_min_tensor_bytes
+        )
 
     def beat(self, global_step: int) -> None:
         """Heartbeat to the manager (rate-limited); a no-op without one."""
+
         def newest() -> str | None:
             snapshots = self.catalog.snapshots()
             return snapshots[-1].snapshot_id if snapshots else None
@@ -298,8 +353,11 @@ def _state_of(reg: Registered) -> Any:
     except CheckpointError:
         raise
     except Exception as exc:  # the user's own code: name the component, keep the cause chained
-        raise SerializationError(f"component {reg.name!r}: state_dict() raised {type(exc).__name__}: {exc}; "
-                                 "nothing was saved", component=reg.name, key="") from exc
+        raise SerializationError(
+            f"component {reg.name!r}: state_dict() raised {type(exc).__name__}: {exc}; nothing was saved",
+            component=reg.name,
+            key="",
+        ) from exc
 
 
 __all__ = ["SavePipeline", "check_step"]

@@ -44,9 +44,15 @@ class CheckpointScheduler:
         start_step: the step training (re)starts from; the first interval counts from it.
     """
 
-    def __init__(self, engine, *, on_error: Callable[[BaseException, int], None] | None = None,
-                 on_commit: Callable[[Any], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 start_step: int | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        *,
+        on_error: Callable[[BaseException, int], None] | None = None,
+        on_commit: Callable[[Any], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start_step: int | None = None,
+    ) -> None:
         cfg = engine.config
         self.engine = engine
         self.on_error = on_error
@@ -81,16 +87,24 @@ class CheckpointScheduler:
         """What the step counts alone make due: the same on every rank."""
         if self.every_steps and global_step - self._last_full_step >= self.every_steps:
             return "full"
-        if (self.light_every and self.engine.catalog.snapshots("full")
-                and global_step - max(self._last_light_step, self._last_full_step) >= self.light_every):
+        if (
+            self.light_every
+            and self.engine.catalog.snapshots("full")
+            and global_step - max(self._last_light_step, self._last_full_step) >= self.light_every
+        ):
             return "light"
         return None
 
     def _agree(self, global_step: int) -> tuple[str | None, bool]:
         """``(kind due, go)``, as the engine's topology decides: alone, by this process's clock; with a manager,
         one answer for every participant (under a time cadence, by the manager's clock)."""
-        return self.engine.topology.cadence(global_step, self.every_seconds, lambda: self._due_by_steps(global_step),
-                                            lambda: self.due(global_step), self.engine.saving)
+        return self.engine.topology.cadence(
+            global_step,
+            self.every_seconds,
+            lambda: self._due_by_steps(global_step),
+            lambda: self.due(global_step),
+            self.engine.saving,
+        )
 
     def step(self, global_step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle | None:
         """Call once per training step. Returns the handle of a save it started, else None."""
@@ -152,9 +166,11 @@ class CheckpointScheduler:
                 self._report(exc, handle.global_step)
             elif handle.warnings:
                 info = handle.wait()
-                err = PostCommitError(f"{info.snapshot_id} is committed, but housekeeping after it failed: "
-                                      + "; ".join(handle.warnings), snapshot_id=info.snapshot_id,
-                                      problems=handle.warnings)
+                err = PostCommitError(
+                    f"{info.snapshot_id} is committed, but housekeeping after it failed: " + "; ".join(handle.warnings),
+                    snapshot_id=info.snapshot_id,
+                    problems=handle.warnings,
+                )
                 self._report(err, handle.global_step, failed=False)
         with self._lock:
             errors, self._callback_errors = self._callback_errors, []

@@ -113,8 +113,14 @@ class Capture:
             staging.copies.mark({src.device for _k, src in self.first + self.rest if src.is_cuda})
         rnd = StageRound(staging, self.first + self.rest, states, first=len(self.first))
         if rnd.tasks:  # hooks on what can change a deferred tensor: every optimizer, the deferred modules
-            guard.start(rnd, [obj for name, obj in self.objects.items()
-                              if name in self.names or isinstance(obj, torch.optim.Optimizer)])
+            guard.start(
+                rnd,
+                [
+                    obj
+                    for name, obj in self.objects.items()
+                    if name in self.names or isinstance(obj, torch.optim.Optimizer)
+                ],
+            )
         else:
             rnd.run()  # nothing deferred: end the round here
         return rnd
@@ -131,10 +137,12 @@ def stage_background(pipeline: Any, kind: str) -> "StageRound":
     return capture.start(staged, pipeline.guard)
 
 
-def after_staging(rnd: "StageRound", persist: Callable[[dict], Any], failed: Callable[[BaseException], None]
-                  ) -> Callable[[], Any]:
+def after_staging(
+    rnd: "StageRound", persist: Callable[[dict], Any], failed: Callable[[BaseException], None]
+) -> Callable[[], Any]:
     """The writer's job: wait for ``rnd``'s copies, then ``persist`` them; a round that failed to stage never
     reaches the commit (``failed`` tells the other participants, and its error goes to the handle)."""
+
     def job() -> Any:
         try:
             staged = rnd.result()
@@ -142,14 +150,14 @@ def after_staging(rnd: "StageRound", persist: Callable[[dict], Any], failed: Cal
             failed(exc)
             raise
         return persist(staged)
+
     return job
 
 
 def check_background(name: str, background: Any) -> bool | None:
     """``register(background=...)``: None, True or False."""
     if background is not None and not isinstance(background, bool):
-        raise ConfigError(f"component {name!r}: background must be True, False or None, got {background!r}",
-                          key=name)
+        raise ConfigError(f"component {name!r}: background must be True, False or None, got {background!r}", key=name)
     return background
 
 
@@ -334,5 +342,13 @@ class StageGuard:
         self._remove(self._forward)  # forward hooks are called from a snapshot of the hooks: safe to remove
 
 
-__all__ = ["SYNC_OPTIMIZER_PREFIX", "Capture", "StageGuard", "StageRound", "after_staging", "background_names",
-           "check_background", "stage_background"]
+__all__ = [
+    "SYNC_OPTIMIZER_PREFIX",
+    "Capture",
+    "StageGuard",
+    "StageRound",
+    "after_staging",
+    "background_names",
+    "check_background",
+    "stage_background",
+]

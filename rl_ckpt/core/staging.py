@@ -74,8 +74,10 @@ class HostBufferPool:
         if buf is None or buf.dtype != dtype or buf.numel() != numel or self._pinned[key] != pinned:
             buf = self.allocate(numel, dtype, pinned)
             if buf.dtype != dtype or buf.numel() != numel or buf.device.type != "cpu":
-                raise ValueError(f"staging allocator returned {buf.dtype}[{buf.numel()}] on {buf.device} "
-                                 f"for {dtype}[{numel}] on the host")
+                raise ValueError(
+                    f"staging allocator returned {buf.dtype}[{buf.numel()}] on {buf.device} "
+                    f"for {dtype}[{numel}] on the host"
+                )
             self._buffers[key] = buf
             self._pinned[key] = pinned
             self.allocations += 1
@@ -215,8 +217,11 @@ class StagingArea:
             self.pool.release_unused(set(self.pool.keys()) - {key})
         buf = self._arrays.get(key)
         if not (isinstance(buf, np.ndarray) and buf.shape == value.shape and buf.dtype == value.dtype):
-            buf = (np.empty(value.shape, dtype=value.dtype) if value.dtype.hasobject
-                   else alloc_bytes(value.nbytes).view(value.dtype).reshape(value.shape))
+            buf = (
+                np.empty(value.shape, dtype=value.dtype)
+                if value.dtype.hasobject
+                else alloc_bytes(value.nbytes).view(value.dtype).reshape(value.shape)
+            )
             self._arrays[key] = buf
             self._array_allocations += 1
         np.copyto(buf, value)

@@ -99,8 +99,14 @@ class Topology:
         """Whether a due save goes ahead: alone, unless a save is still in flight."""
         return not busy
 
-    def cadence(self, global_step: int, every_seconds: float | None, by_steps: Callable[[], str | None],
-                by_clock: Callable[[], str | None], busy: bool) -> tuple[str | None, bool]:
+    def cadence(
+        self,
+        global_step: int,
+        every_seconds: float | None,
+        by_steps: Callable[[], str | None],
+        by_clock: Callable[[], str | None],
+        busy: bool,
+    ) -> tuple[str | None, bool]:
         """``(kind due, go)`` for ``global_step``: due by this process's clock (``by_clock``), then agreed."""
         kind = by_clock()
         return kind, kind is not None and self.agree(global_step, kind, busy)
@@ -128,8 +134,14 @@ class Topology:
         """Heartbeat to the manager with the step and the newest snapshot (``newest()``); a no-op without one."""
 
     # -- restoring ---------------------------------------------------------------
-    def recovery_plan(self, failure: Any, snapshot_id: str | None, storage: Storage, restart_mesh: dict | None,
-                      build: Callable[[], RecoveryPlan]) -> RecoveryPlan:
+    def recovery_plan(
+        self,
+        failure: Any,
+        snapshot_id: str | None,
+        storage: Storage,
+        restart_mesh: dict | None,
+        build: Callable[[], RecoveryPlan],
+    ) -> RecoveryPlan:
         """The plan this process restores by: its own (``build()``)."""
         return build()
 
@@ -155,9 +167,11 @@ class Topology:
             return self
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(f"sharded state on rank {self.rank} of {self.world_size}: initialise torch.distributed "
-                              "before registering it (the ranks commit each snapshot together), or pass a manager",
-                              key="world_size")
+            raise ConfigError(
+                f"sharded state on rank {self.rank} of {self.world_size}: initialise torch.distributed "
+                "before registering it (the ranks commit each snapshot together), or pass a manager",
+                key="world_size",
+            )
         return TorchDistributed.joining(self)
 
     def close(self) -> None:
@@ -223,8 +237,17 @@ class Managed(_Participants):
 
     name = "managed"
 
-    def __init__(self, manager: Any, client: ManagerClient, *, rank: int, world_size: int, role: str,
-                 commit: CommitStrategy, participants: list[str]) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        client: ManagerClient,
+        *,
+        rank: int,
+        world_size: int,
+        role: str,
+        commit: CommitStrategy,
+        participants: list[str],
+    ) -> None:
         super().__init__(rank=rank, world_size=world_size, role=role, commit=commit)
         self.handle = manager
         self.client = client
@@ -244,8 +267,14 @@ class Managed(_Participants):
         running), so ranks never split into half-snapshots."""
         return self.client.decide(snapshot_id(global_step, kind), busy)
 
-    def cadence(self, global_step: int, every_seconds: float | None, by_steps: Callable[[], str | None],
-                by_clock: Callable[[], str | None], busy: bool) -> tuple[str | None, bool]:
+    def cadence(
+        self,
+        global_step: int,
+        every_seconds: float | None,
+        by_steps: Callable[[], str | None],
+        by_clock: Callable[[], str | None],
+        busy: bool,
+    ) -> tuple[str | None, bool]:
         """Under a time cadence the manager's clock decides for everyone (each rank's would differ)."""
         if every_seconds:
             return self.client.decide_step(global_step, by_steps(), busy, every_seconds)
@@ -270,8 +299,14 @@ class Managed(_Participants):
     def beat(self, global_step: int, newest: Callable[[], str | None]) -> None:
         self.client.heartbeat.beat(global_step, newest())
 
-    def recovery_plan(self, failure: Any, snapshot_id: str | None, storage: Storage, restart_mesh: dict | None,
-                      build: Callable[[], RecoveryPlan]) -> RecoveryPlan:
+    def recovery_plan(
+        self,
+        failure: Any,
+        snapshot_id: str | None,
+        storage: Storage,
+        restart_mesh: dict | None,
+        build: Callable[[], RecoveryPlan],
+    ) -> RecoveryPlan:
         """One plan for all, made (and recorded) by the manager; a named snapshot is this process's own plan."""
         if snapshot_id is not None:
             return build()
@@ -293,16 +328,34 @@ class Managed(_Participants):
         self.client.unregister()
 
 
-def choose_topology(storage: Storage, config: Any, *, commit: CommitStrategy, manager: Any, rank: int,
-                    world_size: int, role: str, participants: list[str] | None, actor_handle: Any) -> Topology:
+def choose_topology(
+    storage: Storage,
+    config: Any,
+    *,
+    commit: CommitStrategy,
+    manager: Any,
+    rank: int,
+    world_size: int,
+    role: str,
+    participants: list[str] | None,
+    actor_handle: Any,
+) -> Topology:
     """The topology an engine starts with: :class:`Managed` with a manager (this process registers with it),
     else :class:`Solo` (a :class:`TorchDistributed` rank once it registers sharded state)."""
     if manager is None:
         return Solo(rank=rank, world_size=world_size, role=role, commit=commit)
-    _name, client, participant_commit = join_manager(manager, storage, config, role, rank, world_size, participants,
-                                                     actor_handle)
-    return Managed(manager, client, rank=rank, world_size=world_size, role=role, commit=participant_commit,
-                   participants=participant_commit.expected)
+    _name, client, participant_commit = join_manager(
+        manager, storage, config, role, rank, world_size, participants, actor_handle
+    )
+    return Managed(
+        manager,
+        client,
+        rank=rank,
+        world_size=world_size,
+        role=role,
+        commit=participant_commit,
+        participants=participant_commit.expected,
+    )
 
 
 __all__ = ["Managed", "Solo", "Topology", "TorchDistributed", "choose_topology"]

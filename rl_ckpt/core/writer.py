@@ -25,7 +25,13 @@ if TYPE_CHECKING:
 
 
 def write_component(
-    storage: Storage, attempt: Attempt, name: str, enc: EncodedState, *, algo: str, verify: bool,
+    storage: Storage,
+    attempt: Attempt,
+    name: str,
+    enc: EncodedState,
+    *,
+    algo: str,
+    verify: bool,
     objects: "ObjectWriter | None" = None,
 ) -> tuple[list[FileEntry], dict]:
     """Write one component; returns its file entries and its manifest section.
@@ -70,5 +76,3 @@ def write_component(
     tree = json.dumps(enc.tree, separators=(",", ":"), allow_nan=False).encode()
     put(f"{name}.json", "json", [tree])
     return files, section
-
-

@@ -18,5 +18,14 @@ from rl_ckpt.data.inflight import InflightRollouts, Rollout
 from rl_ckpt.data.loader import DataLoaderPosition
 from rl_ckpt.data.sampler import PromptSampler
 
-__all__ = ["AuditReport", "ConsumptionAuditor", "DataLoaderPosition", "EpisodeStream", "InflightRollouts",
-           "IterablePosition", "PromptSampler", "Rollout", "replay_log"]
+__all__ = [
+    "AuditReport",
+    "ConsumptionAuditor",
+    "DataLoaderPosition",
+    "EpisodeStream",
+    "InflightRollouts",
+    "IterablePosition",
+    "PromptSampler",
+    "Rollout",
+    "replay_log",
+]

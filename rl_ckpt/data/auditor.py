@@ -39,8 +39,10 @@ class AuditReport:
         return dataclasses.asdict(self)
 
     def line(self) -> str:
-        return (f"prompts trained on: {self.consumed} over {self.epochs} complete epoch(s); skipped {self.skipped}, "
-                f"duplicated {self.duplicated}, in-flight rollouts resumed {self.resumed_in_flight}")
+        return (
+            f"prompts trained on: {self.consumed} over {self.epochs} complete epoch(s); skipped {self.skipped}, "
+            f"duplicated {self.duplicated}, in-flight rollouts resumed {self.resumed_in_flight}"
+        )
 
 
 def _append(path: str, record: dict) -> None:
@@ -80,9 +82,14 @@ class ConsumptionAuditor:
         """The update of ``step`` trained on these ``(epoch, prompt)`` pairs (``resumed`` of them resumed in flight)."""
         for epoch, prompt in pairs:
             if not 0 <= prompt < self.dataset_size:
-                raise DataPositionError(f"{self.name}: prompt {prompt} of epoch {epoch} at step {step} is outside "
-                                        f"the dataset of {self.dataset_size}", component=self.name,
-                                        field="prompt", saved=(epoch, prompt), given=self.dataset_size)
+                raise DataPositionError(
+                    f"{self.name}: prompt {prompt} of epoch {epoch} at step {step} is outside "
+                    f"the dataset of {self.dataset_size}",
+                    component=self.name,
+                    field="prompt",
+                    saved=(epoch, prompt),
+                    given=self.dataset_size,
+                )
             if epoch in self.exact_epochs:  # a folded epoch trained on again: unfold it to count the duplicate
                 self.exact_epochs.remove(epoch)
                 self.counts[int(epoch)] = np.ones(self.dataset_size, dtype=np.uint16)
@@ -95,9 +102,15 @@ class ConsumptionAuditor:
                 self.exact_epochs.append(epoch)
                 del self.counts[epoch]
         if self.log_path:
-            _append(self.log_path, {"event": "consume", "step": int(step),
-                                    "pairs": [[int(e), int(p)] for e, p in pairs],
-                                    "resumed": int(resumed)})
+            _append(
+                self.log_path,
+                {
+                    "event": "consume",
+                    "step": int(step),
+                    "pairs": [[int(e), int(p)] for e, p in pairs],
+                    "resumed": int(resumed),
+                },
+            )
 
     def report(self, complete_below: int | None = None) -> AuditReport:
         """The counts; epochs ``< complete_below`` (default: all but the newest epoch seen) must be complete."""
@@ -111,12 +124,22 @@ class ConsumptionAuditor:
         return AuditReport(consumed, skipped, duplicated, self.resumed, complete_below, self.last_step)
 
     def state_dict(self) -> dict:
-        return {"dataset_size": self.dataset_size, "last_step": self.last_step, "resumed": self.resumed,
-                "exact_epochs": list(self.exact_epochs), "counts": {str(e): c for e, c in self.counts.items()}}
+        return {
+            "dataset_size": self.dataset_size,
+            "last_step": self.last_step,
+            "resumed": self.resumed,
+            "exact_epochs": list(self.exact_epochs),
+            "counts": {str(e): c for e, c in self.counts.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        require_same(self.name, "dataset_size", state.get("dataset_size"), self.dataset_size,
-                     "Audit with the dataset the run trains on.")
+        require_same(
+            self.name,
+            "dataset_size",
+            state.get("dataset_size"),
+            self.dataset_size,
+            "Audit with the dataset the run trains on.",
+        )
         counts = {}
         for key, c in (state.get("counts") or {}).items():
             c = np.asarray(c)

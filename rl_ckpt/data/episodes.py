@@ -40,7 +40,7 @@ class EpisodeStream:
 
     def episode_seed(self, env: int, index: int) -> int:
         """The reset seed of episode ``index`` of env ``env`` (fits a 32-bit seed)."""
-        return ((self.seed * _ENV_MUL + env) * _ENV_MUL + index) % (2 ** 31 - 1)
+        return ((self.seed * _ENV_MUL + env) * _ENV_MUL + index) % (2**31 - 1)
 
     def begin(self, env: int) -> int:
         """Start env ``env``'s next episode (or the one that was running at the snapshot); returns its seed."""
@@ -62,17 +62,27 @@ class EpisodeStream:
         return self.next_index[env] - 1
 
     def state_dict(self) -> dict:
-        return {"n_envs": self.n_envs, "seed": self.seed, "next_index": list(self.next_index),
-                "running": list(self.running), "finished": self.finished}
+        return {
+            "n_envs": self.n_envs,
+            "seed": self.seed,
+            "next_index": list(self.next_index),
+            "running": list(self.running),
+            "finished": self.finished,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         hint = "Restore with the same number of envs and seed, or start a new run."
         require_same(self.name, "n_envs", state.get("n_envs"), self.n_envs, hint)
         require_same(self.name, "seed", state.get("seed"), self.seed, hint)
         nxt, running = state.get("next_index"), state.get("running")
-        if (not isinstance(nxt, list) or not isinstance(running, list) or len(nxt) != self.n_envs
-                or len(running) != self.n_envs or not all(isinstance(v, int) and v >= 0 for v in nxt)
-                or not all(isinstance(v, bool) for v in running)):
+        if (
+            not isinstance(nxt, list)
+            or not isinstance(running, list)
+            or len(nxt) != self.n_envs
+            or len(running) != self.n_envs
+            or not all(isinstance(v, int) and v >= 0 for v in nxt)
+            or not all(isinstance(v, bool) for v in running)
+        ):
             require_same(self.name, "per-env lists of length n_envs", (nxt, running), self.n_envs, hint)
         self.finished = state_int(self.name, state, "finished")
         self.next_index, self.running = list(nxt), list(running)

@@ -60,8 +60,12 @@ class IterablePosition:
             raise DataPositionError(
                 f"{self.name}: this IterableDataset has a shuffle buffer, whose examples are not in its "
                 "state_dict: a resume would skip them. Shuffle with rl_ckpt.data.PromptSampler over a map-style "
-                "Dataset, or iterate without IterableDataset.shuffle.", component=self.name, field="shuffle",
-                saved=None, given="buffer")
+                "Dataset, or iterate without IterableDataset.shuffle.",
+                component=self.name,
+                field="shuffle",
+                saved=None,
+                given="buffer",
+            )
         self.dataset = dataset
         self.fingerprint = fingerprint
         self.yielded = 0
@@ -72,8 +76,11 @@ class IterablePosition:
             yield row
 
     def _identity(self) -> dict:
-        return {"num_shards": int(self.dataset.num_shards), "fingerprint": self.fingerprint,
-                "epoch": int(getattr(self.dataset, "epoch", 0) or 0)}
+        return {
+            "num_shards": int(self.dataset.num_shards),
+            "fingerprint": self.fingerprint,
+            "epoch": int(getattr(self.dataset, "epoch", 0) or 0),
+        }
 
     def state_dict(self) -> dict:
         return {**self._identity(), "yielded": self.yielded, "dataset": self.dataset.state_dict()}
@@ -84,7 +91,12 @@ class IterablePosition:
             require_same(self.name, key, state.get(key), given, hint)
         yielded = state_int(self.name, state, "yielded")
         if not isinstance(state.get("dataset"), dict):
-            raise DataPositionError(f"{self.name}: the saved state has no dataset position", component=self.name,
-                                    field="dataset", saved=None, given=None)
+            raise DataPositionError(
+                f"{self.name}: the saved state has no dataset position",
+                component=self.name,
+                field="dataset",
+                saved=None,
+                given=None,
+            )
         self.dataset.load_state_dict(state["dataset"])
         self.yielded = yielded

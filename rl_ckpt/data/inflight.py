@@ -61,8 +61,13 @@ class InflightRollouts:
     def begin(self, prompt: int, epoch: int, seed: int) -> Rollout:
         r = Rollout(int(prompt), int(epoch), [], [], torch.Generator().manual_seed(int(seed)))
         if r.key in self.rollouts:
-            raise DataPositionError(f"{self.name}: prompt {prompt} of epoch {epoch} is already in flight here",
-                                    component=self.name, field="prompt", saved=r.key, given=r.key)
+            raise DataPositionError(
+                f"{self.name}: prompt {prompt} of epoch {epoch} is already in flight here",
+                component=self.name,
+                field="prompt",
+                saved=r.key,
+                given=r.key,
+            )
         self.rollouts[r.key] = r
         return r
 
@@ -80,26 +85,50 @@ class InflightRollouts:
         return len(self.rollouts)
 
     def state_dict(self) -> dict:
-        rollouts = {k: {"prompt": r.prompt, "epoch": r.epoch, "tokens": torch.tensor(r.tokens, dtype=torch.int64),
-                        "logps": torch.tensor(r.logps, dtype=torch.float32), "generator": r.generator.get_state(),
-                        "resumed": r.resumed} for k, r in self.rollouts.items()}
+        rollouts = {
+            k: {
+                "prompt": r.prompt,
+                "epoch": r.epoch,
+                "tokens": torch.tensor(r.tokens, dtype=torch.int64),
+                "logps": torch.tensor(r.logps, dtype=torch.float32),
+                "generator": r.generator.get_state(),
+                "resumed": r.resumed,
+            }
+            for k, r in self.rollouts.items()
+        }
         return {"rollouts": rollouts, "resumed_total": self.resumed_total}
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("rollouts")
         if not isinstance(saved, dict):
-            raise DataPositionError(f"{self.name}: the saved state has no rollouts", component=self.name,
-                                    field="rollouts", saved=None, given=None)
+            raise DataPositionError(
+                f"{self.name}: the saved state has no rollouts",
+                component=self.name,
+                field="rollouts",
+                saved=None,
+                given=None,
+            )
         rollouts = {}
         for key, s in saved.items():
             gen = torch.Generator()
             gen.set_state(torch.as_tensor(s["generator"]).to(torch.uint8))
-            r = Rollout(int(s["prompt"]), int(s["epoch"]), [int(t) for t in torch.as_tensor(s["tokens"]).tolist()],
-                        [float(v) for v in torch.as_tensor(s["logps"]).tolist()], gen, resumed=True)
+            r = Rollout(
+                int(s["prompt"]),
+                int(s["epoch"]),
+                [int(t) for t in torch.as_tensor(s["tokens"]).tolist()],
+                [float(v) for v in torch.as_tensor(s["logps"]).tolist()],
+                gen,
+                resumed=True,
+            )
             r.restored_tokens = len(r.tokens)
             if r.key != key:
-                raise DataPositionError(f"{self.name}: saved rollout {key!r} names prompt {r.key!r}",
-                                        component=self.name, field="key", saved=key, given=r.key)
+                raise DataPositionError(
+                    f"{self.name}: saved rollout {key!r} names prompt {r.key!r}",
+                    component=self.name,
+                    field="key",
+                    saved=key,
+                    given=r.key,
+                )
             rollouts[key] = r
         self.resumed_total = state_int(self.name, state, "resumed_total") + len(rollouts)
         self.rollouts = rollouts

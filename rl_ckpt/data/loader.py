@@ -28,7 +28,12 @@ def refuse_pickles(component: str, value: Any, path: str = "") -> None:
             raise DataPositionError(
                 f"{component}: the state at {path or '<root>'} holds pickled bytes; rl_ckpt never unpickles "
                 "checkpoint data. Make that dataset's/sampler's state_dict return plain values (ints, str, "
-                "tensors, dicts) instead of a pickle.", component=component, field=path, saved="pickle", given=None)
+                "tensors, dicts) instead of a pickle.",
+                component=component,
+                field=path,
+                saved="pickle",
+                given=None,
+            )
     elif isinstance(value, dict):
         for k, v in value.items():
             refuse_pickles(component, v, f"{path}.{k}" if path else str(k))
@@ -71,8 +76,11 @@ class DataLoaderPosition:
             length = len(dataset)
         except TypeError:  # an iterable dataset without a length
             length = None
-        return {"dataset_len": length, "batch_size": self.loader.batch_size,
-                "generator_seed": _generator_seed(self.loader)}
+        return {
+            "dataset_len": length,
+            "batch_size": self.loader.batch_size,
+            "generator_seed": _generator_seed(self.loader),
+        }
 
     def state_dict(self) -> dict:
         state = self.loader.state_dict()
@@ -88,8 +96,13 @@ class DataLoaderPosition:
         for key, given in self._identity().items():
             require_same(self.name, key, state.get(key), given, hint)
         if not isinstance(state.get("loader"), dict):
-            raise DataPositionError(f"{self.name}: the saved state has no loader state", component=self.name,
-                                    field="loader", saved=None, given=None)
+            raise DataPositionError(
+                f"{self.name}: the saved state has no loader state",
+                component=self.name,
+                field="loader",
+                saved=None,
+                given=None,
+            )
         gen = getattr(self.loader, "generator", None)
         if isinstance(gen, torch.Generator) and state.get("generator") is not None:
             gen.set_state(torch.as_tensor(state["generator"]).to(torch.uint8))

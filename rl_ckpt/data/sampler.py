@@ -71,7 +71,7 @@ class PromptSampler(torch.utils.data.Sampler[int]):
             self._roll()
             order = self.order(self.epoch)
             n = min(k - len(out), self.dataset_size - self.position)
-            out += [(self.epoch, int(i)) for i in order[self.position:self.position + n]]
+            out += [(self.epoch, int(i)) for i in order[self.position : self.position + n]]
             self.position += n
         self._roll()
         return out
@@ -88,8 +88,13 @@ class PromptSampler(torch.utils.data.Sampler[int]):
         return self.dataset_size
 
     def state_dict(self) -> dict:
-        return {"dataset_size": self.dataset_size, "seed": self.seed, "shuffle": self.shuffle,
-                "epoch": self.epoch, "position": self.position}
+        return {
+            "dataset_size": self.dataset_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "position": self.position,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         hint = "Restore with the same dataset and seed, or start a new run for new data."

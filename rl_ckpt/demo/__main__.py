@@ -69,9 +69,14 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
     logical = sum(i.size_bytes for i in cat.snapshots())
     # Every tensor's chunks as the kept snapshots reference them (the rollout workers' policy copies and the
     # learners' policy are the same bytes) against the objects actually stored for them.
-    chunks = [(digest, size) for i in cat.snapshots() if i.manifest is not None
-              for section in i.manifest.components.values()
-              for tensor in (section.get("objects") or {}).values() for digest, size in tensor]
+    chunks = [
+        (digest, size)
+        for i in cat.snapshots()
+        if i.manifest is not None
+        for section in i.manifest.components.values()
+        for tensor in (section.get("objects") or {}).values()
+        for digest, size in tensor
+    ]
     referenced = sum(size for _d, size in chunks)
     unique = sum(dict(chunks).values())
     params_equal, losses_equal = matches(ref, run, crash_at)
@@ -118,16 +123,27 @@ def main(argv=None) -> int:
     p.add_argument("--address", help="attach to this Ray cluster instead of starting a local one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local", action="store_true", help="no Ray: one training process, SIGKILLed and resumed")
-    p.add_argument("--sharded", action="store_true", help="GRPO on a tiny GPT-2 with FSDP2 learners: SIGKILL one, "
-                   "restart on fewer (examples/grpo_gpt2_fsdp.py)")
-    p.add_argument("--rllib", action="store_true", help="RLlib PPO (new API stack) with rl_ckpt's CheckpointCallback "
-                   "next to RLlib's save_to_path: an EnvRunner and the driver SIGKILLed (examples/rllib_ppo.py)")
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="GRPO on a tiny GPT-2 with FSDP2 learners: SIGKILL one, restart on fewer (examples/grpo_gpt2_fsdp.py)",
+    )
+    p.add_argument(
+        "--rllib",
+        action="store_true",
+        help="RLlib PPO (new API stack) with rl_ckpt's CheckpointCallback "
+        "next to RLlib's save_to_path: an EnvRunner and the driver SIGKILLed (examples/rllib_ppo.py)",
+    )
     p.add_argument("--learners", type=int, default=2, help="--sharded: FSDP2 learners before the crash (default 2)")
     p.add_argument("--restart-learners", type=int, default=1, help="--sharded: learners after it (default 1)")
-    p.add_argument("--memory-tier", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the same crash with the memory tier (memory snapshots every 2 steps, durable copies "
-                   "made from memory) and print both side by side (the default on Ray; --no-memory-tier skips it; "
-                   "--local has no memory tier)")
+    p.add_argument(
+        "--memory-tier",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the same crash with the memory tier (memory snapshots every 2 steps, durable copies "
+        "made from memory) and print both side by side (the default on Ray; --no-memory-tier skips it; "
+        "--local has no memory tier)",
+    )
     args = p.parse_args(argv)
     if args.local and args.memory_tier:
         p.error("--memory-tier needs Ray (the memory stores are Ray actors): leave out --local, or --memory-tier")
@@ -144,10 +160,18 @@ def main(argv=None) -> int:
         print(text)
         return 0 if ok else 1
     if args.local:
-        cfg = {"base_dir": base, "run_name": "ppo_cartpole", "save_interval_steps": 10, "save_interval_seconds": None,
-               "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1}
-        print(f"running: reference run, crashed run (SIGKILL at step {args.crash_at}), resumed run ...",
-              file=sys.stderr)
+        cfg = {
+            "base_dir": base,
+            "run_name": "ppo_cartpole",
+            "save_interval_steps": 10,
+            "save_interval_seconds": None,
+            "light_interval_steps": 0,
+            "keep_latest": 3,
+            "keep_best": 1,
+        }
+        print(
+            f"running: reference run, crashed run (SIGKILL at step {args.crash_at}), resumed run ...", file=sys.stderr
+        )
         result = crash_drill(cfg, args.steps, args.crash_at, seed=args.seed)
         print(summarize(result, cfg, args.steps))
         return 0 if result.ok else 1
@@ -165,42 +189,84 @@ def main(argv=None) -> int:
     else:
         # "local": a new cluster of its own, even when a `ray start` cluster runs on this machine (ray.init would
         # attach to that one, and refuse num_cpus).
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="rl_ckpt", logging_level="ERROR",
-                 log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            namespace="rl_ckpt",
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
     if args.sharded:
         from rl_ckpt.demo.grpo import GRPOConfig
+
         # not the local `crash_drill`: --local uses that one
         from rl_ckpt.demo.sharded_drill import crash_drill as sharded_drill
         from rl_ckpt.demo.sharded_drill import side_by_side
 
         runs = "durable-only, then with the memory tier" if args.memory_tier else "durable-only"
-        print(f"GRPO on {args.learners} FSDP2 learners, SIGKILL of one at step {args.crash_at}, restart on "
-              f"{args.restart_learners} ({runs}) ...", file=sys.stderr)
+        print(
+            f"GRPO on {args.learners} FSDP2 learners, SIGKILL of one at step {args.crash_at}, restart on "
+            f"{args.restart_learners} ({runs}) ...",
+            file=sys.stderr,
+        )
         drill = side_by_side if args.memory_tier else sharded_drill
-        report = drill(base, steps=args.steps, crash_at=args.crash_at, learners=args.learners,
-                       restart_learners=args.restart_learners, save_every=6, grpo=GRPOConfig(seed=args.seed))
+        report = drill(
+            base,
+            steps=args.steps,
+            crash_at=args.crash_at,
+            learners=args.learners,
+            restart_learners=args.restart_learners,
+            save_every=6,
+            grpo=GRPOConfig(seed=args.seed),
+        )
         print(report.text)
         ray.shutdown()
         return 0 if report.ok else 1
-    engine_cfg = {"save_interval_steps": 10, "light_interval_steps": 5, "keep_latest": 2, "keep_best": 1, "dedup": True,
-                  "dedup_min_tensor_bytes": 4096}  # the CartPole layers are 16 KiB: dedup them, keep biases in files
+    engine_cfg = {
+        "save_interval_steps": 10,
+        "light_interval_steps": 5,
+        "keep_latest": 2,
+        "keep_best": 1,
+        "dedup": True,
+        "dedup_min_tensor_bytes": 4096,
+    }  # the CartPole layers are 16 KiB: dedup them, keep biases in files
     n = 3 if args.memory_tier else 2
     print(f"1/{n} uninterrupted reference run ...", file=sys.stderr)
     ref = run(base_dir=base, run_name="ppo_reference", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg)
     print(f"2/{n} run with a SIGKILL of a {args.crash_target} at step {args.crash_at} ...", file=sys.stderr)
-    crashed = run(base_dir=base, run_name="ppo_cartpole", steps=args.steps, seed=args.seed, engine_cfg=engine_cfg,
-                  crash_at=args.crash_at, crash_target=args.crash_target)
+    crashed = run(
+        base_dir=base,
+        run_name="ppo_cartpole",
+        steps=args.steps,
+        seed=args.seed,
+        engine_cfg=engine_cfg,
+        crash_at=args.crash_at,
+        crash_target=args.crash_target,
+    )
     png = os.path.join(base, "timeline.png")
     steps_log = [m for m in crashed.log if m["event"] == "step"]
     plot(load(open_storage(f"{base}/ppo_cartpole")), png, step_log=steps_log, title="rl-ckpt demo: PPO on CartPole-v1")
     text, ok = ray_summary(ref, crashed, base, args.steps, args.crash_at, png)
     if args.memory_tier:
         print("3/3 the same crash with the memory tier ...", file=sys.stderr)
-        mem = run(base_dir=base, run_name="ppo_cartpole_memory", steps=args.steps, seed=args.seed,
-                  engine_cfg=engine_cfg, crash_at=args.crash_at, crash_target=args.crash_target, memory_tier=True)
+        mem = run(
+            base_dir=base,
+            run_name="ppo_cartpole_memory",
+            steps=args.steps,
+            seed=args.seed,
+            engine_cfg=engine_cfg,
+            crash_at=args.crash_at,
+            crash_target=args.crash_target,
+            memory_tier=True,
+        )
         mem_png = os.path.join(base, "timeline_memory.png")
-        plot(load(open_storage(f"{base}/ppo_cartpole_memory")), mem_png, step_log=[m for m in mem.log if m["event"] ==
-             "step"], title="rl-ckpt demo: PPO on CartPole-v1, memory tier")
+        plot(
+            load(open_storage(f"{base}/ppo_cartpole_memory")),
+            mem_png,
+            step_log=[m for m in mem.log if m["event"] == "step"],
+            title="rl-ckpt demo: PPO on CartPole-v1, memory tier",
+        )
         block, mem_ok = memory_summary(ref, crashed, mem, base, args.crash_at)
         text += f"\n\n{block}\n  timeline           {mem_png}"
         ok = ok and mem_ok
@@ -219,8 +285,15 @@ def memory_summary(ref, crashed, mem, base: str, crash_at: int) -> tuple[str, bo
     memory = crash_figures(mem, load(open_storage(f"{base}/{mem.run_name}")), crash_at)
     durable_exact, memory_exact = all(matches(ref, crashed, crash_at)), all(matches(ref, mem, crash_at))
     flushed = list((mem.memory_status or {}).get("flushed", []))  # durable copies the service made from memory
-    text = memory_comparison(durable, memory, durable_exact, memory_exact, MEMORY_DEFAULTS["memory_interval_steps"],
-                             MEMORY_DEFAULTS["memory_flush_every"], flushed)
+    text = memory_comparison(
+        durable,
+        memory,
+        durable_exact,
+        memory_exact,
+        MEMORY_DEFAULTS["memory_interval_steps"],
+        MEMORY_DEFAULTS["memory_flush_every"],
+        flushed,
+    )
     ok = memory_exact and memory["tier"] == "memory" and memory["steps_lost"] <= durable["steps_lost"]
     return text, ok
 

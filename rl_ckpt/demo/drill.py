@@ -24,8 +24,16 @@ from rl_ckpt.recovery.coordinator import FailureInfo
 from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer, param_digest
 
 
-def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: int = 0, resume: bool = True,
-          failure: dict | None = None, settle_at: int | None = None) -> None:
+def train(
+    cfg: dict,
+    until_step: int,
+    report: Callable[[dict], None],
+    *,
+    seed: int = 0,
+    resume: bool = True,
+    failure: dict | None = None,
+    settle_at: int | None = None,
+) -> None:
     """One training process: restore (through a plan) if there is a snapshot, train, save on schedule.
 
     ``failure`` (a FailureInfo as JSON) is what killed the previous process: the
@@ -54,22 +62,43 @@ def train(cfg: dict, until_step: int, report: Callable[[dict], None], *, seed: i
         if step == settle_at:
             engine.wait()
         newest = engine.snapshots()
-        report({"event": "step", "step": step, "loss": _json_float(metrics["loss"]),
-                "avg_reward": metrics["avg_reward"], "committed": newest[-1].global_step if newest else None})
+        report(
+            {
+                "event": "step",
+                "step": step,
+                "loss": _json_float(metrics["loss"]),
+                "avg_reward": metrics["avg_reward"],
+                "committed": newest[-1].global_step if newest else None,
+            }
+        )
     scheduler.close()
     engine.close()
-    report({"event": "done", "step": trainer.progress.global_step, "digest": param_digest(trainer.model),
-            "snapshots": len(engine.snapshots())})
+    report(
+        {
+            "event": "done",
+            "step": trainer.progress.global_step,
+            "digest": param_digest(trainer.model),
+            "snapshots": len(engine.snapshots()),
+        }
+    )
 
 
 def _json_float(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)
 
 
-def _child(cfg: dict, until_step: int, conn, seed: int, resume: bool, failure: dict | None,
-           settle_at: int | None) -> None:
-    train(cfg, until_step, lambda msg: conn.send_bytes(json.dumps(msg).encode()), seed=seed, resume=resume,
-          failure=failure, settle_at=settle_at)
+def _child(
+    cfg: dict, until_step: int, conn, seed: int, resume: bool, failure: dict | None, settle_at: int | None
+) -> None:
+    train(
+        cfg,
+        until_step,
+        lambda msg: conn.send_bytes(json.dumps(msg).encode()),
+        seed=seed,
+        resume=resume,
+        failure=failure,
+        settle_at=settle_at,
+    )
     conn.close()
 
 
@@ -84,8 +113,17 @@ class RunLog:
     seconds: float = 0.0
 
 
-def run_process(ctx, cfg: dict, until_step: int, *, seed: int = 0, resume: bool = True,
-                kill_at_step: int | None = None, failure: dict | None = None, timeout: float = 600.0) -> RunLog:
+def run_process(
+    ctx,
+    cfg: dict,
+    until_step: int,
+    *,
+    seed: int = 0,
+    resume: bool = True,
+    kill_at_step: int | None = None,
+    failure: dict | None = None,
+    timeout: float = 600.0,
+) -> RunLog:
     """Run ``train`` in a child process; SIGKILL it once it reports ``kill_at_step``."""
     log = RunLog()
     started = time.monotonic()
@@ -146,8 +184,9 @@ class DrillResult:
     @property
     def losses_equal(self) -> bool:
         steps = [s for s in self.resumed.losses]
-        return all(self.resumed.losses[s] == self.reference.losses[s] for s in steps) and \
-            all(self.crashed.losses[s] == self.reference.losses[s] for s in self.crashed.losses)
+        return all(self.resumed.losses[s] == self.reference.losses[s] for s in steps) and all(
+            self.crashed.losses[s] == self.reference.losses[s] for s in self.crashed.losses
+        )
 
     @property
     def ok(self) -> bool:

@@ -30,8 +30,9 @@ def matches(ref, run, crash_at: int) -> tuple[bool, bool]:
             last[m["step"]] = m
     ref_steps = {m["step"]: m for m in ref.log if m["event"] == "step"}
     pre_crash = [m for m in run.log if m["event"] == "step" and m["step"] <= crash_at][:crash_at]
-    losses_equal = all(s in last and last[s]["loss"] == ref_steps[s]["loss"] for s in ref_steps) and \
-        all(m["loss"] == ref_steps[m["step"]]["loss"] for m in pre_crash)
+    losses_equal = all(s in last and last[s]["loss"] == ref_steps[s]["loss"] for s in ref_steps) and all(
+        m["loss"] == ref_steps[m["step"]]["loss"] for m in pre_crash
+    )
     params_equal = bool(run.done and ref.done and run.done["digest"] == ref.done["digest"])
     return params_equal, losses_equal
 
@@ -48,21 +49,33 @@ def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
     kill = next((m for m in run.log if m["event"] == "kill"), None)
     back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
     return {
-        "failure": failure, "decision": decision, "crash_step": crash_step, "resumed": resumed,
+        "failure": failure,
+        "decision": decision,
+        "crash_step": crash_step,
+        "resumed": resumed,
         "tier": (resumed.get("tier") or "durable") if resumed and resumed["restored"] else None,
-        "snapshot": resumed["restored"] if resumed else None, "restored_step": restored_step,
+        "snapshot": resumed["restored"] if resumed else None,
+        "restored_step": restored_step,
         "steps_lost": crash_step - restored_step,
         "restore_seconds": resumed.get("restore_seconds", math.nan) if resumed else math.nan,
         "kill_to_first_step": (back - kill["t"]) if (kill and back) else math.nan,
     }
 
 
-def memory_comparison(durable: dict, memory: dict, durable_exact: bool | None, memory_exact: bool | None,
-                      interval: int, flush_every: int | None, flushed: list[str]) -> str:
+def memory_comparison(
+    durable: dict,
+    memory: dict,
+    durable_exact: bool | None,
+    memory_exact: bool | None,
+    interval: int,
+    flush_every: int | None,
+    flushed: list[str],
+) -> str:
     """Two crash runs side by side, durable-only and with the memory tier (the lines ``tests/test_demo_ray.py``
     and ``tests/test_demo_sharded.py`` parse). ``durable`` / ``memory``: the figures of ``crash_figures`` (or the
     same keys from the sharded drill); ``*_exact``: whether each run ended bitwise equal to an uninterrupted one
     (None for both: the drill makes no such claim, e.g. it restarts on fewer ranks, and the row is left out)."""
+
     def row(name: str, a: str, b: str) -> str:
         return f"  {name:<20} {a:<28} {b}"
 

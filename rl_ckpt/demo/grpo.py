@@ -53,9 +53,19 @@ def make_policy(cfg: GRPOConfig) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(cfg.seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=PROMPT_LEN + cfg.gen_len, n_embd=cfg.n_embd,
-                        n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=BOS, eos_token_id=SEP, tie_word_embeddings=False)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=PROMPT_LEN + cfg.gen_len,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=BOS,
+        eos_token_id=SEP,
+        tie_word_embeddings=False,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -66,8 +76,9 @@ def prompt_dataset(seed: int, size: int):
     try:
         from datasets import Dataset
     except ImportError as exc:
-        raise ImportError("the GRPO demo reads its prompts from a Hugging Face dataset: "
-                          "pip install 'rl-ckpt[data]'") from exc
+        raise ImportError(
+            "the GRPO demo reads its prompts from a Hugging Face dataset: pip install 'rl-ckpt[data]'"
+        ) from exc
     g = torch.Generator().manual_seed(seed * 1_000_003 + 7)
     digits = torch.randint(0, DIGITS, (size,), generator=g).tolist()
     return Dataset.from_dict({"id": list(range(size)), "digit": digits})
@@ -97,7 +108,7 @@ def sample(model: torch.nn.Module, cfg: GRPOConfig, step: int, indices: list[int
         logits = model(seqs[:, :pos]).logits[:, -1].double()
         probs = torch.softmax(logits, -1)
         # Inverse-CDF sampling with pre-drawn noise: the answer depends on the prompt's noise only.
-        tok = torch.searchsorted(probs.cumsum(-1), noise[:, t:t + 1].contiguous()).clamp(max=VOCAB - 1).squeeze(1)
+        tok = torch.searchsorted(probs.cumsum(-1), noise[:, t : t + 1].contiguous()).clamp(max=VOCAB - 1).squeeze(1)
         seqs[:, pos] = tok
         logps[:, t] = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1).float()
     answers = seqs[:, PROMPT_LEN:]
@@ -113,7 +124,7 @@ def advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def token_logps(model: torch.nn.Module, seqs: torch.Tensor, gen_len: int) -> torch.Tensor:
     """Log-probs under ``model`` of the answer tokens of ``seqs`` (one forward pass)."""
-    logits = model(seqs[:, :-1]).logits[:, PROMPT_LEN - 1:]
+    logits = model(seqs[:, :-1]).logits[:, PROMPT_LEN - 1 :]
     return torch.log_softmax(logits.float(), -1).gather(2, seqs[:, PROMPT_LEN:, None]).squeeze(2)
 
 
@@ -125,8 +136,9 @@ def grpo_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: GRPOC
     return -surrogate.mean()
 
 
-def update(model: torch.nn.Module, optim: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-           cfg: GRPOConfig) -> float:
+def update(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, batch: dict[str, torch.Tensor], cfg: GRPOConfig
+) -> float:
     """``cfg.epochs`` optimizer steps on one batch; returns the last loss."""
     loss = torch.zeros(())
     for _ in range(cfg.epochs):

@@ -8,6 +8,7 @@ Components (see :meth:`PPOTrainer.components`): ``policy`` (ActorCritic),
 The global torch RNG (action sampling, minibatch shuffling) is NOT a component
 here: the engine's RNGState saves/restores the torch/numpy/python global RNGs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,9 +24,13 @@ from torch import nn
 
 OBS_DIM, N_ACTIONS = 4, 2
 # Bit generators we know how to rebuild from ``bit_generator.state['bit_generator']``.
-_BIT_GENERATORS = {"PCG64": np.random.PCG64, "PCG64DXSM": np.random.PCG64DXSM,
-                   "Philox": np.random.Philox, "SFC64": np.random.SFC64,
-                   "MT19937": np.random.MT19937}
+_BIT_GENERATORS = {
+    "PCG64": np.random.PCG64,
+    "PCG64DXSM": np.random.PCG64DXSM,
+    "Philox": np.random.Philox,
+    "SFC64": np.random.SFC64,
+    "MT19937": np.random.MT19937,
+}
 
 
 @dataclass
@@ -34,12 +39,12 @@ class PPOConfig:
     # 8 envs x 32 steps x 4 training steps = 1024 transitions per update, in minibatches of 256:
     # the average reward climbs well past random play (~22) within the demo's 50 steps.
     num_envs: int = 8
-    steps_per_train_step: int = 32      # env steps per env per training step
-    train_steps_per_update: int = 4     # PPO update (and buffer clear) every N training steps
+    steps_per_train_step: int = 32  # env steps per env per training step
+    train_steps_per_update: int = 4  # PPO update (and buffer clear) every N training steps
     epochs: int = 4
     minibatch_size: int = 256
     lr: float = 2.5e-3
-    lr_step_size: int = 25              # StepLR step_size, counted in PPO updates
+    lr_step_size: int = 25  # StepLR step_size, counted in PPO updates
     lr_gamma: float = 0.7
     gamma: float = 0.99
     gae_lambda: float = 0.95
@@ -85,14 +90,21 @@ class RolloutBuffer:
     the filled rows still restores the object exactly.
     """
 
-    FIELDS = {"obs": np.float32, "actions": np.int64, "logprobs": np.float32,
-              "rewards": np.float32, "dones": np.float32, "values": np.float32}
+    FIELDS = {
+        "obs": np.float32,
+        "actions": np.int64,
+        "logprobs": np.float32,
+        "rewards": np.float32,
+        "dones": np.float32,
+        "values": np.float32,
+    }
 
     def __init__(self, capacity: int, num_envs: int) -> None:
         self.capacity, self.num_envs = capacity, num_envs
         self.data: dict[str, np.ndarray] = {
             k: np.zeros((capacity, num_envs) + ((OBS_DIM,) if k == "obs" else ()), dtype=dt)
-            for k, dt in self.FIELDS.items()}
+            for k, dt in self.FIELDS.items()
+        }
         self.pos = 0
 
     @property
@@ -112,8 +124,12 @@ class RolloutBuffer:
         self.pos = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "num_envs": self.num_envs, "pos": self.pos,
-                **{k: v[: self.pos].copy() for k, v in self.data.items()}}
+        return {
+            "capacity": self.capacity,
+            "num_envs": self.num_envs,
+            "pos": self.pos,
+            **{k: v[: self.pos].copy() for k, v in self.data.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["capacity"], state["num_envs"]) != (self.capacity, self.num_envs):
@@ -173,16 +189,22 @@ class EnvState:
         envs = []
         for env in self.envs:
             u = env.unwrapped
-            envs.append({
-                "state": None if u.state is None else np.array(u.state, dtype=np.float64),
-                "steps_beyond_terminated": u.steps_beyond_terminated,
-                "np_random": u.np_random.bit_generator.state,  # fresh plain dict each call
-                "np_random_seed": u._np_random_seed,
-                "elapsed_steps": _wrapper(env, TimeLimit)._elapsed_steps,
-                "has_reset": _wrapper(env, OrderEnforcing)._has_reset,
-            })
-        return {"envs": envs, "obs": self.obs.copy(), "ep_return": self.ep_return.copy(),
-                "ep_length": self.ep_length.copy()}
+            envs.append(
+                {
+                    "state": None if u.state is None else np.array(u.state, dtype=np.float64),
+                    "steps_beyond_terminated": u.steps_beyond_terminated,
+                    "np_random": u.np_random.bit_generator.state,  # fresh plain dict each call
+                    "np_random_seed": u._np_random_seed,
+                    "elapsed_steps": _wrapper(env, TimeLimit)._elapsed_steps,
+                    "has_reset": _wrapper(env, OrderEnforcing)._has_reset,
+                }
+            )
+        return {
+            "envs": envs,
+            "obs": self.obs.copy(),
+            "ep_return": self.ep_return.copy(),
+            "ep_length": self.ep_length.copy(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["envs"]) != len(self.envs):
@@ -211,25 +233,30 @@ class TrainingProgress:
     WINDOW = 20
 
     def __init__(self) -> None:
-        self.global_step = 0      # training steps done
-        self.updates_done = 0     # PPO updates done
-        self.env_steps = 0        # total env transitions (all envs)
+        self.global_step = 0  # training steps done
+        self.updates_done = 0  # PPO updates done
+        self.env_steps = 0  # total env transitions (all envs)
         self.episodes_done = 0
         self.recent_returns: list[float] = []
         self.last_loss: float | None = None  # the last PPO update's mean loss (None before the first)
 
     def record_episode(self, ret: float) -> None:
         self.episodes_done += 1
-        self.recent_returns = (self.recent_returns + [float(ret)])[-self.WINDOW:]
+        self.recent_returns = (self.recent_returns + [float(ret)])[-self.WINDOW :]
 
     @property
     def avg_reward(self) -> float:
         return float(np.mean(self.recent_returns)) if self.recent_returns else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "updates_done": self.updates_done,
-                "env_steps": self.env_steps, "episodes_done": self.episodes_done,
-                "recent_returns": list(self.recent_returns), "last_loss": self.last_loss}
+        return {
+            "global_step": self.global_step,
+            "updates_done": self.updates_done,
+            "env_steps": self.env_steps,
+            "episodes_done": self.episodes_done,
+            "recent_returns": list(self.recent_returns),
+            "last_loss": self.last_loss,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
@@ -256,16 +283,21 @@ class PPOTrainer:
         self.model = ActorCritic(tuple(cfg.hidden_sizes))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, eps=1e-5)
         self.lr_scheduler = torch.optim.lr_scheduler.StepLR(
-            self.optimizer, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma)
-        self.buffer = RolloutBuffer(cfg.steps_per_train_step * cfg.train_steps_per_update,
-                                    cfg.num_envs)
+            self.optimizer, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma
+        )
+        self.buffer = RolloutBuffer(cfg.steps_per_train_step * cfg.train_steps_per_update, cfg.num_envs)
         self.env_state = EnvState(cfg.num_envs, cfg.seed)
         self.progress = TrainingProgress()
 
     def components(self) -> dict[str, Any]:
-        return {"policy": self.model, "optimizer": self.optimizer,
-                "lr_scheduler": self.lr_scheduler, "replay_buffer": self.buffer,
-                "env": self.env_state, "progress": self.progress}
+        return {
+            "policy": self.model,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "replay_buffer": self.buffer,
+            "env": self.env_state,
+            "progress": self.progress,
+        }
 
     @torch.no_grad()
     def _collect(self) -> None:
@@ -277,8 +309,14 @@ class PPOTrainer:
             logprob = dist.log_prob(action)
             value = self.model.get_value(obs_t)
             rewards, dones, finished = self.env_state.step(action.numpy())
-            self.buffer.add(obs=obs, actions=action.numpy(), logprobs=logprob.numpy(),
-                            rewards=rewards, dones=dones, values=value.numpy())
+            self.buffer.add(
+                obs=obs,
+                actions=action.numpy(),
+                logprobs=logprob.numpy(),
+                rewards=rewards,
+                dones=dones,
+                values=value.numpy(),
+            )
             for ret in finished:
                 self.progress.record_episode(ret)
             self.progress.env_steps += self.cfg.num_envs
@@ -307,13 +345,12 @@ class PPOTrainer:
         for _ in range(cfg.epochs):
             perm = torch.randperm(n)  # global torch RNG: restored by the engine's RNGState
             for start in range(0, n, cfg.minibatch_size):
-                idx = perm[start:start + cfg.minibatch_size]
+                idx = perm[start : start + cfg.minibatch_size]
                 dist = self.model.dist(b_obs[idx])
                 ratio = torch.exp(dist.log_prob(b_act[idx]) - b_logp[idx])
                 mb_adv = b_adv[idx]
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                pg_loss = -torch.min(ratio * mb_adv,
-                                     torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip) * mb_adv).mean()
+                pg_loss = -torch.min(ratio * mb_adv, torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip) * mb_adv).mean()
                 v_loss = 0.5 * ((self.model.get_value(b_obs[idx]) - b_ret[idx]) ** 2).mean()
                 loss = pg_loss + cfg.vf_coef * v_loss - cfg.ent_coef * dist.entropy().mean()
                 self.optimizer.zero_grad()
@@ -332,8 +369,7 @@ class PPOTrainer:
         self._collect()
         self.progress.global_step += 1
         loss = self._update() if self.buffer.full else math.nan
-        return {"avg_reward": self.progress.avg_reward, "loss": loss,
-                "global_step": self.progress.global_step}
+        return {"avg_reward": self.progress.avg_reward, "loss": loss, "global_step": self.progress.global_step}
 
     def snapshot_metrics(self) -> dict[str, Any]:
         """The metrics a snapshot records: the last update's loss, not this step's (NaN at a step without an
@@ -341,8 +377,7 @@ class PPOTrainer:
         loss = self.progress.last_loss
         return {"avg_reward": self.progress.avg_reward, **({"loss": loss} if loss is not None else {})}
 
-    def train(self, until_step: int,
-              on_step: Callable[[int, dict[str, Any]], None] | None = None) -> None:
+    def train(self, until_step: int, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         if until_step < self.progress.global_step:
             raise ValueError(f"already at step {self.progress.global_step} > {until_step}")
         while self.progress.global_step < until_step:

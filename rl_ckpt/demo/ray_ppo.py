@@ -59,8 +59,9 @@ class ObsState:
 class RolloutWorker:
     """A Ray actor holding envs; collects experience with the weights it is sent."""
 
-    def __init__(self, index: int, ppo: dict, engine_cfg: dict, manager, participants: list[str],
-                 memory: dict | None = None) -> None:
+    def __init__(
+        self, index: int, ppo: dict, engine_cfg: dict, manager, participants: list[str], memory: dict | None = None
+    ) -> None:
         torch.set_num_threads(1)
         torch.use_deterministic_algorithms(True)
         cfg = PPOConfig(**ppo)
@@ -70,8 +71,9 @@ class RolloutWorker:
         from rl_ckpt.demo.ppo import ActorCritic
 
         self.model = ActorCritic(tuple(cfg.hidden_sizes))
-        self.engine = CheckpointEngine(**engine_cfg, manager=manager, rank=index, world_size=1, role="rollout",
-                                       participants=participants)
+        self.engine = CheckpointEngine(
+            **engine_cfg, manager=manager, rank=index, world_size=1, role="rollout", participants=participants
+        )
         self.tier = memory_tier(self.engine, memory, service=False)
         front = self.tier or self.engine
         front.register("policy", self.model)  # the weights it acts with
@@ -82,8 +84,10 @@ class RolloutWorker:
 
     def _check_ready(self) -> None:
         if not self.ready:
-            raise CheckpointError(f"rollout worker {self.index} was restarted and has not restored its state; "
-                                  "the learners must restore it first (the attempt fails and Ray Train recovers)")
+            raise CheckpointError(
+                f"rollout worker {self.index} was restarted and has not restored its state; "
+                "the learners must restore it first (the attempt fails and Ray Train recovers)"
+            )
 
     @torch.no_grad()
     def collect(self, weights: dict, steps: int, global_step: int) -> dict:
@@ -162,8 +166,10 @@ def last_beat(engine: CheckpointEngine, step: int) -> None:
     import ray
 
     newest = engine.catalog.snapshots()
-    ray.get(engine.manager.heartbeat.remote(engine.participant, step, newest[-1].snapshot_id if newest else None),
-            timeout=60)
+    ray.get(
+        engine.manager.heartbeat.remote(engine.participant, step, newest[-1].snapshot_id if newest else None),
+        timeout=60,
+    )
 
 
 class Learner(PPOTrainer):
@@ -198,9 +204,14 @@ class Learner(PPOTrainer):
         except RayActorError as exc:
             ids = [w._actor_id.hex() for w in self.workers]
             name = self.worker_names[ids.index(exc.actor_id)] if exc.actor_id in ids else "a rollout worker"
-            raise ParticipantFailedError(f"{name} died after step {step}: {type(exc).__name__}: {exc}",
-                                         participant=name, step=step, kind="process_killed", actor_id=exc.actor_id,
-                                         pid=dead_pid(exc)) from exc
+            raise ParticipantFailedError(
+                f"{name} died after step {step}: {type(exc).__name__}: {exc}",
+                participant=name,
+                step=step,
+                kind="process_killed",
+                actor_id=exc.actor_id,
+                pid=dead_pid(exc),
+            ) from exc
 
     def components(self) -> dict[str, Any]:
         parts = super().components()
@@ -211,10 +222,15 @@ class Learner(PPOTrainer):
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         step = self.progress.global_step
         batches = self.call_workers(
-            [w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers], step)
+            [w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers], step
+        )
         for t in range(self.cfg.steps_per_train_step):
-            self.buffer.add(**{k: np.concatenate([b[k][t] for b in batches]) for k in
-                               ("obs", "actions", "logprobs", "rewards", "dones", "values")})
+            self.buffer.add(
+                **{
+                    k: np.concatenate([b[k][t] for b in batches])
+                    for k in ("obs", "actions", "logprobs", "rewards", "dones", "values")
+                }
+            )
         for b in batches:
             for ret in b["finished"]:
                 self.progress.record_episode(ret)
@@ -232,11 +248,15 @@ def learner_loop(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
     k = config["workers_per_learner"]
-    workers = config["workers"][rank * k:(rank + 1) * k]
+    workers = config["workers"][rank * k : (rank + 1) * k]
     ppo = PPOConfig(**{**config["ppo"], "num_envs": config["ppo"]["num_envs"] * k})
     learner = Learner(ppo, workers, [f"rollout-{i}" for i in range(rank * k, (rank + 1) * k)])
-    engine = CheckpointEngine(**config["engine"], manager=config["manager"], participants=config["participants"],
-                              train_config={k2: v for k2, v in config["ppo"].items() if k2 != "seed"})
+    engine = CheckpointEngine(
+        **config["engine"],
+        manager=config["manager"],
+        participants=config["participants"],
+        train_config={k2: v for k2, v in config["ppo"].items() if k2 != "seed"},
+    )
     tier = memory_tier(engine, config.get("memory"))
     front = tier or engine
     for name, component in learner.components().items():
@@ -251,10 +271,19 @@ def learner_loop(config: dict) -> None:
     start = result.global_step
     if rank == 0:
         tier_name = tier.tier_restored if tier is not None else ("durable" if result.snapshot_id else None)
-        _log(config, {"event": "attempt", "restored": result.snapshot_id, "step": start,
-                      "light": result.light_snapshot_id, "workers": worker_restores, "tier": tier_name,
-                      "restore_seconds": restore_seconds,
-                      "plan": str(result.plan) if result.plan is not None else ""})
+        _log(
+            config,
+            {
+                "event": "attempt",
+                "restored": result.snapshot_id,
+                "step": start,
+                "light": result.light_snapshot_id,
+                "workers": worker_restores,
+                "tier": tier_name,
+                "restore_seconds": restore_seconds,
+                "plan": str(result.plan) if result.plan is not None else "",
+            },
+        )
     scheduler = engine.scheduler(start_step=start) if tier is None else None  # with the tier: memory saves only
     crash = config.get("crash")
     while learner.progress.global_step < config["steps"]:
@@ -281,8 +310,10 @@ def learner_loop(config: dict) -> None:
             for w in workers:
                 w.save.remote(step, handle.kind)
         if rank == 0:
-            _log(config, {"event": "step", "step": step, "loss": _num(metrics["loss"]),
-                          "avg_reward": metrics["avg_reward"]})
+            _log(
+                config,
+                {"event": "step", "step": step, "loss": _num(metrics["loss"]), "avg_reward": metrics["avg_reward"]},
+            )
         if step % config.get("report_every", 10) == 0 or step == config["steps"]:
             report({"avg_reward": metrics["avg_reward"], "step": step}, engine)
     if tier is not None:
@@ -291,8 +322,15 @@ def learner_loop(config: dict) -> None:
         scheduler.close()
     if rank == 0:
         digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in learner.model.state_dict().values())).hexdigest()
-        _log(config, {"event": "done", "step": learner.progress.global_step, "digest": digest,
-                      "avg_reward": learner.progress.avg_reward})
+        _log(
+            config,
+            {
+                "event": "done",
+                "step": learner.progress.global_step,
+                "digest": digest,
+                "avg_reward": learner.progress.avg_reward,
+            },
+        )
     front.close()
 
 
@@ -325,10 +363,22 @@ class RunResult:
         return {m["step"]: m["loss"] for m in self.log if m["event"] == "step"}
 
 
-def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_per_learner: int = 1,
-        crash_at: int | None = None, crash_target: str = "learner", seed: int = 0, engine_cfg: dict | None = None,
-        ppo: dict | None = None, log_dir: str | None = None, max_failures: int = 2,
-        memory_tier: bool = False) -> RunResult:
+def run(
+    *,
+    base_dir: str,
+    run_name: str,
+    steps: int,
+    learners: int = 2,
+    workers_per_learner: int = 1,
+    crash_at: int | None = None,
+    crash_target: str = "learner",
+    seed: int = 0,
+    engine_cfg: dict | None = None,
+    ppo: dict | None = None,
+    log_dir: str | None = None,
+    max_failures: int = 2,
+    memory_tier: bool = False,
+) -> RunResult:
     """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle.
 
     ``memory_tier``: memory snapshots (``MEMORY_DEFAULTS`` unless ``engine_cfg`` sets the ``memory_*`` keys)
@@ -343,37 +393,67 @@ def run(*, base_dir: str, run_name: str, steps: int, learners: int = 2, workers_
     from rl_ckpt.integrations.ray_train import CheckpointCallback
 
     started = time.monotonic()
-    engine_cfg = {"base_dir": base_dir, "run_name": run_name, "save_interval_steps": 10, "save_interval_seconds": None,
-                  "light_interval_steps": 0, "keep_latest": 3, "keep_best": 1, "commit_timeout_seconds": 20.0,
-                  **(MEMORY_DEFAULTS if memory_tier else {}), **(engine_cfg or {})}
+    engine_cfg = {
+        "base_dir": base_dir,
+        "run_name": run_name,
+        "save_interval_steps": 10,
+        "save_interval_seconds": None,
+        "light_interval_steps": 0,
+        "keep_latest": 3,
+        "keep_best": 1,
+        "commit_timeout_seconds": 20.0,
+        **(MEMORY_DEFAULTS if memory_tier else {}),
+        **(engine_cfg or {}),
+    }
     # Per learner: 4 envs and minibatches of 128; the two ranks' gradients are averaged (256 per update step).
     ppo = {**dataclasses.asdict(PPOConfig(seed=seed, num_envs=4, minibatch_size=128)), **(ppo or {})}
     ppo["hidden_sizes"] = list(ppo["hidden_sizes"])
     manager = CheckpointManager.get_or_create(
-        run_name=run_name, base_dir=base_dir,
-        config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")})
+        run_name=run_name,
+        base_dir=base_dir,
+        config={k: v for k, v in engine_cfg.items() if k not in ("base_dir", "run_name")},
+    )
     n_workers = learners * workers_per_learner
     participants = [f"learner-{r}" for r in range(learners)] + [f"rollout-{i}" for i in range(n_workers)]
     memory = start_memory_tier(engine_cfg) if memory_tier else None
     worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
-    workers = [worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True)
-               .remote(i, ppo, engine_cfg, manager, participants, memory) for i in range(n_workers)]
+    workers = [
+        worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True).remote(
+            i, ppo, engine_cfg, manager, participants, memory
+        )
+        for i in range(n_workers)
+    ]
     log_dir = log_dir or base_dir
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"{run_name}.log.jsonl")
-    config = {"engine": engine_cfg, "ppo": ppo, "manager": manager, "workers": workers,
-              "workers_per_learner": workers_per_learner, "participants": participants, "steps": steps,
-              "log": log_path, "memory": memory}
+    config = {
+        "engine": engine_cfg,
+        "ppo": ppo,
+        "manager": manager,
+        "workers": workers,
+        "workers_per_learner": workers_per_learner,
+        "participants": participants,
+        "steps": steps,
+        "log": log_path,
+        "memory": memory,
+    }
     if crash_at is not None:
-        config["crash"] = {"step": crash_at, "target": crash_target,
-                           "marker": os.path.join(log_dir, f"{run_name}.crashed")}
+        config["crash"] = {
+            "step": crash_at,
+            "target": crash_target,
+            "marker": os.path.join(log_dir, f"{run_name}.crashed"),
+        }
     trainer = TorchTrainer(
-        learner_loop, train_loop_config=config,
+        learner_loop,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=learners, use_gpu=False, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(name=run_name, storage_path=os.path.join(log_dir, "ray_results"),
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             callbacks=[CheckpointCallback(run_name=run_name)]),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=os.path.join(log_dir, "ray_results"),
+            failure_config=FailureConfig(max_failures=max_failures),
+            callbacks=[CheckpointCallback(run_name=run_name)],
+        ),
     )
     trainer.fit()
     ray.get([w.close.remote() for w in workers])  # finished, not lost

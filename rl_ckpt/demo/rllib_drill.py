@@ -33,9 +33,13 @@ def ppo_config(cfg: dict):
     from rl_ckpt.integrations.rllib import checkpoint_callback
 
     config = (
-        PPOConfig().environment("CartPole-v1")
-        .env_runners(num_env_runners=2, num_envs_per_env_runner=1,
-                     env_to_module_connector=lambda env, spaces, device: MeanStdFilter())
+        PPOConfig()
+        .environment("CartPole-v1")
+        .env_runners(
+            num_env_runners=2,
+            num_envs_per_env_runner=1,
+            env_to_module_connector=lambda env, spaces, device: MeanStdFilter(),
+        )
         .training(train_batch_size_per_learner=cfg.get("batch", 256), minibatch_size=64, num_epochs=2)
         .debugging(seed=cfg.get("seed", 0), log_level="ERROR")
         .fault_tolerance(restart_failed_env_runners=True)
@@ -45,10 +49,17 @@ def ppo_config(cfg: dict):
 
         config = config.rl_module(model_config=DefaultModelConfig(fcnet_hiddens=list(cfg["hidden"])))
     if cfg.get("run_name"):
-        config = config.callbacks(checkpoint_callback(
-            base_dir=cfg["base_dir"], run_name=cfg["run_name"], save_interval_steps=cfg.get("every", 2),
-            save_interval_seconds=0, keep_latest=cfg.get("keep_latest", 5), keep_best=1,
-            resume=cfg.get("resume", True)))
+        config = config.callbacks(
+            checkpoint_callback(
+                base_dir=cfg["base_dir"],
+                run_name=cfg["run_name"],
+                save_interval_steps=cfg.get("every", 2),
+                save_interval_seconds=0,
+                keep_latest=cfg.get("keep_latest", 5),
+                keep_best=1,
+                resume=cfg.get("resume", True),
+            )
+        )
     return config
 
 
@@ -128,10 +139,13 @@ def runners_have_learner_weights(algo) -> list[bool]:
                 return False
         return True
 
-    states = algo.env_runner_group.foreach_env_runner(lambda r: r.get_state(components="rl_module")["rl_module"],
-                                                      local_env_runner=False)
-    return [same(s if isinstance(s, dict) and all(isinstance(v, dict) for v in s.values()) else {"default_policy": s})
-            for s in states]
+    states = algo.env_runner_group.foreach_env_runner(
+        lambda r: r.get_state(components="rl_module")["rl_module"], local_env_runner=False
+    )
+    return [
+        same(s if isinstance(s, dict) and all(isinstance(v, dict) for v in s.values()) else {"default_policy": s})
+        for s in states
+    ]
 
 
 def flip_byte(path: str) -> None:
@@ -164,18 +178,29 @@ def driver(cfg: dict) -> None:
     algo = ppo_config(cfg).build_algo()
     cp = checkpointing(algo) if cfg.get("run_name") else None  # none: the uninterrupted reference run
     restored = cp.restored if cp is not None else None
-    log(event="built", seconds=time.perf_counter() - t0, iteration=algo.training_iteration,
+    log(
+        event="built",
+        seconds=time.perf_counter() - t0,
+        iteration=algo.training_iteration,
         restored=None if restored is None or restored.fresh else restored.snapshot_id,
         restored_step=0 if restored is None or restored.fresh else restored.global_step,
         plan=str(restored.plan) if restored is not None and restored.plan is not None else "",
         restore_seconds=cp.restore_seconds if cp is not None else None,
-        learner=digest(learner_state(algo)), connectors=digest(connector_state(algo)), pids=runner_pids(algo),
-        runner_weights=runners_have_learner_weights(algo))
+        learner=digest(learner_state(algo)),
+        connectors=digest(connector_state(algo)),
+        pids=runner_pids(algo),
+        runner_weights=runners_have_learner_weights(algo),
+    )
     if cfg.get("rllib_path") and restored is not None and not restored.fresh:  # RLlib's own restore, same check
         t = time.perf_counter()
         algo.restore_from_path(os.path.join(cfg["rllib_path"], str(restored.global_step)))
-        log(event="rllib_restored", seconds=time.perf_counter() - t, iteration=algo.training_iteration,
-            learner=digest(learner_state(algo)), connectors=digest(connector_state(algo)))
+        log(
+            event="rllib_restored",
+            seconds=time.perf_counter() - t,
+            iteration=algo.training_iteration,
+            learner=digest(learner_state(algo)),
+            connectors=digest(connector_state(algo)),
+        )
     while algo.training_iteration < cfg["until"]:
         t = time.perf_counter()
         algo.train()
@@ -185,18 +210,31 @@ def driver(cfg: dict) -> None:
             s = time.perf_counter()
             algo.save_to_path(os.path.join(cfg["rllib_path"], str(it)))
             rllib_blocked = time.perf_counter() - s
-        log(event="iter", iteration=it, seconds=time.perf_counter() - t, rl_ckpt_blocked=list(cp.blocked) if cp else [],
-            rllib_blocked=rllib_blocked, learner=digest(learner_state(algo)),
-            connectors=digest(connector_state(algo)), pids=runner_pids(algo), runner_connectors=runner_connectors(algo),
-            local_connector=local_connector(algo))
+        log(
+            event="iter",
+            iteration=it,
+            seconds=time.perf_counter() - t,
+            rl_ckpt_blocked=list(cp.blocked) if cp else [],
+            rllib_blocked=rllib_blocked,
+            learner=digest(learner_state(algo)),
+            connectors=digest(connector_state(algo)),
+            pids=runner_pids(algo),
+            runner_connectors=runner_connectors(algo),
+            local_connector=local_connector(algo),
+        )
         if it == cfg.get("kill_runner_at"):
             pid = runner_pids(algo)[0]
             os.kill(pid, signal.SIGKILL)
             log(event="runner_killed", iteration=it, pid=pid)
             _wait_for_replacement(algo, pid)
-            log(event="runner_replaced", iteration=algo.training_iteration, pids=runner_pids(algo),
-                connectors=digest(connector_state(algo)), runner_connectors=runner_connectors(algo),
-                local_connector=local_connector(algo))
+            log(
+                event="runner_replaced",
+                iteration=algo.training_iteration,
+                pids=runner_pids(algo),
+                connectors=digest(connector_state(algo)),
+                runner_connectors=runner_connectors(algo),
+                local_connector=local_connector(algo),
+            )
         if it == cfg.get("stop_at"):
             cp.engine.wait()  # the save in flight lands: the snapshot the restart should pick is deterministic
             log(event="ready", iteration=it)
@@ -209,9 +247,16 @@ def driver(cfg: dict) -> None:
         # A rollback of the live Algorithm (its learner is ahead of the snapshot); deep: the plan re-hashes the
         # candidates and says why it skips one.
         result = restore_algorithm(algo, cp.engine, out=None, deep=True)
-        log(event="fallback", corrupted=newest.snapshot_id, restored=result.snapshot_id,
-            restored_step=result.global_step, skipped=result.skipped, plan=str(result.plan),
-            learner=digest(learner_state(algo)), runner_weights=runners_have_learner_weights(algo))
+        log(
+            event="fallback",
+            corrupted=newest.snapshot_id,
+            restored=result.snapshot_id,
+            restored_step=result.global_step,
+            skipped=result.skipped,
+            plan=str(result.plan),
+            learner=digest(learner_state(algo)),
+            runner_weights=runners_have_learner_weights(algo),
+        )
         if cfg.get("rllib_path"):  # the same flipped byte in RLlib's newest checkpoint
             log(event="rllib_corrupt", **rllib_corrupt(algo, cfg["rllib_path"], newest.global_step))
     if cp is not None:
@@ -231,8 +276,11 @@ def rllib_corrupt(algo, rllib_path: str, iteration: int) -> dict:
         algo.restore_from_path(folder)
     except Exception as exc:  # what RLlib raises on a damaged file is the figure
         return {"file": os.path.relpath(target, folder), "outcome": f"raised {type(exc).__name__}: {str(exc)[:200]}"}
-    return {"file": os.path.relpath(target, folder), "outcome": "loaded without error",
-            "learner": digest(learner_state(algo))}
+    return {
+        "file": os.path.relpath(target, folder),
+        "outcome": "loaded without error",
+        "learner": digest(learner_state(algo)),
+    }
 
 
 def _wait_for_replacement(algo, dead_pid: int, timeout: float = 300) -> None:
@@ -254,8 +302,12 @@ def run_driver(cfg: dict, *, kill_when_ready: bool = False, timeout: float = 600
     ``ready``. Returns the events it logged."""
     start = _read_log(cfg["log"])
     errors = open(cfg["log"] + ".stderr", "ab")  # a file, not a pipe: Ray's chatter must never block the driver
-    proc = subprocess.Popen([sys.executable, "-m", "rl_ckpt.demo.rllib_drill", json.dumps(cfg)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=errors)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rl_ckpt.demo.rllib_drill", json.dumps(cfg)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=errors,
+    )
     try:
         if kill_when_ready:
             _wait_for(cfg["log"], len(start), "ready", proc, timeout)
@@ -275,7 +327,7 @@ def run_driver(cfg: dict, *, kill_when_ready: bool = False, timeout: float = 600
                 os.killpg(proc.pid, signal.SIGKILL)  # Ray processes the driver started, if any outlived it
             except ProcessLookupError:
                 pass
-    return _read_log(cfg["log"])[len(start):]
+    return _read_log(cfg["log"])[len(start) :]
 
 
 def _read_log(path: str) -> list[dict]:

@@ -36,12 +36,19 @@ def run_demo(base: str, seed: int = 0) -> tuple[str, bool]:
     common = dict(base_dir=base, seed=seed, every=EVERY, rllib_save_every=EVERY, rllib_path=os.path.join(base, "rllib"))
     print(f"1/3 uninterrupted reference run, {UNTIL} iterations ...", file=sys.stderr)
     ref = run_driver(dict(base_dir=base, seed=seed, log=os.path.join(base, "reference.jsonl"), until=UNTIL))
-    print(f"2/3 run with rl_ckpt and RLlib checkpoints every {EVERY} iterations; SIGKILL of an EnvRunner at "
-          f"{KILL_RUNNER_AT}, of the driver at {KILL_DRIVER_AT} ...", file=sys.stderr)
-    first = run_driver(dict(common, run_name="ppo", log=log, until=UNTIL, kill_runner_at=KILL_RUNNER_AT,
-                            stop_at=KILL_DRIVER_AT), kill_when_ready=True)
-    print("3/3 the script re-run: restore, train to the end, then a flipped byte in each newest checkpoint ...",
-          file=sys.stderr)
+    print(
+        f"2/3 run with rl_ckpt and RLlib checkpoints every {EVERY} iterations; SIGKILL of an EnvRunner at "
+        f"{KILL_RUNNER_AT}, of the driver at {KILL_DRIVER_AT} ...",
+        file=sys.stderr,
+    )
+    first = run_driver(
+        dict(common, run_name="ppo", log=log, until=UNTIL, kill_runner_at=KILL_RUNNER_AT, stop_at=KILL_DRIVER_AT),
+        kill_when_ready=True,
+    )
+    print(
+        "3/3 the script re-run: restore, train to the end, then a flipped byte in each newest checkpoint ...",
+        file=sys.stderr,
+    )
     second = run_driver(dict(common, run_name="ppo", log=log, until=UNTIL, corrupt_newest=True))
     return side_by_side(base, ref, first, second)
 
@@ -89,26 +96,48 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
         row("", "rl_ckpt (CheckpointCallback)", "RLlib save_to_path"),
         row("checkpoint every", f"{EVERY} iterations", f"{EVERY} iterations"),
         row("train() blocked per checkpoint", med(ours_blocked), med(theirs_blocked)),
-        row(f"checkpoint of iteration {step}", f"{human_bytes(snap_bytes)}, {snap_files} files",
-            f"{human_bytes(rl_bytes)}, {rl_files} files ({rl_pickles} pickles)"),
-        row("restore time", f"{built['restore_seconds']:.3f} s (fresh Algorithm)",
-            f"{theirs['seconds']:.3f} s"),
-        row("state right after restore", f"{yes(ours_exact)} (bitwise = iteration {step})",
-            f"{yes(theirs_exact)} (bitwise = iteration {step})"),
-        row(f"iteration {UNTIL} = uninterrupted run", yes(final_equal),
-            yes(final_equal) + " (the same run: both restores gave the same bits)"),
+        row(
+            f"checkpoint of iteration {step}",
+            f"{human_bytes(snap_bytes)}, {snap_files} files",
+            f"{human_bytes(rl_bytes)}, {rl_files} files ({rl_pickles} pickles)",
+        ),
+        row("restore time", f"{built['restore_seconds']:.3f} s (fresh Algorithm)", f"{theirs['seconds']:.3f} s"),
+        row(
+            "state right after restore",
+            f"{yes(ours_exact)} (bitwise = iteration {step})",
+            f"{yes(theirs_exact)} (bitwise = iteration {step})",
+        ),
+        row(
+            f"iteration {UNTIL} = uninterrupted run",
+            yes(final_equal),
+            yes(final_equal) + " (the same run: both restores gave the same bits)",
+        ),
         row("checksums / atomic commit / pickle", "yes / yes / none", f"no / no / {rl_pickles} .pkl files"),
-        row(f"a flipped byte in iteration {UNTIL}'s file",
+        row(
+            f"a flipped byte in iteration {UNTIL}'s file",
             f"refused (checksum), restored step {fb['restored_step']}",
-            broken["outcome"] + ("; other weights than saved" if theirs_silent else "")),
+            broken["outcome"] + ("; other weights than saved" if theirs_silent else ""),
+        ),
     ]
     if not final_equal:
-        lines.append(f"  (the resumed run first differs from the uninterrupted one at iteration {first_diff}: neither "
-                     "checkpoint holds the EnvRunners' in-flight episodes and random streams, so the restored run "
-                     "samples fresh episodes; see docs/rllib.md)")
-    lines += ["", "Recovery plan printed by the re-run script:", built["plan"], "",
-              "Plan after the flipped byte:", fb["plan"]]
-    ok = ours_exact and runner_ok and fb["restored"] == f"step_{UNTIL - EVERY:09d}" and \
-        fb["learner"] == after[UNTIL - EVERY]["learner"] and \
-        built["runner_weights"] == fb["runner_weights"] == [True] * 2  # EnvRunners hold the restored weights
+        lines.append(
+            f"  (the resumed run first differs from the uninterrupted one at iteration {first_diff}: neither "
+            "checkpoint holds the EnvRunners' in-flight episodes and random streams, so the restored run "
+            "samples fresh episodes; see docs/rllib.md)"
+        )
+    lines += [
+        "",
+        "Recovery plan printed by the re-run script:",
+        built["plan"],
+        "",
+        "Plan after the flipped byte:",
+        fb["plan"],
+    ]
+    ok = (
+        ours_exact
+        and runner_ok
+        and fb["restored"] == f"step_{UNTIL - EVERY:09d}"
+        and fb["learner"] == after[UNTIL - EVERY]["learner"]
+        and built["runner_weights"] == fb["runner_weights"] == [True] * 2
+    )  # EnvRunners hold the restored weights
     return "\n".join(lines), ok

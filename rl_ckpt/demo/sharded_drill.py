@@ -35,10 +35,20 @@ class DrillReport:
         return not self.problems
 
 
-def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners: int = 2, restart_learners: int = 1,
-                save_every: int = 2, grpo: GRPOConfig | None = None, n_actors: int = 2,
-                run_name: str = "grpo_gpt2", memory_tier: dict | None = None,
-                actors: list | None = None) -> DrillReport:
+def crash_drill(
+    base_dir: str,
+    *,
+    steps: int = 40,
+    crash_at: int = 17,
+    learners: int = 2,
+    restart_learners: int = 1,
+    save_every: int = 2,
+    grpo: GRPOConfig | None = None,
+    n_actors: int = 2,
+    run_name: str = "grpo_gpt2",
+    memory_tier: dict | None = None,
+    actors: list | None = None,
+) -> DrillReport:
     """Train on ``learners`` FSDP2 ranks, SIGKILL the last one at ``crash_at``, restart on ``restart_learners``.
 
     ``save_every``: durable snapshots by the learners. ``memory_tier``: the ``memory_*`` config keys
@@ -60,7 +70,8 @@ def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners:
             failed = exc  # the attempt failed with its learner: what the drill is for
         if not os.path.exists(run.log) or not any(e["event"] == "kill" for e in run.events()):
             raise RuntimeError(
-                f"the first attempt ended without the planned SIGKILL of a learner: {failed}") from failed
+                f"the first attempt ended without the planned SIGKILL of a learner: {failed}"
+            ) from failed
         run.fit(restart_learners, steps, save_every=save_every)
         status = run.memory_status(flush_newest=True)
         return summarize(run, learners, restart_learners, steps, save_every, status)
@@ -68,9 +79,19 @@ def crash_drill(base_dir: str, *, steps: int = 40, crash_at: int = 17, learners:
         run.close()
 
 
-def side_by_side(base_dir: str, *, steps: int = 40, crash_at: int = 18, learners: int = 2, restart_learners: int = 1,
-                 save_every: int = 6, memory_tier: dict | None = None, grpo: GRPOConfig | None = None,
-                 n_actors: int = 2, run_name: str = "grpo_gpt2") -> DrillReport:
+def side_by_side(
+    base_dir: str,
+    *,
+    steps: int = 40,
+    crash_at: int = 18,
+    learners: int = 2,
+    restart_learners: int = 1,
+    save_every: int = 6,
+    memory_tier: dict | None = None,
+    grpo: GRPOConfig | None = None,
+    n_actors: int = 2,
+    run_name: str = "grpo_gpt2",
+) -> DrillReport:
     """The drill durable-only (a snapshot every ``save_every`` steps), then with the memory tier (``memory_tier``,
     default ``MEMORY_DEFAULTS``: a memory snapshot every 2 steps, a durable copy of every 3rd), on one set of
     rollout actors; the report holds both drills and the comparison table."""
@@ -80,28 +101,42 @@ def side_by_side(base_dir: str, *, steps: int = 40, crash_at: int = 18, learners
     grpo = grpo or GRPOConfig()
     actors = start_actors(grpo, n_actors)
     try:
-        common = {"steps": steps, "crash_at": crash_at, "learners": learners, "restart_learners": restart_learners,
-                  "save_every": save_every, "grpo": grpo, "actors": actors}
+        common = {
+            "steps": steps,
+            "crash_at": crash_at,
+            "learners": learners,
+            "restart_learners": restart_learners,
+            "save_every": save_every,
+            "grpo": grpo,
+            "actors": actors,
+        }
         durable = crash_drill(base_dir, run_name=run_name, **common)
         memory = crash_drill(base_dir, run_name=f"{run_name}_memory", memory_tier=memory_tier, **common)
     finally:
         for a in actors:
             ray.kill(a)
     d, m = durable.figures, memory.figures
-    table = memory_comparison(d, m, None, None, memory_tier["memory_interval_steps"],
-                              memory_tier.get("memory_flush_every"), m["flushed"])
+    table = memory_comparison(
+        d, m, None, None, memory_tier["memory_interval_steps"], memory_tier.get("memory_flush_every"), m["flushed"]
+    )
     problems = [f"durable drill: {p}" for p in durable.problems] + [f"memory drill: {p}" for p in memory.problems]
     if m["tier"] != "memory":
         problems.append(f"the memory drill restored from {m['tier']}, not from memory")
     if not m["steps_lost"] <= d["steps_lost"]:
         problems.append(f"the memory tier lost more steps than durable-only: {m['steps_lost']} > {d['steps_lost']}")
-    text = "\n\n".join([durable.text, memory.text, table + f"\n  consistent           "
-                        f"{'YES' if not problems else 'NO: ' + '; '.join(problems)}"])
+    text = "\n\n".join(
+        [
+            durable.text,
+            memory.text,
+            table + f"\n  consistent           {'YES' if not problems else 'NO: ' + '; '.join(problems)}",
+        ]
+    )
     return DrillReport(text, {"durable": d, "memory": m}, problems)
 
 
-def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_every: int,
-              memory_status: dict | None = None) -> DrillReport:
+def summarize(
+    run: Run, learners: int, restart_learners: int, steps: int, save_every: int, memory_status: dict | None = None
+) -> DrillReport:
     """The drill's figures, from the event log and the snapshots, checked against each other."""
     from rl_ckpt.storage import open_storage
     from rl_ckpt.timeline import load
@@ -130,47 +165,83 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
     memory = run.memory["cfg"] if run.memory else None
     flushed = sorted((memory_status or {}).get("flushed", []))  # durable copies the service made from memory
     tier = resumed.get("tier")
-    figures = {"saved_world": saved_by.get("world_size"), "learners": learners, "restart_world": resumed["world"],
-               "killed_rank": kill["rank"], "kill_step": kill["last_done"], "restored": resumed["restored"],
-               "restored_step": resumed["step"], "plan_target": resumed["target"], "plan_continue": resumed["continue"],
-               "newest_before_kill": newest_before_kill, "steps_redone": redone, "downtime_s": downtime,
-               "first_step_after": after[0]["step"] if after else None, "first_reward": first, "final_reward": final,
-               "final_step": done["step"] if done else None, "layout": resumed["layout"], "weight_loads": loads,
-               "version_bytes_full": moved["full"], "version_bytes_delta": moved["delta"],
-               "version_pulls": moved["pulls"],
-               "flushed": flushed,
-               # The names figures.memory_comparison reads (the same figures).
-               "tier": tier, "snapshot": resumed["restored"], "crash_step": kill["last_done"], "steps_lost": redone,
-               "restore_seconds": resumed.get("restore_seconds", float("nan")), "kill_to_first_step": downtime,
-               "audit": {k: audit[k] for k in AUDIT_KEYS} if audit else None}
+    figures = {
+        "saved_world": saved_by.get("world_size"),
+        "learners": learners,
+        "restart_world": resumed["world"],
+        "killed_rank": kill["rank"],
+        "kill_step": kill["last_done"],
+        "restored": resumed["restored"],
+        "restored_step": resumed["step"],
+        "plan_target": resumed["target"],
+        "plan_continue": resumed["continue"],
+        "newest_before_kill": newest_before_kill,
+        "steps_redone": redone,
+        "downtime_s": downtime,
+        "first_step_after": after[0]["step"] if after else None,
+        "first_reward": first,
+        "final_reward": final,
+        "final_step": done["step"] if done else None,
+        "layout": resumed["layout"],
+        "weight_loads": loads,
+        "version_bytes_full": moved["full"],
+        "version_bytes_delta": moved["delta"],
+        "version_pulls": moved["pulls"],
+        "flushed": flushed,
+        # The names figures.memory_comparison reads (the same figures).
+        "tier": tier,
+        "snapshot": resumed["restored"],
+        "crash_step": kill["last_done"],
+        "steps_lost": redone,
+        "restore_seconds": resumed.get("restore_seconds", float("nan")),
+        "kill_to_first_step": downtime,
+        "audit": {k: audit[k] for k in AUDIT_KEYS} if audit else None,
+    }
     problems = []
-    expect = [("the snapshot was saved by the first attempt's learners", saved_by.get("world_size"), learners),
-              ("the restart ran on the requested learners", resumed["world"], restart_learners),
-              ("the plan's target is the snapshot restored", resumed["target"], resumed["restored"]),
-              ("the plan continues from the restored step", resumed["continue"], resumed["step"]),
-              ("the restored snapshot is the newest committed before the kill", newest_before_kill, resumed["step"]),
-              ("the first step after the restart follows the restored one", figures["first_step_after"],
-               resumed["step"] + 1),
-              ("the run finished", figures["final_step"], steps)]
+    expect = [
+        ("the snapshot was saved by the first attempt's learners", saved_by.get("world_size"), learners),
+        ("the restart ran on the requested learners", resumed["world"], restart_learners),
+        ("the plan's target is the snapshot restored", resumed["target"], resumed["restored"]),
+        ("the plan continues from the restored step", resumed["continue"], resumed["step"]),
+        ("the restored snapshot is the newest committed before the kill", newest_before_kill, resumed["step"]),
+        ("the first step after the restart follows the restored one", figures["first_step_after"], resumed["step"] + 1),
+        ("the run finished", figures["final_step"], steps),
+    ]
     if audit:
-        expect += [("no prompt skipped", audit["skipped"], 0), ("no prompt trained on twice", audit["duplicated"], 0),
-                   ("the auditor's log agrees with its snapshot",
-                    {k: audit["replayed"][k] for k in AUDIT_KEYS}, figures["audit"]),
-                   ("every step's prompts trained on", audit["consumed"], steps * run.grpo.prompts_per_step)]
+        expect += [
+            ("no prompt skipped", audit["skipped"], 0),
+            ("no prompt trained on twice", audit["duplicated"], 0),
+            (
+                "the auditor's log agrees with its snapshot",
+                {k: audit["replayed"][k] for k in AUDIT_KEYS},
+                figures["audit"],
+            ),
+            ("every step's prompts trained on", audit["consumed"], steps * run.grpo.prompts_per_step),
+        ]
     else:
         problems.append("the learners reported no audit")
     if memory:
         expect.append(("the restart restored from memory", tier, "memory"))
-        expect.append(("the final snapshot has a durable copy made from memory", flushed[-1] if flushed else None,
-                       f"step_{steps:09d}"))
+        expect.append(
+            (
+                "the final snapshot has a durable copy made from memory",
+                flushed[-1] if flushed else None,
+                f"step_{steps:09d}",
+            )
+        )
     problems += [f"{what}: {got} != {want}" for what, got, want in expect if got != want]
     if f"saved by {learners} ranks as FSDP({learners}) -> restored on {restart_learners} rank" not in resumed["layout"]:
-        problems.append(f"the plan's layout line does not name FSDP({learners}) -> {restart_learners}: "
-                        f"{resumed['layout']!r}")
+        problems.append(
+            f"the plan's layout line does not name FSDP({learners}) -> {restart_learners}: {resumed['layout']!r}"
+        )
     if redone < 0 or not downtime > 0:
         problems.append(f"time lost is negative: {redone} steps, {downtime} s")
-    cadence = (f"a memory snapshot every {memory['memory_interval_steps']} steps, a durable copy of one in "
-               f"{memory['memory_flush_every']} made from memory" if memory else f"a snapshot every {save_every} steps")
+    cadence = (
+        f"a memory snapshot every {memory['memory_interval_steps']} steps, a durable copy of one in "
+        f"{memory['memory_flush_every']} made from memory"
+        if memory
+        else f"a snapshot every {save_every} steps"
+    )
     lines = [
         "rl_ckpt demo --sharded: GRPO on a tiny GPT-2, FSDP2 learners on Ray Train, SIGKILL, restart on fewer learners"
         + (", memory tier" if memory else ", durable snapshots only"),
@@ -183,22 +254,31 @@ def summarize(run: Run, learners: int, restart_learners: int, steps: int, save_e
         f"  restored           {resumed['restored']} (step {resumed['step']}) on {resumed['world']} learner(s), "
         f"from {tier or '-'} in {figures['restore_seconds']:.2f} s",
         f"  time lost          {redone} step{'' if redone == 1 else 's'} redone"
-        + (f" (steps {resumed['step'] + 1}..{kill['last_done']})" if redone > 0 else "") + "; "
+        + (f" (steps {resumed['step'] + 1}..{kill['last_done']})" if redone > 0 else "")
+        + "; "
         f"{downtime:.1f} s from the kill to the first step after the restart",
     ]
     if memory:
         lines.append(f"  durable copies     {', '.join(flushed) or 'none'} (made from memory by the service)")
     lines += [
         f"  reward             {first:.3f} at step 1 -> {final:.3f} at step {figures['final_step']}"
-        if first is not None and final is not None else "  reward             -",
+        if first is not None and final is not None
+        else "  reward             -",
         f"  rollout actors     {len(run.actors)}, {loads} weight loads"
-        + (f": policy versions pulled, {moved['full'] / 2**20:.1f} MiB full (first pulls) + "
-           f"{moved['delta'] / 2**20:.1f} MiB delta (changed chunks only) in {moved['pulls']} pulls"
-           if moved["pulls"] else " of full weights from snapshots (one call each)"),
+        + (
+            f": policy versions pulled, {moved['full'] / 2**20:.1f} MiB full (first pulls) + "
+            f"{moved['delta'] / 2**20:.1f} MiB delta (changed chunks only) in {moved['pulls']} pulls"
+            if moved["pulls"]
+            else " of full weights from snapshots (one call each)"
+        ),
         f"  data               {run.grpo.dataset_size} prompts (a Hugging Face dataset), a PromptSampler's order; "
-        + (f"{audit['consumed']} trained on over {audit['epochs']} complete epoch(s): skipped {audit['skipped']}, "
-           f"duplicated {audit['duplicated']}, resumed in flight {audit['resumed_in_flight']} (rollouts are "
-           "synchronous here: none is in flight at a snapshot)" if audit else "no audit"),
+        + (
+            f"{audit['consumed']} trained on over {audit['epochs']} complete epoch(s): skipped {audit['skipped']}, "
+            f"duplicated {audit['duplicated']}, resumed in flight {audit['resumed_in_flight']} (rollouts are "
+            "synchronous here: none is in flight at a snapshot)"
+            if audit
+            else "no audit"
+        ),
         f"  consistent         {'YES' if not problems else 'NO: ' + '; '.join(problems)}",
         "",
         "Recovery plan followed by the restarted learner(s):",

@@ -67,8 +67,12 @@ class RolloutActor:
         key = f"{source['base_dir'].rstrip('/')}/{source['run_name']}"
         if key not in self.engines:
             options = source.get("storage_options")
-            self.engines[key] = CheckpointEngine(base_dir=source["base_dir"], run_name=source["run_name"],
-                                                 retention=False, **({"storage_options": options} if options else {}))
+            self.engines[key] = CheckpointEngine(
+                base_dir=source["base_dir"],
+                run_name=source["run_name"],
+                retention=False,
+                **({"storage_options": options} if options else {}),
+            )
         return self.engines[key]
 
     def rollout(self, source: dict, snapshot_id: str, step: int, indices: list[int]) -> dict:
@@ -133,7 +137,7 @@ def actors_of(rank: int, world: int, n_actors: int) -> list[int]:
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:
-    return [items[i * len(items) // parts:(i + 1) * len(items) // parts] for i in range(parts)]
+    return [items[i * len(items) // parts : (i + 1) * len(items) // parts] for i in range(parts)]
 
 
 def log_event(path: str, msg: dict) -> None:
@@ -172,8 +176,14 @@ def learner_loop(config: dict) -> None:
     progress = Progress()
     memory = config.get("memory")
     options = {"storage_options": config["storage_options"]} if config.get("storage_options") else {}
-    engine = CheckpointEngine(base_dir=config["base_dir"], run_name=config["run_name"], manager=config["manager"],
-                              train_config=cfg.to_json(), **options, **(memory["cfg"] if memory else {}))
+    engine = CheckpointEngine(
+        base_dir=config["base_dir"],
+        run_name=config["run_name"],
+        manager=config["manager"],
+        train_config=cfg.to_json(),
+        **options,
+        **(memory["cfg"] if memory else {}),
+    )
     tier = None
     if memory:
         from rl_ckpt.integrations.memory_tier import MemoryTier
@@ -220,25 +230,37 @@ def learner_loop(config: dict) -> None:
             storage = tier.memory.storage if tier_name == "memory" else engine.storage
             section = read_manifest(storage, result.snapshot_id).components.get("policy") or {}
             saved_by = (section.get("layout") or {}).get("saved_by", {})
-        log_event(config["log"], {"event": "attempt", "world": world, "restored": result.snapshot_id, "step": start,
-                                  "tier": tier_name, "restore_seconds": restore_seconds,
-                                  "target": plan.target if plan else None,
-                                  "continue": plan.continue_from_step if plan else None,
-                                  "saved_by": saved_by, "plan": str(plan) if plan else "",
-                                  "layout": plan.layout if plan else ""})
+        log_event(
+            config["log"],
+            {
+                "event": "attempt",
+                "world": world,
+                "restored": result.snapshot_id,
+                "step": start,
+                "tier": tier_name,
+                "restore_seconds": restore_seconds,
+                "target": plan.target if plan else None,
+                "continue": plan.continue_from_step if plan else None,
+                "saved_by": saved_by,
+                "plan": str(plan) if plan else "",
+                "layout": plan.layout if plan else "",
+            },
+        )
     actors = config["actors"]
     ids = actors_of(rank, world, len(actors))
     crash = config.get("crash") or {}
     for step in range(start + 1, config["steps"] + 1):
         if step == crash.get("step") and rank == world - 1:
             last_beat(engine, step - 1)  # the failure the manager records names the last step done
-            log_event(config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank,
-                                      "world": world})
+            log_event(
+                config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank, "world": world}
+            )
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye
         pairs = sampler.take(cfg.prompts_per_step)  # (epoch, prompt id): the global batch, on every rank
-        mine = [p for _, p in pairs][rank * cfg.prompts_per_step // world:(rank + 1) * cfg.prompts_per_step // world]
-        parts = ray.get([actors[j].rollout.remote(source, newest, step, idx)
-                         for j, idx in zip(ids, _split(mine, len(ids)))])
+        mine = [p for _, p in pairs][rank * cfg.prompts_per_step // world : (rank + 1) * cfg.prompts_per_step // world]
+        parts = ray.get(
+            [actors[j].rollout.remote(source, newest, step, idx) for j, idx in zip(ids, _split(mine, len(ids)))]
+        )
         batch = {k: torch.from_numpy(np.concatenate([p[k] for p in parts])) for k in ("seqs", "logps", "rewards")}
         loss = update(model, optim, batch, cfg)
         reward = batch["rewards"].mean().reshape(1)
@@ -254,16 +276,38 @@ def learner_loop(config: dict) -> None:
                 versions.publish(step)
                 source = {**source, "versions": config["run_name"]}
         if rank == 0:
-            log_event(config["log"], {"event": "step", "step": step, "world": world, "reward": progress.rewards[-1],
-                                      "loss": loss, "rollout_snapshot": parts[0]["snapshot"], "saved": saved})
+            log_event(
+                config["log"],
+                {
+                    "event": "step",
+                    "step": step,
+                    "world": world,
+                    "reward": progress.rewards[-1],
+                    "loss": loss,
+                    "rollout_snapshot": parts[0]["snapshot"],
+                    "saved": saved,
+                },
+            )
     if rank == 0:
         from rl_ckpt.data import replay_log
 
-        log_event(config["log"], {"event": "done", "step": progress.global_step, "world": world,
-                                  "reward": progress.rewards[-1] if progress.rewards else None})
-        log_event(config["log"], {"event": "audit", **auditor.report(complete_below=sampler.epoch).to_json(),
-                                  "replayed": replay_log(audit_log, cfg.dataset_size).report(
-                                      complete_below=sampler.epoch).to_json()})
+        log_event(
+            config["log"],
+            {
+                "event": "done",
+                "step": progress.global_step,
+                "world": world,
+                "reward": progress.rewards[-1] if progress.rewards else None,
+            },
+        )
+        log_event(
+            config["log"],
+            {
+                "event": "audit",
+                **auditor.report(complete_below=sampler.epoch).to_json(),
+                "replayed": replay_log(audit_log, cfg.dataset_size).report(complete_below=sampler.epoch).to_json(),
+            },
+        )
     if versions is not None:
         versions.close()
     saver.close()
@@ -271,7 +315,7 @@ def learner_loop(config: dict) -> None:
 
 def audit_log_path(log: str) -> str:
     """The auditor's append-only log beside the run's event log."""
-    return log[:-len(".log.jsonl")] + ".audit.jsonl" if log.endswith(".log.jsonl") else log + ".audit.jsonl"
+    return log[: -len(".log.jsonl")] + ".audit.jsonl" if log.endswith(".log.jsonl") else log + ".audit.jsonl"
 
 
 def parse_step(snapshot_id: str) -> int:
@@ -323,9 +367,20 @@ class Run:
     versions: bool = True  # the rollout actors pull policy versions (False: full weights from each snapshot)
 
     @classmethod
-    def start(cls, base_dir: str, run_name: str, grpo: GRPOConfig | None = None, *, n_actors: int = 2,
-              log_dir: str | None = None, storage_options: dict | None = None, engine_cfg: dict | None = None,
-              actor_options: dict | None = None, actors: list | None = None, memory_tier: dict | None = None) -> "Run":
+    def start(
+        cls,
+        base_dir: str,
+        run_name: str,
+        grpo: GRPOConfig | None = None,
+        *,
+        n_actors: int = 2,
+        log_dir: str | None = None,
+        storage_options: dict | None = None,
+        engine_cfg: dict | None = None,
+        actor_options: dict | None = None,
+        actors: list | None = None,
+        memory_tier: dict | None = None,
+    ) -> "Run":
         """The run's manager and ``n_actors`` rollout actors (``actor_options``: e.g. resources pinning them;
         ``actors``: another run's rollout actors to share, left running by ``close``). ``memory_tier``: the
         ``memory_*`` config keys of a run whose learners save memory snapshots (its memory manager and service
@@ -336,15 +391,25 @@ class Run:
 
         grpo = grpo or GRPOConfig()
         cfg = {**ENGINE_DEFAULTS, **(engine_cfg or {})}
-        manager = CheckpointManager.get_or_create(run_name=run_name, base_dir=base_dir, storage_options=storage_options,
-                                                  config=cfg)
+        manager = CheckpointManager.get_or_create(
+            run_name=run_name, base_dir=base_dir, storage_options=storage_options, config=cfg
+        )
         memory = None
         if memory_tier is not None:
             from rl_ckpt.demo.ray_ppo import start_memory_tier
 
-            memory = {**start_memory_tier({"base_dir": base_dir, "run_name": run_name, **cfg, **memory_tier,
-                                           **({"storage_options": storage_options} if storage_options else {})}),
-                      "cfg": dict(memory_tier)}
+            memory = {
+                **start_memory_tier(
+                    {
+                        "base_dir": base_dir,
+                        "run_name": run_name,
+                        **cfg,
+                        **memory_tier,
+                        **({"storage_options": storage_options} if storage_options else {}),
+                    }
+                ),
+                "cfg": dict(memory_tier),
+            }
         owns = actors is None
         if actors is None:
             actors = start_actors(grpo, n_actors, actor_options)
@@ -352,12 +417,29 @@ class Run:
             ray.get([a.reset.remote() for a in actors])
         log_dir = log_dir or base_dir
         os.makedirs(log_dir, exist_ok=True)
-        return cls(base_dir, run_name, grpo, manager, actors, os.path.join(log_dir, f"{run_name}.log.jsonl"),
-                   storage_options, memory=memory, owns_actors=owns)
+        return cls(
+            base_dir,
+            run_name,
+            grpo,
+            manager,
+            actors,
+            os.path.join(log_dir, f"{run_name}.log.jsonl"),
+            storage_options,
+            memory=memory,
+            owns_actors=owns,
+        )
 
-    def fit(self, learners: int | tuple[int, int], steps: int, *, save_every: int = 2, crash_at: int | None = None,
-            max_failures: int = 0, resize_interval_s: float = 60.0,
-            resources_per_worker: dict | None = None) -> Any:
+    def fit(
+        self,
+        learners: int | tuple[int, int],
+        steps: int,
+        *,
+        save_every: int = 2,
+        crash_at: int | None = None,
+        max_failures: int = 0,
+        resize_interval_s: float = 60.0,
+        resources_per_worker: dict | None = None,
+    ) -> Any:
         """One ``TorchTrainer.fit`` on ``learners`` workers (a ``(min, max)`` pair: Ray Train's elastic mode,
         which restarts the group on as many workers as the cluster then holds)."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -365,20 +447,39 @@ class Run:
 
         from rl_ckpt.integrations.ray_train import CheckpointCallback
 
-        config = {"base_dir": self.base_dir, "run_name": self.run_name, "manager": self.manager, "actors": self.actors,
-                  "grpo": self.grpo.to_json(), "steps": steps, "save_every": save_every, "log": self.log,
-                  "storage_options": self.storage_options, "crash": {"step": crash_at} if crash_at else None,
-                  "memory": self.memory, "versions": self.versions}
+        config = {
+            "base_dir": self.base_dir,
+            "run_name": self.run_name,
+            "manager": self.manager,
+            "actors": self.actors,
+            "grpo": self.grpo.to_json(),
+            "steps": steps,
+            "save_every": save_every,
+            "log": self.log,
+            "storage_options": self.storage_options,
+            "crash": {"step": crash_at} if crash_at else None,
+            "memory": self.memory,
+            "versions": self.versions,
+        }
         self.fits += 1
-        scaling = ScalingConfig(num_workers=learners, use_gpu=False,
-                                resources_per_worker=resources_per_worker or {"CPU": 0.5},
-                                elastic_resize_monitor_interval_s=resize_interval_s)
+        scaling = ScalingConfig(
+            num_workers=learners,
+            use_gpu=False,
+            resources_per_worker=resources_per_worker or {"CPU": 0.5},
+            elastic_resize_monitor_interval_s=resize_interval_s,
+        )
         trainer = TorchTrainer(
-            learner_loop, train_loop_config=config, scaling_config=scaling, torch_config=TorchConfig(backend="gloo"),
-            run_config=RunConfig(name=f"{self.run_name}-fit{self.fits}",
-                                 storage_path=os.path.join(os.path.dirname(self.log), "ray_results"),
-                                 failure_config=FailureConfig(max_failures=max_failures),
-                                 callbacks=[CheckpointCallback(run_name=self.run_name)]))
+            learner_loop,
+            train_loop_config=config,
+            scaling_config=scaling,
+            torch_config=TorchConfig(backend="gloo"),
+            run_config=RunConfig(
+                name=f"{self.run_name}-fit{self.fits}",
+                storage_path=os.path.join(os.path.dirname(self.log), "ray_results"),
+                failure_config=FailureConfig(max_failures=max_failures),
+                callbacks=[CheckpointCallback(run_name=self.run_name)],
+            ),
+        )
         return trainer.fit()
 
     def events(self) -> list[dict]:

@@ -24,15 +24,17 @@ def new_hasher(algo: str) -> Hasher:
         try:
             from blake3 import blake3
         except ImportError as exc:  # pragma: no cover - installed with the package
-            raise ConfigError("checksum_algo 'blake3' needs the blake3 package: pip install blake3",
-                              key="checksum_algo") from exc
+            raise ConfigError(
+                "checksum_algo 'blake3' needs the blake3 package: pip install blake3", key="checksum_algo"
+            ) from exc
         return blake3(max_threads=1)
     if algo == "xxh3_128":
         try:
             import xxhash
         except ImportError as exc:  # pragma: no cover
-            raise ConfigError("checksum_algo 'xxh3_128' needs the xxhash package: pip install xxhash",
-                              key="checksum_algo") from exc
+            raise ConfigError(
+                "checksum_algo 'xxh3_128' needs the xxhash package: pip install xxhash", key="checksum_algo"
+            ) from exc
         return xxhash.xxh3_128()
     raise ConfigError(f"unknown checksum algorithm {algo!r}; allowed: sha256, blake3, xxh3_128", key="checksum_algo")
 

@@ -27,7 +27,7 @@ def write_hashed(storage: Storage, path: str, chunks: Iterable, algo: str) -> tu
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
             for start in range(0, view.nbytes, HASH_SLICE):
-                piece = view[start:start + HASH_SLICE]
+                piece = view[start : start + HASH_SLICE]
                 hasher.update(piece)
                 yield piece
             if not view.nbytes:
@@ -59,5 +59,6 @@ def verify_written(storage: Storage, path: str, entry: FileEntry) -> None:
             f"verify-after-write failed for {path}: wrote {entry.size} bytes ({entry.checksum[:16]}…), "
             f"read back {size} bytes ({digest[:16]}…). The storage is not returning what was written; "
             "nothing was committed.",
-            path=path, problems=["verify-after-write mismatch"],
+            path=path,
+            problems=["verify-after-write mismatch"],
         )

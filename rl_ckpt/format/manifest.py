@@ -99,10 +99,16 @@ class Manifest:
     @property
     def size_bytes(self) -> int:
         """Logical size: every file plus the dedup objects its tensors reference."""
-        objects = sum(size for sec in self.components.values() if isinstance(sec, dict)
-                      for chunks in (sec.get("objects") or {}).values() for _d, size in chunks)
-        objects += sum(layout_object_bytes(sec.get("layout"))
-                       for sec in self.components.values() if isinstance(sec, dict))
+        objects = sum(
+            size
+            for sec in self.components.values()
+            if isinstance(sec, dict)
+            for chunks in (sec.get("objects") or {}).values()
+            for _d, size in chunks
+        )
+        objects += sum(
+            layout_object_bytes(sec.get("layout")) for sec in self.components.values() if isinstance(sec, dict)
+        )
         return sum(f.size for f in self.files) + objects
 
     def files_of(self, component: str) -> list[FileEntry]:
@@ -126,14 +132,22 @@ class Manifest:
         ``where`` for anything malformed, so recovery skips it and falls back to an older snapshot."""
         if len(data) > MAX_MANIFEST_BYTES:
             raise _corrupt(where, f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
-        d = parse_json(data, f"{where}/{MANIFEST_NAME}", error=CorruptSnapshotError, snapshot_id=where,
-                       problems=["manifest is not valid JSON"])
+        d = parse_json(
+            data,
+            f"{where}/{MANIFEST_NAME}",
+            error=CorruptSnapshotError,
+            snapshot_id=where,
+            problems=["manifest is not valid JSON"],
+        )
         if not isinstance(d, dict):
             raise _corrupt(where, "manifest is not a JSON object")
         if "manifest_checksum" not in d:
             # Mandatory: without it a flipped bit (or a hand edit that dropped it) would go unnoticed.
-            raise _corrupt(where, "manifest has no manifest_checksum (every rl_ckpt manifest carries one); "
-                                  "it was edited or damaged, refusing it")
+            raise _corrupt(
+                where,
+                "manifest has no manifest_checksum (every rl_ckpt manifest carries one); "
+                "it was edited or damaged, refusing it",
+            )
         recorded = d.pop("manifest_checksum")
         try:
             ok = isinstance(recorded, str) and recorded == manifest_checksum(d)
@@ -156,7 +170,9 @@ class Manifest:
             raise SchemaVersionError(
                 f"{where}: written with on-disk schema_version {version} ({newer}); this rl_ckpt reads "
                 f"version {SCHEMA_VERSION}. Use the rl_ckpt release that wrote it; refusing to load.",
-                snapshot_id=where, found=version, supported=SCHEMA_VERSION,
+                snapshot_id=where,
+                found=version,
+                supported=SCHEMA_VERSION,
             )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
@@ -201,8 +217,11 @@ def _check_fields(d: dict, where: str) -> None:
         if name in d:
             _need_object(where, name, d[name])
     for key, value in d.get("metrics", {}).items():
-        if not (value is None or isinstance(value, (str, bool, float))
-                or (isinstance(value, int) and abs(value) <= INT64_MAX)):
+        if not (
+            value is None
+            or isinstance(value, (str, bool, float))
+            or (isinstance(value, int) and abs(value) <= INT64_MAX)
+        ):
             raise _wrong(where, f"metrics.{key}", "a number, string, boolean or null", value)
     if "attempt" in d.get("writer", {}):
         _need_str(where, "writer.attempt", d["writer"]["attempt"])
@@ -227,8 +246,11 @@ def layout_object_bytes(layout: Any) -> int:
         chunks = t.get("chunks") if isinstance(t, dict) else None
         for c in chunks if isinstance(chunks, list) else ():
             refs = c.get("objects") if isinstance(c, dict) else None
-            total += sum(r[1] for r in (refs if isinstance(refs, list) else ())
-                         if isinstance(r, list) and len(r) == 2 and type(r[1]) is int and r[1] >= 0)
+            total += sum(
+                r[1]
+                for r in (refs if isinstance(refs, list) else ())
+                if isinstance(r, list) and len(r) == 2 and type(r[1]) is int and r[1] >= 0
+            )
     return total
 
 

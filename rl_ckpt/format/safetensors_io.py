@@ -24,19 +24,58 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # same limit as the safetensors library
 ALIGN = 64  # torch's CPU allocator aligns this much; BLAS and SIMD kernels split work by it
 
 TORCH_TO_CODE = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
 }
 CODE_TO_TORCH = {v: k for k, v in TORCH_TO_CODE.items()}
 NUMPY_TO_CODE = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "int16": "I16",
-    "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "complex64": "C64",
 }
 CODE_TO_NUMPY = {v: k for k, v in NUMPY_TO_CODE.items()}
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-            "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "C64": 8,
+}
 
 
 def array_code(value) -> str:
@@ -68,8 +107,9 @@ def encode(arrays: dict, metadata: dict[str, str] | None = None) -> tuple[list, 
     lies: see ``rl_ckpt.core.reader.load_component``); the rest follow largest item size first, so each
     stays aligned to its item size.
     """
-    order = sorted(arrays, key=lambda n: (byte_view(arrays[n]).nbytes % ALIGN != 0, -ITEMSIZE[array_code(arrays[n])],
-                                          n))
+    order = sorted(
+        arrays, key=lambda n: (byte_view(arrays[n]).nbytes % ALIGN != 0, -ITEMSIZE[array_code(arrays[n])], n)
+    )
     header: dict = {}
     meta: dict = {}
     views = []
@@ -109,13 +149,13 @@ def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryvie
     if 8 + n > view.nbytes:
         raise bad(f"header length {n} runs past the end of the file ({view.nbytes} bytes)")
     try:
-        header = json.loads(bytes(view[8:8 + n]))
+        header = json.loads(bytes(view[8 : 8 + n]))
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a 5000-digit number, deep nesting
         why = "nested too deep" if isinstance(exc, RecursionError) else exc
         raise bad(f"header is not valid JSON ({why})") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
-    data = view[8 + n:]
+    data = view[8 + n :]
     spans = []
     out = {}
     for name, entry in header.items():
@@ -129,14 +169,17 @@ def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryvie
         problem = check_shape(shape)
         if problem:
             raise bad(f"tensor {name!r}: {problem}")
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-                or not 0 <= offs[0] <= offs[1]):
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1]
+        ):
             raise bad(f"tensor {name!r}: bad data_offsets {offs!r}")
         if offs[1] - offs[0] != math.prod(shape) * ITEMSIZE[code]:
             raise bad(f"tensor {name!r}: {offs[1] - offs[0]} bytes do not match shape {shape} of {code}")
         spans.append((offs[0], offs[1], name))
-        out[name] = (code, shape, data[offs[0]:offs[1]])
+        out[name] = (code, shape, data[offs[0] : offs[1]])
     spans.sort()
     pos = 0
     for begin, end, name in spans:

@@ -123,7 +123,8 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
     if not isinstance(state, Mapping):
         raise SerializationError(
             f"component {component!r}: state_dict() returned {type(state).__name__}, expected a dict",
-            component=component, key="",
+            component=component,
+            key="",
         )
     out = EncodedState(tree=None)
     pa = _pyarrow()
@@ -152,8 +153,13 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             raise _bad(component, path, value, "a meta tensor has no data")
         if value.dtype != torch.complex128 and value.dtype not in safetensors_io.TORCH_TO_CODE:
             names = sorted(str(d).removeprefix("torch.") for d in safetensors_io.TORCH_TO_CODE)
-            raise _bad(component, path, value, f"dtype {value.dtype} has no safetensors encoding; convert it "
-                       f"(supported: {', '.join(names)}, complex128)")
+            raise _bad(
+                component,
+                path,
+                value,
+                f"dtype {value.dtype} has no safetensors encoding; convert it "
+                f"(supported: {', '.join(names)}, complex128)",
+            )
         node: dict = {}
         tensors.append((path, value.detach(), node))
         return node
@@ -187,9 +193,11 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             return {"$param": [tensor(value, path), bool(value.requires_grad)]}
         if kind is np.ndarray:
             if value.dtype.name not in safetensors_io.NUMPY_TO_CODE and value.dtype.name != "complex128":
-                why = ("object/string arrays go in a pyarrow.Table"
-                       if value.dtype == object or value.dtype.kind in "USV"
-                       else f"dtype {value.dtype} has no safetensors encoding; convert it")
+                why = (
+                    "object/string arrays go in a pyarrow.Table"
+                    if value.dtype == object or value.dtype.kind in "USV"
+                    else f"dtype {value.dtype} has no safetensors encoding; convert it"
+                )
                 raise _bad(component, path, value, why)
             arr = value
             if host and not arr.flags.c_contiguous:
@@ -200,8 +208,11 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             if arr.dtype.name == "complex128":  # safetensors has no C128: float64 (real, imag) pairs
                 restore_as = value.dtype.str
-                arr = (arr.view(np.float64).reshape(arr.shape + (2,)) if arr.flags.c_contiguous
-                       else np.stack([arr.real, arr.imag], axis=-1))
+                arr = (
+                    arr.view(np.float64).reshape(arr.shape + (2,))
+                    if arr.flags.c_contiguous
+                    else np.stack([arr.real, arr.imag], axis=-1)
+                )
             name = name_for(path)
             out.arrays[name] = arr
             return {"$ndarray": name} if restore_as is None else {"$nd": [name, restore_as]}
@@ -240,8 +251,9 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
         if kind is collections.OrderedDict:
             extra = set(vars(value)) - {"_metadata"}
             if extra:
-                raise _bad(component, path, value,
-                           f"an OrderedDict with attributes {sorted(extra)} (only _metadata is kept)")
+                raise _bad(
+                    component, path, value, f"an OrderedDict with attributes {sorted(extra)} (only _metadata is kept)"
+                )
             node: dict = {"items": pairs(value, path, depth)}
             if "_metadata" in vars(value):
                 node["meta"] = enc(value._metadata, path + ("_metadata",), depth + 1)
@@ -250,9 +262,14 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             factory = value.default_factory
             name = getattr(factory, "__name__", None)
             if factory is not None and DEFAULTDICT_FACTORIES.get(name) is not factory:
-                raise _bad(component, path, value, f"a defaultdict whose default_factory is {factory!r}: only None and "
-                           f"{', '.join(sorted(DEFAULTDICT_FACTORIES))} can be restored without importing code; "
-                           "convert it to a dict")
+                raise _bad(
+                    component,
+                    path,
+                    value,
+                    f"a defaultdict whose default_factory is {factory!r}: only None and "
+                    f"{', '.join(sorted(DEFAULTDICT_FACTORIES))} can be restored without importing code; "
+                    "convert it to a dict",
+                )
             return {"$ddict": [name if factory is not None else None, pairs(value, path, depth)]}
         if kind is collections.Counter:
             return {"$counter": pairs(value, path, depth)}
@@ -261,8 +278,9 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
     def tensordict(value: Any, path: tuple, depth: int) -> Any:
         td = _tensordict_type(value)
         if type(value) is not td.TensorDict:
-            raise _bad(component, path, value, "only plain tensordict.TensorDict is supported; convert with "
-                       ".to_tensordict()")
+            raise _bad(
+                component, path, value, "only plain tensordict.TensorDict is supported; convert with .to_tensordict()"
+            )
         items = []
         for k, v in value.items():
             if type(v) is td.TensorDict or type(v) is torch.Tensor:
@@ -270,10 +288,14 @@ def encode_state(component: str, state: Any, *, host: bool = True) -> EncodedSta
             elif type(v) is td.NonTensorData:
                 items.append([k, {"$ntd": enc(v.data, path + (k,), depth + 1)}])
             else:
-                raise _bad(component, path + (k,), v, "a TensorDict entry must be a tensor, a TensorDict or "
-                           "non-tensor data")
-        node: dict = {"batch_size": [int(d) for d in value.batch_size],
-                      "device": None if value.device is None else str(value.device), "items": items}
+                raise _bad(
+                    component, path + (k,), v, "a TensorDict entry must be a tensor, a TensorDict or non-tensor data"
+                )
+        node: dict = {
+            "batch_size": [int(d) for d in value.batch_size],
+            "device": None if value.device is None else str(value.device),
+            "items": items,
+        }
         names = value.names if value.batch_dims else []
         if any(n is not None for n in names):
             node["names"] = list(names)
@@ -324,16 +346,20 @@ def _hint(value: Any) -> str:
 
     kind = type(value)
     if isinstance(value, enum.Enum):
-        return (f"an enum member ({kind.__qualname__}.{value.name}): store its .value or .name and rebuild the enum "
-                "in load_state_dict (rl_ckpt never imports a class named in a file)")
+        return (
+            f"an enum member ({kind.__qualname__}.{value.name}): store its .value or .name and rebuild the enum "
+            "in load_state_dict (rl_ckpt never imports a class named in a file)"
+        )
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return f"a namedtuple ({kind.__qualname__}): store value._asdict() and rebuild it in load_state_dict"
     if isinstance(value, (set, frozenset)):
         return "a set: store sorted(value) as a list"
     for base in (str, int, float, list, tuple, dict, bytes, np.ndarray, torch.Tensor):
         if isinstance(value, base):
-            return (f"a {kind.__module__}.{kind.__qualname__} (a subclass of {base.__name__}) "
-                    f"would come back as a plain {base.__name__}; convert it to one")
+            return (
+                f"a {kind.__module__}.{kind.__qualname__} (a subclass of {base.__name__}) "
+                f"would come back as a plain {base.__name__}; convert it to one"
+            )
     if isinstance(value, Mapping):
         return f"a {kind.__module__}.{kind.__qualname__} mapping would come back as a dict; convert it to dict(value)"
     return f"a {kind.__module__}.{kind.__qualname__} fits none of: {_ALLOWED}"
@@ -345,5 +371,6 @@ def _bad(component: str, path: tuple, value: Any, why: str) -> SerializationErro
     return SerializationError(
         f"component {component!r}, key {key!r}: cannot save value: {reason}. "
         "Return only supported values from state_dict(); nothing is pickled.",
-        component=component, key=key,
+        component=component,
+        key=key,
     )

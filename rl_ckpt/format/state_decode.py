@@ -23,12 +23,27 @@ MAX_DEPTH = 100  # real state dicts nest < 20 deep; the limit keeps hostile file
 MAX_INT_HEX_DIGITS = 1 << 20  # $int: 4 Mbit, far above any real counter or RNG state
 
 # defaultdict factories that can be rebuilt without importing anything (the encoder refuses any other).
-DEFAULTDICT_FACTORIES: dict[str, Any] = {f.__name__: f for f in (list, dict, set, frozenset, int, float, complex, str,
-                                                                 bytes, bool, tuple)}
+DEFAULTDICT_FACTORIES: dict[str, Any] = {
+    f.__name__: f for f in (list, dict, set, frozenset, int, float, complex, str, bytes, bool, tuple)
+}
 DEFAULTDICT_FACTORIES["OrderedDict"] = collections.OrderedDict
 # NumPy scalar types kept as themselves ({"$np": [dtype, value]}).
-NP_SCALAR_DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                    "float16", "float32", "float64", "complex64", "complex128"}
+NP_SCALAR_DTYPES = {
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+}
 _HEX = re.compile(r"-?[0-9a-f]+")
 # vars(), not getattr(): torch's module __getattr__ imports submodules by name, and a name read from a file
 # must never import anything.
@@ -90,7 +105,7 @@ class _Decoder:
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
-            (tag, val), = node.items()
+            ((tag, val),) = node.items()
             if tag.startswith("$"):
                 return self.tagged(tag, val, depth)
         return {k: self.dec(v, depth + 1) for k, v in node.items()}
@@ -143,9 +158,11 @@ class _Decoder:
             return od
         if tag == "$ddict":
             if not (isinstance(val, list) and len(val) == 2) or not (
-                    val[0] is None or (isinstance(val[0], str) and val[0] in DEFAULTDICT_FACTORIES)):
-                raise self.fail("$ddict must hold [factory, pairs] with a factory among "
-                                f"{sorted(DEFAULTDICT_FACTORIES)}")
+                val[0] is None or (isinstance(val[0], str) and val[0] in DEFAULTDICT_FACTORIES)
+            ):
+                raise self.fail(
+                    f"$ddict must hold [factory, pairs] with a factory among {sorted(DEFAULTDICT_FACTORIES)}"
+                )
             return collections.defaultdict(DEFAULTDICT_FACTORIES[val[0]] if val[0] else None, self.pairs(val[1], depth))
         if tag == "$counter":
             return collections.Counter(dict(self.pairs(val, depth)))
@@ -233,7 +250,11 @@ class _Decoder:
 
     def tensordict(self, val: Any, depth: int) -> Any:
         if not isinstance(val, dict) or not {"batch_size", "device", "items"} <= set(val) <= {
-                "batch_size", "device", "items", "names"}:
+            "batch_size",
+            "device",
+            "items",
+            "names",
+        }:
             raise self.fail("$td must hold {batch_size, device, items, names?}")
         import tensordict
 
@@ -242,11 +263,13 @@ class _Decoder:
         if device is not None and not (isinstance(device, str) and len(device) <= 64):
             raise self.fail("$td device must be a device name or null")
         names = val.get("names")
-        if names is not None and not (isinstance(names, list) and len(names) == len(batch)
-                                      and all(n is None or isinstance(n, str) for n in names)):
+        if names is not None and not (
+            isinstance(names, list) and len(names) == len(batch) and all(n is None or isinstance(n, str) for n in names)
+        ):
             raise self.fail("$td names must be one str/null per batch dimension")
-        if not isinstance(val["items"], list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                                         for p in val["items"]):
+        if not isinstance(val["items"], list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in val["items"]
+        ):
             raise self.fail("$td items must be [str key, value] pairs")
         tensors, others = {}, {}
         for k, v in val["items"]:

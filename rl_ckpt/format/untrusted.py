@@ -19,8 +19,9 @@ MAX_RECORD_BYTES = 1024 * 1024  # aliases, decisions, failures, quarantine and r
 MAX_DEPTH = 64  # far deeper than anything rl_ckpt writes in its own records and manifests
 
 
-def parse_json(data: bytes | bytearray | memoryview, where: str, *, error: type[CheckpointError] = CheckpointError,
-               **fields: Any) -> Any:
+def parse_json(
+    data: bytes | bytearray | memoryview, where: str, *, error: type[CheckpointError] = CheckpointError, **fields: Any
+) -> Any:
     """``data`` parsed as JSON; ``error`` (a CheckpointError) naming ``where`` if it is not valid JSON."""
     import json
 
@@ -31,14 +32,21 @@ def parse_json(data: bytes | bytearray | memoryview, where: str, *, error: type[
         raise error(f"{where}: not valid JSON ({reason})", **fields) from None
 
 
-def read_json(storage: Storage, path: str, *, max_bytes: int = MAX_RECORD_BYTES,
-              error: type[CheckpointError] = CheckpointError, **fields: Any) -> Any:
+def read_json(
+    storage: Storage,
+    path: str,
+    *,
+    max_bytes: int = MAX_RECORD_BYTES,
+    error: type[CheckpointError] = CheckpointError,
+    **fields: Any,
+) -> Any:
     """Parse the JSON file ``path``: its size is checked (stat) before reading it, so a sparse or huge
     file is refused without being read. StorageError if it cannot be read; ``error`` if malformed."""
     size = storage.size(path)
     if size > max_bytes:
-        raise error(f"{path}: {size} bytes, more than the {max_bytes} allowed for this file; refusing to read it",
-                    **fields)
+        raise error(
+            f"{path}: {size} bytes, more than the {max_bytes} allowed for this file; refusing to read it", **fields
+        )
     return parse_json(storage.read(path), path, error=error, **fields)
 
 

@@ -44,7 +44,9 @@ def _ray_get(ref, timeout: float | None = None, name: str = "the checkpoint mana
             f"{name} is dead or unreachable ({type(exc).__name__}): nothing more can be committed through it. "
             "Check it with `ray list actors --detail` and its log; recreate it with "
             "CheckpointManager.get_or_create(...) (committed snapshots are on storage and are found again), "
-            "then restart the participants.", manager=name) from None
+            "then restart the participants.",
+            manager=name,
+        ) from None
     except ray.exceptions.GetTimeoutError as exc:
         raise CheckpointError(f"checkpoint manager did not answer within {timeout} s") from exc
 
@@ -58,8 +60,15 @@ class ManagerClient:
     again, once, through the heartbeat.
     """
 
-    def __init__(self, manager, participant: str, *, commit_timeout: float = 300.0,
-                 heartbeat: "Heartbeat | None" = None, name: str = "the checkpoint manager") -> None:
+    def __init__(
+        self,
+        manager,
+        participant: str,
+        *,
+        commit_timeout: float = 300.0,
+        heartbeat: "Heartbeat | None" = None,
+        name: str = "the checkpoint manager",
+    ) -> None:
         self.manager = manager
         self.participant = participant
         self.commit_timeout = commit_timeout
@@ -80,15 +89,17 @@ class ManagerClient:
         """Whether every participant saves ``snapshot_id``: the first to ask decides for all."""
         return self.call("decide", snapshot_id, self.participant, busy, timeout=self.commit_timeout) == "save"
 
-    def decide_step(self, global_step: int, kind: str | None, busy: bool,
-                    interval_seconds: float) -> tuple[str | None, bool]:
+    def decide_step(
+        self, global_step: int, kind: str | None, busy: bool, interval_seconds: float
+    ) -> tuple[str | None, bool]:
         """Under a time cadence: ``(kind, save)`` for ``global_step``, by the manager's clock, the same for all.
 
         ``kind`` is what is due by step count alone; the answer's kind is None
         when nothing is due, and ``save`` False when the snapshot is skipped.
         """
-        got = self.call("decide_step", global_step, self.participant, kind, busy, interval_seconds,
-                        timeout=self.commit_timeout)
+        got = self.call(
+            "decide_step", global_step, self.participant, kind, busy, interval_seconds, timeout=self.commit_timeout
+        )
         return got["kind"], got["save"]
 
     def recovery_plan(self, failure: dict | None) -> dict:
@@ -113,8 +124,9 @@ class Heartbeat:
     counted as lost; a frozen or dead process is. It stops on ``close``.
     """
 
-    def __init__(self, manager, participant: str, interval: float, actor_handle: Any = None,
-                 name: str = "the checkpoint manager") -> None:
+    def __init__(
+        self, manager, participant: str, interval: float, actor_handle: Any = None, name: str = "the checkpoint manager"
+    ) -> None:
         self.manager = manager
         self.name = name
         self.participant = participant
@@ -147,8 +159,11 @@ class Heartbeat:
             try:
                 # A step of None only says "alive": it neither moves the step nor re-arms loss detection
                 # for a participant whose group is restarting.
-                known = _ray_get(self.manager.heartbeat.remote(self.participant, None, None),
-                                 timeout=max(10.0, 4 * self.alive_interval), name=self.name)
+                known = _ray_get(
+                    self.manager.heartbeat.remote(self.participant, None, None),
+                    timeout=max(10.0, 4 * self.alive_interval),
+                    name=self.name,
+                )
                 if known is None:  # unregistered (finished): nothing more to say
                     return
                 if known is False and not self._stop.is_set():
@@ -163,9 +178,16 @@ class Heartbeat:
             self._thread.join(timeout=30)
 
 
-def join_manager(manager, storage: Storage, config, role: str, rank: int, world_size: int,
-                 participants: list[str] | None,
-                 actor_handle: Any = None) -> tuple[str, ManagerClient, ParticipantCommit]:
+def join_manager(
+    manager,
+    storage: Storage,
+    config,
+    role: str,
+    rank: int,
+    world_size: int,
+    participants: list[str] | None,
+    actor_handle: Any = None,
+) -> tuple[str, ManagerClient, ParticipantCommit]:
     """Register this process with ``manager`` as ``<role>-<rank>``: its name, manager client (with its heartbeat)
     and commit strategy.
 
@@ -176,7 +198,8 @@ def join_manager(manager, storage: Storage, config, role: str, rank: int, world_
     expected = participants or [participant_name(role, r) for r in range(world_size)]
     label = f"CheckpointManager 'rl_ckpt:{config.run_name}'"
     heartbeat = Heartbeat(manager, participant, config.heartbeat_interval_seconds, actor_handle, name=label)
-    client = ManagerClient(manager, participant, commit_timeout=config.commit_timeout_seconds, heartbeat=heartbeat,
-                           name=label)
+    client = ManagerClient(
+        manager, participant, commit_timeout=config.commit_timeout_seconds, heartbeat=heartbeat, name=label
+    )
     commit = ParticipantCommit(storage, client, participant, expected, commit_timeout=config.commit_timeout_seconds)
     return participant, client, commit

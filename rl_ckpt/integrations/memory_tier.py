@@ -66,21 +66,31 @@ class MemoryTier:
         namespace: the Ray namespace of the run's memory stores.
     """
 
-    def __init__(self, engine: CheckpointEngine, *, manager: Any = None, service: Any = None,
-                 namespace: str = "rl_ckpt") -> None:
+    def __init__(
+        self, engine: CheckpointEngine, *, manager: Any = None, service: Any = None, namespace: str = "rl_ckpt"
+    ) -> None:
         cfg = engine.config
         if engine.topology.manager is not None and manager is None:
-            raise ConfigError("MemoryTier: this engine commits through a CheckpointManager (several participants), so "
-                              "memory snapshots need one too: pass manager=actors.memory_tier.memory_manager(config)",
-                              key="manager")
+            raise ConfigError(
+                "MemoryTier: this engine commits through a CheckpointManager (several participants), so "
+                "memory snapshots need one too: pass manager=actors.memory_tier.memory_manager(config)",
+                key="manager",
+            )
         self.durable = engine
         self.service = service
         storage = open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg, namespace))
         participants = engine.topology.participants if manager is not None else None
-        self.memory = CheckpointEngine(memory_config(cfg), train_config=engine.train_config, storage=storage,
-                                       retention=KeepLatest(memory_config(cfg).keep_latest), manager=manager,
-                                       rank=engine.rank,
-                                       world_size=engine.world_size, role=engine.role, participants=participants)
+        self.memory = CheckpointEngine(
+            memory_config(cfg),
+            train_config=engine.train_config,
+            storage=storage,
+            retention=KeepLatest(memory_config(cfg).keep_latest),
+            manager=manager,
+            rank=engine.rank,
+            world_size=engine.world_size,
+            role=engine.role,
+            participants=participants,
+        )
         self.last_memory_save = time.monotonic()
         self.last_handle = None
 
@@ -94,8 +104,10 @@ class MemoryTier:
         """Whether ``step`` is due for a memory snapshot (``memory_interval_steps`` / ``_seconds``)."""
         cfg = self.memory.config
         by_steps = bool(cfg.memory_interval_steps) and step % cfg.memory_interval_steps == 0
-        by_time = (bool(cfg.memory_interval_seconds)
-                   and time.monotonic() - self.last_memory_save >= cfg.memory_interval_seconds)
+        by_time = (
+            bool(cfg.memory_interval_seconds)
+            and time.monotonic() - self.last_memory_save >= cfg.memory_interval_seconds
+        )
         return by_steps or by_time
 
     def maybe_save(self, step: int, metrics: Mapping[str, Any] | None = None):
@@ -130,8 +142,9 @@ class MemoryTier:
         try:
             record_memory_snapshot(self.durable.storage, handle.wait())
         except CheckpointError as exc:  # a missing record never fails a snapshot
-            log.warning("memory snapshot %s: could not record it in %s: %s", handle.global_step,
-                        self.durable.storage.url, exc)
+            log.warning(
+                "memory snapshot %s: could not record it in %s: %s", handle.global_step, self.durable.storage.url, exc
+            )
 
     def wait(self) -> None:
         """Wait for the memory snapshot in flight."""
@@ -174,11 +187,13 @@ class MemoryTier:
         decision = tiered.durable.decision if tiered.durable is not None else None
         plan = tiered.memory if self.tier_restored == MEMORY and tiered.memory is not None else tiered.plan
         try:
-            record_tier_restore(self.durable.storage, self.tier_restored, result.snapshot_id, result.global_step,
-                                plan, decision)
+            record_tier_restore(
+                self.durable.storage, self.tier_restored, result.snapshot_id, result.global_step, plan, decision
+            )
         except CheckpointError as exc:
-            log.warning("could not record the restore of %s in %s: %s", result.snapshot_id, self.durable.storage.url,
-                        exc)
+            log.warning(
+                "could not record the restore of %s in %s: %s", result.snapshot_id, self.durable.storage.url, exc
+            )
 
     def _retire_newer(self, step: int) -> None:
         if self.memory.rank != 0:

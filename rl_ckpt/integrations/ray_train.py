@@ -106,8 +106,12 @@ def failure_from_exceptions(worker_exceptions: Dict[int, BaseException], step: i
     for r, e in sorted(worker_exceptions.items()):
         told = next((c for c in _causes(e) if isinstance(c, ParticipantFailedError)), None)
         if told is not None:  # the rank said which participant failed and at which step
-            return FailureInfo(kind=getattr(told, "kind", "exception"), step=getattr(told, "step", step),
-                               message=str(told)[:2000], participant=getattr(told, "participant", f"learner-{r}"))
+            return FailureInfo(
+                kind=getattr(told, "kind", "exception"),
+                step=getattr(told, "step", step),
+                message=str(told)[:2000],
+                participant=getattr(told, "participant", f"learner-{r}"),
+            )
     died = sorted(r for r, e in worker_exceptions.items() if _own_death(e))
     rank = died[0] if died else min(worker_exceptions)
     exc = worker_exceptions[rank]
@@ -117,16 +121,25 @@ def failure_from_exceptions(worker_exceptions: Dict[int, BaseException], step: i
     names = " ".join(type(c).__name__ for e in ordered for c in _causes(e))
     if "OutOfMemory" in names or "OutOfMemoryError" in blob:
         kind = "oom"
-    elif any(n in names for n in ("ActorDiedError", "WorkerCrashedError", "ActorUnavailableError", "NodeDiedError")) \
-            or "SIGKILL" in blob or "died unexpectedly" in blob or "exited unexpectedly" in blob:
+    elif (
+        any(n in names for n in ("ActorDiedError", "WorkerCrashedError", "ActorUnavailableError", "NodeDiedError"))
+        or "SIGKILL" in blob
+        or "died unexpectedly" in blob
+        or "exited unexpectedly" in blob
+    ):
         kind = "process_killed"
     elif "NonFiniteLoss" in names or "nan" in blob.lower().split() or "non-finite" in blob.lower():
         kind = "nan_loss"
     else:
         kind = "exception"
     first_bad = getattr(exc, "first_nonfinite_step", None)
-    return FailureInfo(kind=kind, step=getattr(exc, "step", step), message="; ".join(t[:500] for t in texts),
-                       participant=f"learner-{rank}", first_nonfinite_step=first_bad)
+    return FailureInfo(
+        kind=kind,
+        step=getattr(exc, "step", step),
+        message="; ".join(t[:500] for t in texts),
+        participant=f"learner-{rank}",
+        first_nonfinite_step=first_bad,
+    )
 
 
 class CheckpointCallback(UserCallback):
@@ -157,8 +170,13 @@ class CheckpointCallback(UserCallback):
         dead = dead_processes(worker_exceptions)
         stored = ray.get(self.manager.record_failure.remote(failure.to_json(), dead), timeout=60)
         self.recorded.append(stored)
-        log.warning("rl_ckpt: recorded %s failure of %s at step %s (ranks that raised: %s)", stored["kind"],
-                    stored.get("participant"), stored.get("step"), sorted(worker_exceptions))
+        log.warning(
+            "rl_ckpt: recorded %s failure of %s at step %s (ranks that raised: %s)",
+            stored["kind"],
+            stored.get("participant"),
+            stored.get("step"),
+            sorted(worker_exceptions),
+        )
 
 
 # The snapshot each engine last pointed Ray at; per engine, so two runs in one process never hide each other's.
@@ -184,6 +202,12 @@ def report(metrics: Dict[str, Any], engine=None, snapshot=None) -> None:
         _last_pointer[engine] = info.snapshot_id
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "rl_ckpt_pointer.json"), "w") as f:
-            json.dump({"snapshot_id": info.snapshot_id, "global_step": info.global_step,
-                       "run_url": engine.storage.url if engine is not None else None}, f)
+            json.dump(
+                {
+                    "snapshot_id": info.snapshot_id,
+                    "global_step": info.global_step,
+                    "run_url": engine.storage.url if engine is not None else None,
+                },
+                f,
+            )
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))

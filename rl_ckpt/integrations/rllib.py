@@ -51,7 +51,12 @@ from rl_ckpt.errors import ConfigError, SerializationError
 log = logging.getLogger("rl_ckpt")
 
 LEARNER_GROUP, LEARNER, RL_MODULE, OPTIMIZER, METRICS = (
-    "learner_group", "learner", "rl_module", "optimizer", "metrics_logger")
+    "learner_group",
+    "learner",
+    "rl_module",
+    "optimizer",
+    "metrics_logger",
+)
 TRAINING_ITERATION, WEIGHTS_SEQ_NO = "training_iteration", "weights_seq_no"
 NONE_KEY = "rl_ckpt:None"
 BEST_METRIC = "env_runners/episode_return_mean"
@@ -66,8 +71,9 @@ class AlgorithmPart:
     for it); ``put(algo, state)`` sets it through RLlib's ``set_state``.
     """
 
-    def __init__(self, algo: Any, kind: str, get: Callable[[Any], dict], put: Callable[[Any, dict], None],
-                 what: str) -> None:
+    def __init__(
+        self, algo: Any, kind: str, get: Callable[[Any], dict], put: Callable[[Any, dict], None], what: str
+    ) -> None:
         self.algo = algo
         self.checkpoint_kind = kind
         self._get, self._put = get, put
@@ -161,8 +167,11 @@ def module_weights(learner: Any, mid: str, *, inference_only: bool = False) -> d
     state = module.state_dict()
     if inference_only and not module.inference_only and isinstance(module, InferenceOnlyAPI):
         drop = module.get_non_inference_attributes()
-        state = {k: v for k, v in state.items()
-                 if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in drop)}
+        state = {
+            k: v
+            for k, v in state.items()
+            if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in drop)
+        }
     return plain_arrays(state)
 
 
@@ -211,9 +220,11 @@ def to_storable(tree: Any, path: str = "") -> Any:
     """
     if isinstance(tree, dict):
         if None in tree and NONE_KEY in tree:
-            raise SerializationError(f"RLlib state key {path or '<root>'!r} holds both None and {NONE_KEY!r} as "
-                                     "keys: rl_ckpt stores a None key under that name; rename the other",
-                                     key=path or "<root>")
+            raise SerializationError(
+                f"RLlib state key {path or '<root>'!r} holds both None and {NONE_KEY!r} as "
+                "keys: rl_ckpt stores a None key under that name; rename the other",
+                key=path or "<root>",
+            )
         return {NONE_KEY if k is None else k: to_storable(v, f"{path}/{k}") for k, v in tree.items()}
     if isinstance(tree, list):
         return [to_storable(v, f"{path}/{i}") for i, v in enumerate(tree)]
@@ -233,28 +244,45 @@ def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
     """Component name -> part, covering everything ``algo.get_state()`` holds."""
     parts = {name: _module_part(algo, mid) for mid, name in component_names(module_ids(algo)).items()}
     parts[OPTIMIZER] = AlgorithmPart(
-        algo, "optimizer",
+        algo,
+        "optimizer",
         _optimizer_get,
-        lambda a, s: a.learner_group.set_state({LEARNER: {OPTIMIZER: s}}), "learner optimizer state")
+        lambda a, s: a.learner_group.set_state({LEARNER: {OPTIMIZER: s}}),
+        "learner optimizer state",
+    )
     parts[LEARNER] = AlgorithmPart(
-        algo, "other", _learner_get, lambda a, s: a.learner_group.set_state({LEARNER: s}),
-        "learner counters and metrics")
+        algo,
+        "other",
+        _learner_get,
+        lambda a, s: a.learner_group.set_state({LEARNER: s}),
+        "learner counters and metrics",
+    )
     parts["algorithm"] = AlgorithmPart(
-        algo, "other",
+        algo,
+        "other",
         lambda a: {k: v for k, v in a.get_state(not_components=[LEARNER_GROUP]).items() if k != TRAINING_ITERATION},
-        lambda a, s: a.set_state(s), "env-runner connector states, counters, metrics")
+        lambda a, s: a.set_state(s),
+        "env-runner connector states, counters, metrics",
+    )
     parts["progress"] = AlgorithmPart(
-        algo, "progress", lambda a: {TRAINING_ITERATION: int(a.training_iteration)},
-        lambda a, s: a.set_state({TRAINING_ITERATION: int(s[TRAINING_ITERATION])}), "training iteration")
+        algo,
+        "progress",
+        lambda a: {TRAINING_ITERATION: int(a.training_iteration)},
+        lambda a, s: a.set_state({TRAINING_ITERATION: int(s[TRAINING_ITERATION])}),
+        "training iteration",
+    )
     return parts
 
 
 def register_algorithm(engine: Any, algo: Any, *, rng: bool = True) -> dict[str, AlgorithmPart]:
     """Register every part of ``algo``'s state with ``engine`` (plus the driver's ``RNGState`` when ``rng``)."""
     if not getattr(algo.config, "enable_env_runner_and_connector_v2", False):
-        raise ConfigError("rl_ckpt saves RLlib's new API stack (Algorithm.get_state); this Algorithm runs the old "
-                          "one: set config.api_stack(enable_rl_module_and_learner=True, "
-                          "enable_env_runner_and_connector_v2=True)", key="api_stack")
+        raise ConfigError(
+            "rl_ckpt saves RLlib's new API stack (Algorithm.get_state); this Algorithm runs the old "
+            "one: set config.api_stack(enable_rl_module_and_learner=True, "
+            "enable_env_runner_and_connector_v2=True)",
+            key="api_stack",
+        )
     parts = algorithm_parts(algo)
     for name, part in parts.items():
         engine.register(name, part, kind=part.checkpoint_kind)
@@ -279,8 +307,9 @@ def train_metrics(result: Mapping[str, Any], keys: tuple[str, ...] = DEFAULT_MET
     return out
 
 
-def restore_algorithm(algo: Any, engine: Any, *, failure: Any = None, out: Callable[[str], None] | None = print,
-                      deep: bool = False) -> Any:
+def restore_algorithm(
+    algo: Any, engine: Any, *, failure: Any = None, out: Callable[[str], None] | None = print, deep: bool = False
+) -> Any:
     """Restore the snapshot the coordinator chooses into ``algo`` (built from the same config); prints the plan.
 
     Returns the ``RestoreResult`` (``fresh`` when the run has no snapshot). A snapshot that fails on load
@@ -400,8 +429,14 @@ class CheckpointCallback(RLlibCallback):
             self.engine.close()  # snapshots() still lists what was committed
 
 
-def checkpoint_callback(*, resume: bool = True, rng: bool = True, verbose: bool = True,
-                        metrics: tuple[str, ...] = DEFAULT_METRICS, **config: Any) -> type:
+def checkpoint_callback(
+    *,
+    resume: bool = True,
+    rng: bool = True,
+    verbose: bool = True,
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
+    **config: Any,
+) -> type:
     """A ``CheckpointCallback`` class for ``config.callbacks(...)``.
 
     Args:
@@ -428,9 +463,10 @@ def checkpointing(algo: Any) -> CheckpointCallback:
     for cb in callbacks:
         if isinstance(cb, CheckpointCallback):
             return cb
-    raise ConfigError("this Algorithm has no rl_ckpt CheckpointCallback: "
-                      "add config.callbacks(checkpoint_callback(...))",
-                      key="callbacks")
+    raise ConfigError(
+        "this Algorithm has no rl_ckpt CheckpointCallback: add config.callbacks(checkpoint_callback(...))",
+        key="callbacks",
+    )
 
 
 def recorded_config(algo: Any) -> dict:
@@ -440,7 +476,12 @@ def recorded_config(algo: Any) -> dict:
     except Exception as exc:  # a config RLlib itself cannot flatten: record the class only
         log.debug("RLlib config not recorded: %s", exc)
         items = ()
-    plain = {k: v for k, v in items if isinstance(v, (str, int, float, bool)) and not str(k).startswith("_")
-             and not (isinstance(v, float) and not math.isfinite(v))}
+    plain = {
+        k: v
+        for k, v in items
+        if isinstance(v, (str, int, float, bool))
+        and not str(k).startswith("_")
+        and not (isinstance(v, float) and not math.isfinite(v))
+    }
     plain["algorithm_class"] = type(algo).__name__
     return plain

@@ -50,10 +50,13 @@ class StalenessReport:
     def line(self) -> str:
         ages = "no samples kept" if self.kept == 0 else f"kept samples are {self.newest}..{self.oldest} versions old"
         bound = "no bound (all kept)" if self.bound is None else f"bound {self.bound} versions"
-        newer = (f" (of which {self.dropped_newer} from policies newer than the restored one)"
-                 if self.dropped_newer else "")
-        return (f"samples {self.name}: against policy version {self.policy_version}, {bound}: kept {self.kept}, "
-                f"dropped {self.dropped}{newer}; {ages}")
+        newer = (
+            f" (of which {self.dropped_newer} from policies newer than the restored one)" if self.dropped_newer else ""
+        )
+        return (
+            f"samples {self.name}: against policy version {self.policy_version}, {bound}: kept {self.kept}, "
+            f"dropped {self.dropped}{newer}; {ages}"
+        )
 
 
 class VersionedSamples:
@@ -67,9 +70,11 @@ class VersionedSamples:
         """Keep ``batch``, produced by policy ``version`` (default: its ``policy_version`` tag)."""
         if version is None:
             if VERSION_KEY not in batch:
-                raise ConfigError(f"VersionedSamples.add: the batch has no {VERSION_KEY!r} tag and no version was "
-                                  "given; tag it with rl_ckpt.integrations.samples.tag(batch, version)",
-                                  key=VERSION_KEY)
+                raise ConfigError(
+                    f"VersionedSamples.add: the batch has no {VERSION_KEY!r} tag and no version was "
+                    "given; tag it with rl_ckpt.integrations.samples.tag(batch, version)",
+                    key=VERSION_KEY,
+                )
             version = batch[VERSION_KEY]
         self.batches.append({k: v for k, v in batch.items() if k != VERSION_KEY})
         self.versions.append(int(version))
@@ -83,29 +88,45 @@ class VersionedSamples:
     def load_state_dict(self, state: dict) -> None:
         versions = [int(v) for v in state["versions"].tolist()]
         if len(versions) != len(state["batches"]):
-            raise ConfigError(f"VersionedSamples: {len(versions)} versions for {len(state['batches'])} batches",
-                              key="versions")
+            raise ConfigError(
+                f"VersionedSamples: {len(versions)} versions for {len(state['batches'])} batches", key="versions"
+            )
         self.batches, self.versions = list(state["batches"]), versions
 
     def apply_bound(self, policy_version: int, max_staleness: int | None, name: str = "") -> StalenessReport:
         """Drop the batches more than ``max_staleness`` versions older than ``policy_version`` (None: keep all)
         and those newer than it; returns what was kept and dropped."""
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                          or max_staleness < 0):
-            raise ConfigError(f"max_staleness={max_staleness!r}; allowed: an integer >= 0 or None",
-                              key="max_staleness", allowed=">= 0 | None")
-        keep = [policy_version >= v and (max_staleness is None or policy_version - v <= max_staleness)
-                for v in self.versions]
+        if max_staleness is not None and (
+            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+        ):
+            raise ConfigError(
+                f"max_staleness={max_staleness!r}; allowed: an integer >= 0 or None",
+                key="max_staleness",
+                allowed=">= 0 | None",
+            )
+        keep = [
+            policy_version >= v and (max_staleness is None or policy_version - v <= max_staleness)
+            for v in self.versions
+        ]
         newer = sum(1 for v in self.versions if v > policy_version)
         ages = [policy_version - v for v, k in zip(self.versions, keep) if k]
         self.batches = [b for b, k in zip(self.batches, keep) if k]
         self.versions = [v for v, k in zip(self.versions, keep) if k]
-        return StalenessReport(name, policy_version, max_staleness, len(ages), len(keep) - len(ages), newer,
-                               max(ages) if ages else None, min(ages) if ages else None)
+        return StalenessReport(
+            name,
+            policy_version,
+            max_staleness,
+            len(ages),
+            len(keep) - len(ages),
+            newer,
+            max(ages) if ages else None,
+            min(ages) if ages else None,
+        )
 
 
-def apply_staleness(result: Any, buffers: Mapping[str, VersionedSamples], max_staleness: int | None,
-                    policy_version: int | None = None) -> list[StalenessReport]:
+def apply_staleness(
+    result: Any, buffers: Mapping[str, VersionedSamples], max_staleness: int | None, policy_version: int | None = None
+) -> list[StalenessReport]:
     """After ``engine.restore()``: bound each buffer's staleness against the restored policy (``policy_version``,
     default the restored step) and state it in the plan (``result.plan.checks``, printed under "after
     loading") and the result's warnings. A fresh start (nothing restored) leaves the buffers alone."""

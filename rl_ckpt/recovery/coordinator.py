@@ -59,15 +59,19 @@ def _metric(value: Any) -> float | None:
 
 def _json_metrics(metrics: dict) -> dict:
     # JSON has no NaN/inf; use the catalog's spelling ('nan', 'inf', '-inf')
-    return {str(k): (repr(float(v)) if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in metrics.items()}
+    return {
+        str(k): (repr(float(v)) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()
+    }
 
 
 def _check_version(d: dict, what: str) -> None:
     version = d.get("version", 1)
     if not isinstance(version, int) or version > RECORD_VERSION:
-        raise CheckpointError(f"{what} record has version {version!r}, this rl_ckpt reads up to "
-                              f"{RECORD_VERSION}; upgrade rl_ckpt to read it", version=version)
+        raise CheckpointError(
+            f"{what} record has version {version!r}, this rl_ckpt reads up to "
+            f"{RECORD_VERSION}; upgrade rl_ckpt to read it",
+            version=version,
+        )
 
 
 @dataclasses.dataclass
@@ -86,20 +90,36 @@ class FailureInfo:
         try:
             self.kind = FailureKind(self.kind)
         except ValueError:
-            raise ConfigError(f"unknown failure kind {self.kind!r}; use one of "
-                              f"{[k.value for k in FailureKind]}", key="kind",
-                              allowed=[k.value for k in FailureKind]) from None
+            raise ConfigError(
+                f"unknown failure kind {self.kind!r}; use one of {[k.value for k in FailureKind]}",
+                key="kind",
+                allowed=[k.value for k in FailureKind],
+            ) from None
 
     def to_json(self) -> dict:
-        return {"version": RECORD_VERSION, "kind": self.kind.value, "step": self.step, "message": self.message,
-                "metrics": _json_metrics(self.metrics), "first_nonfinite_step": self.first_nonfinite_step,
-                "participant": self.participant, "time": self.time}
+        return {
+            "version": RECORD_VERSION,
+            "kind": self.kind.value,
+            "step": self.step,
+            "message": self.message,
+            "metrics": _json_metrics(self.metrics),
+            "first_nonfinite_step": self.first_nonfinite_step,
+            "participant": self.participant,
+            "time": self.time,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "FailureInfo":
         _check_version(d, "failure")
-        return cls(d["kind"], d.get("step"), d.get("message", ""), dict(d.get("metrics") or {}),
-                   d.get("first_nonfinite_step"), d.get("participant"), d.get("time") or now_iso())
+        return cls(
+            d["kind"],
+            d.get("step"),
+            d.get("message", ""),
+            dict(d.get("metrics") or {}),
+            d.get("first_nonfinite_step"),
+            d.get("participant"),
+            d.get("time") or now_iso(),
+        )
 
 
 @dataclasses.dataclass
@@ -117,17 +137,33 @@ class Decision:
     time: str = dataclasses.field(default_factory=now_iso)
 
     def to_json(self) -> dict:
-        return {"version": RECORD_VERSION, "action": Action(self.action).value, "snapshot_id": self.snapshot_id,
-                "global_step": self.global_step, "reason": self.reason, "failure": self.failure.to_json(),
-                "considered": [[sid, note] for sid, note in self.considered], "attempt": self.attempt,
-                "charged_to": self.charged_to, "time": self.time}
+        return {
+            "version": RECORD_VERSION,
+            "action": Action(self.action).value,
+            "snapshot_id": self.snapshot_id,
+            "global_step": self.global_step,
+            "reason": self.reason,
+            "failure": self.failure.to_json(),
+            "considered": [[sid, note] for sid, note in self.considered],
+            "attempt": self.attempt,
+            "charged_to": self.charged_to,
+            "time": self.time,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "Decision":
         _check_version(d, "decision")
-        return cls(Action(d["action"]), d.get("snapshot_id"), d.get("global_step"), d.get("reason", ""),
-                   FailureInfo.from_json(d["failure"]), [(s, n) for s, n in d.get("considered") or []],
-                   int(d.get("attempt", 1)), d.get("charged_to"), d.get("time") or now_iso())
+        return cls(
+            Action(d["action"]),
+            d.get("snapshot_id"),
+            d.get("global_step"),
+            d.get("reason", ""),
+            FailureInfo.from_json(d["failure"]),
+            [(s, n) for s, n in d.get("considered") or []],
+            int(d.get("attempt", 1)),
+            d.get("charged_to"),
+            d.get("time") or now_iso(),
+        )
 
 
 @dataclasses.dataclass
@@ -152,11 +188,14 @@ class CoordinatorConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise ConfigError(f"{key} must be an int >= {low}, got {v!r}", key=key)
         if self.divergence_threshold is not None and not (self.divergence_threshold >= 0):
-            raise ConfigError(f"divergence_threshold must be >= 0 or None, got {self.divergence_threshold!r}",
-                              key="divergence_threshold")
+            raise ConfigError(
+                f"divergence_threshold must be >= 0 or None, got {self.divergence_threshold!r}",
+                key="divergence_threshold",
+            )
         if self.best_mode not in ("max", "min"):
-            raise ConfigError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}", key="best_mode",
-                              allowed=["max", "min"])
+            raise ConfigError(
+                f"best_mode must be 'max' or 'min', got {self.best_mode!r}", key="best_mode", allowed=["max", "min"]
+            )
 
 
 def snapshot_failures(history: Iterable[Decision]) -> dict[str, int]:
@@ -168,8 +207,9 @@ def snapshot_failures(history: Iterable[Decision]) -> dict[str, int]:
     return counts
 
 
-def make_decision(config: CoordinatorConfig, failure: FailureInfo, snapshots: Iterable[SnapshotInfo],
-                  history: Sequence[Decision]) -> Decision:
+def make_decision(
+    config: CoordinatorConfig, failure: FailureInfo, snapshots: Iterable[SnapshotInfo], history: Sequence[Decision]
+) -> Decision:
     """What to do about ``failure``: a pure function of its inputs (writes, logs and remembers nothing).
 
     Args:
@@ -192,8 +232,12 @@ def make_decision(config: CoordinatorConfig, failure: FailureInfo, snapshots: It
 def log_decision(decision: Decision) -> None:
     """One log line per decision (a warning when it gives up)."""
     (log.warning if decision.action == Action.give_up else log.info)(
-        "recovery decision %d: %s%s — %s", decision.attempt, decision.action.value,
-        f" {decision.snapshot_id}" if decision.snapshot_id else "", decision.reason)
+        "recovery decision %d: %s%s — %s",
+        decision.attempt,
+        decision.action.value,
+        f" {decision.snapshot_id}" if decision.snapshot_id else "",
+        decision.reason,
+    )
 
 
 class RecoveryCoordinator:
@@ -203,18 +247,27 @@ class RecoveryCoordinator:
     calls :func:`make_decision` with the run's recorded history instead.
     """
 
-    def __init__(self, config: CoordinatorConfig, snapshots_provider: Callable[[], list[SnapshotInfo]],
-                 history: Iterable[Decision] = ()) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        snapshots_provider: Callable[[], list[SnapshotInfo]],
+        history: Iterable[Decision] = (),
+    ) -> None:
         self.config = config
         self._provider = snapshots_provider
         self._history: list[Decision] = list(history)
 
     @classmethod
-    def from_history(cls, config: CoordinatorConfig, snapshots_provider: Callable[[], list[SnapshotInfo]],
-                     decisions: Iterable[Decision | dict]) -> "RecoveryCoordinator":
+    def from_history(
+        cls,
+        config: CoordinatorConfig,
+        snapshots_provider: Callable[[], list[SnapshotInfo]],
+        decisions: Iterable[Decision | dict],
+    ) -> "RecoveryCoordinator":
         """Rebuild from recorded decisions (objects or their JSON dicts), e.g. read from the run's decisions/ folder."""
-        return cls(config, snapshots_provider,
-                   [d if isinstance(d, Decision) else Decision.from_json(d) for d in decisions])
+        return cls(
+            config, snapshots_provider, [d if isinstance(d, Decision) else Decision.from_json(d) for d in decisions]
+        )
 
     @property
     def failures(self) -> int:
@@ -262,54 +315,69 @@ def _best(cfg: CoordinatorConfig, cands: list[SnapshotInfo]) -> SnapshotInfo | N
     return best
 
 
-def _choose(cfg: CoordinatorConfig, failure: FailureInfo, snaps: list[SnapshotInfo], attempt: int,
-            counts: dict[str, int]) -> Decision:
+def _choose(
+    cfg: CoordinatorConfig, failure: FailureInfo, snaps: list[SnapshotInfo], attempt: int, counts: dict[str, int]
+) -> Decision:
     step = failure.step
     at = f"at step {step}" if step is not None else "(step unknown)"
     notes: dict[str, str] = {}
 
     def done(action: Action, reason: str, snap: SnapshotInfo | None = None) -> Decision:
-        considered = [(s.snapshot_id, f"chosen: {action.value}" if s is snap
-                       else notes.get(s.snapshot_id, "candidate")) for s in reversed(snaps)]
+        considered = [
+            (s.snapshot_id, f"chosen: {action.value}" if s is snap else notes.get(s.snapshot_id, "candidate"))
+            for s in reversed(snaps)
+        ]
         gstep = snap.global_step if snap else (0 if action == Action.start_fresh else None)
         return Decision(action, snap.snapshot_id if snap else None, gstep, reason, failure, considered, attempt)
 
     if attempt > cfg.max_failures:
-        return done(Action.give_up, f"failure {attempt} ({failure.kind.value} {at}) exceeds the failure budget "
-                                    f"max_failures={cfg.max_failures}; giving up")
+        return done(
+            Action.give_up,
+            f"failure {attempt} ({failure.kind.value} {at}) exceeds the failure budget "
+            f"max_failures={cfg.max_failures}; giving up",
+        )
     if not snaps:
-        return done(Action.start_fresh, f"no valid full snapshot exists for the {failure.kind.value} {at}; "
-                                        f"starting fresh from step 0")
+        return done(
+            Action.start_fresh,
+            f"no valid full snapshot exists for the {failure.kind.value} {at}; starting fresh from step 0",
+        )
     cands, context = list(snaps), ""
     if failure.kind == FailureKind.nan_loss:
         # Restore from before the loss first went non-finite, not the snapshot right before the crash:
         # the state that produced the NaN was likely already bad some steps earlier.
         bound = failure.first_nonfinite_step if failure.first_nonfinite_step is not None else step
         for s in snaps:
-            bad = [f"{k}={v}" for k, v in s.metrics.items()
-                   if (m := _metric(v)) is not None and not math.isfinite(m)]
+            bad = [f"{k}={v}" for k, v in s.metrics.items() if (m := _metric(v)) is not None and not math.isfinite(m)]
             if bound is not None and s.global_step >= bound:
-                notes[s.snapshot_id] = (f"skipped: step {s.global_step} is not before the first "
-                                        f"non-finite loss at step {bound}")
+                notes[s.snapshot_id] = (
+                    f"skipped: step {s.global_step} is not before the first non-finite loss at step {bound}"
+                )
             elif bad:  # a snapshot that recorded a non-finite metric is itself suspect
                 notes[s.snapshot_id] = f"skipped: recorded non-finite metrics ({', '.join(bad)})"
         cands = [s for s in snaps if s.snapshot_id not in notes]
         if not cands:
-            return done(Action.start_fresh, f"none of the {len(snaps)} snapshots is from before the first "
-                                            f"non-finite loss at step {bound} with finite metrics; "
-                                            f"starting fresh from step 0")
+            return done(
+                Action.start_fresh,
+                f"none of the {len(snaps)} snapshots is from before the first "
+                f"non-finite loss at step {bound} with finite metrics; "
+                f"starting fresh from step 0",
+            )
         context = f", from before the first non-finite loss at step {bound} and with finite metrics,"
     limit, worn = cfg.max_same_snapshot_failures, []
     for s in cands:
         n = counts.get(s.snapshot_id, 0)
         if n >= limit:  # restoring it keeps being followed by failure: stop using it
-            notes[s.snapshot_id] = (f"skipped: failed {n} times after being restored "
-                                    f"(max_same_snapshot_failures={limit})")
+            notes[s.snapshot_id] = (
+                f"skipped: failed {n} times after being restored (max_same_snapshot_failures={limit})"
+            )
             worn.append(f"{s.snapshot_id} (step {s.global_step}, {n}x)")
     remaining = [s for s in cands if s.snapshot_id not in notes]
     if not remaining:
-        return done(Action.give_up, f"every remaining snapshot failed >= {limit} times after being restored "
-                                    f"({', '.join(worn)}); giving up after the {failure.kind.value} {at}")
+        return done(
+            Action.give_up,
+            f"every remaining snapshot failed >= {limit} times after being restored "
+            f"({', '.join(worn)}); giving up after the {failure.kind.value} {at}",
+        )
     if worn:
         context = f" (skipping {', '.join(worn)}: failed >= {limit} times after restore)" + context
     newest, best = remaining[-1], _best(cfg, remaining)
@@ -322,23 +390,36 @@ def _choose(cfg: CoordinatorConfig, failure: FailureInfo, snaps: list[SnapshotIn
         gap = (bv - nv) if cfg.best_mode == "max" else (nv - bv)
         allowed = cfg.divergence_threshold * abs(bv)
         if gap > allowed:
-            return done(Action.restore_best, f"{nd}{context} has {metric}={nv:g}, {gap:g} worse than the {bd} "
-                                             f"(> divergence_threshold={cfg.divergence_threshold:g} x |{bv:g}| "
-                                             f"= {allowed:g}); restoring best after the {failure.kind.value} {at}",
-                        best)
+            return done(
+                Action.restore_best,
+                f"{nd}{context} has {metric}={nv:g}, {gap:g} worse than the {bd} "
+                f"(> divergence_threshold={cfg.divergence_threshold:g} x |{bv:g}| "
+                f"= {allowed:g}); restoring best after the {failure.kind.value} {at}",
+                best,
+            )
     if cfg.max_acceptable_loss_steps is not None and step is not None:
         lost = step - newest.global_step
         if lost > cfg.max_acceptable_loss_steps:
-            head = (f"{nd}{context} is {lost} steps behind the {failure.kind.value} at step {step} "
-                    f"(> max_acceptable_loss_steps={cfg.max_acceptable_loss_steps})")
+            head = (
+                f"{nd}{context} is {lost} steps behind the {failure.kind.value} at step {step} "
+                f"(> max_acceptable_loss_steps={cfg.max_acceptable_loss_steps})"
+            )
             if best is None:
-                return done(Action.restore_latest, f"{head}, but no candidate records {metric}; restoring latest",
-                            newest)
+                return done(
+                    Action.restore_latest, f"{head}, but no candidate records {metric}; restoring latest", newest
+                )
             if best is newest:
                 return done(Action.restore_latest, f"{head}, but it is also the {bd}; restoring latest", newest)
             return done(Action.restore_best, f"{head}; restoring {bd}", best)
     lost = None if step is None else step - newest.global_step
-    lost_txt = "" if lost is None else (f", losing {lost} steps" if lost >= 0 else  # < 0: an older timeline
-                                        f", {-lost} steps ahead of the failure")
-    return done(Action.restore_latest, f"restoring {nd}{context} after the {failure.kind.value} {at}{lost_txt}",
-                newest)
+    lost_txt = (
+        ""
+        if lost is None
+        else (
+            f", losing {lost} steps"
+            if lost >= 0
+            # < 0: an older timeline
+            else f", {-lost} steps ahead of the failure"
+        )
+    )
+    return done(Action.restore_latest, f"restoring {nd}{context} after the {failure.kind.value} {at}{lost_txt}", newest)

@@ -49,8 +49,10 @@ class NewRankGap:
         if self.rule == "error":
             then = "the restore refuses (new_rank_state='error')"
         elif self.derives:
-            then = (f"derived from the saved streams of {', '.join(self.saved_by)} and the rank's name "
-                    "(new_rank_state='derive')")
+            then = (
+                f"derived from the saved streams of {', '.join(self.saved_by)} and the rank's name "
+                "(new_rank_state='derive')"
+            )
         else:
             why = "it has no derive_state()" if self.rule == "derive" else "new_rank_state='empty'"
             then = f"starts as constructed ({why})"
@@ -62,8 +64,9 @@ def _rank_of(participant: str) -> tuple[str, int]:
     return role, int(rank) if rank.isdigit() else -1
 
 
-def new_rank_gaps(stored: Sequence[str], participants: Sequence[str], per_rank: Mapping[str, bool],
-                  rule: str) -> list[NewRankGap]:
+def new_rank_gaps(
+    stored: Sequence[str], participants: Sequence[str], per_rank: Mapping[str, bool], rule: str
+) -> list[NewRankGap]:
     """The per-rank components some ranks of the restoring group have no saved state for.
 
     Args:
@@ -96,8 +99,9 @@ def derive_seed(manifest: Manifest, gap: NewRankGap, participant: str) -> bytes:
     return h.digest()
 
 
-def plan_lines(manifest_components: Mapping[str, Any], participants: Sequence[str], per_rank: Mapping[str, bool],
-               rule: str) -> list[str]:
+def plan_lines(
+    manifest_components: Mapping[str, Any], participants: Sequence[str], per_rank: Mapping[str, bool], rule: str
+) -> list[str]:
     """The plan's lines for the new ranks of a restore onto ``participants`` (none when nothing is new)."""
     return [g.line() for g in new_rank_gaps(list(manifest_components), participants, per_rank, rule)]
 

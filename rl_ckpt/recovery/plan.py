@@ -130,8 +130,9 @@ class RecoveryPlan:
                 lines.append(f"  layout:    {self.layout}")
             lines += [f"  new ranks: {line}" for line in self.new_ranks]
             if self.retired:
-                lines.append(f"  retired:   {', '.join(self.retired)} "
-                             "(newer: the failed timeline, moved to history/retired/)")
+                lines.append(
+                    f"  retired:   {', '.join(self.retired)} (newer: the failed timeline, moved to history/retired/)"
+                )
         else:
             lines.append(f"  action:    {self.action.upper()} - {self.reason}")
         if self.candidates:
@@ -141,8 +142,9 @@ class RecoveryPlan:
         if self.actions:
             lines.append("  load, in order:")
             for i, a in enumerate(self.actions, 1):
-                lines.append(f"    {i}. {a.component:<16} ({a.kind}) from {a.snapshot_id}: {a.files} file(s), "
-                             f"{a.bytes} bytes")
+                lines.append(
+                    f"    {i}. {a.component:<16} ({a.kind}) from {a.snapshot_id}: {a.files} file(s), {a.bytes} bytes"
+                )
         if self.checks:
             lines.append("  after loading:")
             lines += [f"    - {c}" for c in self.checks]
@@ -165,9 +167,14 @@ def coordinator_config(cfg: Any) -> CoordinatorConfig:
     """The coordinator settings of a :class:`CheckpointConfig`."""
     metrics, modes = normalize_best(cfg.best_metric, cfg.best_mode)
     metric, mode = metrics[0], modes[0]  # the coordinator ranks by the first metric
-    return CoordinatorConfig(max_failures=cfg.max_failures, max_same_snapshot_failures=cfg.max_same_snapshot_failures,
-                             max_acceptable_loss_steps=cfg.max_acceptable_loss_steps,
-                             divergence_threshold=cfg.divergence_threshold, best_metric=metric, best_mode=mode)
+    return CoordinatorConfig(
+        max_failures=cfg.max_failures,
+        max_same_snapshot_failures=cfg.max_same_snapshot_failures,
+        max_acceptable_loss_steps=cfg.max_acceptable_loss_steps,
+        divergence_threshold=cfg.divergence_threshold,
+        best_metric=metric,
+        best_mode=mode,
+    )
 
 
 def probe_check(cfg: Any) -> ProbeCheck | None:
@@ -182,7 +189,9 @@ def check_schema(manifest: Manifest, schema_version: int) -> None:
             f"{manifest.snapshot_id}: saved with schema_version {manifest.state_schema_version}, this job declares "
             f"{schema_version}. The state layout changed; refusing to load it. Restore with the "
             "matching schema_version, or start a new run.",
-            snapshot_id=manifest.snapshot_id, found=manifest.state_schema_version, supported=schema_version,
+            snapshot_id=manifest.snapshot_id,
+            found=manifest.state_schema_version,
+            supported=schema_version,
         )
 
 
@@ -203,8 +212,9 @@ def config_warnings(manifest: Manifest, job_config: Mapping[str, Any]) -> list[s
     return [f"{manifest.snapshot_id}: config changed since this snapshot was saved: {changed}"]
 
 
-def verdict_of(plan: RecoveryPlan, manifest: Manifest, schema_version: int,
-               job_config: Mapping[str, Any] | None = None) -> list[str]:
+def verdict_of(
+    plan: RecoveryPlan, manifest: Manifest, schema_version: int, job_config: Mapping[str, Any] | None = None
+) -> list[str]:
     """The schema check (SchemaVersionError) and config warnings of ``manifest`` for a restore following ``plan``.
 
     The plan's verdict where it made one for this manifest and schema; made now otherwise (a fallback the
@@ -264,8 +274,9 @@ def layout_line(storage: Storage, snapshot_id: str | None, restart_mesh: Mapping
     return layout_change(components, restart_mesh)
 
 
-def new_rank_lines(storage: Storage, snapshot_id: str | None, participants: Sequence[str],
-                   per_rank: Mapping[str, bool], rule: str) -> list[str]:
+def new_rank_lines(
+    storage: Storage, snapshot_id: str | None, participants: Sequence[str], per_rank: Mapping[str, bool], rule: str
+) -> list[str]:
     """The ``new ranks`` lines of a plan restoring ``snapshot_id`` onto ``participants`` (see
     :mod:`rl_ckpt.recovery.new_ranks`); for a plan computed elsewhere, like :func:`layout_line`."""
     if snapshot_id is None or not per_rank:
@@ -277,11 +288,22 @@ def new_rank_lines(storage: Storage, snapshot_id: str | None, participants: Sequ
     return plan_lines(components, participants, per_rank, rule)
 
 
-def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, components: Mapping[str, str] | None,
-               coordinator: CoordinatorConfig, history: Sequence[Decision] = (), failure: FailureInfo | None = None,
-               deep: bool = True, snapshot_id: str | None = None, light: bool = True,
-               probes: ProbeCheck | None = None, job_config: Mapping[str, Any] | None = None,
-               restart_mesh: Mapping[str, Any] | None = None) -> RecoveryPlan:
+def build_plan(
+    catalog: Catalog,
+    storage: Storage,
+    *,
+    schema_version: int,
+    components: Mapping[str, str] | None,
+    coordinator: CoordinatorConfig,
+    history: Sequence[Decision] = (),
+    failure: FailureInfo | None = None,
+    deep: bool = True,
+    snapshot_id: str | None = None,
+    light: bool = True,
+    probes: ProbeCheck | None = None,
+    job_config: Mapping[str, Any] | None = None,
+    restart_mesh: Mapping[str, Any] | None = None,
+) -> RecoveryPlan:
     """Compute a RecoveryPlan for the run in ``storage``. Refreshes ``catalog``, reads storage, writes nothing.
 
     Args:
@@ -307,8 +329,9 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
     fulls = list(reversed(cat.snapshots("full")))
     for info in fulls:
         if info.quarantined:
-            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "quarantined",
-                                                 info.quarantined))
+            plan.candidates.append(
+                CandidateNote(info.snapshot_id, info.global_step, "full", "quarantined", info.quarantined)
+            )
     for bad in cat.unreadable():
         plan.candidates.append(CandidateNote(bad.snapshot_id, -1, "?", "skipped", bad.reason))
     usable = [i for i in fulls if not i.quarantined]
@@ -363,8 +386,9 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
             break
     for info in usable:
         if info.snapshot_id in invalid:
-            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "skipped",
-                                                 invalid[info.snapshot_id]))
+            plan.candidates.append(
+                CandidateNote(info.snapshot_id, info.global_step, "full", "skipped", invalid[info.snapshot_id])
+            )
     if target is None:
         if plan.action == "start_fresh" and not plan.reason:
             plan.action = "give_up"
@@ -382,12 +406,20 @@ def build_plan(catalog: Catalog, storage: Storage, *, schema_version: int, compo
     older = [i for i in usable if i.global_step < target.global_step and i.snapshot_id not in invalid]
     plan.fallbacks = [i.snapshot_id for i in older]
     for info in older:
-        plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "fallback",
-                                             "used if the target fails"))
+        plan.candidates.append(
+            CandidateNote(info.snapshot_id, info.global_step, "full", "fallback", "used if the target fails")
+        )
     for info in usable:
         if info.global_step > target.global_step and info.snapshot_id not in invalid:
-            plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "full", "not chosen",
-                                                 "newer, but the decision above chose an older snapshot"))
+            plan.candidates.append(
+                CandidateNote(
+                    info.snapshot_id,
+                    info.global_step,
+                    "full",
+                    "not chosen",
+                    "newer, but the decision above chose an older snapshot",
+                )
+            )
     plan.candidates.sort(key=lambda c: (-c.global_step, c.kind))
     _actions(plan, components, probes, manifest, light_manifest)
     if components and job_config is not None:  # a running job: compare its config with the snapshot's
@@ -406,28 +438,44 @@ def _choose_light(catalog: Catalog, inp: _Inputs, plan: RecoveryPlan, target: Sn
         except (CheckpointError, SchemaVersionError) as exc:
             plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "skipped", str(exc)))
             continue
-        plan.candidates.append(CandidateNote(info.snapshot_id, info.global_step, "light", "light",
-                                             f"newest valid light snapshot on {target.snapshot_id}"))
+        plan.candidates.append(
+            CandidateNote(
+                info.snapshot_id,
+                info.global_step,
+                "light",
+                "light",
+                f"newest valid light snapshot on {target.snapshot_id}",
+            )
+        )
         return m
     return None
 
 
-def _actions(plan: RecoveryPlan, components: Mapping[str, str] | None, probe: ProbeCheck | None, full: Manifest,
-             light: Manifest | None) -> None:
+def _actions(
+    plan: RecoveryPlan,
+    components: Mapping[str, str] | None,
+    probe: ProbeCheck | None,
+    full: Manifest,
+    light: Manifest | None,
+) -> None:
     # What is registered, or (planning from the CLI, nothing registered) what the snapshot holds.
     names = dict(components or {}) or {n: sec.get("kind", "other") for n, sec in full.components.items()}
     probes = (full.extra or {}).get("probes", {})
     for name, kind in sorted(names.items(), key=lambda nk: LOAD_ORDER.index(nk[1]) if nk[1] in LOAD_ORDER else 5):
         source = light if light is not None and name in light.components else full
         if name not in source.components:
-            plan.warnings.append(f"component {name!r} is not in {full.snapshot_id}: it keeps its current state "
-                                 "(restore(strict=True) refuses this)")
+            plan.warnings.append(
+                f"component {name!r} is not in {full.snapshot_id}: it keeps its current state "
+                "(restore(strict=True) refuses this)"
+            )
             continue
         plan.actions.append(_load_action(source, name, kind))
         if name in probes and probe is not None:
-            plan.checks.append(f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
-                               f"allclose(rtol={probe.rtol}, "
-                               f"atol={probe.atol})")
+            plan.checks.append(
+                f"probe {name}: re-run the forward pass recorded at save, its fingerprint within "
+                f"allclose(rtol={probe.rtol}, "
+                f"atol={probe.atol})"
+            )
     if not plan.checks:
         plan.checks.append("no probe recorded (no module, or post_load_check off): checksums only")
 
@@ -438,9 +486,15 @@ def _load_action(source: Manifest, name: str, kind: str) -> LoadAction:
     files = source.files_of(name)
     section = source.components[name]
     chunks = (section.get("objects") or {}).values()
-    return LoadAction(name, kind, source.snapshot_id, len(files),
-                      sum(f.size for f in files) + sum(size for c in chunks for _d, size in c)
-                      + layout_object_bytes(section.get("layout")))
+    return LoadAction(
+        name,
+        kind,
+        source.snapshot_id,
+        len(files),
+        sum(f.size for f in files)
+        + sum(size for c in chunks for _d, size in c)
+        + layout_object_bytes(section.get("layout")),
+    )
 
 
 def without_light(storage: Storage, plan: RecoveryPlan) -> RecoveryPlan:
@@ -457,5 +511,10 @@ def without_light(storage: Storage, plan: RecoveryPlan) -> RecoveryPlan:
         if a.snapshot_id == plan.light and a.component in full.components:
             a = _load_action(full, a.component, a.kind)
         actions.append(a)
-    return dataclasses.replace(plan, light=None, continue_from_step=full.global_step, actions=actions,
-                               candidates=[c for c in plan.candidates if c.status != "light"])
+    return dataclasses.replace(
+        plan,
+        light=None,
+        continue_from_step=full.global_step,
+        actions=actions,
+        candidates=[c for c in plan.candidates if c.status != "light"],
+    )

@@ -176,8 +176,10 @@ def _close(got: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> bool:
 
 def _legacy(reference: dict) -> dict:
     """A fingerprint of a probe recorded in full by an older version (``outputs`` + ``shapes``)."""
-    tensors = [torch.tensor([float(v) for v in out], dtype=torch.float64).reshape(shape)
-               for out, shape in zip(reference["outputs"], reference["shapes"])]
+    tensors = [
+        torch.tensor([float(v) for v in out], dtype=torch.float64).reshape(shape)
+        for out, shape in zip(reference["outputs"], reference["shapes"])
+    ]
     fp = fingerprint(tensors)
     fp.pop("dtypes")
     return fp
@@ -206,8 +208,10 @@ def compare(reference: dict, got: dict | None, *, rtol: float, atol: float) -> s
         g, r = _floats(got[what]), _floats(reference[what])
         if not _close(g, r, per_output):
             i = int(((g - r).abs() - per_output).argmax())
-            return (f"probe output {i} differs from the one recorded at save ({what[:-1].replace('_', ' ')} "
-                    f"{float(g[i]):.6g} != {float(r[i]):.6g}, rtol={rtol}, atol={atol})")
+            return (
+                f"probe output {i} differs from the one recorded at save ({what[:-1].replace('_', ' ')} "
+                f"{float(g[i]):.6g} != {float(r[i]):.6g}, rtol={rtol}, atol={atol})"
+            )
     total = int(sizes.sum())
     buckets = len(reference["sketch"])
     per_bucket = torch.full((buckets,), math.ceil(total / buckets) if buckets else 0, dtype=torch.float64)
@@ -217,6 +221,8 @@ def compare(reference: dict, got: dict | None, *, rtol: float, atol: float) -> s
     g, r = _floats(got["samples"]), _floats(reference["samples"])
     if g.shape != r.shape or not _close(g, r, atol + rtol * r.abs()):
         worst = float((g - r).abs().nan_to_num(0.0).max()) if g.shape == r.shape and g.numel() else float("nan")
-        return (f"probe outputs differ from the ones recorded at save (sampled elements, max abs diff {worst:.3g}, "
-                f"rtol={rtol}, atol={atol})")
+        return (
+            f"probe outputs differ from the ones recorded at save (sampled elements, max abs diff {worst:.3g}, "
+            f"rtol={rtol}, atol={atol})"
+        )
     return None

@@ -41,9 +41,13 @@ class TieredPlan:
     durable: RecoveryPlan | None = None
 
     def to_json(self) -> dict:
-        return {"tier": self.tier, "reason": self.reason, "plan": self.plan.to_json(),
-                "memory": self.memory.to_json() if self.memory else None,
-                "durable": self.durable.to_json() if self.durable else None}
+        return {
+            "tier": self.tier,
+            "reason": self.reason,
+            "plan": self.plan.to_json(),
+            "memory": self.memory.to_json() if self.memory else None,
+            "durable": self.durable.to_json() if self.durable else None,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "TieredPlan":
@@ -80,16 +84,19 @@ def choose_tier(memory: RecoveryPlan | None, durable: RecoveryPlan | None) -> Ti
         elif not _restores(memory):
             why = f"the memory tier has no usable snapshot ({memory.reason}){_skipped(memory)}"
         else:
-            why = (f"memory's newest usable snapshot {memory.target} (step {memory.continue_from_step}) is older"
-                   f"{_skipped(memory)}")
+            why = (
+                f"memory's newest usable snapshot {memory.target} (step {memory.continue_from_step}) is older"
+                f"{_skipped(memory)}"
+            )
         reason = f"durable snapshot {durable.target} (step {durable.continue_from_step}): {why}"
         return TieredPlan(DURABLE, durable, reason, memory, durable)
     chosen = durable if durable is not None else memory
     return TieredPlan(None, chosen, f"no tier has a snapshot to restore: {chosen.reason}", memory, durable)
 
 
-def plan_across_tiers(memory: Planner | None, durable: Planner | None,
-                      failure: "FailureInfo | None" = None, *, deep: bool = False) -> TieredPlan:
+def plan_across_tiers(
+    memory: Planner | None, durable: Planner | None, failure: "FailureInfo | None" = None, *, deep: bool = False
+) -> TieredPlan:
     """Plan each tier with its engine (``deep``: re-hash every candidate file first; either way every file
     is verified while it loads) and choose between them. Reads storage; writes nothing."""
     mplan = memory.plan_recovery(failure, deep=deep) if memory is not None else None

@@ -46,12 +46,21 @@ class SnapshotInfo:
     @classmethod
     def from_manifest(cls, m: Manifest) -> "SnapshotInfo":
         parsed = parse_snapshot_id(m.snapshot_id)
-        return cls(m.snapshot_id, m.global_step, m.kind, m.created_at, decode_metrics(m.metrics), m.size_bytes,
-                   dict(m.tags), m.base_snapshot_id, parsed[1] if parsed else 0, m)
+        return cls(
+            m.snapshot_id,
+            m.global_step,
+            m.kind,
+            m.created_at,
+            decode_metrics(m.metrics),
+            m.size_bytes,
+            dict(m.tags),
+            m.base_snapshot_id,
+            parsed[1] if parsed else 0,
+            m,
+        )
 
     def sort_key(self) -> tuple:
         return (self.global_step, self.kind == "light", self.branch, self.created_at)
-
 
 
 @dataclasses.dataclass
@@ -62,10 +71,14 @@ class Unreadable:
     reason: str
 
 
-LOST_MANIFEST = ("meta.json missing: data files are present but no manifest vouches for them "
-                 "(deleted after commit?); not used, not deleted by gc")
-LINKED_FOLDER = ("a symbolic link, not a folder of the run: a snapshot's files must be regular files inside the "
-                 "run; not used (remove the link, or copy the snapshot in)")
+LOST_MANIFEST = (
+    "meta.json missing: data files are present but no manifest vouches for them "
+    "(deleted after commit?); not used, not deleted by gc"
+)
+LINKED_FOLDER = (
+    "a symbolic link, not a folder of the run: a snapshot's files must be regular files inside the "
+    "run; not used (remove the link, or copy the snapshot in)"
+)
 
 
 def lost_manifest(storage: Storage, snapshot_id: str) -> bool:
@@ -146,8 +159,11 @@ class Catalog:
         was = {sid: info.quarantined for sid, info in known.items()}
         for sid, info in infos.items():
             info.quarantined = fenced.get(sid)
-        only_added = (all(infos.get(sid) is info for sid, info in known.items())
-                      and all(infos[sid].quarantined == q for sid, q in was.items()) and not bad)
+        only_added = (
+            all(infos.get(sid) is info for sid, info in known.items())
+            and all(infos[sid].quarantined == q for sid, q in was.items())
+            and not bad
+        )
         with self._lock:
             self._infos, self._unreadable, self._versions = infos, bad, versions
             self._sorted = None

@@ -66,12 +66,25 @@ def layout_objects(layout: dict, where: str) -> dict[str, tuple[str, int]]:
             refs = chunk.get("objects") if isinstance(chunk, dict) else None
             if refs is None:
                 continue
-            if algo not in CHECKSUM_ALGOS or not isinstance(refs, list) or not all(
-                    isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and r[0]
-                    and not r[0].strip("0123456789abcdef") and isinstance(r[1], int) and not isinstance(r[1], bool)
-                    for r in refs):
-                raise CorruptSnapshotError(f"{where}: sharded layout of {fqn!r}: malformed dedup object references",
-                                           snapshot_id=where, problems=["malformed object reference"])
+            if (
+                algo not in CHECKSUM_ALGOS
+                or not isinstance(refs, list)
+                or not all(
+                    isinstance(r, list)
+                    and len(r) == 2
+                    and isinstance(r[0], str)
+                    and r[0]
+                    and not r[0].strip("0123456789abcdef")
+                    and isinstance(r[1], int)
+                    and not isinstance(r[1], bool)
+                    for r in refs
+                )
+            ):
+                raise CorruptSnapshotError(
+                    f"{where}: sharded layout of {fqn!r}: malformed dedup object references",
+                    snapshot_id=where,
+                    problems=["malformed object reference"],
+                )
             for digest, size in refs:
                 out[digest] = (algo, size)
     return out
@@ -80,8 +93,14 @@ def layout_objects(layout: dict, where: str) -> dict[str, tuple[str, int]]:
 class ObjectWriter:
     """Writes the chunks of one save; reuses chunks that committed snapshots already hold."""
 
-    def __init__(self, storage: Storage, algo: str, committed: Iterable[str] = (), *,
-                 min_bytes: int = FIELDS["dedup_min_tensor_bytes"][0]) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        algo: str,
+        committed: Iterable[str] = (),
+        *,
+        min_bytes: int = FIELDS["dedup_min_tensor_bytes"][0],
+    ) -> None:
         self.storage = storage
         self.algo = algo
         self.min_bytes = min_bytes  # smaller tensors stay in the snapshot's safetensors file
@@ -97,7 +116,7 @@ class ObjectWriter:
         """Store a tensor's bytes; returns its chunk list ``[[digest, size], ...]``."""
         chunks = []
         for start in range(0, max(view.nbytes, 1), CHUNK_BYTES):
-            chunk = view[start:start + CHUNK_BYTES]
+            chunk = view[start : start + CHUNK_BYTES]
             hasher = new_hasher(self.algo)
             hasher.update(chunk)
             digest = hasher.hexdigest()
@@ -160,8 +179,11 @@ def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearr
     except StorageError as exc:
         raise CorruptSnapshotError(f"object {path}: {exc}", path=path, problems=["object unreadable"]) from exc
     if len(data) != size or hasher.hexdigest() != digest:
-        raise CorruptSnapshotError(f"object {path}: content does not match its name (corrupt)", path=path,
-                                   problems=["object checksum mismatch"])
+        raise CorruptSnapshotError(
+            f"object {path}: content does not match its name (corrupt)",
+            path=path,
+            problems=["object checksum mismatch"],
+        )
     return data
 
 
@@ -175,6 +197,6 @@ def read_tensor_bytes(storage: Storage, algo: str, chunks: list):
     out = alloc_bytes(total)
     pos = 0
     for digest, size in chunks:
-        out[pos:pos + size] = np.frombuffer(check_object(storage, algo, digest, size), dtype=np.uint8)
+        out[pos : pos + size] = np.frombuffer(check_object(storage, algo, digest, size), dtype=np.uint8)
         pos += size
     return out

@@ -46,8 +46,9 @@ def _newest_mtime(storage: Storage, path: str, depth: int = 3) -> float | None:
     return newest
 
 
-def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS,
-                now: float | None = None) -> list[Debris]:
+def find_debris(
+    storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, now: float | None = None
+) -> list[Debris]:
     now = time.time() if now is None else now
 
     def old(path: str, entry_mtime: float | None, is_dir: bool) -> bool:
@@ -66,8 +67,10 @@ def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS,
                     found.append(Debris(path, "staged save that never committed", staged.is_dir))
             continue
         if name == TRASH and entry.is_dir:
-            found += [Debris(join(TRASH, t.name), "retired snapshot whose deletion was interrupted", t.is_dir)
-                      for t in storage.list(TRASH)]
+            found += [
+                Debris(join(TRASH, t.name), "retired snapshot whose deletion was interrupted", t.is_dir)
+                for t in storage.list(TRASH)
+            ]
             continue
         if name.startswith(".tmp-") and not entry.is_dir:
             if old(name, entry.mtime, False):
@@ -90,8 +93,9 @@ def find_debris(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS,
             if inner.name not in listed:
                 path = join(name, inner.name)
                 if old(path, inner.mtime, inner.is_dir):
-                    found.append(Debris(path, "not listed in the snapshot's manifest (losing or crashed writer)",
-                                        inner.is_dir))
+                    found.append(
+                        Debris(path, "not listed in the snapshot's manifest (losing or crashed writer)", inner.is_dir)
+                    )
     return found
 
 
@@ -105,8 +109,9 @@ def remove_debris(storage: Storage, debris: list[Debris]) -> int:
     return len(debris)
 
 
-def find_unreferenced_objects(storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS,
-                              now: float | None = None) -> tuple[list[Debris], str | None]:
+def find_unreferenced_objects(
+    storage: Storage, grace_seconds: float = DEFAULT_GRACE_SECONDS, now: float | None = None
+) -> tuple[list[Debris], str | None]:
     """Mark-and-sweep for dedup objects: those no committed manifest references.
 
     Returns ``(debris, refusal)``. When any snapshot's manifest cannot be read,

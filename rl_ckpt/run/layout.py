@@ -47,12 +47,40 @@ _ISO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?([+-]\d\d:\d\
 _RECORD_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 __all__ = [
-    "MANIFEST_NAME", "STAGING", "TRASH", "OBJECTS", "BEST", "QUARANTINE", "DECISIONS", "FAILURES", "RETIRED",
-    "ATTEMPT_FILE", "RESERVED", "Attempt", "snapshot_id", "parse_snapshot_id", "is_snapshot_name", "manifest_path",
-    "snapshot_folders", "staged_attempt", "in_place_attempt", "parse_staged_name", "uncommitted_attempts",
-    "committed_data_prefix", "report_name", "best_alias_path", "safe_name", "quarantine_path", "retired_path",
-    "timed_record_stem", "SAVE_DECISIONS", "MEMORY_TIER_EVENTS", "retired_snapshot_dir", "retired_record_path",
-    "SHARED_SCOPE", "component_key",
+    "MANIFEST_NAME",
+    "STAGING",
+    "TRASH",
+    "OBJECTS",
+    "BEST",
+    "QUARANTINE",
+    "DECISIONS",
+    "FAILURES",
+    "RETIRED",
+    "ATTEMPT_FILE",
+    "RESERVED",
+    "Attempt",
+    "snapshot_id",
+    "parse_snapshot_id",
+    "is_snapshot_name",
+    "manifest_path",
+    "snapshot_folders",
+    "staged_attempt",
+    "in_place_attempt",
+    "parse_staged_name",
+    "uncommitted_attempts",
+    "committed_data_prefix",
+    "report_name",
+    "best_alias_path",
+    "safe_name",
+    "quarantine_path",
+    "retired_path",
+    "timed_record_stem",
+    "SAVE_DECISIONS",
+    "MEMORY_TIER_EVENTS",
+    "retired_snapshot_dir",
+    "retired_record_path",
+    "SHARED_SCOPE",
+    "component_key",
 ]
 
 STAGING = ".staging"
@@ -133,7 +161,7 @@ def parse_staged_name(name: str) -> tuple[str, str] | None:
     best = None
     for i, c in enumerate(name):
         if c == "." and is_snapshot_name(name[:i]) and i + 1 < len(name):
-            best = (name[:i], name[i + 1:])
+            best = (name[:i], name[i + 1 :])
     return best
 
 

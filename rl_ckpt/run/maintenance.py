@@ -28,8 +28,14 @@ from rl_ckpt.errors import post_commit_text
 from rl_ckpt.run.delete import delete_snapshot
 from rl_ckpt.run.dedup import manifest_objects, object_path
 from rl_ckpt.run.layout import BEST, RETIRED, best_alias_path, manifest_path, retired_path
-from rl_ckpt.run.retention import (RetentionDecision, RetentionPolicy, best_per_metric, normalize_best,
-                                   plan_retention, policy_from_config)
+from rl_ckpt.run.retention import (
+    RetentionDecision,
+    RetentionPolicy,
+    best_per_metric,
+    normalize_best,
+    plan_retention,
+    policy_from_config,
+)
 from rl_ckpt.storage import Storage
 
 log = logging.getLogger("rl_ckpt")
@@ -60,9 +66,17 @@ class RunMaintenance:
             sweeps them later, with its grace period.
     """
 
-    def __init__(self, storage: Storage, catalog: Catalog, *, retention: RetentionPolicy | None,
-                 best_metric: str | Sequence[str] = "avg_reward", best_mode: str | Sequence[str] = "max",
-                 keep_best: int = 0, sweep_objects: bool = True) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        catalog: Catalog,
+        *,
+        retention: RetentionPolicy | None,
+        best_metric: str | Sequence[str] = "avg_reward",
+        best_mode: str | Sequence[str] = "max",
+        keep_best: int = 0,
+        sweep_objects: bool = True,
+    ) -> None:
         self.storage = storage
         self.catalog = catalog
         self.retention = retention
@@ -75,8 +89,15 @@ class RunMaintenance:
         self._best_cache: tuple[int, dict | None] = (-1, None)
 
     @classmethod
-    def from_config(cls, storage: Storage, catalog: Catalog, config: Any, *,
-                    retention: RetentionPolicy | bool | None = None, sweep_objects: bool = True) -> "RunMaintenance":
+    def from_config(
+        cls,
+        storage: Storage,
+        catalog: Catalog,
+        config: Any,
+        *,
+        retention: RetentionPolicy | bool | None = None,
+        sweep_objects: bool = True,
+    ) -> "RunMaintenance":
         """Maintenance as a :class:`CheckpointConfig` describes it.
 
         ``retention``: ``None``/``True`` builds the policy from keep_latest, keep_best and
@@ -84,8 +105,15 @@ class RunMaintenance:
         """
         if retention is None or retention is True:
             retention = policy_from_config(config)
-        return cls(storage, catalog, retention=retention or None, best_metric=config.best_metric,
-                   best_mode=config.best_mode, keep_best=config.keep_best, sweep_objects=sweep_objects)
+        return cls(
+            storage,
+            catalog,
+            retention=retention or None,
+            best_metric=config.best_metric,
+            best_mode=config.best_mode,
+            keep_best=config.keep_best,
+            sweep_objects=sweep_objects,
+        )
 
     # -- the pass ----------------------------------------------------------------
     def after_commit(self) -> list[str]:
@@ -133,8 +161,9 @@ class RunMaintenance:
         """True (and the catalog forgets it) when a listed snapshot's manifest is gone from storage."""
         if self.storage.exists(manifest_path(snapshot_id)):
             return False
-        log.warning("snapshot %s is no longer in %s (deleted outside this engine); forgetting it",
-                    snapshot_id, self.storage.url)
+        log.warning(
+            "snapshot %s is no longer in %s (deleted outside this engine); forgetting it", snapshot_id, self.storage.url
+        )
         self.catalog.discard([snapshot_id])
         return True
 
@@ -150,8 +179,14 @@ class RunMaintenance:
         """A note of what retention deleted, written before deleting."""
         if info is None:
             return
-        body = {"snapshot_id": info.snapshot_id, "global_step": info.global_step, "kind": info.kind,
-                "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "deleted_at": now_iso()}
+        body = {
+            "snapshot_id": info.snapshot_id,
+            "global_step": info.global_step,
+            "kind": info.kind,
+            "metrics": clean_metrics(info.metrics),
+            "size_bytes": info.size_bytes,
+            "deleted_at": now_iso(),
+        }
         self.storage.makedirs(RETIRED)
         self.storage.write_atomic(retired_path(info.snapshot_id), json.dumps(body).encode())
 
@@ -185,8 +220,14 @@ class RunMaintenance:
         for metric, sid in best.items():
             info = self.catalog.get(sid)
             mode = self.modes[self.metrics.index(metric)]
-            body = {"snapshot_id": sid, "global_step": info.global_step if info else None, "metric": metric,
-                    "mode": mode, "value": info.metrics.get(metric) if info else None, "updated_at": now_iso()}
+            body = {
+                "snapshot_id": sid,
+                "global_step": info.global_step if info else None,
+                "metric": metric,
+                "mode": mode,
+                "value": info.metrics.get(metric) if info else None,
+                "updated_at": now_iso(),
+            }
             if self._best_alias(metric) != body["snapshot_id"]:
                 self.storage.makedirs(BEST)
                 self.storage.write_atomic(best_alias_path(metric), json.dumps(body).encode())

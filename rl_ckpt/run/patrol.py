@@ -56,8 +56,10 @@ class ScrubReport:
 
     def __str__(self) -> str:
         rate = self.bytes_read / self.seconds / 2**20 if self.seconds else 0.0
-        lines = [f"scrubbed {len(self.checked)} snapshot(s), {self.bytes_read / 2**20:.1f} MiB in {self.seconds:.1f} s "
-                 f"({rate:.1f} MiB/s)"]
+        lines = [
+            f"scrubbed {len(self.checked)} snapshot(s), {self.bytes_read / 2**20:.1f} MiB in {self.seconds:.1f} s "
+            f"({rate:.1f} MiB/s)"
+        ]
         for sid, why in self.quarantined.items():
             lines.append(f"  QUARANTINED {sid}: {why}")
         if self.already_quarantined:
@@ -67,8 +69,13 @@ class ScrubReport:
         return "\n".join(lines)
 
 
-def scrub(storage: Storage, *, bytes_per_second: float | None = None, min_free_bytes: int = 0,
-          stop: threading.Event | None = None) -> ScrubReport:
+def scrub(
+    storage: Storage,
+    *,
+    bytes_per_second: float | None = None,
+    min_free_bytes: int = 0,
+    stop: threading.Event | None = None,
+) -> ScrubReport:
     """Re-hash every committed snapshot, oldest first; quarantine the corrupt ones."""
     started = time.monotonic()
     catalog = Catalog(storage)
@@ -92,8 +99,12 @@ def scrub(storage: Storage, *, bytes_per_second: float | None = None, min_free_b
     report.free_bytes = storage.free_bytes()
     if report.free_bytes is not None and report.free_bytes < min_free_bytes:
         report.low_space = True
-        log.warning("checkpoint storage %s has %.2f GiB free (< min_free_bytes %.2f GiB)", storage.url,
-                    report.free_bytes / 2**30, min_free_bytes / 2**30)
+        log.warning(
+            "checkpoint storage %s has %.2f GiB free (< min_free_bytes %.2f GiB)",
+            storage.url,
+            report.free_bytes / 2**30,
+            min_free_bytes / 2**30,
+        )
     report.seconds = time.monotonic() - started
     return report
 
@@ -101,8 +112,15 @@ def scrub(storage: Storage, *, bytes_per_second: float | None = None, min_free_b
 class HealthPatrol:
     """Background scrubbing every ``interval_seconds``; ``status()`` for /healthz."""
 
-    def __init__(self, storage: Storage, *, interval_seconds: float, bytes_per_second: float | None,
-                 min_free_bytes: int, on_report=None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        interval_seconds: float,
+        bytes_per_second: float | None,
+        min_free_bytes: int,
+        on_report=None,
+    ) -> None:
         self.storage = storage
         self.interval = interval_seconds
         self.rate = bytes_per_second
@@ -121,8 +139,9 @@ class HealthPatrol:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.last_report = scrub(self.storage, bytes_per_second=self.rate, min_free_bytes=self.min_free,
-                                         stop=self._stop)
+                self.last_report = scrub(
+                    self.storage, bytes_per_second=self.rate, min_free_bytes=self.min_free, stop=self._stop
+                )
                 self.last_error = None
                 if self.on_report is not None:
                     self.on_report(self.last_report)
@@ -134,10 +153,14 @@ class HealthPatrol:
 
     def status(self) -> dict:
         r = self.last_report
-        return {"passes": self.passes, "last_error": self.last_error,
-                "last_checked": len(r.checked) if r else 0,
-                "quarantined": sorted(r.quarantined) if r else [],
-                "free_bytes": r.free_bytes if r else None, "low_space": r.low_space if r else False}
+        return {
+            "passes": self.passes,
+            "last_error": self.last_error,
+            "last_checked": len(r.checked) if r else 0,
+            "quarantined": sorted(r.quarantined) if r else [],
+            "free_bytes": r.free_bytes if r else None,
+            "low_space": r.low_space if r else False,
+        }
 
     def stop(self) -> None:
         self._stop.set()

@@ -44,8 +44,9 @@ def quarantine_records(storage: Storage) -> dict[str, dict]:
         except CheckpointError:  # still fenced off: a mark that cannot be read is not a release
             record = None
         record = record if isinstance(record, dict) else {}
-        fields = {k: record.get(k)[:1000] if isinstance(record.get(k), str) else None
-                  for k in ("reason", "source", "at")}
+        fields = {
+            k: record.get(k)[:1000] if isinstance(record.get(k), str) else None for k in ("reason", "source", "at")
+        }
         fields["reason"] = fields["reason"] or "quarantined (record unreadable)"
         out[sid] = fields
     return out

@@ -56,8 +56,11 @@ class RecordStore:
             except CommitConflictError:
                 if self._holds(path, body):
                     return path
-        raise CheckpointError(f"{self.folder}/: {MAX_SAME_NAME} records named {stem}* already exist; "
-                              "not writing another (remove old records by hand)", path=self.path(stem + SUFFIX))
+        raise CheckpointError(
+            f"{self.folder}/: {MAX_SAME_NAME} records named {stem}* already exist; "
+            "not writing another (remove old records by hand)",
+            path=self.path(stem + SUFFIX),
+        )
 
     def add_once(self, stem: str, body: dict, *, ending: str = "") -> str:
         """:meth:`add`, unless a record holding ``body`` is already there (a retried call whose name, chosen

@@ -67,7 +67,7 @@ class KeepLatest(_Explained):
 
     def reasons(self, snapshots: Sequence[SnapshotInfo]) -> dict[str, list[str]]:
         fulls = _full(snapshots)
-        return {s.snapshot_id: [f"latest {self.n}"] for s in (fulls[-self.n:] if self.n > 0 else [])}
+        return {s.snapshot_id: [f"latest {self.n}"] for s in (fulls[-self.n :] if self.n > 0 else [])}
 
 
 def _number(value: object) -> float | None:
@@ -90,8 +90,9 @@ def normalize_best(metric: str | Sequence[str], mode: str | Sequence[str]) -> tu
     return metrics, modes
 
 
-def rank_best(snapshots: Sequence[SnapshotInfo], metric: str | Sequence[str],
-              mode: str | Sequence[str]) -> list[SnapshotInfo]:
+def rank_best(
+    snapshots: Sequence[SnapshotInfo], metric: str | Sequence[str], mode: str | Sequence[str]
+) -> list[SnapshotInfo]:
     """Full snapshots best first, metrics compared lexicographically in priority order.
 
     Snapshots without a finite first metric are left out. A missing or
@@ -183,8 +184,9 @@ class RetentionDecision:
     reasons: dict[str, list[str]]
 
 
-def plan_retention(snapshots: Sequence[SnapshotInfo], policy: RetentionPolicy, *,
-                   protect: Iterable[str] = ()) -> RetentionDecision:
+def plan_retention(
+    snapshots: Sequence[SnapshotInfo], policy: RetentionPolicy, *, protect: Iterable[str] = ()
+) -> RetentionDecision:
     """Apply ``policy`` to the full snapshots, then the hard rules and the light rule (module docstring)."""
     ordered = sorted(snapshots, key=SnapshotInfo.sort_key)  # stable: callers' order among equals survives
     by_id = {s.snapshot_id: s for s in ordered}
@@ -231,8 +233,9 @@ def policy_from_config(cfg) -> RetentionPolicy:
     return AnyOf(*policies)
 
 
-def best_per_metric(snapshots: Sequence[SnapshotInfo], metrics: str | Sequence[str],
-                    modes: str | Sequence[str]) -> dict[str, str]:
+def best_per_metric(
+    snapshots: Sequence[SnapshotInfo], metrics: str | Sequence[str], modes: str | Sequence[str]
+) -> dict[str, str]:
     """For each metric on its own, the id of the best full snapshot (for ``best/<metric>`` pointers).
 
     Metrics no snapshot has a finite value for are absent from the result.

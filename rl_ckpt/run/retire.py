@@ -50,8 +50,14 @@ from rl_ckpt.errors import CheckpointError, CommitConflictError
 from rl_ckpt.format.manifest import now_iso, parse_snapshot_id
 from rl_ckpt.format.metrics import clean_metrics
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo, lost_manifest
-from rl_ckpt.run.layout import (MANIFEST_NAME, RETIRED, manifest_path, retired_record_path, retired_snapshot_dir,
-                                snapshot_folders)
+from rl_ckpt.run.layout import (
+    MANIFEST_NAME,
+    RETIRED,
+    manifest_path,
+    retired_record_path,
+    retired_snapshot_dir,
+    snapshot_folders,
+)
 from rl_ckpt.run.delete import delete_snapshot
 from rl_ckpt.run.records import RecordStore
 from rl_ckpt.storage import Storage, join
@@ -76,13 +82,24 @@ class RetireOutcome:
 def snapshot_tag(info: SnapshotInfo) -> str:
     """A short name part derived from the snapshot's manifest: the same for a retried retire of one snapshot,
     different for a later snapshot of the same step."""
-    body = json.dumps(info.manifest.to_json() if info.manifest is not None else [info.snapshot_id, info.created_at],
-                      sort_keys=True, default=str)
+    body = json.dumps(
+        info.manifest.to_json() if info.manifest is not None else [info.snapshot_id, info.created_at],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
-def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, loaded: Iterable[str | None],
-                 restored: str | None, by: str, skipped: Mapping[str, str] | None = None) -> RetireOutcome:
+def retire_newer(
+    storage: Storage,
+    catalog: Catalog,
+    *,
+    continue_step: int,
+    loaded: Iterable[str | None],
+    restored: str | None,
+    by: str,
+    skipped: Mapping[str, str] | None = None,
+) -> RetireOutcome:
     """Retire every committed snapshot (full or light; not quarantined ones) of a step after ``continue_step``.
 
     Args:
@@ -103,8 +120,10 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
         if info.global_step <= continue_step or info.snapshot_id in keep:
             continue
         if info.quarantined is not None:
-            outcome.warnings.append(f"{info.snapshot_id} is newer than step {continue_step} but quarantined: left in "
-                                    "quarantine for a person (a save of its step conflicts until it is deleted)")
+            outcome.warnings.append(
+                f"{info.snapshot_id} is newer than step {continue_step} but quarantined: left in "
+                "quarantine for a person (a save of its step conflicts until it is deleted)"
+            )
             continue
         try:
             why = (skipped or {}).get(info.snapshot_id)
@@ -115,15 +134,22 @@ def retire_newer(storage: Storage, catalog: Catalog, *, continue_step: int, load
     for bad in catalog.unreadable():
         parsed = parse_snapshot_id(bad.snapshot_id)
         if parsed is not None and parsed[0] > continue_step:
-            outcome.warnings.append(f"{bad.snapshot_id} is newer than step {continue_step} but unreadable "
-                                    f"({bad.reason}); left in place for a person (a save of its step will conflict)")
+            outcome.warnings.append(
+                f"{bad.snapshot_id} is newer than step {continue_step} but unreadable "
+                f"({bad.reason}); left in place for a person (a save of its step will conflict)"
+            )
     _finish_interrupted(storage, continue_step, keep)
     catalog.refresh()
     for w in outcome.warnings:
         log.warning("retiring the failed timeline: %s", w)
     if outcome.retired:
-        log.info("retired %s (newer than step %d, restored %s) into %s/", ", ".join(outcome.retired), continue_step,
-                 restored, RETIRED)
+        log.info(
+            "retired %s (newer than step %d, restored %s) into %s/",
+            ", ".join(outcome.retired),
+            continue_step,
+            restored,
+            RETIRED,
+        )
     return outcome
 
 
@@ -136,9 +162,15 @@ def retire_for_plan(storage: Storage, catalog: Catalog, plan, *, by: str) -> lis
     """
     restored = f"{plan.target}" + (f" + light {plan.light}" if plan.light else "")
     try:
-        outcome = retire_newer(storage, catalog, continue_step=plan.continue_from_step,
-                               loaded=[plan.target, plan.light, *plan.fallbacks], restored=restored, by=by,
-                               skipped={c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"})
+        outcome = retire_newer(
+            storage,
+            catalog,
+            continue_step=plan.continue_from_step,
+            loaded=[plan.target, plan.light, *plan.fallbacks],
+            restored=restored,
+            by=by,
+            skipped={c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"},
+        )
     except CheckpointError as exc:  # the plan stands; the next plan retries
         plan.warnings.append(f"could not retire the snapshots newer than step {plan.continue_from_step}: {exc}")
         return []
@@ -148,8 +180,11 @@ def retire_for_plan(storage: Storage, catalog: Catalog, plan, *, by: str) -> lis
 
 def retired_records(storage: Storage) -> list[dict]:
     """The records of the snapshots retired from this run (``history/retired/*.json``), oldest first."""
-    return [r for r in RecordStore(storage, RETIRED, "retired-snapshot record").load()
-            if isinstance(r.get("snapshot_id"), str)]
+    return [
+        r
+        for r in RecordStore(storage, RETIRED, "retired-snapshot record").load()
+        if isinstance(r.get("snapshot_id"), str)
+    ]
 
 
 def retire_one(storage: Storage, info: SnapshotInfo, context: dict) -> bool:
@@ -161,13 +196,22 @@ def retire_one(storage: Storage, info: SnapshotInfo, context: dict) -> bool:
     """
     sid, tag = info.snapshot_id, snapshot_tag(info)
     dest = retired_snapshot_dir(sid, tag) if protocol_of(storage.url) not in NO_COPIES else None
-    body = {"snapshot_id": sid, "global_step": info.global_step, "kind": info.kind,
-            "metrics": clean_metrics(info.metrics), "size_bytes": info.size_bytes, "created_at": info.created_at,
-            **context, "moved_to": dest, "retired_at": now_iso()}
+    body = {
+        "snapshot_id": sid,
+        "global_step": info.global_step,
+        "kind": info.kind,
+        "metrics": clean_metrics(info.metrics),
+        "size_bytes": info.size_bytes,
+        "created_at": info.created_at,
+        **context,
+        "moved_to": dest,
+        "retired_at": now_iso(),
+    }
     storage.makedirs(RETIRED)
     try:
-        storage.write_atomic(retired_record_path(sid, tag), json.dumps(body, allow_nan=False).encode(),
-                             create_only=True)
+        storage.write_atomic(
+            retired_record_path(sid, tag), json.dumps(body, allow_nan=False).encode(), create_only=True
+        )
     except CommitConflictError:
         pass  # a retire of this snapshot was interrupted after its record: the record stands
     return _move(storage, sid, dest) if dest is not None else delete_snapshot(storage, sid)
@@ -212,10 +256,18 @@ def _copy_tree(storage: Storage, src: str, dest: str) -> None:
 
 def _finish_interrupted(storage: Storage, continue_step: int, keep: set[str]) -> None:
     """Remove what a kill left of a move without rename once the retired copy is whole (see the module docstring)."""
-    copies = {e.name.rsplit(".", 1)[0] for e in storage.list(RETIRED)
-              if e.is_dir and storage.exists(join(RETIRED, e.name, MANIFEST_NAME))}
+    copies = {
+        e.name.rsplit(".", 1)[0]
+        for e in storage.list(RETIRED)
+        if e.is_dir and storage.exists(join(RETIRED, e.name, MANIFEST_NAME))
+    }
     for entry in snapshot_folders(storage):
         parsed = parse_snapshot_id(entry.name)
-        if (parsed[0] > continue_step and entry.name not in keep and entry.name in copies
-                and not storage.exists(manifest_path(entry.name)) and lost_manifest(storage, entry.name)):
+        if (
+            parsed[0] > continue_step
+            and entry.name not in keep
+            and entry.name in copies
+            and not storage.exists(manifest_path(entry.name))
+            and lost_manifest(storage, entry.name)
+        ):
             storage.remove_tree(entry.name)

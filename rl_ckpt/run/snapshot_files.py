@@ -46,8 +46,9 @@ class VerifyReport:
         return [p for p in self.problems if p.snapshot_id == snapshot_id]
 
     def __str__(self) -> str:
-        lines = [f"verified {len(self.checked)} snapshot(s): "
-                 + ("all OK" if self.ok else f"{len(self.bad_snapshots)} bad")]
+        lines = [
+            f"verified {len(self.checked)} snapshot(s): " + ("all OK" if self.ok else f"{len(self.bad_snapshots)} bad")
+        ]
         lines += [f"  BAD {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -64,22 +65,29 @@ def read_manifest(storage: Storage, snapshot_id: str, *, size: int | None = None
         if size > MAX_MANIFEST_BYTES:
             raise CorruptSnapshotError(
                 f"{snapshot_id}: {MANIFEST_NAME} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may "
-                "have; refusing to read it", snapshot_id=snapshot_id, problems=["manifest too large"])
+                "have; refusing to read it",
+                snapshot_id=snapshot_id,
+                problems=["manifest too large"],
+            )
         data = storage.read(path)
     except StorageError as exc:
-        raise CorruptSnapshotError(f"{snapshot_id}: cannot read manifest ({exc})", snapshot_id=snapshot_id,
-                                   problems=[str(exc)]) from exc
+        raise CorruptSnapshotError(
+            f"{snapshot_id}: cannot read manifest ({exc})", snapshot_id=snapshot_id, problems=[str(exc)]
+        ) from exc
     manifest = Manifest.from_bytes(data, snapshot_id)
     parsed = parse_snapshot_id(snapshot_id)
     if parsed is not None and (parsed[0] != manifest.global_step or parsed[2] != manifest.kind):
         raise CorruptSnapshotError(
             f"{snapshot_id}: manifest says step {manifest.global_step} ({manifest.kind}); the folder name says "
             f"step {parsed[0]} ({parsed[2]}). The manifest is corrupt; refusing it",
-            snapshot_id=snapshot_id, problems=["step/kind mismatch"])
+            snapshot_id=snapshot_id,
+            problems=["step/kind mismatch"],
+        )
     if manifest.snapshot_id != snapshot_id:
         raise CorruptSnapshotError(
             f"{snapshot_id}: manifest names snapshot {manifest.snapshot_id!r}; it was copied or renamed, refusing it",
-            snapshot_id=snapshot_id, problems=["snapshot_id mismatch"],
+            snapshot_id=snapshot_id,
+            problems=["snapshot_id mismatch"],
         )
     return manifest
 
@@ -102,8 +110,9 @@ def check_file(storage: Storage, snapshot_id: str, entry: FileEntry, throttle=No
     return None
 
 
-def verify_snapshot(storage: Storage, snapshot_id: str, report: VerifyReport | None = None, *, progress=None,
-                    throttle=None) -> VerifyReport:
+def verify_snapshot(
+    storage: Storage, snapshot_id: str, report: VerifyReport | None = None, *, progress=None, throttle=None
+) -> VerifyReport:
     """Check the manifest and every file of one snapshot; problems go into ``report``."""
     report = report or VerifyReport()
     report.checked.append(snapshot_id)
@@ -143,17 +152,28 @@ def read_verified(storage: Storage, snapshot_id: str, entry: FileEntry, *, reado
         hasher = new_hasher(entry.algo)
         data = (storage.read_view if readonly_ok else storage.read)(path, on_chunk=hasher.update, max_bytes=entry.size)
     except FileTooLargeError as exc:
-        raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: size {exc.size} != {entry.size} in manifest",
-                                   snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"]) from None
+        raise CorruptSnapshotError(
+            f"{snapshot_id}/{entry.path}: size {exc.size} != {entry.size} in manifest",
+            snapshot_id=snapshot_id,
+            path=entry.path,
+            problems=["size mismatch"],
+        ) from None
     except StorageError as exc:
-        raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path,
-                                   problems=["unreadable"]) from exc
+        raise CorruptSnapshotError(
+            f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path, problems=["unreadable"]
+        ) from exc
     if len(data) != entry.size:
-        raise CorruptSnapshotError(f"{snapshot_id}/{entry.path}: size {len(data)} != {entry.size} in manifest",
-                                   snapshot_id=snapshot_id, path=entry.path, problems=["size mismatch"])
+        raise CorruptSnapshotError(
+            f"{snapshot_id}/{entry.path}: size {len(data)} != {entry.size} in manifest",
+            snapshot_id=snapshot_id,
+            path=entry.path,
+            problems=["size mismatch"],
+        )
     if hasher.hexdigest() != entry.checksum:
         raise CorruptSnapshotError(
             f"{snapshot_id}/{entry.path}: {entry.algo} checksum mismatch; the file changed after commit",
-            snapshot_id=snapshot_id, path=entry.path, problems=["checksum mismatch"],
+            snapshot_id=snapshot_id,
+            path=entry.path,
+            problems=["checksum mismatch"],
         )
     return data

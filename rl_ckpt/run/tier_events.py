@@ -32,20 +32,34 @@ def tier_event_records(storage: Storage) -> RecordStore:
 
 def record_memory_snapshot(storage: Storage, info: Any) -> str:
     """Record the committed memory snapshot ``info`` (a ``SnapshotInfo``) in the durable run folder."""
-    body = {"event": SNAPSHOT, "snapshot_id": info.snapshot_id, "global_step": info.global_step, "kind": info.kind,
-            "created_at": info.created_at, "size_bytes": info.size_bytes, "metrics": _plain(info.metrics)}
+    body = {
+        "event": SNAPSHOT,
+        "snapshot_id": info.snapshot_id,
+        "global_step": info.global_step,
+        "kind": info.kind,
+        "created_at": info.created_at,
+        "size_bytes": info.size_bytes,
+        "metrics": _plain(info.metrics),
+    }
     return tier_event_records(storage).add(f"snapshot-{info.snapshot_id}", body)
 
 
-def record_tier_restore(storage: Storage, tier: str, snapshot_id: str, global_step: int, plan: Any,
-                        decision: Any = None) -> str:
+def record_tier_restore(
+    storage: Storage, tier: str, snapshot_id: str, global_step: int, plan: Any, decision: Any = None
+) -> str:
     """Record a restore across tiers: ``tier`` and the snapshot restored, with the failure and recovery decision
     it answered (``decision``: the durable manager's ``Decision``, or None) and the plan's time."""
     failure = decision.failure if decision is not None else getattr(plan, "failure", None)
-    body = {"event": RESTORE, "tier": tier, "snapshot_id": snapshot_id, "global_step": global_step,
-            "planned_at": plan.created_at, "decision_time": decision.time if decision is not None else None,
-            "failure_step": failure.step if failure is not None else None,
-            "failure_kind": str(failure.kind) if failure is not None else None}
+    body = {
+        "event": RESTORE,
+        "tier": tier,
+        "snapshot_id": snapshot_id,
+        "global_step": global_step,
+        "planned_at": plan.created_at,
+        "decision_time": decision.time if decision is not None else None,
+        "failure_step": failure.step if failure is not None else None,
+        "failure_kind": str(failure.kind) if failure is not None else None,
+    }
     return tier_event_records(storage).add(timed_record_stem(plan.created_at, f"restore-{tier}"), body)
 
 
@@ -70,12 +84,18 @@ def load_tier_events(storage: Storage) -> tuple[list[dict], list[dict]]:
             continue
         if r.get("event") == SNAPSHOT and r.get("kind") in ("full", "light"):
             metrics = r.get("metrics") if isinstance(r.get("metrics"), dict) else {}
-            snaps.setdefault(r["snapshot_id"], {"id": r["snapshot_id"], "step": step, "kind": r["kind"],
-                                                "metrics": metrics})
+            snaps.setdefault(
+                r["snapshot_id"], {"id": r["snapshot_id"], "step": step, "kind": r["kind"], "metrics": metrics}
+            )
         elif r.get("event") == RESTORE and isinstance(r.get("tier"), str):
             fstep = r.get("failure_step")
-            restores.append({"tier": r["tier"], "snapshot": r["snapshot_id"], "to": step,
-                             "failure_step": fstep if type(fstep) is int else None,
-                             "decision_time": (r.get("decision_time")
-                                               if isinstance(r.get("decision_time"), str) else None)})
+            restores.append(
+                {
+                    "tier": r["tier"],
+                    "snapshot": r["snapshot_id"],
+                    "to": step,
+                    "failure_step": fstep if type(fstep) is int else None,
+                    "decision_time": (r.get("decision_time") if isinstance(r.get("decision_time"), str) else None),
+                }
+            )
     return sorted(snaps.values(), key=lambda s: s["step"]), restores

@@ -52,16 +52,30 @@ def memory_status(manifest: Manifest, inventory: dict[str, dict[str, int]], repl
         holders = [n for n, files in inventory.items() if path in files and (want is None or files[path] == want)]
         nodes.update(holders)
         if not holders:
-            missing.append(path[len(sid) + 1:])
+            missing.append(path[len(sid) + 1 :])
         fewest = len(holders) if fewest is None else min(fewest, len(holders))
     copies = fewest or 0
     tiers = [MEMORY] if not missing else []
-    return TierStatus(sid, manifest.global_step, manifest.kind, tiers, sorted(nodes), copies, missing,
-                      not missing and replicas > 0 and copies >= 1 + replicas)
+    return TierStatus(
+        sid,
+        manifest.global_step,
+        manifest.kind,
+        tiers,
+        sorted(nodes),
+        copies,
+        missing,
+        not missing and replicas > 0 and copies >= 1 + replicas,
+    )
 
 
-def tier_view(memory: Catalog | None, inventory: dict[str, dict[str, int]] | None, durable: Catalog | None,
-              replicas: int = 1, *, refresh: bool = True) -> list[TierStatus]:
+def tier_view(
+    memory: Catalog | None,
+    inventory: dict[str, dict[str, int]] | None,
+    durable: Catalog | None,
+    replicas: int = 1,
+    *,
+    refresh: bool = True,
+) -> list[TierStatus]:
     """Every snapshot of the run in either tier, oldest first, with the tiers that hold it."""
     out: dict[str, TierStatus] = {}
     if memory is not None and inventory is not None:
@@ -90,8 +104,11 @@ def drop_incomplete(memory: Storage, view: list[TierStatus]) -> list[str]:
             try:
                 delete_snapshot(memory, status.snapshot_id)
                 dropped.append(status.snapshot_id)
-                log.warning("memory tier: %s lost %s with its store (no replica survived): dropped from memory",
-                            status.snapshot_id, ", ".join(status.missing[:3]))
+                log.warning(
+                    "memory tier: %s lost %s with its store (no replica survived): dropped from memory",
+                    status.snapshot_id,
+                    ", ".join(status.missing[:3]),
+                )
             except CheckpointError as exc:
                 log.warning("memory tier: could not drop incomplete %s: %s", status.snapshot_id, exc)
     return dropped

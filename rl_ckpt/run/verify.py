@@ -11,8 +11,9 @@ from rl_ckpt.run.quarantine import quarantine_records
 from rl_ckpt.run.retire import retired_records
 
 
-def verify_run(catalog: Catalog, snapshot_ids: Sequence[str] | None = None, *,
-               progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify_run(
+    catalog: Catalog, snapshot_ids: Sequence[str] | None = None, *, progress: Callable[[int], None] | None = None
+) -> VerifyReport:
     """Re-hash every file of ``snapshot_ids`` (default: every committed snapshot) against its manifest.
 
     A quarantined snapshot is reported as bad even when its files hash right (a
@@ -45,11 +46,16 @@ def fenced_off(catalog: Catalog) -> list[str]:
     notes = []
     for sid, record in quarantine_records(storage).items():
         if sid not in present:
-            notes.append(f"{sid}: quarantined {record.get('at') or '(time unknown)'} by "
-                         f"{record.get('source') or '?'}: {record.get('reason') or '(no reason recorded)'}")
+            notes.append(
+                f"{sid}: quarantined {record.get('at') or '(time unknown)'} by "
+                f"{record.get('source') or '?'}: {record.get('reason') or '(no reason recorded)'}"
+            )
     for r in retired_records(storage):
         why = r.get("skipped_by_restore")
-        notes.append(f"{r['snapshot_id']} (step {r.get('global_step')}): retired {r.get('retired_at')} by "
-                     f"{r.get('retired_by')}: {r.get('reason')}" + (f"; the restore skipped it: {why}" if why else "")
-                     + (f"; kept in {r['moved_to']}" if r.get("moved_to") else ""))
+        notes.append(
+            f"{r['snapshot_id']} (step {r.get('global_step')}): retired {r.get('retired_at')} by "
+            f"{r.get('retired_by')}: {r.get('reason')}"
+            + (f"; the restore skipped it: {why}" if why else "")
+            + (f"; kept in {r['moved_to']}" if r.get("moved_to") else "")
+        )
     return [n[:2000] for n in notes]

@@ -6,11 +6,27 @@ manager-less multi-rank commit is ``rl_ckpt.commit.collective``.
 """
 
 from rl_ckpt.sharded.component import (
-    ShardedState, as_sharded, is_sharded_section, load_sharded, sharded_view, stage_sharded,
+    ShardedState,
+    as_sharded,
+    is_sharded_section,
+    load_sharded,
+    sharded_view,
+    stage_sharded,
 )
 from rl_ckpt.sharded.dcp_storage import StagedShards, write_shards
 from rl_ckpt.sharded.full_weights import load_full_weights
 from rl_ckpt.sharded.layout import Layout, merge_components
 
-__all__ = ["ShardedState", "Layout", "StagedShards", "as_sharded", "is_sharded_section", "load_full_weights",
-           "load_sharded", "merge_components", "sharded_view", "stage_sharded", "write_shards"]
+__all__ = [
+    "ShardedState",
+    "Layout",
+    "StagedShards",
+    "as_sharded",
+    "is_sharded_section",
+    "load_full_weights",
+    "load_sharded",
+    "merge_components",
+    "sharded_view",
+    "stage_sharded",
+    "write_shards",
+]

@@ -23,10 +23,16 @@ from torch.distributed.tensor import DTensor
 from rl_ckpt.errors import ConfigError, CorruptSnapshotError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage
-from rl_ckpt.sharded.dcp_storage import (DEFAULT_BLOCK_BYTES, MIN_BLOCK_BYTES, ChunkReader, StagedShards, TensorStager,
-                                         load_shards, stage_shards)
+from rl_ckpt.sharded.dcp_storage import (
+    DEFAULT_BLOCK_BYTES,
+    MIN_BLOCK_BYTES,
+    ChunkReader,
+    StagedShards,
+    TensorStager,
+    load_shards,
+    stage_shards,
+)
 from rl_ckpt.sharded.layout import Layout
-
 
 
 class ShardedState:
@@ -38,8 +44,14 @@ class ShardedState:
     needs); registering an FSDP2 module or its optimizer wraps it automatically.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        min_block_bytes: int = MIN_BLOCK_BYTES,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.block_bytes = int(block_bytes)
@@ -66,9 +78,13 @@ class ShardedState:
         mesh = next((p.device_mesh for p in self.model.parameters() if isinstance(p, DTensor)), None)
         if mesh is None:
             return {"world_size": 1, "mesh": []}
-        return {"world_size": torch.distributed.get_world_size(), "mesh": list(mesh.shape),
-                "placements": [str(p) for p in next(x for x in self.model.parameters()
-                                                    if isinstance(x, DTensor)).placements]}
+        return {
+            "world_size": torch.distributed.get_world_size(),
+            "mesh": list(mesh.shape),
+            "placements": [
+                str(p) for p in next(x for x in self.model.parameters() if isinstance(x, DTensor)).placements
+            ],
+        }
 
 
 def has_dtensors(params) -> bool:
@@ -90,14 +106,20 @@ def sharded_view(name: str, obj: Any, objects: list[Any]) -> ShardedState:
     if isinstance(obj, torch.optim.Optimizer):
         model = _owner_module(obj, [o.model if isinstance(o, ShardedState) else o for o in objects])
         if model is None:
-            raise ConfigError(f"component {name!r}: a sharded optimizer is saved by parameter name, "
-                              "so its model must be registered first (register the model, then the optimizer), "
-                              "or register ShardedState(model, optimizer)", key=name)
+            raise ConfigError(
+                f"component {name!r}: a sharded optimizer is saved by parameter name, "
+                "so its model must be registered first (register the model, then the optimizer), "
+                "or register ShardedState(model, optimizer)",
+                key=name,
+            )
         like = next((o for o in objects if isinstance(o, ShardedState) and o.model is model), None)
         sizes = {"block_bytes": like.block_bytes, "min_block_bytes": like.min_block_bytes} if like else {}
         return ShardedState(model, obj, **sizes)
-    raise ConfigError(f"component {name!r}: {type(obj).__name__} is neither a module nor an optimizer; sharded state "
-                      "is saved for those (or a ShardedState)", key=name)
+    raise ConfigError(
+        f"component {name!r}: {type(obj).__name__} is neither a module nor an optimizer; sharded state "
+        "is saved for those (or a ShardedState)",
+        key=name,
+    )
 
 
 def as_sharded(name: str, obj: Any, objects: list[Any]) -> ShardedState | None:
@@ -111,8 +133,9 @@ def as_sharded(name: str, obj: Any, objects: list[Any]) -> ShardedState | None:
     return None
 
 
-def stage_sharded(comp: ShardedState, rank: int, *, copy: bool, name: str = "",
-                  staging: TensorStager | None = None) -> StagedShards:
+def stage_sharded(
+    comp: ShardedState, rank: int, *, copy: bool, name: str = "", staging: TensorStager | None = None
+) -> StagedShards:
     """This rank's local shards of ``comp``, planned by DCP (``copy``: taken out of the trainer's hands, into
     ``staging``'s reused host buffers under component ``name`` when given; complete after ``staging.finish()``)."""
     return stage_shards(comp.state_dict(), rank, copy=copy, saved_by=comp.saved_by(), name=name, staging=staging)
@@ -127,8 +150,9 @@ def chunk_reader(storage: Storage, manifest: Manifest, key: str) -> ChunkReader:
     sid = manifest.snapshot_id
     section = manifest.components.get(key)
     if not is_sharded_section(section):
-        raise CorruptSnapshotError(f"{sid}: component {key!r} is not a sharded component", snapshot_id=sid,
-                                   problems=[f"no layout for {key}"])
+        raise CorruptSnapshotError(
+            f"{sid}: component {key!r} is not a sharded component", snapshot_id=sid, problems=[f"no layout for {key}"]
+        )
     layout = Layout.from_json(section["layout"], f"{sid}/{key}")
     layout.check_complete(f"{sid}/{key}")
     return ChunkReader(storage, sid, layout, {f.path: f for f in manifest.files_of(key)})
@@ -141,8 +165,12 @@ def load_sharded(storage: Storage, manifest: Manifest, key: str, comp: ShardedSt
     try:
         load_shards(state, reader)
     except (RuntimeError, ValueError) as exc:  # DCP's planner: a key or shape that does not fit
-        raise StateMismatchError(f"{manifest.snapshot_id}: component {name!r} does not fit the registered "
-                                 f"{type(comp.target).__name__}: {exc}. Restore into the model it was saved from.",
-                                 component=name, mismatches=[str(exc)], snapshot_id=manifest.snapshot_id) from exc
+        raise StateMismatchError(
+            f"{manifest.snapshot_id}: component {name!r} does not fit the registered "
+            f"{type(comp.target).__name__}: {exc}. Restore into the model it was saved from.",
+            component=name,
+            mismatches=[str(exc)],
+            snapshot_id=manifest.snapshot_id,
+        ) from exc
     comp.load_state_dict(state)
     return reader.bytes_read

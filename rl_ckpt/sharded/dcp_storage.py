@@ -29,7 +29,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
@@ -52,6 +57,7 @@ class TensorStager(Protocol):
     of ``tensor`` under ``key``, complete once the stager's ``finish()`` returned."""
 
     def stage_tensor(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor: ...
+
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 MIN_BLOCK_BYTES = 64 * 1024  # smaller blocks cost more manifest than the bytes they save a resharding read
@@ -105,9 +111,12 @@ class StagedSavePlanner(DefaultSavePlanner):
             if item.type == WriteItemType.BYTE_IO:
                 enc = encode_state(item.index.fqn, {"v": obj})
                 if enc.arrays or enc.tables:
-                    raise SerializationError(f"sharded state value {item.index.fqn!r} holds tensors inside a "
-                                             "non-tensor value; keep tensors at the top level of the state dict",
-                                             component=item.index.fqn, key=item.index.fqn)
+                    raise SerializationError(
+                        f"sharded state value {item.index.fqn!r} holds tensors inside a "
+                        "non-tensor value; keep tensors at the top level of the state dict",
+                        component=item.index.fqn,
+                        key=item.index.fqn,
+                    )
                 self.staged[item.index] = enc.tree
             elif self.copy and self.staging is not None:
                 key = f"{item.index.fqn}@{','.join(map(str, item.index.offset or ()))}"
@@ -133,8 +142,9 @@ class StagedShards:
     saved_by: dict
 
 
-def stage_shards(state_dict: dict, rank: int, *, copy: bool, saved_by: dict, name: str = "",
-                 staging: "TensorStager | None" = None) -> StagedShards:
+def stage_shards(
+    state_dict: dict, rank: int, *, copy: bool, saved_by: dict, name: str = "", staging: "TensorStager | None" = None
+) -> StagedShards:
     """Plan this rank's part of ``state_dict`` with DCP's planner (no collectives) and stage its data."""
     planner = StagedSavePlanner(rank, copy, name=name, staging=staging)
     planner.set_up_planner(state_dict, None, rank == 0)
@@ -156,9 +166,19 @@ def _block_rows(chunk_sizes, itemsize: int, block_bytes: int, min_block_bytes: i
 class RlckptStorageWriter(StorageWriter):
     """Writes one rank's chunks of one component as ``<key>.rank<r>.safetensors`` inside the attempt."""
 
-    def __init__(self, storage: Storage, attempt: Attempt, key: str, rank: int, *, algo: str, verify: bool,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES,
-                 objects: ObjectWriter | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        attempt: Attempt,
+        key: str,
+        rank: int,
+        *,
+        algo: str,
+        verify: bool,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        min_block_bytes: int = MIN_BLOCK_BYTES,
+        objects: ObjectWriter | None = None,
+    ) -> None:
         super().__init__()
         self.storage, self.attempt, self.key, self.rank = storage, attempt, key, rank
         self.algo, self.verify, self.block_bytes, self.min_block_bytes = algo, verify, block_bytes, min_block_bytes
@@ -205,8 +225,10 @@ class RlckptStorageWriter(StorageWriter):
             self.objects.flush(self.verify)
         if arrays:
             file_name = f"{self.key}.rank{self.rank}.safetensors"
-            chunks, _meta = safetensors_io.encode(arrays, metadata={"component": self.key, "rank": str(self.rank),
-                                                                    "format": "rl_ckpt sharded: local shards"})
+            chunks, _meta = safetensors_io.encode(
+                arrays,
+                metadata={"component": self.key, "rank": str(self.rank), "format": "rl_ckpt sharded: local shards"},
+            )
             header = json.loads(bytes(chunks[0][8:]))
             base = len(chunks[0])
             path = self.attempt.data_path(file_name)
@@ -216,8 +238,16 @@ class RlckptStorageWriter(StorageWriter):
                 verify_written(self.storage, path, entry)
             self.files.append(entry)
             for name, t in arrays.items():
-                results.append(self._result(names[name], t.element_size(), safetensors_io.byte_view(t), entry.path,
-                                            base + header[name]["data_offsets"][0], ()))
+                results.append(
+                    self._result(
+                        names[name],
+                        t.element_size(),
+                        safetensors_io.byte_view(t),
+                        entry.path,
+                        base + header[name]["data_offsets"][0],
+                        (),
+                    )
+                )
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -227,7 +257,7 @@ class RlckptStorageWriter(StorageWriter):
         sizes = tuple(item.tensor_data.chunk.sizes)
         br = _block_rows(sizes, itemsize, self.block_bytes, self.min_block_bytes)
         step = br * (view.nbytes // (sizes[0] if sizes else 1) if view.nbytes else 0)
-        sums = tuple(digest_bytes(self.algo, view[s:s + step]) for s in range(0, view.nbytes, step)) if step else ()
+        sums = tuple(digest_bytes(self.algo, view[s : s + step]) for s in range(0, view.nbytes, step)) if step else ()
         chunk = Chunk(tuple(item.tensor_data.chunk.offsets), sizes, file, start, br, sums, objects)
         return WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=chunk)
 
@@ -249,23 +279,45 @@ class RlckptStorageWriter(StorageWriter):
         return False
 
 
-def write_shards(storage: Storage, attempt: Attempt, key: str, staged: StagedShards, rank: int, *, algo: str,
-                 verify: bool, block_bytes: int = DEFAULT_BLOCK_BYTES, min_block_bytes: int = MIN_BLOCK_BYTES,
-                 objects: ObjectWriter | None = None) -> tuple[list[FileEntry], dict]:
+def write_shards(
+    storage: Storage,
+    attempt: Attempt,
+    key: str,
+    staged: StagedShards,
+    rank: int,
+    *,
+    algo: str,
+    verify: bool,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    min_block_bytes: int = MIN_BLOCK_BYTES,
+    objects: ObjectWriter | None = None,
+) -> tuple[list[FileEntry], dict]:
     """Write this rank's part; returns its file entries and its manifest section (with its part of the layout).
 
     With ``objects`` (dedup), each local chunk of at least ``objects.min_bytes``
     is stored content-addressed: a chunk whose bytes a committed snapshot
     already holds is referenced, not written again."""
-    writer = RlckptStorageWriter(storage, attempt, key, rank, algo=algo, verify=verify, block_bytes=block_bytes,
-                                 min_block_bytes=min_block_bytes, objects=objects)
+    writer = RlckptStorageWriter(
+        storage,
+        attempt,
+        key,
+        rank,
+        algo=algo,
+        verify=verify,
+        block_bytes=block_bytes,
+        min_block_bytes=min_block_bytes,
+        objects=objects,
+    )
     writer.set_up_storage_writer(rank == 0)
     results = writer.write_data(staged.planner.plan, staged.planner).wait()
     writer.finish(staged.metadata, [results])
     layout = writer.layout
     layout.saved_by = dict(staged.saved_by)
-    section = {"tensors": {k: {"dtype": t.dtype, "shape": list(t.shape)} for k, t in sorted(layout.tensors.items())},
-               "tables": {}, "layout": layout.to_json()}
+    section = {
+        "tensors": {k: {"dtype": t.dtype, "shape": list(t.shape)} for k, t in sorted(layout.tensors.items())},
+        "tables": {},
+        "layout": layout.to_json(),
+    }
     return writer.files, section
 
 
@@ -321,20 +373,27 @@ class ChunkReader:
         data = self._read(fqn, chunk, r0 * row_bytes, length)
         self.bytes_read += len(data)
         if len(data) != length:
-            raise CorruptSnapshotError(f"{self.snapshot_id}/{self._where(chunk)}: short read of {fqn!r} "
-                                       f"({len(data)} of {length} bytes): the file was truncated",
-                                       snapshot_id=self.snapshot_id, path=self._where(chunk), problems=["short read"])
+            raise CorruptSnapshotError(
+                f"{self.snapshot_id}/{self._where(chunk)}: short read of {fqn!r} "
+                f"({len(data)} of {length} bytes): the file was truncated",
+                snapshot_id=self.snapshot_id,
+                path=self._where(chunk),
+                problems=["short read"],
+            )
         if isinstance(data, bytes):
             data = bytearray(data)  # a tensor over it must be writable
         view = memoryview(data).cast("B")
         step = chunk.block_rows * row_bytes
         for i, b in enumerate(range(b0, b1)):
-            if digest_bytes(self.layout.algo, view[i * step:(i + 1) * step]) != chunk.checksums[b]:
+            if digest_bytes(self.layout.algo, view[i * step : (i + 1) * step]) != chunk.checksums[b]:
                 raise CorruptSnapshotError(
                     f"{self.snapshot_id}/{self._where(chunk)}: {self.layout.algo} checksum mismatch in tensor {fqn!r}, "
                     f"chunk at {list(chunk.offsets)}, rows {b * chunk.block_rows}-"
                     f"{min((b + 1) * chunk.block_rows, chunk.rows) - 1}: the file changed after commit",
-                    snapshot_id=self.snapshot_id, path=self._where(chunk), problems=["chunk checksum mismatch"])
+                    snapshot_id=self.snapshot_id,
+                    path=self._where(chunk),
+                    problems=["chunk checksum mismatch"],
+                )
         shape = [r1 - r0, *chunk.sizes[1:]] if chunk.sizes else []
         out = safetensors_io.to_torch(t.dtype, shape, view)
         return out.narrow(0, first - r0, count) if chunk.sizes else out
@@ -346,13 +405,19 @@ class ChunkReader:
 
     def _check_bounds(self, fqn: str, chunk: Chunk, offset: int, length: int) -> None:
         if chunk.file not in self.files:
-            raise CorruptSnapshotError(f"{self.snapshot_id}: chunk of {fqn!r} names {chunk.file!r}, which the "
-                                       "manifest does not list", snapshot_id=self.snapshot_id,
-                                       problems=["unlisted file"])
+            raise CorruptSnapshotError(
+                f"{self.snapshot_id}: chunk of {fqn!r} names {chunk.file!r}, which the manifest does not list",
+                snapshot_id=self.snapshot_id,
+                problems=["unlisted file"],
+            )
         if chunk.start + offset + length > self.files[chunk.file].size:
-            raise CorruptSnapshotError(f"{self.snapshot_id}/{chunk.file}: chunk of {fqn!r} runs past the file's "
-                                       f"{self.files[chunk.file].size} bytes", snapshot_id=self.snapshot_id,
-                                       path=chunk.file, problems=["chunk out of bounds"])
+            raise CorruptSnapshotError(
+                f"{self.snapshot_id}/{chunk.file}: chunk of {fqn!r} runs past the file's "
+                f"{self.files[chunk.file].size} bytes",
+                snapshot_id=self.snapshot_id,
+                path=chunk.file,
+                problems=["chunk out of bounds"],
+            )
 
     def _read(self, fqn: str, chunk: Chunk, offset: int, length: int):
         """``length`` bytes at ``offset`` within ``chunk``: from what ``fetch`` read, else one ranged read of its
@@ -362,7 +427,7 @@ class ChunkReader:
             start = chunk.start + offset
             for at, data in self.fetched.get(chunk.file, ()):
                 if at <= start and start + length <= at + len(data):
-                    return memoryview(data)[start - at:start - at + length]
+                    return memoryview(data)[start - at : start - at + length]
             return self.storage.read_range(join(self.snapshot_id, chunk.file), start, length)
         parts, pos = [], 0
         for digest, size in chunk.objects:  # their sizes add up to the chunk (checked when the layout was parsed)
@@ -372,9 +437,12 @@ class ChunkReader:
                 try:
                     parts.append(self.storage.read_range(path, lo - pos, hi - lo))
                 except StorageError as exc:
-                    raise CorruptSnapshotError(f"{self.snapshot_id}: dedup object {path} of tensor {fqn!r} cannot be "
-                                               f"read: {exc}", snapshot_id=self.snapshot_id, path=path,
-                                               problems=["object unreadable"]) from exc
+                    raise CorruptSnapshotError(
+                        f"{self.snapshot_id}: dedup object {path} of tensor {fqn!r} cannot be read: {exc}",
+                        snapshot_id=self.snapshot_id,
+                        path=path,
+                        problems=["object unreadable"],
+                    ) from exc
             pos += size
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -396,10 +464,11 @@ class RlckptStorageReader(StorageReader):
         md: dict[str, Any] = {}
         storage_data = {}
         for fqn, t in layout.tensors.items():
-            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=safetensors_io.CODE_TO_TORCH[t.dtype]),
-                                            torch.Size(t.shape),
-                                            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
-                                             for c in t.chunks])
+            md[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=safetensors_io.CODE_TO_TORCH[t.dtype]),
+                torch.Size(t.shape),
+                [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
+            )
             for i, c in enumerate(t.chunks):
                 storage_data[MetadataIndex(fqn, c.offsets, i)] = (fqn, c)
         for fqn in layout.values:
@@ -426,8 +495,13 @@ class RlckptStorageReader(StorageReader):
             _fqn, chunk = self.storage_data[item.storage_index]
             groups.setdefault(chunk.file if chunk is not None else "", []).append(item)
         for file, group in groups.items():
-            self.chunks.fetch([(*self.storage_data[it.storage_index], *self._rows(it)) for it in group
-                               if it.type != LoadItemType.BYTE_IO])
+            self.chunks.fetch(
+                [
+                    (*self.storage_data[it.storage_index], *self._rows(it))
+                    for it in group
+                    if it.type != LoadItemType.BYTE_IO
+                ]
+            )
             try:
                 self._load(group, planner)
             finally:
@@ -452,9 +526,12 @@ class RlckptStorageReader(StorageReader):
                 src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
             target = planner.resolve_tensor(item).detach()
             if target.shape != src.shape:
-                raise CorruptSnapshotError(f"{self.chunks.snapshot_id}: {fqn!r}: a planned read of "
-                                           f"{list(src.shape)} does not fit its target {list(target.shape)}",
-                                           snapshot_id=self.chunks.snapshot_id, problems=["shape mismatch"])
+                raise CorruptSnapshotError(
+                    f"{self.chunks.snapshot_id}: {fqn!r}: a planned read of "
+                    f"{list(src.shape)} does not fit its target {list(target.shape)}",
+                    snapshot_id=self.chunks.snapshot_id,
+                    problems=["shape mismatch"],
+                )
             target.copy_(src)
             planner.commit_tensor(item, target)
 

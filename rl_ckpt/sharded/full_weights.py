@@ -33,9 +33,13 @@ def load_full_weights(storage: Storage, manifest: Manifest, key: str, module: to
             if tuple(have.shape) != t.shape or have.dtype != CODE_TO_TORCH[t.dtype]:
                 problems.append(f"{k}: snapshot {t.dtype}{list(t.shape)} != module {have.dtype}{list(have.shape)}")
     if problems:
-        raise StateMismatchError(f"{manifest.snapshot_id}: component {key!r} does not fit {type(module).__name__}:\n  "
-                                 + "\n  ".join(problems[:50]), component=key, mismatches=problems,
-                                 snapshot_id=manifest.snapshot_id)
+        raise StateMismatchError(
+            f"{manifest.snapshot_id}: component {key!r} does not fit {type(module).__name__}:\n  "
+            + "\n  ".join(problems[:50]),
+            component=key,
+            mismatches=problems,
+            snapshot_id=manifest.snapshot_id,
+        )
     with torch.no_grad():
         for fqn, t in layout.tensors.items():
             dest = targets[fqn].detach()

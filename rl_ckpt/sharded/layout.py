@@ -46,8 +46,12 @@ class Chunk:
         return math.prod(self.sizes[1:]) * ITEMSIZE[dtype] if self.sizes else ITEMSIZE[dtype]
 
     def to_json(self) -> dict:
-        out = {"offsets": list(self.offsets), "sizes": list(self.sizes), "block_rows": self.block_rows,
-               "checksums": "".join(self.checksums)}
+        out = {
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "block_rows": self.block_rows,
+            "checksums": "".join(self.checksums),
+        }
         if self.objects:
             out["objects"] = [[d, n] for d, n in self.objects]
         else:
@@ -75,20 +79,31 @@ class Layout:
     saved_by: dict = dataclasses.field(default_factory=dict)  # the writers' mesh: world_size, mesh shape
 
     def to_json(self) -> dict:
-        return {"version": LAYOUT_VERSION, "algo": self.algo, "saved_by": dict(self.saved_by),
-                "tensors": {k: t.to_json() for k, t in sorted(self.tensors.items())}, "values": dict(self.values)}
+        return {
+            "version": LAYOUT_VERSION,
+            "algo": self.algo,
+            "saved_by": dict(self.saved_by),
+            "tensors": {k: t.to_json() for k, t in sorted(self.tensors.items())},
+            "values": dict(self.values),
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "Layout":
         """Parse and check a layout: types, bounds, byte counts; CorruptSnapshotError naming the tensor."""
+
         def bad(reason: str) -> CorruptSnapshotError:
-            return CorruptSnapshotError(f"{where}: sharded layout: {reason}", snapshot_id=where.split("/")[0],
-                                        problems=[reason])
+            return CorruptSnapshotError(
+                f"{where}: sharded layout: {reason}", snapshot_id=where.split("/")[0], problems=[reason]
+            )
 
         if not isinstance(d, dict) or d.get("version") != LAYOUT_VERSION:
             raise bad(f"not a version {LAYOUT_VERSION} layout object")
-        if not isinstance(d.get("algo"), str) or not isinstance(d.get("tensors"), dict) \
-                or not isinstance(d.get("values", {}), dict) or not isinstance(d.get("saved_by", {}), dict):
+        if (
+            not isinstance(d.get("algo"), str)
+            or not isinstance(d.get("tensors"), dict)
+            or not isinstance(d.get("values", {}), dict)
+            or not isinstance(d.get("saved_by", {}), dict)
+        ):
             raise bad("algo/tensors/values/saved_by malformed")
         out = cls(d["algo"], values=dict(d.get("values", {})), saved_by=dict(d.get("saved_by", {})))
         try:
@@ -96,8 +111,12 @@ class Layout:
         except CheckpointError:
             raise bad(f"unknown checksum algorithm {d['algo']!r}") from None
         for fqn, t in d["tensors"].items():
-            if not isinstance(t, dict) or t.get("dtype") not in ITEMSIZE or not _ints(t.get("shape")) \
-                    or not isinstance(t.get("chunks"), list):
+            if (
+                not isinstance(t, dict)
+                or t.get("dtype") not in ITEMSIZE
+                or not _ints(t.get("shape"))
+                or not isinstance(t.get("chunks"), list)
+            ):
                 raise bad(f"tensor {fqn!r}: dtype/shape/chunks malformed")
             shape = tuple(t["shape"])
             tl = TensorLayout(t["dtype"], shape)
@@ -110,17 +129,22 @@ class Layout:
         """Every tensor's chunks cover it exactly (no rank's part missing); CorruptSnapshotError otherwise."""
         for fqn, t in self.tensors.items():
             covered = sum(math.prod(c.sizes) for c in t.chunks)
-            overlap = any(_overlaps(a, b) for i, a in enumerate(t.chunks) for b in t.chunks[i + 1:])
+            overlap = any(_overlaps(a, b) for i, a in enumerate(t.chunks) for b in t.chunks[i + 1 :])
             if covered != math.prod(t.shape) or overlap:
                 raise CorruptSnapshotError(
                     f"{where}: sharded layout: the chunks of tensor {fqn!r} cover {covered} of {math.prod(t.shape)} "
                     f"elements{' and overlap' if overlap else ''}: a rank's part is missing or duplicated",
-                    snapshot_id=where.split("/")[0], problems=[f"incomplete tensor {fqn}"])
+                    snapshot_id=where.split("/")[0],
+                    problems=[f"incomplete tensor {fqn}"],
+                )
 
 
 def _overlaps(a: Chunk, b: Chunk) -> bool:
-    return all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes)) \
-        and math.prod(a.sizes) > 0 and math.prod(b.sizes) > 0
+    return (
+        all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+        and math.prod(a.sizes) > 0
+        and math.prod(b.sizes) > 0
+    )
 
 
 def _ints(v: Any) -> bool:
@@ -130,15 +154,28 @@ def _ints(v: Any) -> bool:
 def _chunk_objects(c: dict, fqn: str, tl: TensorLayout, width: int, bad) -> tuple[tuple[str, int], ...]:
     """A deduplicated chunk's objects, checked: hex digests of the layout's algo, sizes adding up to the chunk."""
     objs = c["objects"]
-    if not isinstance(objs, list) or not objs or not all(
-            isinstance(o, list) and len(o) == 2 and isinstance(o[0], str) and len(o[0]) == width
-            and not o[0].strip(HEX) and isinstance(o[1], int) and not isinstance(o[1], bool) and o[1] >= 0
-            for o in objs):
+    if (
+        not isinstance(objs, list)
+        or not objs
+        or not all(
+            isinstance(o, list)
+            and len(o) == 2
+            and isinstance(o[0], str)
+            and len(o[0]) == width
+            and not o[0].strip(HEX)
+            and isinstance(o[1], int)
+            and not isinstance(o[1], bool)
+            and o[1] >= 0
+            for o in objs
+        )
+    ):
         raise bad(f"tensor {fqn!r}: chunk objects must be a list of [hex digest, size] pairs")
     want = math.prod(c["sizes"]) * ITEMSIZE[tl.dtype]
     if sum(o[1] for o in objs) != want:
-        raise bad(f"tensor {fqn!r}: chunk at {c['offsets']} has objects of {sum(o[1] for o in objs)} bytes, "
-                  f"its {c['sizes']} elements take {want}")
+        raise bad(
+            f"tensor {fqn!r}: chunk at {c['offsets']} has objects of {sum(o[1] for o in objs)} bytes, "
+            f"its {c['sizes']} elements take {want}"
+        )
     return tuple((d, n) for d, n in objs)
 
 
@@ -154,36 +191,53 @@ def _chunk(c: Any, fqn: str, tl: TensorLayout, width: int, bad) -> Chunk:
         raise bad(f"tensor {fqn!r}: chunk offsets/sizes do not match shape {list(tl.shape)}")
     if any(o + s > n for o, s, n in zip(c["offsets"], c["sizes"], tl.shape)):
         raise bad(f"tensor {fqn!r}: chunk at {c['offsets']} of {c['sizes']} runs past shape {list(tl.shape)}")
-    if not isinstance(c["file"], str) or not isinstance(c["start"], int) or isinstance(c["start"], bool) \
-            or c["start"] < 0 or not isinstance(c["block_rows"], int) or c["block_rows"] < 1 \
-            or not isinstance(c["checksums"], str) or len(c["checksums"]) % width:
+    if (
+        not isinstance(c["file"], str)
+        or not isinstance(c["start"], int)
+        or isinstance(c["start"], bool)
+        or c["start"] < 0
+        or not isinstance(c["block_rows"], int)
+        or c["block_rows"] < 1
+        or not isinstance(c["checksums"], str)
+        or len(c["checksums"]) % width
+    ):
         raise bad(f"tensor {fqn!r}: chunk file/start/block_rows/checksums malformed")
     objects = _chunk_objects(c, fqn, tl, width, bad) if deduped else ()
     if not deduped:
         check_relpath(c["file"])
-    sums = tuple(c["checksums"][i:i + width] for i in range(0, len(c["checksums"]), width))
+    sums = tuple(c["checksums"][i : i + width] for i in range(0, len(c["checksums"]), width))
     chunk = Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["start"], c["block_rows"], sums, objects)
     if len(chunk.checksums) != math.ceil(chunk.rows / chunk.block_rows):
-        raise bad(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} has {len(chunk.checksums)} block checksums, "
-                  f"expected {math.ceil(chunk.rows / chunk.block_rows)}")
+        raise bad(
+            f"tensor {fqn!r}: chunk at {list(chunk.offsets)} has {len(chunk.checksums)} block checksums, "
+            f"expected {math.ceil(chunk.rows / chunk.block_rows)}"
+        )
     return chunk
 
 
 def merge_layouts(a: Layout, b: Layout, where: str = "") -> Layout:
     """The union of two ranks' parts of one component (ValueError-free: conflicts are CorruptSnapshotError)."""
     if a.algo != b.algo:
-        raise CorruptSnapshotError(f"{where}: ranks used different checksum algorithms ({a.algo}, {b.algo})",
-                                   problems=["algo mismatch"])
-    out = Layout(a.algo, {k: TensorLayout(t.dtype, t.shape, list(t.chunks)) for k, t in a.tensors.items()},
-                 dict(a.values), dict(a.saved_by or b.saved_by))
+        raise CorruptSnapshotError(
+            f"{where}: ranks used different checksum algorithms ({a.algo}, {b.algo})", problems=["algo mismatch"]
+        )
+    out = Layout(
+        a.algo,
+        {k: TensorLayout(t.dtype, t.shape, list(t.chunks)) for k, t in a.tensors.items()},
+        dict(a.values),
+        dict(a.saved_by or b.saved_by),
+    )
     for fqn, t in b.tensors.items():
         mine = out.tensors.get(fqn)
         if mine is None:
             out.tensors[fqn] = TensorLayout(t.dtype, t.shape, list(t.chunks))
             continue
         if (mine.dtype, mine.shape) != (t.dtype, t.shape):
-            raise CorruptSnapshotError(f"{where}: ranks disagree on tensor {fqn!r}: {mine.dtype}{list(mine.shape)} "
-                                       f"vs {t.dtype}{list(t.shape)}", problems=["tensor mismatch"])
+            raise CorruptSnapshotError(
+                f"{where}: ranks disagree on tensor {fqn!r}: {mine.dtype}{list(mine.shape)} "
+                f"vs {t.dtype}{list(t.shape)}",
+                problems=["tensor mismatch"],
+            )
         seen = {c.offsets for c in mine.chunks}
         mine.chunks += [c for c in t.chunks if c.offsets not in seen]  # a replica written twice is kept once
     for fqn, v in b.values.items():
@@ -201,9 +255,11 @@ def merge_components(components: dict, new: dict) -> dict:
         old = components.get(key)
         if isinstance(old, dict) and isinstance(section, dict) and "layout" in old and "layout" in section:
             merged = merge_layouts(Layout.from_json(old["layout"], key), Layout.from_json(section["layout"], key), key)
-            components[key] = {**old, "layout": merged.to_json(),
-                               "tensors": {k: {"dtype": t.dtype, "shape": list(t.shape)}
-                                           for k, t in sorted(merged.tensors.items())}}
+            components[key] = {
+                **old,
+                "layout": merged.to_json(),
+                "tensors": {k: {"dtype": t.dtype, "shape": list(t.shape)} for k, t in sorted(merged.tensors.items())},
+            }
         else:
             components[key] = section
     return components
@@ -256,6 +312,8 @@ def layout_change(components: dict, restart: dict | None) -> str:
     parts = []
     for (world, name), keys in groups.items():
         same = restart is not None and (world, name) == (_count(restart.get("world_size")), mesh_name(restart))
-        parts.append(f"{', '.join(keys)} saved by {_ranks(world)} as {name}{after}"
-                     + (" (same layout)" if same else " (resharded)" if restart is not None else ""))
+        parts.append(
+            f"{', '.join(keys)} saved by {_ranks(world)} as {name}{after}"
+            + (" (same layout)" if same else " (resharded)" if restart is not None else "")
+        )
     return "; ".join(parts)

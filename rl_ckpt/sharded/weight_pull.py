@@ -85,8 +85,11 @@ def component_pieces(manifest: Manifest, key: str) -> Pieces:
     sid = manifest.snapshot_id
     section = manifest.components.get(key)
     if not isinstance(section, dict):
-        raise CorruptSnapshotError(f"{sid}: no component {key!r} (it has {sorted(manifest.components)})",
-                                   snapshot_id=sid, problems=[f"no component {key}"])
+        raise CorruptSnapshotError(
+            f"{sid}: no component {key!r} (it has {sorted(manifest.components)})",
+            snapshot_id=sid,
+            problems=[f"no component {key}"],
+        )
     if is_sharded_section(section):
         layout = Layout.from_json(section["layout"], f"{sid}/{key}")
         layout.check_complete(f"{sid}/{key}")
@@ -96,15 +99,26 @@ def component_pieces(manifest: Manifest, key: str) -> Pieces:
             for c in t.chunks:
                 size = math.prod(c.sizes) * ITEMSIZE[t.dtype]
                 address = "+".join(d for d, _n in c.objects) if c.objects else "blocks:" + "".join(c.checksums)
-                pieces.append(Piece(("chunk", fqn, tuple(c.offsets), tuple(c.sizes)), address, size, fqn,
-                                    objects=tuple(c.objects), chunk=c))
+                pieces.append(
+                    Piece(
+                        ("chunk", fqn, tuple(c.offsets), tuple(c.sizes)),
+                        address,
+                        size,
+                        fqn,
+                        objects=tuple(c.objects),
+                        chunk=c,
+                    )
+                )
         return Pieces(manifest, key, layout.algo, tensors, pieces, True)
     meta = section.get("tensors") or {}
     tensors = {}
     for fqn, m in meta.items():
         if not isinstance(m, dict) or m.get("dtype") not in ITEMSIZE or not isinstance(m.get("shape"), list):
-            raise CorruptSnapshotError(f"{sid}: tensor {fqn!r} of {key!r} has no valid dtype/shape", snapshot_id=sid,
-                                       problems=["bad tensor meta"])
+            raise CorruptSnapshotError(
+                f"{sid}: tensor {fqn!r} of {key!r} has no valid dtype/shape",
+                snapshot_id=sid,
+                problems=["bad tensor meta"],
+            )
         tensors[fqn] = (m["dtype"], tuple(m["shape"]))
     algo = section.get("objects_algo") or ""
     pieces = []
@@ -114,8 +128,11 @@ def component_pieces(manifest: Manifest, key: str) -> Pieces:
             pieces.append(Piece(("obj", fqn, start), digest, size, fqn, start, objects=((digest, size),)))
             start += size
         if fqn in tensors and start != math.prod(tensors[fqn][1]) * ITEMSIZE[tensors[fqn][0]]:
-            raise CorruptSnapshotError(f"{sid}: tensor {fqn!r} of {key!r}: its objects do not add up to its shape",
-                                       snapshot_id=sid, problems=["object size mismatch"])
+            raise CorruptSnapshotError(
+                f"{sid}: tensor {fqn!r} of {key!r}: its objects do not add up to its shape",
+                snapshot_id=sid,
+                problems=["object size mismatch"],
+            )
     for entry in manifest.files_of(key):
         if entry.role == "tensors":
             pieces.append(Piece(("file", entry.path), entry.checksum, entry.size, entry=entry))
@@ -137,14 +154,18 @@ def check_fits(pieces: Pieces, module: torch.nn.Module) -> dict[str, torch.Tenso
             problems.append(f"{k}: the module's tensor is not contiguous")
     if problems:
         sid = pieces.manifest.snapshot_id
-        raise StateMismatchError(f"{sid}: component {pieces.key!r} does not fit {type(module).__name__}:\n  "
-                                 + "\n  ".join(problems[:50]), component=pieces.key, mismatches=problems,
-                                 snapshot_id=sid)
+        raise StateMismatchError(
+            f"{sid}: component {pieces.key!r} does not fit {type(module).__name__}:\n  " + "\n  ".join(problems[:50]),
+            component=pieces.key,
+            mismatches=problems,
+            snapshot_id=sid,
+        )
     return targets
 
 
-def read_object(storage: Storage, algo: str, digest: str, size: int, sid: str,
-                view: memoryview | None = None) -> memoryview:
+def read_object(
+    storage: Storage, algo: str, digest: str, size: int, sid: str, view: memoryview | None = None
+) -> memoryview:
     """A dedup object's bytes, hashed where they lie (``read_view``: no copy) and checked against its name.
     ``view``: its bytes read already (unverified), hashed here the same way."""
     path = object_path(algo, digest)
@@ -156,13 +177,18 @@ def read_object(storage: Storage, algo: str, digest: str, size: int, sid: str,
         else:
             data = memoryview(view).cast("B")
             for start in range(0, data.nbytes, HASH_STEP):
-                hasher.update(data[start:start + HASH_STEP])
+                hasher.update(data[start : start + HASH_STEP])
     except StorageError as exc:
-        raise CorruptSnapshotError(f"{sid}: object {path}: {exc}", snapshot_id=sid, path=path,
-                                   problems=["object unreadable"]) from exc
+        raise CorruptSnapshotError(
+            f"{sid}: object {path}: {exc}", snapshot_id=sid, path=path, problems=["object unreadable"]
+        ) from exc
     if data.nbytes != size or hasher.hexdigest() != digest:
-        raise CorruptSnapshotError(f"{sid}: object {path} does not match its content address (corrupt): not loaded",
-                                   snapshot_id=sid, path=path, problems=["object checksum mismatch"])
+        raise CorruptSnapshotError(
+            f"{sid}: object {path} does not match its content address (corrupt): not loaded",
+            snapshot_id=sid,
+            path=path,
+            problems=["object checksum mismatch"],
+        )
     return data
 
 
@@ -190,8 +216,14 @@ class WeightPuller:
         """The pieces whose content at their slot differs from what the module holds."""
         return [p for p in pieces.pieces if self.held.get(p.slot) != p.address]
 
-    def pull(self, storage: Storage, manifest: Manifest, pieces: Pieces | None = None, *,
-             views: dict[str, memoryview] | None = None) -> PullStats:
+    def pull(
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        pieces: Pieces | None = None,
+        *,
+        views: dict[str, memoryview] | None = None,
+    ) -> PullStats:
         """Move the changed pieces of ``manifest`` into the module; every one verified before any is applied.
         ``views``: run-relative path -> bytes read already (e.g. many in one call), verified here like any."""
         pieces = pieces or component_pieces(manifest, self.key)
@@ -220,20 +252,24 @@ class WeightPuller:
             out = {}
             for k, (code, shape, view) in decode(raw, where=where).items():
                 if pieces.tensors.get(k, (code, tuple(shape))) != (code, tuple(shape)):
-                    raise CorruptSnapshotError(f"{where}: tensor {k!r} is {code}{shape} in the file but "
-                                               f"{pieces.tensors[k]} in the manifest", snapshot_id=sid,
-                                               problems=["tensor meta mismatch"])
+                    raise CorruptSnapshotError(
+                        f"{where}: tensor {k!r} is {code}{shape} in the file but {pieces.tensors[k]} in the manifest",
+                        snapshot_id=sid,
+                        problems=["tensor meta mismatch"],
+                    )
                 out[k] = to_torch(code, shape, view)
             return out
         if piece.objects:
-            got = [read_object(storage, pieces.algo, d, n, sid, views.get(object_path(pieces.algo, d)))
-                   for d, n in piece.objects]
+            got = [
+                read_object(storage, pieces.algo, d, n, sid, views.get(object_path(pieces.algo, d)))
+                for d, n in piece.objects
+            ]
             if len(got) == 1:
                 return got[0]
             joined = bytearray(sum(v.nbytes for v in got))
             pos = 0
             for v in got:
-                joined[pos:pos + v.nbytes] = v
+                joined[pos : pos + v.nbytes] = v
                 pos += v.nbytes
             return memoryview(joined)
         reader = chunk_reader(storage, pieces.manifest, pieces.key)  # a sharded chunk in a file: blocks verified
@@ -256,4 +292,4 @@ class WeightPuller:
             view.copy_(src.reshape(view.shape))
             return
         flat = dest.reshape(-1).view(torch.uint8)
-        flat[piece.start:piece.start + piece.size].copy_(to_torch("U8", [piece.size], src))
+        flat[piece.start : piece.start + piece.size].copy_(to_torch("U8", [piece.size], src))

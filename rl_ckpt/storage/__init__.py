@@ -15,5 +15,16 @@ from rl_ckpt.storage.memory import MemoryStorage
 from rl_ckpt.storage.registry import open_storage, register_storage, storage_class
 from rl_ckpt.storage.s3 import S3Storage
 
-__all__ = ["Entry", "Storage", "LocalStorage", "FsspecStorage", "S3Storage", "MemoryStorage", "open_storage",
-           "register_storage", "storage_class", "check_relpath", "join"]
+__all__ = [
+    "Entry",
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "S3Storage",
+    "MemoryStorage",
+    "open_storage",
+    "register_storage",
+    "storage_class",
+    "check_relpath",
+    "join",
+]

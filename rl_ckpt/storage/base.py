@@ -63,8 +63,9 @@ def unique_suffix() -> str:
 def check_max_bytes(max_bytes: int | None) -> None:
     """Refuse a ``max_bytes`` that is not None or a non-negative int."""
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-        raise StorageArgumentError(f"max_bytes must be None or an int >= 0, not {max_bytes!r}",
-                                   name="max_bytes", value=max_bytes)
+        raise StorageArgumentError(
+            f"max_bytes must be None or an int >= 0, not {max_bytes!r}", name="max_bytes", value=max_bytes
+        )
 
 
 def too_large(path: str, size: int, max_bytes: int) -> FileTooLargeError:
@@ -72,7 +73,9 @@ def too_large(path: str, size: int, max_bytes: int) -> FileTooLargeError:
     return FileTooLargeError(
         f"refused to read {path}: it is {size} bytes, more than the {max_bytes} bytes allowed for it. Nothing was "
         "read; rl_ckpt never writes a file that large there, so it is damaged or was planted: inspect and remove it",
-        path=path, size=size, max_bytes=max_bytes,
+        path=path,
+        size=size,
+        max_bytes=max_bytes,
     )
 
 
@@ -88,7 +91,10 @@ def range_past_end(path: str, start: int, length: int, size: int) -> ReadRangeEr
     return ReadRangeError(
         f"cannot read bytes {start}..{start + length} of {path}: the file has only {size} bytes "
         "(it is shorter than its manifest says: damaged or truncated)",
-        path=path, start=start, length=length, size=size,
+        path=path,
+        start=start,
+        length=length,
+        size=size,
     )
 
 
@@ -152,8 +158,7 @@ class Storage(abc.ABC):
             self.write_atomic(path, data)
 
     @abc.abstractmethod
-    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
-             max_bytes: int | None = None):
+    def read(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None, max_bytes: int | None = None):
         """Read a whole regular file (links refused) into a writable bytes-like buffer.
 
         ``on_chunk`` is called with consecutive pieces of the buffer as they
@@ -165,8 +170,9 @@ class Storage(abc.ABC):
         than the cap is ever read, even if the file grows meanwhile).
         """
 
-    def read_view(self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None,
-                  max_bytes: int | None = None):
+    def read_view(
+        self, path: str, *, on_chunk: Callable[[memoryview], object] | None = None, max_bytes: int | None = None
+    ):
         """Like ``read``, but the result may be a READ-ONLY view of memory the backend shares (no copy).
 
         For callers that only read the bytes (decode, copy out, write elsewhere) and never write to

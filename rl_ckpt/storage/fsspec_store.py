@@ -22,8 +22,16 @@ import logging
 from typing import BinaryIO, Iterable
 
 from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError
-from rl_ckpt.storage.base import (Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end,
-                                  too_large, unique_suffix)
+from rl_ckpt.storage.base import (
+    Entry,
+    Storage,
+    check_max_bytes,
+    check_range,
+    check_relpath,
+    range_past_end,
+    too_large,
+    unique_suffix,
+)
 
 log = logging.getLogger("rl_ckpt")
 
@@ -92,8 +100,9 @@ class FsspecStorage(Storage):
         return StorageError(f"{what} {self.url}/{path}: {type(exc).__name__}: {exc}", path=path)
 
     def _conflict(self, path: str) -> CommitConflictError:
-        return CommitConflictError(f"{path} already exists: another writer committed it first",
-                                   path=path, snapshot_id=path)
+        return CommitConflictError(
+            f"{path} already exists: another writer committed it first", path=path, snapshot_id=path
+        )
 
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -185,8 +194,9 @@ class FsspecStorage(Storage):
             return bytearray()  # a ranged read of an empty object is refused by S3 (416)
         data = bytearray(self.fs.cat_file(full, start=0, end=size))
         if len(data) != size:
-            raise StorageError(f"short read of {path}: {len(data)} of {size} bytes (file changed while reading?)",
-                               path=path)
+            raise StorageError(
+                f"short read of {path}: {len(data)} of {size} bytes (file changed while reading?)", path=path
+            )
         return data
 
     def _file_size(self, full: str) -> int:
@@ -228,8 +238,11 @@ class FsspecStorage(Storage):
         full = self._abs(path, allow_root=True)
         self._fresh(full)
         try:
-            items = (self.fs.ls(full, detail=True, refresh=True) if "refresh" in _ls_params(self.fs)
-                     else self.fs.ls(full, detail=True))
+            items = (
+                self.fs.ls(full, detail=True, refresh=True)
+                if "refresh" in _ls_params(self.fs)
+                else self.fs.ls(full, detail=True)
+            )
         except FileNotFoundError:
             return []
         except NotADirectoryError:

@@ -25,9 +25,22 @@ from typing import BinaryIO, Iterable
 
 from rl_ckpt.errors import CheckpointError, UnsafePathError
 from rl_ckpt.storage.base import Entry, Storage, check_max_bytes, check_range, too_large
-from rl_ckpt.storage.local_io import (MAX_WRITE, conflict, create_temp, free_bytes_at, fsync_dir, makedirs_durable,
-                                      open_regular, read_range_fd, read_whole, rename_noreplace, resolve,
-                                      start_writeback, storage_error, write_fd)
+from rl_ckpt.storage.local_io import (
+    MAX_WRITE,
+    conflict,
+    create_temp,
+    free_bytes_at,
+    fsync_dir,
+    makedirs_durable,
+    open_regular,
+    read_range_fd,
+    read_whole,
+    rename_noreplace,
+    resolve,
+    start_writeback,
+    storage_error,
+    write_fd,
+)
 
 
 class LocalStorage(Storage):
@@ -37,16 +50,18 @@ class LocalStorage(Storage):
         """``root``: a path or ``file://`` URL. ``storage_options`` exist for the registry's uniform
         ``cls(url, options)`` call; local folders take none (fsspec-only options are ignored)."""
         if root.startswith("file://"):
-            root = root[len("file://"):]
+            root = root[len("file://") :]
         self.root = os.path.realpath(os.path.expanduser(root))
         self.url = self.root
 
     # -- paths -------------------------------------------------------------
-    def _abs(self, path: str, *, check_links: bool = True, allow_root: bool = False,
-             last_may_be_link: bool = False) -> str:
+    def _abs(
+        self, path: str, *, check_links: bool = True, allow_root: bool = False, last_may_be_link: bool = False
+    ) -> str:
         """Absolute path of ``path`` under the root; links in it are refused (``local_io.resolve``)."""
-        return resolve(self.root, path, check_links=check_links, allow_root=allow_root,
-                       last_may_be_link=last_may_be_link)
+        return resolve(
+            self.root, path, check_links=check_links, allow_root=allow_root, last_may_be_link=last_may_be_link
+        )
 
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -82,7 +97,7 @@ class LocalStorage(Storage):
                 try:
                     written = 0
                     while written < view.nbytes:
-                        written += os.write(fd, view[written:written + MAX_WRITE])
+                        written += os.write(fd, view[written : written + MAX_WRITE])
                     start_writeback(fd, 0, written)
                 except OSError as exc:
                     raise storage_error(exc, "cannot write", path) from exc

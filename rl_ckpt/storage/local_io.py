@@ -87,11 +87,11 @@ def _read_buffered(fd: int, view: memoryview, size: int, on_chunk) -> int:
     if on_chunk is None or size <= READ_CALL:
         got = 0
         while got < size:
-            n = os.preadv(fd, [view[got:got + READ_CALL]], got)
+            n = os.preadv(fd, [view[got : got + READ_CALL]], got)
             if not n:
                 break
             if on_chunk is not None:
-                on_chunk(view[got:got + n])
+                on_chunk(view[got : got + n])
             got += n
         return got
     pool = _pool()
@@ -105,7 +105,7 @@ def _read_buffered(fd: int, view: memoryview, size: int, on_chunk) -> int:
                 break
             start, got = got, got + n
             if got < size:
-                pending = pool.submit(os.preadv, fd, [view[got:got + READ_CALL]], got)
+                pending = pool.submit(os.preadv, fd, [view[got : got + READ_CALL]], got)
             on_chunk(view[start:got])
     finally:
         if pending is not None:  # on_chunk raised: no read may still be writing into the buffer on return
@@ -138,7 +138,7 @@ def _read_direct(fd: int, view: memoryview, size: int, on_chunk) -> int | None:
     def submit(i: int) -> None:
         off = offsets[i]
         want = _round_up(min(READ_CALL, size - off), _DIRECT_ALIGN)  # the buffer has room; EOF shortens it
-        pending.append(pool.submit(os.preadv, fd, [view[off:off + want]], off))
+        pending.append(pool.submit(os.preadv, fd, [view[off : off + want]], off))
 
     for i in range(min(2, len(offsets))):
         submit(i)
@@ -154,7 +154,7 @@ def _read_direct(fd: int, view: memoryview, size: int, on_chunk) -> int | None:
             expected = min(READ_CALL, size - off)
             n = min(n, expected)
             if on_chunk is not None and n:
-                on_chunk(view[off:off + n])
+                on_chunk(view[off : off + n])
             got += n
             if n != expected:
                 return got  # the file shrank while being read: the caller reports the short read
@@ -193,8 +193,10 @@ def storage_error(exc: OSError, what: str, path: str) -> StorageError:
     elif exc.errno in (errno.EACCES, errno.EPERM):
         cls = StoragePermissionError
         where = f" on {exc.filename}" if isinstance(exc.filename, str) else ""
-        hint = (f" (permission denied{where} for user id {os.geteuid()}: give that user read access to the run "
-                "folder, and write access to save, e.g. with chown/chmod, or run as the folder's owner)")
+        hint = (
+            f" (permission denied{where} for user id {os.geteuid()}: give that user read access to the run "
+            "folder, and write access to save, e.g. with chown/chmod, or run as the folder's owner)"
+        )
     elif exc.errno == errno.EROFS:
         hint = " (read-only file system: remount it writable or save to another base_dir)"
     msg = f"{what} {path}: {exc.strerror or exc}{hint}"
@@ -206,8 +208,9 @@ def conflict(path: str) -> CommitConflictError:
 
 
 # -- paths -------------------------------------------------------------------
-def resolve(root: str, path: str, *, check_links: bool = True, allow_root: bool = False,
-            last_may_be_link: bool = False) -> str:
+def resolve(
+    root: str, path: str, *, check_links: bool = True, allow_root: bool = False, last_may_be_link: bool = False
+) -> str:
     """Absolute path of ``path`` under ``root``; links in it are refused.
 
     Only listing and syncing may name the root itself (``""``): a write,
@@ -297,8 +300,12 @@ def read_whole(fd: int, size: int, path: str, on_chunk) -> object:
         buf = alloc_bytes(_round_up(size, _DIRECT_ALIGN) if direct else size)
     except (OSError, MemoryError) as exc:  # e.g. ENOMEM for a huge (or sparse) file read without a cap
         os.close(fd)
-        raise StorageError(f"cannot read {path}: no memory for its {size} bytes ({exc}); pass max_bytes to refuse "
-                           "files this large, or free memory", path=path, size=size) from exc
+        raise StorageError(
+            f"cannot read {path}: no memory for its {size} bytes ({exc}); pass max_bytes to refuse "
+            "files this large, or free memory",
+            path=path,
+            size=size,
+        ) from exc
     if direct and buf.ctypes.data % _DIRECT_ALIGN:  # large buffers are page-aligned mappings; be sure
         direct = _set_direct(fd, False)
     view = memoryview(buf).cast("B")

@@ -119,14 +119,20 @@ class S3Storage(FsspecStorage):
 
             async def put(number: int, body: bytes) -> dict:
                 async with gate:
-                    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
-                                            PartNumber=number, Body=body)
+                    out = await fs._call_s3(
+                        "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+                    )
                     return {"PartNumber": number, "ETag": out["ETag"]}
 
             try:
                 done = await asyncio.gather(*(put(i + 1, body) for i, body in enumerate(parts)))
-                await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                                  MultipartUpload={"Parts": list(done)})
+                await fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": list(done)},
+                )
             except BaseException:
                 try:  # nothing half-written may be published; gc aborts what this could not
                     await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
@@ -185,8 +191,11 @@ class S3Storage(FsspecStorage):
                     return  # an earlier try of this call landed; a retry then met our own object
                 if is_exists(exc) and ours is False:
                     raise self._conflict(path) from exc
-                outcome = ("it did not land" if ours is False
-                           else f"whether it landed is unknown: the check failed too ({check_error})")
+                outcome = (
+                    "it did not land"
+                    if ours is False
+                    else f"whether it landed is unknown: the check failed too ({check_error})"
+                )
                 raise StorageError(
                     f"cannot write {self.url}/{path}: {type(exc).__name__}: {exc} (create-only write; {outcome})",
                     path=path,
@@ -274,7 +283,7 @@ class S3Storage(FsspecStorage):
             if errors:
                 first = errors[0]
                 raise StorageError(
-                    f"cannot remove {len(errors)} object(s) under {self.url}/{full[len(self.root) + 1:]}: "
+                    f"cannot remove {len(errors)} object(s) under {self.url}/{full[len(self.root) + 1 :]}: "
                     f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}",
                     path=full[len(self.root) + 1 :],
                 )

@@ -35,7 +35,7 @@ def raw_write(path: str, views: list[memoryview]) -> int:
 
         for view in views:
             for start in range(0, view.nbytes, IO_CHUNK):
-                part = view[start:start + IO_CHUNK]
+                part = view[start : start + IO_CHUNK]
                 if size + part.nbytes > IO_CHUNK or len(batch) >= IOV_MAX:
                     flush()
                     size = 0
@@ -63,7 +63,7 @@ def raw_read(path: str) -> torch.Tensor:
     got = 0
     with open(path, "rb", buffering=0) as f:
         while got < size:
-            n = f.readinto(view[got:got + IO_CHUNK])
+            n = f.readinto(view[got : got + IO_CHUNK])
             if not n:
                 break
             got += n
@@ -87,7 +87,7 @@ def hash_all(views: list[memoryview], algo: str) -> str:
     h = new_hasher(algo)
     for v in views:
         for start in range(0, v.nbytes, 16 << 20):
-            h.update(v[start:start + (16 << 20)])
+            h.update(v[start : start + (16 << 20)])
     return h.hexdigest()
 
 

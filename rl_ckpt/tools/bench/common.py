@@ -24,9 +24,25 @@ DEFAULT_COUNTS = "1,10,100,1000,10000"
 HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 
 RESULT_KEYS = (
-    "raw_write", "raw_read", "clone", "torch_save", "torch_load", "st_save", "st_load", "dcp_save", "dcp_load",
-    "dcp_async_block", "dcp_async_total", "rl_save", "rl_restore", "rl_async_block", "rl_async_stage",
-    "rl_async_total", "rl_dedup_first", "rl_dedup_second", *(f"hash_{a}" for a in HASH_ALGOS),
+    "raw_write",
+    "raw_read",
+    "clone",
+    "torch_save",
+    "torch_load",
+    "st_save",
+    "st_load",
+    "dcp_save",
+    "dcp_load",
+    "dcp_async_block",
+    "dcp_async_total",
+    "rl_save",
+    "rl_restore",
+    "rl_async_block",
+    "rl_async_stage",
+    "rl_async_total",
+    "rl_dedup_first",
+    "rl_dedup_second",
+    *(f"hash_{a}" for a in HASH_ALGOS),
 )
 VARIANT_KEYS = ("rl_save_sha256", "rl_save_blake3", "rl_save_noverify")
 RATIOS = {  # name -> (numerator, denominator): time ratios
@@ -82,7 +98,6 @@ def human(n: float) -> str:
     return f"{n} B"
 
 
-
 def print_json(out: dict, path: str | None) -> None:
     """A bench's figures as JSON on stdout, and into ``path`` too when given."""
     import json
@@ -97,13 +112,14 @@ def print_json(out: dict, path: str | None) -> None:
 def local_path(url: str) -> str:
     """The local folder of ``url``; BenchUsageError for remote URLs."""
     if url.startswith("file://"):
-        return url[len("file://"):] or "/"
+        return url[len("file://") :] or "/"
     if "://" in url:
         scheme = url.split("://", 1)[0]
         raise BenchUsageError(
             f"bench measures local folders only (a path or file://), got {scheme}://: torch.save, "
             "torch.distributed.checkpoint and safetensors write local files, so the peer comparison "
-            "cannot run there. Benchmark a local folder (or a mount of the store).")
+            "cannot run there. Benchmark a local folder (or a mount of the store)."
+        )
     return url
 
 
@@ -203,14 +219,18 @@ class CacheDropper:
                 self.note = f"page cache dropped before every read (sync; echo 3 > {DROP_CACHES}): it worked"
             except OSError as exc:
                 mode = "fadvise"
-                self.note = (f"echo 3 > {DROP_CACHES} refused ({exc.strerror or exc}); instead the files were evicted "
-                             "with posix_fadvise(POSIX_FADV_DONTNEED) after their fsync")
+                self.note = (
+                    f"echo 3 > {DROP_CACHES} refused ({exc.strerror or exc}); instead the files were evicted "
+                    "with posix_fadvise(POSIX_FADV_DONTNEED) after their fsync"
+                )
         if mode == "fadvise":
             if hasattr(os, "posix_fadvise"):
                 self.method = "fadvise"
                 if self.note.startswith("page cache NOT"):
-                    self.note = ("files evicted with posix_fadvise(POSIX_FADV_DONTNEED) after their fsync before every "
-                                 "read (--cache fadvise)")
+                    self.note = (
+                        "files evicted with posix_fadvise(POSIX_FADV_DONTNEED) after their fsync before every "
+                        "read (--cache fadvise)"
+                    )
             else:  # pragma: no cover - non-Linux
                 self.note = "no drop_caches and no posix_fadvise here: reads may be served from memory"
 
@@ -221,8 +241,9 @@ class CacheDropper:
                 f.write("3\n")
         elif self.method == "fadvise":
             for path in paths:
-                files = ([path] if os.path.isfile(path)
-                         else [os.path.join(r, n) for r, _d, fs in os.walk(path) for n in fs])
+                files = (
+                    [path] if os.path.isfile(path) else [os.path.join(r, n) for r, _d, fs in os.walk(path) for n in fs]
+                )
                 for name in files:
                     try:
                         fd = os.open(name, os.O_RDONLY)
@@ -282,10 +303,16 @@ class Samples:
 
     def result(self, name: str, nbytes_: int) -> dict:
         med = self.median(name)
-        return {"median_s": med, "gbps": (nbytes_ / med / 1e9) if med else None,
-                "samples_s": list(self.times.get(name, [])), "other_cores": list(self.other.get(name, []))}
+        return {
+            "median_s": med,
+            "gbps": (nbytes_ / med / 1e9) if med else None,
+            "samples_s": list(self.times.get(name, [])),
+            "other_cores": list(self.other.get(name, [])),
+        }
 
     def load_summary(self) -> dict:
         vals = [o for xs in self.other.values() for o in xs if o is not None]
-        return {"other_cores_mean": statistics.fmean(vals) if vals else None,
-                "other_cores_max": max(vals) if vals else None}
+        return {
+            "other_cores_mean": statistics.fmean(vals) if vals else None,
+            "other_cores_max": max(vals) if vals else None,
+        }

@@ -7,14 +7,37 @@ import statistics
 import time
 
 from rl_ckpt.tools.bench.baselines import (
-    quiet_dcp, dcp_async_save, dcp_load, dcp_save, hash_all, st_save, time_raw_floor, torch_save,
+    quiet_dcp,
+    dcp_async_save,
+    dcp_load,
+    dcp_save,
+    hash_all,
+    st_save,
+    time_raw_floor,
+    torch_save,
 )
 from rl_ckpt.tools.bench.common import (
-    CacheDropper, CpuMeter, HASH_ALGOS, RATIOS, RESULT_KEYS, Samples, human, log, parse_size, quiesce, rmtree,
+    CacheDropper,
+    CpuMeter,
+    HASH_ALGOS,
+    RATIOS,
+    RESULT_KEYS,
+    Samples,
+    human,
+    log,
+    parse_size,
+    quiesce,
+    rmtree,
     tree_bytes,
 )
 from rl_ckpt.tools.bench.state import (
-    build_state, byte_views, flat_tensors, mutate_quarter, nbytes, size_mix, state_dict_of,
+    build_state,
+    byte_views,
+    flat_tensors,
+    mutate_quarter,
+    nbytes,
+    size_mix,
+    state_dict_of,
 )
 
 
@@ -44,8 +67,14 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
     tensors = list(flat.values())
     total = nbytes(tensors)
     views = byte_views(tensors)
-    state = {"bytes": total, "tensors": len(tensors), "param_bytes": nbytes(model.state_dict().values()),
-             "mix": size_mix(tensors), "shape": shape, "size_request": size}
+    state = {
+        "bytes": total,
+        "tensors": len(tensors),
+        "param_bytes": nbytes(model.state_dict().values()),
+        "mix": size_mix(tensors),
+        "shape": shape,
+        "size_request": size,
+    }
     log(f"bench: state {human(total)} in {len(tensors)} tensors; {args.repeat} repeat(s); cache: {cache.method}")
 
     sm = Samples()
@@ -58,9 +87,11 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
     rl_async.register("optimizer", opt)
     variants = {}
     if args.variants:
-        for key, kw in (("rl_save_sha256", {"checksum_algo": "sha256"}),
-                        ("rl_save_blake3", {"checksum_algo": "blake3"}),
-                        ("rl_save_noverify", {"verify_after_write": False})):
+        for key, kw in (
+            ("rl_save_sha256", {"checksum_algo": "sha256"}),
+            ("rl_save_blake3", {"checksum_algo": "blake3"}),
+            ("rl_save_noverify", {"verify_after_write": False}),
+        ):
             e = bench_engine(workdir, key, **kw)
             e.register("policy", model)
             e.register("optimizer", opt)
@@ -172,7 +203,7 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         groups.insert(5, g_variants)
     started = time.perf_counter()
     for r in range(args.repeat):
-        order = groups[r % len(groups):] + groups[: r % len(groups)]
+        order = groups[r % len(groups) :] + groups[: r % len(groups)]
         for g in order:
             log(f"bench: repeat {r + 1}/{args.repeat}: {g.__name__[2:]} ...")
             g(r)
@@ -190,9 +221,16 @@ def run_compare(args, workdir: str, cache: CacheDropper) -> dict:
         "second_bytes_added": int(statistics.median(dedup_info["second_bytes_added"])),
     }
     dedup["second_fraction"] = dedup["second_bytes_added"] / total if total else None
-    return {"state": state, "results": results, "ratios": ratios, "dedup": dedup, "goals": evaluate_goals(sm),
-            "load": sm.load_summary(), "first_async_block_s": first_block,
-            "elapsed_s": time.perf_counter() - started}
+    return {
+        "state": state,
+        "results": results,
+        "ratios": ratios,
+        "dedup": dedup,
+        "goals": evaluate_goals(sm),
+        "load": sm.load_summary(),
+        "first_async_block_s": first_block,
+        "elapsed_s": time.perf_counter() - started,
+    }
 
 
 def evaluate_goals(sm: Samples) -> list[dict]:
@@ -210,8 +248,9 @@ def evaluate_goals(sm: Samples) -> list[dict]:
     thr = (m("raw_write") / m("rl_save")) if m("raw_write") and m("rl_save") else None
     goal("save_vs_raw_write", thr, 0.8, "rl save throughput >= 0.8 x raw write throughput", lower_is_better=False)
     goal("save_faster_than_torch_save", ratio("rl_save", "torch_save"), 1.0, "rl save time < torch.save+fsync time")
-    goal("save_faster_than_st_save", ratio("rl_save", "st_save"), 1.0,
-         "rl save time < safetensors.save_file+fsync time")
+    goal(
+        "save_faster_than_st_save", ratio("rl_save", "st_save"), 1.0, "rl save time < safetensors.save_file+fsync time"
+    )
     goal("block_vs_save", ratio("rl_async_block", "rl_save"), 0.10, "save_async blocking <= 0.10 x sync save")
     goal("block_vs_clone", ratio("rl_async_block", "clone"), 1.5, "save_async blocking <= 1.5 x memory copy (clone)")
     goal("restore_vs_raw_read", ratio("rl_restore", "raw_read"), 1.3, "restore <= 1.3 x raw read time")

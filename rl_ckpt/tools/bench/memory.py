@@ -117,9 +117,21 @@ class Trainer:
         restored = time.time()
         self.state.step()
         with open(out, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "started_at": started, "built_at": built, "opened_at": opened,
-                                "restored_at": restored, "first_step_at": time.time(), "restored": result.snapshot_id,
-                                "tier": getattr(self.tier, "tier_restored", None)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "started_at": started,
+                        "built_at": built,
+                        "opened_at": opened,
+                        "restored_at": restored,
+                        "first_step_at": time.time(),
+                        "restored": result.snapshot_id,
+                        "tier": getattr(self.tier, "tier_restored", None),
+                    }
+                )
+                + "\n"
+            )
 
     def save(self, step: int) -> float:
         handle = self.tier.save(step) if self.tier is not None else self.engine.save_async(step)
@@ -144,8 +156,14 @@ def run(args) -> dict:
         largest = max([0 if args.only_tiers else nbytes] + [parse_size(t) for t in tier_sizes])
         store_bytes = max(5 * largest, 1 << 30)
         out["object_store_bytes"] = store_bytes
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="rl_ckpt_bench",
-                 object_store_memory=store_bytes)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level="ERROR",
+            namespace="rl_ckpt_bench",
+            object_store_memory=store_bytes,
+        )
     run_name = f"bench-{uuid.uuid4().hex[:6]}"
     if tier_sizes:
         from rl_ckpt.tools.bench.memory_tiers import run_tiers
@@ -161,7 +179,7 @@ def run(args) -> dict:
         saves = {"memory": (tier.save, mem_block), "durable": (engine.save_async, disk_block)}
         step = 0
         for i in range(args.repeat + 1):  # the first save of each allocates its staging buffers: not counted
-            for kind in (("memory", "durable") if i % 2 else ("durable", "memory")):  # alternate who goes first
+            for kind in ("memory", "durable") if i % 2 else ("durable", "memory"):  # alternate who goes first
                 step += 1
                 save, times = saves[kind]
                 h = save(step)
@@ -169,11 +187,16 @@ def run(args) -> dict:
                 if i:
                     times.append(h.stage_seconds)
         # Both stage into buffers allocated by their first save and reused since: the same code blocks.
-        out["blocking_s"] = {"memory_snapshot": statistics.median(mem_block),
-                             "durable_save_async": statistics.median(disk_block),
-                             "memory_snapshot_runs": mem_block, "durable_save_async_runs": disk_block}
-        log(f"blocking: memory snapshot {out['blocking_s']['memory_snapshot']:.3f} s, durable save_async "
-            f"{out['blocking_s']['durable_save_async']:.3f} s")
+        out["blocking_s"] = {
+            "memory_snapshot": statistics.median(mem_block),
+            "durable_save_async": statistics.median(disk_block),
+            "memory_snapshot_runs": mem_block,
+            "durable_save_async_runs": disk_block,
+        }
+        log(
+            f"blocking: memory snapshot {out['blocking_s']['memory_snapshot']:.3f} s, durable save_async "
+            f"{out['blocking_s']['durable_save_async']:.3f} s"
+        )
         from rl_ckpt.core.reader import load_component
 
         mem_restore, mem_zero_copy, disk_restore, resident = [], [], [], []
@@ -195,18 +218,28 @@ def run(args) -> dict:
             started = time.perf_counter()
             engine.restore(snapshot_id=newest_disk)
             disk_restore.append(time.perf_counter() - started)
-        out["cache_check"] = (f"after each drop, {max(resident):.2%} of the durable run's file pages "
-                              "were still resident (mincore)")
-        out["restore_s"] = {"memory_engine_restore": statistics.median(mem_restore),
-                            "memory_zero_copy_load": statistics.median(mem_zero_copy),
-                            "disk_cold": statistics.median(disk_restore),
-                            "runs": {"memory_engine_restore": mem_restore, "memory_zero_copy_load": mem_zero_copy,
-                                     "disk_cold": disk_restore}}
+        out["cache_check"] = (
+            f"after each drop, {max(resident):.2%} of the durable run's file pages were still resident (mincore)"
+        )
+        out["restore_s"] = {
+            "memory_engine_restore": statistics.median(mem_restore),
+            "memory_zero_copy_load": statistics.median(mem_zero_copy),
+            "disk_cold": statistics.median(disk_restore),
+            "runs": {
+                "memory_engine_restore": mem_restore,
+                "memory_zero_copy_load": mem_zero_copy,
+                "disk_cold": disk_restore,
+            },
+        }
         disk = out["restore_s"]["disk_cold"]
-        out["restore_ratio"] = {"engine_restore": out["restore_s"]["memory_engine_restore"] / disk,
-                                "zero_copy_load": out["restore_s"]["memory_zero_copy_load"] / disk}
-        for key, label in (("memory_engine_restore", "memory (engine.restore)"),
-                           ("memory_zero_copy_load", "memory (zero-copy load)")):
+        out["restore_ratio"] = {
+            "engine_restore": out["restore_s"]["memory_engine_restore"] / disk,
+            "zero_copy_load": out["restore_s"]["memory_zero_copy_load"] / disk,
+        }
+        for key, label in (
+            ("memory_engine_restore", "memory (engine.restore)"),
+            ("memory_zero_copy_load", "memory (zero-copy load)"),
+        ):
             took = out["restore_s"][key]
             log(f"restore: {label} {took:.3f} s ({human(nbytes / took)}/s), ratio to disk cold {took / disk:.2f}")
         log(f"restore: disk cold {disk:.3f} s ({human(nbytes / disk)}/s); {out['cache_check']}")
@@ -221,7 +254,8 @@ def run(args) -> dict:
             name = f"{run_name}-{'mem' if with_tier else 'disk'}"
             marks = os.path.join(base, f"{name}.jsonl")
             actor = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=-1)(Trainer).remote(
-                base, name, nbytes, with_tier, marks)
+                base, name, nbytes, with_tier, marks
+            )
             ray.get(actor.save.remote(1))
             first_pid = ray.get(actor.pid.remote())
             if not with_tier:
@@ -241,9 +275,12 @@ def run(args) -> dict:
                 "build_state": last["built_at"] - last["started_at"],
                 "open_engines": last["opened_at"] - last["built_at"],
                 "restore": last["restored_at"] - last["opened_at"],
-                "first_step": last["first_step_at"] - last["restored_at"]}
-            log(f"death to first step ({key}): {out['death_to_first_step_s'][key]:.2f} s, restored {last['restored']}; "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+                "first_step": last["first_step_at"] - last["restored_at"],
+            }
+            log(
+                f"death to first step ({key}): {out['death_to_first_step_s'][key]:.2f} s, restored {last['restored']}; "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+            )
             ray.kill(actor, no_restart=True)
         from rl_ckpt.storage import open_storage
 
@@ -258,11 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="1GiB", help="bytes of state per participant (default 1GiB)")
     parser.add_argument("--dir", default=None, help="local folder for the durable snapshots (default: the temp dir)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (the median is reported)")
-    parser.add_argument("--cache", choices=("drop", "fadvise", "none"), default="drop",
-                        help="how disk reads are made cold (drop_caches where allowed, else fadvise)")
-    parser.add_argument("--tiers", default="1MiB,256MiB",
-                        help="sizes (comma-separated) at which memory is compared with warm and cold local disk and S3 "
-                             "on a loopback endpoint (default 1MiB,256MiB; '' to skip)")
+    parser.add_argument(
+        "--cache",
+        choices=("drop", "fadvise", "none"),
+        default="drop",
+        help="how disk reads are made cold (drop_caches where allowed, else fadvise)",
+    )
+    parser.add_argument(
+        "--tiers",
+        default="1MiB,256MiB",
+        help="sizes (comma-separated) at which memory is compared with warm and cold local disk and S3 "
+        "on a loopback endpoint (default 1MiB,256MiB; '' to skip)",
+    )
     parser.add_argument("--only-tiers", action="store_true", help="run only the --tiers comparison")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)

@@ -61,8 +61,9 @@ class StoreCalls:
             return stores(storage)
 
         def counted_first(storage, call):
-            return first(storage, lambda handle: (counts.__setitem__("store_calls", counts["store_calls"] + 1),
-                                                  call(handle))[1])
+            return first(
+                storage, lambda handle: (counts.__setitem__("store_calls", counts["store_calls"] + 1), call(handle))[1]
+            )
 
         def counted_each(storage, method, *args, stores=None):
             found = storage.stores() if stores is None else stores
@@ -85,8 +86,15 @@ class StoreCalls:
 def _engine(base_dir: str, run: str, model, optim, storage_options: dict | None = None):
     from rl_ckpt import CheckpointEngine
 
-    engine = CheckpointEngine(base_dir=base_dir, run_name=run, keep_latest=2, keep_best=0, post_load_check=False,
-                              memory_replicas=0, storage_options=storage_options or {})
+    engine = CheckpointEngine(
+        base_dir=base_dir,
+        run_name=run,
+        keep_latest=2,
+        keep_best=0,
+        post_load_check=False,
+        memory_replicas=0,
+        storage_options=storage_options or {},
+    )
     engine.register("model", model)
     engine.register("optim", optim)
     return engine
@@ -108,10 +116,12 @@ def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -
     remote = _engine(f"s3://{bucket}", run, model, optim, s3.options)
     remote.save(1)
     state_bytes = disk.snapshots()[-1].size_bytes
-    restores = {"memory": lambda: tier.memory.restore(snapshot_id="step_000000001"),
-                "disk_warm": lambda: disk.restore(snapshot_id="step_000000001"),
-                "disk_cold": lambda: disk.restore(snapshot_id="step_000000001"),
-                "s3": lambda: remote.restore(snapshot_id="step_000000001")}
+    restores = {
+        "memory": lambda: tier.memory.restore(snapshot_id="step_000000001"),
+        "disk_warm": lambda: disk.restore(snapshot_id="step_000000001"),
+        "disk_cold": lambda: disk.restore(snapshot_id="step_000000001"),
+        "s3": lambda: remote.restore(snapshot_id="step_000000001"),
+    }
     runs: dict[str, list[float]] = {k: [] for k in restores}
     run_dir = os.path.join(base, run)
     try:
@@ -138,8 +148,14 @@ def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -
     ratios = {f"memory/{k}": med["memory"] / med[k] for k in ("disk_warm", "disk_cold", "s3")}
     goals = GOALS["large" if nbytes >= LARGE else "small"]
     verdict = {f"memory/disk_{k} <= {v}": ratios[f"memory/disk_{k}"] <= v for k, v in goals.items()}
-    return {"bytes": state_bytes, "restore_s": med, "runs": runs, "ratios": ratios, "goals": verdict,
-            "memory_restore_calls": calls.counts}
+    return {
+        "bytes": state_bytes,
+        "restore_s": med,
+        "runs": runs,
+        "ratios": ratios,
+        "goals": verdict,
+        "memory_restore_calls": calls.counts,
+    }
 
 
 def run_tiers(sizes: list[str], base: str, repeat: int, cache: CacheDropper) -> dict:
@@ -153,12 +169,14 @@ def run_tiers(sizes: list[str], base: str, repeat: int, cache: CacheDropper) -> 
             got = compare_size(parse_size(text), base, s3, repeat, cache)
             out[text] = got
             t, r = got["restore_s"], got["ratios"]
-            log(f"restore of {human(got['bytes'])} (MLP + Adam, medians of {repeat}): memory {t['memory']:.4f} s, "
+            log(
+                f"restore of {human(got['bytes'])} (MLP + Adam, medians of {repeat}): memory {t['memory']:.4f} s, "
                 f"disk warm {t['disk_warm']:.4f} s, disk cold {t['disk_cold']:.4f} s, S3 loopback {t['s3']:.4f} s; "
                 f"memory/warm {r['memory/disk_warm']:.2f}x, memory/cold {r['memory/disk_cold']:.2f}x, "
                 f"memory/S3 {r['memory/s3']:.2f}x; goals: "
                 + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in got["goals"].items())
-                + f"; one memory restore made {got['memory_restore_calls']}")
+                + f"; one memory restore made {got['memory_restore_calls']}"
+            )
     finally:
         s3.close()
     return out

@@ -46,10 +46,18 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
     views = byte_views(tensors)
     total = nbytes(tensors)
     params = sum(p.numel() for p in model.parameters())
-    state = {"bytes": total, "tensors": len(tensors), "param_bytes": nbytes(model.state_dict().values()),
-             "mix": size_mix(tensors), "model": args.model, "parameters": params}
-    log(f"bench: {params / 1e6:.0f}M parameters, state {human(total)} in {len(tensors)} tensors; "
-        f"{args.repeat} repeat(s)")
+    state = {
+        "bytes": total,
+        "tensors": len(tensors),
+        "param_bytes": nbytes(model.state_dict().values()),
+        "mix": size_mix(tensors),
+        "model": args.model,
+        "parameters": params,
+    }
+    log(
+        f"bench: {params / 1e6:.0f}M parameters, state {human(total)} in {len(tensors)} tensors; "
+        f"{args.repeat} repeat(s)"
+    )
     sm = Samples()
     step = iter(range(1, 10**9))
     engines = {}
@@ -97,28 +105,44 @@ def run_model(args, workdir: str, cache: CacheDropper) -> dict:
     groups = [g_floor, g_torch, g_rl, g_noprobe]
     started = time.perf_counter()
     for r in range(args.repeat):
-        for g in groups[r % len(groups):] + groups[: r % len(groups)]:
+        for g in groups[r % len(groups) :] + groups[: r % len(groups)]:
             log(f"bench: repeat {r + 1}/{args.repeat}: {g.__name__[2:]} ...")
             g(r)
     for e in engines.values():
         e.close()
     m = sm.median
-    ratios = {"save_vs_torch_save": m("rl_save") / m("torch_save"),
-              "restore_vs_torch_load": m("rl_restore") / m("torch_load"),
-              "save_vs_raw_write": m("rl_save") / m("raw_write"),
-              "restore_vs_raw_read": m("rl_restore") / m("raw_read"),
-              "noprobe_vs_torch_save": m("rl_save_noprobe") / m("torch_save")}
+    ratios = {
+        "save_vs_torch_save": m("rl_save") / m("torch_save"),
+        "restore_vs_torch_load": m("rl_restore") / m("torch_load"),
+        "save_vs_raw_write": m("rl_save") / m("raw_write"),
+        "restore_vs_raw_read": m("rl_restore") / m("raw_read"),
+        "noprobe_vs_torch_save": m("rl_save_noprobe") / m("torch_save"),
+    }
     goals = [
-        {"name": "save_vs_torch_save", "value": ratios["save_vs_torch_save"], "limit": 1.0,
-         "text": "rl save (probe on) <= 1.0 x torch.save+fsync"},
-        {"name": "restore_vs_torch_load", "value": ratios["restore_vs_torch_load"], "limit": 1.0,
-         "text": "rl restore (probe on) <= 1.0 x torch.load + load_state_dict"},
+        {
+            "name": "save_vs_torch_save",
+            "value": ratios["save_vs_torch_save"],
+            "limit": 1.0,
+            "text": "rl save (probe on) <= 1.0 x torch.save+fsync",
+        },
+        {
+            "name": "restore_vs_torch_load",
+            "value": ratios["restore_vs_torch_load"],
+            "limit": 1.0,
+            "text": "rl restore (probe on) <= 1.0 x torch.load + load_state_dict",
+        },
     ]
     for g in goals:
         g["met"] = g["value"] <= g["limit"]
-    return {"state": state, "results": {k: sm.result(k, total) for k in MODEL_KEYS}, "ratios": ratios, "goals": goals,
-            "probe_record_bytes": max(probe_bytes) if probe_bytes else None, "load": sm.load_summary(),
-            "elapsed_s": time.perf_counter() - started}
+    return {
+        "state": state,
+        "results": {k: sm.result(k, total) for k in MODEL_KEYS},
+        "ratios": ratios,
+        "goals": goals,
+        "probe_record_bytes": max(probe_bytes) if probe_bytes else None,
+        "load": sm.load_summary(),
+        "elapsed_s": time.perf_counter() - started,
+    }
 
 
 def format_model(out: dict) -> str:
@@ -132,16 +156,25 @@ def format_model(out: dict) -> str:
         "",
         f"{'method':<44} {'seconds':>8} {'GB/s':>7}",
     ]
-    labels = {"raw_write": "floor: raw write + fsync", "raw_read": "floor: raw read (cold)",
-              "torch_save": "torch.save + fsync", "torch_load": "torch.load + load_state_dict (cold)",
-              "rl_save": "rl_ckpt save (probe on)", "rl_restore": "rl_ckpt restore (plan, verify, load, probe; cold)",
-              "rl_save_noprobe": "rl_ckpt save (post_load_check off)"}
+    labels = {
+        "raw_write": "floor: raw write + fsync",
+        "raw_read": "floor: raw read (cold)",
+        "torch_save": "torch.save + fsync",
+        "torch_load": "torch.load + load_state_dict (cold)",
+        "rl_save": "rl_ckpt save (probe on)",
+        "rl_restore": "rl_ckpt restore (plan, verify, load, probe; cold)",
+        "rl_save_noprobe": "rl_ckpt save (post_load_check off)",
+    }
     for key in MODEL_KEYS:
         r = res[key]
         spread = f"  [{min(r['samples_s']):.3f}..{max(r['samples_s']):.3f}]" if len(r["samples_s"]) > 1 else ""
         lines.append(f"{labels[key]:<44} {fmt_num(r['median_s']):>8} {fmt_num(r['gbps'], '{:.2f}'):>7}{spread}")
-    lines += ["", f"probe record in the manifest: {out['probe_record_bytes']} bytes", "",
-              "goals (medians of this run):"]
+    lines += [
+        "",
+        f"probe record in the manifest: {out['probe_record_bytes']} bytes",
+        "",
+        "goals (medians of this run):",
+    ]
     for g in out["goals"]:
         lines.append(f"  {'MET   ' if g['met'] else 'MISSED'} {g['text']}: {g['value']:.3f} (limit {g['limit']})")
     lines.append(f"{out['goals_met']}/{out['goals_total']} goals met")

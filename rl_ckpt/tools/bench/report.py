@@ -60,15 +60,19 @@ def format_compare(out: dict) -> str:
         f"{fmt_num(out['load']['loadavg_start'], '{:.2f}')} -> {fmt_num(out['load']['loadavg_end'], '{:.2f}')}",
     ]
     if out["host"].get("page_reporting"):
-        lines.append("note: this VM reports freed memory to its host (virtio_balloon free page reporting): "
-                     "the first touch of fresh memory (new buffers, page cache) is slow and erratic; "
-                     "reused buffers are not")
+        lines.append(
+            "note: this VM reports freed memory to its host (virtio_balloon free page reporting): "
+            "the first touch of fresh memory (new buffers, page cache) is slow and erratic; "
+            "reused buffers are not"
+        )
     lines += [
         "",
         "time ratios: x floor / x torch / x safetensors / x DCP = this row's seconds / theirs (same op; < 1 is faster)",
     ]
-    head = (f"{'op':<6} {'method':<32} {'seconds':>8} {'GB/s':>7} "
-            f"{'x floor':>8} {'x torch':>8} {'x safet.':>8} {'x DCP':>7}")
+    head = (
+        f"{'op':<6} {'method':<32} {'seconds':>8} {'GB/s':>7} "
+        f"{'x floor':>8} {'x torch':>8} {'x safet.':>8} {'x DCP':>7}"
+    )
     lines += [head, "-" * len(head)]
     for op, key, label in LABELS:
         r = res.get(key)
@@ -82,8 +86,10 @@ def format_compare(out: dict) -> str:
         spread = ""
         if len(r["samples_s"]) > 1:
             spread = f"  [{min(r['samples_s']):.3f}..{max(r['samples_s']):.3f}]"
-        lines.append(f"{op:<6} {label:<32} {s:>8.3f} {fmt_num(r['gbps'], '{:.2f}'):>7} {cells[0]:>8} {cells[1]:>8} "
-                     f"{cells[2]:>8} {cells[3]:>7}{spread}")
+        lines.append(
+            f"{op:<6} {label:<32} {s:>8.3f} {fmt_num(r['gbps'], '{:.2f}'):>7} {cells[0]:>8} {cells[1]:>8} "
+            f"{cells[2]:>8} {cells[3]:>7}{spread}"
+        )
     dd = out["dedup"]
     lines += [
         "",
@@ -104,40 +110,51 @@ def format_compare(out: dict) -> str:
 
 def format_scaling(out: dict) -> str:
     sc = out["scaling"]
-    lines = [f"rl-ckpt bench --scaling {out['url']}: medians of {out['repeat']} repeat(s); "
-             f"cache: {out['cache']['note']}",
-             "", "state size (GB/s; ratios are time ratios):"]
-    head = (f"{'size':>10} {'tensors':>7} {'rawW GB/s':>9} {'save GB/s':>9} {'save/raw':>8} {'rawR GB/s':>9} "
-            f"{'rest GB/s':>9} {'rest/raw':>8} {'clone s':>8} {'block s':>8} {'blk/clone':>9} {'save s/GiB':>10}")
+    lines = [
+        f"rl-ckpt bench --scaling {out['url']}: medians of {out['repeat']} repeat(s); cache: {out['cache']['note']}",
+        "",
+        "state size (GB/s; ratios are time ratios):",
+    ]
+    head = (
+        f"{'size':>10} {'tensors':>7} {'rawW GB/s':>9} {'save GB/s':>9} {'save/raw':>8} {'rawR GB/s':>9} "
+        f"{'rest GB/s':>9} {'rest/raw':>8} {'clone s':>8} {'block s':>8} {'blk/clone':>9} {'save s/GiB':>10}"
+    )
     lines += [head, "-" * len(head)]
     for row in sc["sizes"]:
         r = row["results"]
         per_gib = r["rl_save"]["median_s"] / (row["state_bytes"] / GIB)
-        lines.append(f"{human(row['state_bytes']):>10} {row['tensors']:>7} "
-                     f"{fmt_num(r['raw_write']['gbps'], '{:.2f}'):>9} "
-                     f"{fmt_num(r['rl_save']['gbps'], '{:.2f}'):>9} {row['save_vs_raw']:>8.2f} "
-                     f"{fmt_num(r['raw_read']['gbps'], '{:.2f}'):>9} {fmt_num(r['rl_restore']['gbps'], '{:.2f}'):>9} "
-                     f"{row['restore_vs_raw']:>8.2f} {r['clone']['median_s']:>8.3f} "
-                     f"{r['rl_async_block']['median_s']:>8.3f} "
-                     f"{row['block_vs_clone']:>9.2f} {per_gib:>10.2f}")
+        lines.append(
+            f"{human(row['state_bytes']):>10} {row['tensors']:>7} "
+            f"{fmt_num(r['raw_write']['gbps'], '{:.2f}'):>9} "
+            f"{fmt_num(r['rl_save']['gbps'], '{:.2f}'):>9} {row['save_vs_raw']:>8.2f} "
+            f"{fmt_num(r['raw_read']['gbps'], '{:.2f}'):>9} {fmt_num(r['rl_restore']['gbps'], '{:.2f}'):>9} "
+            f"{row['restore_vs_raw']:>8.2f} {r['clone']['median_s']:>8.3f} "
+            f"{r['rl_async_block']['median_s']:>8.3f} "
+            f"{row['block_vs_clone']:>9.2f} {per_gib:>10.2f}"
+        )
     lines += ["", "catalog operations over N tiny snapshots (seconds; per-snapshot cost in microseconds):"]
-    head = (f"{'N':>6} {'create/s':>8} {'snapshots()':>11} {'us/snap':>8} {'refresh':>8} {'us/snap':>8} "
-            f"{'plan(deep=F)':>12} {'us/snap':>8} {'retention':>9} {'us/snap':>8} {'open':>8} {'us/snap':>8} "
-            f"{'cold plan':>9}")
+    head = (
+        f"{'N':>6} {'create/s':>8} {'snapshots()':>11} {'us/snap':>8} {'refresh':>8} {'us/snap':>8} "
+        f"{'plan(deep=F)':>12} {'us/snap':>8} {'retention':>9} {'us/snap':>8} {'open':>8} {'us/snap':>8} "
+        f"{'cold plan':>9}"
+    )
     lines += [head, "-" * len(head)]
     for row in sc["catalog"]:
         p = row["per_snapshot_us"]
-        lines.append(f"{row['count']:>6} {fmt_num(row['create_per_s'], '{:.0f}'):>8} {row['snapshots_s']:>11.5f} "
-                     f"{p['snapshots']:>8.2f} {row['refresh_s']:>8.4f} {p['refresh']:>8.1f} "
-                     f"{row['plan_recovery_s']:>12.4f} "
-                     f"{p['plan_recovery']:>8.1f} {row['retention_s']:>9.5f} {p['retention']:>8.2f} "
-                     f"{row['open_s']:>8.4f} {p['open']:>8.1f} {fmt_num(row['plan_recovery_cold_s'], '{:.4f}'):>9}")
-    lines += ["create/s: saves per second while growing to N "
-              "(engine.save, tiny state, verify_after_write=False, fsync on)",
-              "snapshots(): the in-memory catalog; refresh: re-list storage, stat each manifest, parse only new or",
-              "changed ones; plan(deep=F): plan_recovery (a refresh + checks of the chosen snapshot); retention: one",
-              "policy pass; open: a new engine's first listing (parses every manifest: what a restarted process pays",
-              "once); cold plan: a new engine's plan_recovery after the page cache was dropped"]
+        lines.append(
+            f"{row['count']:>6} {fmt_num(row['create_per_s'], '{:.0f}'):>8} {row['snapshots_s']:>11.5f} "
+            f"{p['snapshots']:>8.2f} {row['refresh_s']:>8.4f} {p['refresh']:>8.1f} "
+            f"{row['plan_recovery_s']:>12.4f} "
+            f"{p['plan_recovery']:>8.1f} {row['retention_s']:>9.5f} {p['retention']:>8.2f} "
+            f"{row['open_s']:>8.4f} {p['open']:>8.1f} {fmt_num(row['plan_recovery_cold_s'], '{:.4f}'):>9}"
+        )
+    lines += [
+        "create/s: saves per second while growing to N (engine.save, tiny state, verify_after_write=False, fsync on)",
+        "snapshots(): the in-memory catalog; refresh: re-list storage, stat each manifest, parse only new or",
+        "changed ones; plan(deep=F): plan_recovery (a refresh + checks of the chosen snapshot); retention: one",
+        "policy pass; open: a new engine's first listing (parses every manifest: what a restarted process pays",
+        "once); cold plan: a new engine's plan_recovery after the page cache was dropped",
+    ]
     return "\n".join(lines)
 
 
@@ -151,8 +168,12 @@ def plot(out: dict, path: str) -> None:
         sc = out["scaling"]
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
         xs = [row["state_bytes"] / GIB for row in sc["sizes"]]
-        for key, label in (("raw_write", "raw write+fsync"), ("rl_save", "rl_ckpt save"), ("raw_read", "raw read"),
-                           ("rl_restore", "rl_ckpt restore")):
+        for key, label in (
+            ("raw_write", "raw write+fsync"),
+            ("rl_save", "rl_ckpt save"),
+            ("raw_read", "raw read"),
+            ("rl_restore", "rl_ckpt restore"),
+        ):
             a1.plot(xs, [row["results"][key]["gbps"] for row in sc["sizes"]], marker="o", label=label)
         a1.set_xscale("log", base=2)
         a1.set_xlabel("state size (GiB)")
@@ -160,8 +181,12 @@ def plot(out: dict, path: str) -> None:
         a1.set_title("throughput vs state size")
         a1.legend()
         ns = [row["count"] for row in sc["catalog"]]
-        for key, label in (("snapshots", "snapshots() (in memory)"), ("refresh", "catalog refresh"),
-                           ("plan_recovery", "plan_recovery(deep=False)"), ("retention", "plan_retention")):
+        for key, label in (
+            ("snapshots", "snapshots() (in memory)"),
+            ("refresh", "catalog refresh"),
+            ("plan_recovery", "plan_recovery(deep=False)"),
+            ("retention", "plan_retention"),
+        ):
             a2.plot(ns, [row["per_snapshot_us"][key] for row in sc["catalog"]], marker="o", label=label)
         a2.set_xscale("log")
         a2.set_yscale("log")
@@ -171,11 +196,29 @@ def plot(out: dict, path: str) -> None:
         a2.legend()
     else:
         res = out["results"]
-        ops = [("save (durable)", {"floor": "raw_write", "torch": "torch_save", "safetensors": "st_save",
-                                   "DCP": "dcp_save", "rl_ckpt": "rl_save"}),
-               ("load (cold cache)", {"floor": "raw_read", "torch": "torch_load", "safetensors": "st_load",
-                                      "DCP": "dcp_load", "rl_ckpt": "rl_restore"}),
-               ("async: caller blocked", {"floor": "clone", "DCP": "dcp_async_block", "rl_ckpt": "rl_async_block"})]
+        ops = [
+            (
+                "save (durable)",
+                {
+                    "floor": "raw_write",
+                    "torch": "torch_save",
+                    "safetensors": "st_save",
+                    "DCP": "dcp_save",
+                    "rl_ckpt": "rl_save",
+                },
+            ),
+            (
+                "load (cold cache)",
+                {
+                    "floor": "raw_read",
+                    "torch": "torch_load",
+                    "safetensors": "st_load",
+                    "DCP": "dcp_load",
+                    "rl_ckpt": "rl_restore",
+                },
+            ),
+            ("async: caller blocked", {"floor": "clone", "DCP": "dcp_async_block", "rl_ckpt": "rl_async_block"}),
+        ]
         methods = ["floor", "torch", "safetensors", "DCP", "rl_ckpt"]
         fig, ax = plt.subplots(figsize=(11, 5.5))
         width = 0.16
@@ -191,8 +234,10 @@ def plot(out: dict, path: str) -> None:
         ax.set_xticks(range(len(ops)), [op for op, _ in ops])
         ax.set_ylabel("seconds (median)")
         st = out["state"]
-        ax.set_title(f"{human(st['bytes'])} model+Adam state, {st['tensors']} tensors; medians of {out['repeat']}; "
-                     f"cache: {out['cache']['method']}")
+        ax.set_title(
+            f"{human(st['bytes'])} model+Adam state, {st['tensors']} tensors; medians of {out['repeat']}; "
+            f"cache: {out['cache']['method']}"
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

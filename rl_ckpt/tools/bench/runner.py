@@ -10,8 +10,16 @@ import sys
 import tempfile
 
 from rl_ckpt.tools.bench.common import (
-    BenchUsageError, CacheDropper, DEFAULT_COUNTS, DEFAULT_SIZES, free_page_reporting, fs_info, loadavg, local_path,
-    log, rmtree,
+    BenchUsageError,
+    CacheDropper,
+    DEFAULT_COUNTS,
+    DEFAULT_SIZES,
+    free_page_reporting,
+    fs_info,
+    loadavg,
+    local_path,
+    log,
+    rmtree,
 )
 from rl_ckpt.tools.bench.compare import run_compare
 from rl_ckpt.tools.bench.model import MODELS, format_model, run_model
@@ -37,10 +45,19 @@ def run(args) -> dict:
     workdir = tempfile.mkdtemp(prefix="rl-ckpt-bench-", dir=base)
     cache = CacheDropper(args.cache)
     out: dict = {
-        "mode": "scaling" if args.scaling else "compare", "url": args.url, "workdir": workdir, "repeat": args.repeat,
-        "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                 "python": platform.python_version(), "torch": torch.__version__,
-                 "platform": platform.platform(), "fs": fs_info(workdir), "page_reporting": free_page_reporting()},
+        "mode": "scaling" if args.scaling else "compare",
+        "url": args.url,
+        "workdir": workdir,
+        "repeat": args.repeat,
+        "host": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "fs": fs_info(workdir),
+            "page_reporting": free_page_reporting(),
+        },
         "cache": {"method": cache.method, "note": cache.note},
     }
     la0 = loadavg()
@@ -68,29 +85,54 @@ def run(args) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="local folder to write into (a path or file://)")
     p.add_argument("--size", default="1GiB", help="state size (model + Adam), e.g. 64MiB, 1GiB (default 1GiB)")
-    p.add_argument("--tensors", type=int, default=None, metavar="N",
-                   help="about N tensors in the saved state (default: from the size)")
+    p.add_argument(
+        "--tensors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="about N tensors in the saved state (default: from the size)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="repeats per measurement; medians are reported (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--plot", metavar="FILE.png", help="draw grouped bars (matplotlib, Agg)")
-    p.add_argument("--variants", action="store_true",
-                   help="also time engine.save with xxh3_128 and/or verify_after_write=False")
-    p.add_argument("--cache", choices=["drop", "fadvise", "none"], default="drop",
-                   help="how reads are made cold: drop_caches (falls back to fadvise), fadvise, none")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="torch intra-op threads while measuring (default 1: on a shared machine OpenMP spin-waits make "
-                        "multi-threaded copies erratic; 0 keeps torch's default)")
-    p.add_argument("--scaling", action="store_true",
-                   help="instead: how cost grows with state size (--sizes) and snapshot count (--counts)")
+    p.add_argument(
+        "--variants", action="store_true", help="also time engine.save with xxh3_128 and/or verify_after_write=False"
+    )
+    p.add_argument(
+        "--cache",
+        choices=["drop", "fadvise", "none"],
+        default="drop",
+        help="how reads are made cold: drop_caches (falls back to fadvise), fadvise, none",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads while measuring (default 1: on a shared machine OpenMP spin-waits make "
+        "multi-threaded copies erratic; 0 keeps torch's default)",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead: how cost grows with state size (--sizes) and snapshot count (--counts)",
+    )
     p.add_argument("--sizes", default=None, help=f"with --scaling: state sizes (default {DEFAULT_SIZES})")
     p.add_argument("--counts", default=None, help=f"with --scaling: snapshot counts (default {DEFAULT_COUNTS})")
-    p.add_argument("--model", choices=sorted(MODELS), default=None,
-                   help="instead: a real transformers GPT-2 shaped model + AdamW (random init, no download) vs "
-                        "torch.save+fsync and torch.load+load_state_dict; gpt2-small = GPT2Config() defaults (124M)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="instead: a real transformers GPT-2 shaped model + AdamW (random init, no download) vs "
+        "torch.save+fsync and torch.load+load_state_dict; gpt2-small = GPT2Config() defaults (124M)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the files written")
     p.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a goal is missed")
-    p.add_argument("--sharded", action="store_true",
-                   help="instead: FSDP2 save and resharding restore on --ranks gloo processes, next to DCP's save/load")
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="instead: FSDP2 save and resharding restore on --ranks gloo processes, next to DCP's save/load",
+    )
     p.add_argument("--ranks", default="2,4", help="with --sharded: world sizes to save and restore on (default 2,4)")
 
 

@@ -9,7 +9,16 @@ import time
 
 from rl_ckpt.tools.bench.baselines import time_raw_floor
 from rl_ckpt.tools.bench.common import (
-    BenchUsageError, CacheDropper, DEFAULT_COUNTS, DEFAULT_SIZES, Samples, human, log, parse_size, quiesce, rmtree,
+    BenchUsageError,
+    CacheDropper,
+    DEFAULT_COUNTS,
+    DEFAULT_SIZES,
+    Samples,
+    human,
+    log,
+    parse_size,
+    quiesce,
+    rmtree,
 )
 from rl_ckpt.tools.bench.compare import clear_run, bench_engine
 from rl_ckpt.tools.bench.state import build_state, byte_views, flat_tensors, nbytes
@@ -61,16 +70,24 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
         clear_run(rl)
 
     for r in range(args.repeat):
-        for g in ((floor, ours) if r % 2 == 0 else (ours, floor)):
+        for g in (floor, ours) if r % 2 == 0 else (ours, floor):
             g()
     rl.close()
     rmtree(os.path.join(workdir, run))
-    res = {k: sm.result(k, total)
-           for k in ("raw_write", "raw_read", "clone", "rl_save", "rl_restore", "rl_async_block")}
+    res = {
+        k: sm.result(k, total) for k in ("raw_write", "raw_read", "clone", "rl_save", "rl_restore", "rl_async_block")
+    }
     m = sm.median
-    row = {"size_request": size, "state_bytes": total, "tensors": len(tensors), "shape": shape, "results": res,
-           "save_vs_raw": m("rl_save") / m("raw_write"), "restore_vs_raw": m("rl_restore") / m("raw_read"),
-           "block_vs_clone": m("rl_async_block") / m("clone")}
+    row = {
+        "size_request": size,
+        "state_bytes": total,
+        "tensors": len(tensors),
+        "shape": shape,
+        "results": res,
+        "save_vs_raw": m("rl_save") / m("raw_write"),
+        "restore_vs_raw": m("rl_restore") / m("raw_read"),
+        "block_vs_clone": m("rl_async_block") / m("clone"),
+    }
     model = opt = tensors = views = rl = None  # drops the state (floor/ours capture part of it) before gc.collect()
     gc.collect()
     return row
@@ -113,14 +130,23 @@ def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) ->
         sm.timed("plan_recovery_cold", lambda: fresh.plan_recovery(deep=False))
         fresh.close()
         m = sm.median
-        rows.append({
-            "count": count, "create_s": create_s, "created": count - first,
-            "create_per_s": (count - first) / create_s if create_s else None,
-            "snapshots_s": m("snapshots"), "refresh_s": m("refresh"), "plan_recovery_s": m("plan_recovery"),
-            "plan_recovery_cold_s": m("plan_recovery_cold"), "retention_s": m("retention"), "open_s": m("open"),
-            "per_snapshot_us": {k: m(k) / count * 1e6
-                                for k in ("snapshots", "refresh", "plan_recovery", "retention", "open")},
-        })
+        rows.append(
+            {
+                "count": count,
+                "create_s": create_s,
+                "created": count - first,
+                "create_per_s": (count - first) / create_s if create_s else None,
+                "snapshots_s": m("snapshots"),
+                "refresh_s": m("refresh"),
+                "plan_recovery_s": m("plan_recovery"),
+                "plan_recovery_cold_s": m("plan_recovery_cold"),
+                "retention_s": m("retention"),
+                "open_s": m("open"),
+                "per_snapshot_us": {
+                    k: m(k) / count * 1e6 for k in ("snapshots", "refresh", "plan_recovery", "retention", "open")
+                },
+            }
+        )
     e.close()
     rmtree(os.path.join(workdir, "catalog"))
     return rows

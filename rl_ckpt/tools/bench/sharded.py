@@ -106,8 +106,11 @@ def save_job(rank: int, world: int, port: int, size: int, work: str, out: str, r
     t_dcp = _median([_timed(lambda i=i: dcp_save(i)) for i in range(1, repeat + 1)])
     share = _gather({"share": _local_bytes(model, optim)})
     if rank == 0:
-        Path(out).write_text(json.dumps({"ranks": world, "rl_ckpt_s": t_rl, "dcp_s": t_dcp,
-                                         "state_bytes": sum(s["share"] for s in share)}))
+        Path(out).write_text(
+            json.dumps(
+                {"ranks": world, "rl_ckpt_s": t_rl, "dcp_s": t_dcp, "state_bytes": sum(s["share"] for s in share)}
+            )
+        )
     engine.close()
     dist.destroy_process_group()
 
@@ -141,8 +144,12 @@ def restore_job(rank: int, world: int, port: int, size: int, work: str, saved: i
     read = counted["range"]
     t_rl = _median([t_rl] + [_timed(lambda: engine.restore(snapshot_id="step_000000001")) for _ in range(repeat - 1)])
     meta = json.loads((Path(work) / f"rl_{saved}" / "step_000000001" / "meta.json").read_text())
-    chunk = max(math_prod(c["sizes"]) * 4 for sec in meta["components"].values()
-                for t in sec["layout"]["tensors"].values() for c in t["chunks"])
+    chunk = max(
+        math_prod(c["sizes"]) * 4
+        for sec in meta["components"].values()
+        for t in sec["layout"]["tensors"].values()
+        for c in t["chunks"]
+    )
 
     def dcp_load() -> None:
         msd, osd = get_state_dict(model, optim)
@@ -154,8 +161,9 @@ def restore_job(rank: int, world: int, port: int, size: int, work: str, saved: i
     t_dcp = _median([_timed(dcp_load) for _ in range(repeat)])
     ranks = _gather({"read": read, "share": share, "peak_rss_growth": max(0, peak), "chunk": chunk})
     if rank == 0:
-        Path(out).write_text(json.dumps({"saved_on": saved, "restored_on": world, "rl_ckpt_s": t_rl, "dcp_s": t_dcp,
-                                         "per_rank": ranks}))
+        Path(out).write_text(
+            json.dumps({"saved_on": saved, "restored_on": world, "rl_ckpt_s": t_rl, "dcp_s": t_dcp, "per_rank": ranks})
+        )
     engine.close()
     dist.destroy_process_group()
 
@@ -190,19 +198,27 @@ def run(workdir: str, ranks: list[int], size: int, repeat: int = 3) -> dict:
 
 def format_report(out: dict) -> str:
     mib = 1024 * 1024
-    lines = [f"sharded bench: FSDP2 + Adam, {out['saves'][0]['state_bytes'] / mib:.1f} MiB of state, CPU/gloo, "
-             "medians; rl_ckpt saves hash, fsync, verify after write and commit",
-             "save              rl_ckpt     DCP    ratio (goal <= 1.0)"]
+    lines = [
+        f"sharded bench: FSDP2 + Adam, {out['saves'][0]['state_bytes'] / mib:.1f} MiB of state, CPU/gloo, "
+        "medians; rl_ckpt saves hash, fsync, verify after write and commit",
+        "save              rl_ckpt     DCP    ratio (goal <= 1.0)",
+    ]
     for s in out["saves"]:
-        lines.append(f"  on {s['ranks']} ranks       {s['rl_ckpt_s']:7.3f}s {s['dcp_s']:7.3f}s  "
-                     f"{s['rl_ckpt_s'] / s['dcp_s']:.2f}x")
-    lines.append("restore N -> M     rl_ckpt     DCP    ratio   max read/share (goal <= 1.25)   max peak RSS growth / "
-                 "(shard + 2 chunks) (goal <= 1.0)")
+        lines.append(
+            f"  on {s['ranks']} ranks       {s['rl_ckpt_s']:7.3f}s {s['dcp_s']:7.3f}s  "
+            f"{s['rl_ckpt_s'] / s['dcp_s']:.2f}x"
+        )
+    lines.append(
+        "restore N -> M     rl_ckpt     DCP    ratio   max read/share (goal <= 1.25)   max peak RSS growth / "
+        "(shard + 2 chunks) (goal <= 1.0)"
+    )
     for r in out["restores"]:
         read = max(p["read"] / p["share"] for p in r["per_rank"])
         mem = max(p["peak_rss_growth"] / (p["share"] + 2 * p["chunk"]) for p in r["per_rank"])
-        lines.append(f"  {r['saved_on']} -> {r['restored_on']}           {r['rl_ckpt_s']:7.3f}s {r['dcp_s']:7.3f}s  "
-                     f"{r['rl_ckpt_s'] / r['dcp_s']:.2f}x   {read:.3f}                           {mem:.2f}")
+        lines.append(
+            f"  {r['saved_on']} -> {r['restored_on']}           {r['rl_ckpt_s']:7.3f}s {r['dcp_s']:7.3f}s  "
+            f"{r['rl_ckpt_s'] / r['dcp_s']:.2f}x   {read:.3f}                           {mem:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -222,8 +238,12 @@ def main_args(args) -> int:
     from rl_ckpt.tools.bench.common import local_path, parse_size
 
     os.makedirs(local_path(args.url), exist_ok=True)
-    out = run(local_path(args.url), [int(x) for x in str(args.ranks).split(",") if x], parse_size(args.size),
-              max(1, int(getattr(args, "repeat", 3))))
+    out = run(
+        local_path(args.url),
+        [int(x) for x in str(args.ranks).split(",") if x],
+        parse_size(args.size),
+        max(1, int(getattr(args, "repeat", 3))),
+    )
     print(json.dumps(out, indent=1) if args.json else format_report(out))
     return 0
 

@@ -127,8 +127,9 @@ def run(args) -> dict:
 
     nbytes, n = parse_size(args.size), args.receivers
     store = nbytes * 6 + (256 << 20)  # room for every copy in flight: a full object store spills to disk
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 64},
-                                                            "object_store_memory": store})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 64}, "object_store_memory": store}
+    )
     cluster.add_node(num_cpus=1, resources={"worker": 64}, object_store_memory=store)
     cluster.wait_for_nodes()
     namespace, run_name = "bench-weights", f"bench-{uuid.uuid4().hex[:6]}"
@@ -156,8 +157,10 @@ def run(args) -> dict:
         started = time.perf_counter()
         ray.get([r.from_file.remote(path) for r in receivers])
         out["safetensors_load_s"] = time.perf_counter() - started
-        log(f"safetensors: write {out['safetensors_write_s']:.2f} s, every receiver loading it "
-            f"{out['safetensors_load_s']:.2f} s")
+        log(
+            f"safetensors: write {out['safetensors_write_s']:.2f} s, every receiver loading it "
+            f"{out['safetensors_load_s']:.2f} s"
+        )
 
         versions = PolicyVersions(run_name, policy, replicas=0, namespace=namespace, keep=2)
         # Warm-up, untimed: a floor round (the receivers' first object transfers) and versions 0 and 1 (they
@@ -179,14 +182,22 @@ def run(args) -> dict:
             started = time.perf_counter()
             pulls = ray.get([r.pull.remote() for r in receivers])
             pull_s = time.perf_counter() - started
-            rounds.append({"floor_s": floor_s, "publish_s": publish_s, "pull_s": pull_s,
-                           "full_vs_floor": (publish_s + pull_s) / floor_s,
-                           "node_bytes_copied": versions.storage.pushed_bytes - pushed
-                           + sum(p["node_bytes_copied"] for p in pulls),
-                           "pulls": [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")}
-                                     for p in pulls]})
-            log(f"round {_round + 1}: floor {floor_s:.2f} s, full version: publish {publish_s:.2f} s + pulls "
-                f"{pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor")
+            rounds.append(
+                {
+                    "floor_s": floor_s,
+                    "publish_s": publish_s,
+                    "pull_s": pull_s,
+                    "full_vs_floor": (publish_s + pull_s) / floor_s,
+                    "node_bytes_copied": versions.storage.pushed_bytes
+                    - pushed
+                    + sum(p["node_bytes_copied"] for p in pulls),
+                    "pulls": [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")} for p in pulls],
+                }
+            )
+            log(
+                f"round {_round + 1}: floor {floor_s:.2f} s, full version: publish {publish_s:.2f} s + pulls "
+                f"{pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor"
+            )
             step += 1
         out["rounds"] = rounds
         for key in ("floor_s", "publish_s", "pull_s", "full_vs_floor"):
@@ -198,15 +209,19 @@ def run(args) -> dict:
         out["full_bytes"] = pulls[0]["bytes_total"]
         out["node_bytes_copied"] = rounds[-1]["node_bytes_copied"]  # into the worker node, per version
         want = float(sum(t.double().sum() for t in policy.state_dict().values()))
-        out["full_checked"] = all(abs(c - want) < 1e-6 * abs(want) + 1e-6
-                                  for c in ray.get([r.checksum.remote() for r in receivers]))
-        log(f"full version: publish {out['publish_s']:.2f} s + pulls {out['pull_s']:.2f} s = "
+        out["full_checked"] = all(
+            abs(c - want) < 1e-6 * abs(want) + 1e-6 for c in ray.get([r.checksum.remote() for r in receivers])
+        )
+        log(
+            f"full version: publish {out['publish_s']:.2f} s + pulls {out['pull_s']:.2f} s = "
             f"{out['full_vs_floor']:.2f} x floor (the pulls alone {out['pull_vs_floor']:.2f} x; against the best "
             f"floor, {out['floor_best_s']:.2f} s: {out['full_vs_best_floor']:.2f} x); "
-            f"{human(out['node_bytes_copied'])} copied between nodes")
+            f"{human(out['node_bytes_copied'])} copied between nodes"
+        )
 
-        chunks = [(t, start) for t in policy.state_dict().values()
-                  for start in range(0, t.numel() * t.element_size(), CHUNK)]
+        chunks = [
+            (t, start) for t in policy.state_dict().values() for start in range(0, t.numel() * t.element_size(), CHUNK)
+        ]
         every = max(1, round(1 / args.changed)) if args.changed > 0 else len(chunks) + 1
         changed = 0
         with torch.no_grad():
@@ -224,9 +239,11 @@ def run(args) -> dict:
         out["delta_bytes"] = pulls[0]["bytes_moved"]
         out["delta_bytes_fraction"] = out["delta_bytes"] / out["full_bytes"]
         out["delta_vs_changed"] = out["delta_bytes"] / max(1, changed * CHUNK)  # 1.0: exactly the changed chunks
-        log(f"delta ({changed} chunks changed): {human(out['delta_bytes'])} moved per receiver = "
+        log(
+            f"delta ({changed} chunks changed): {human(out['delta_bytes'])} moved per receiver = "
             f"{out['delta_bytes_fraction']:.3f} of full; publish {out['delta_publish_s']:.2f} s, pulls "
-            f"{out['delta_pull_s']:.2f} s")
+            f"{out['delta_pull_s']:.2f} s"
+        )
 
         victim = sides.index("worker") if "worker" in sides else 0
         ray.kill(receivers[victim], no_restart=True)
@@ -237,8 +254,10 @@ def run(args) -> dict:
         out["restart_total_s"] = time.perf_counter() - started
         out["restart_pull_s"] = got["seconds"]
         out["restart_version"] = got["version"]
-        log(f"restarted receiver: version {got['version']} after {out['restart_total_s']:.2f} s "
-            f"(the pull {got['seconds']:.2f} s)")
+        log(
+            f"restarted receiver: version {got['version']} after {out['restart_total_s']:.2f} s "
+            f"(the pull {got['seconds']:.2f} s)"
+        )
         versions.close()
         versions_storage(run_name, namespace=namespace).destroy()
         out["loadavg_end"] = os.getloadavg()

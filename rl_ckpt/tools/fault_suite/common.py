@@ -54,12 +54,24 @@ class Profile:
 PROFILES = {
     "quick": Profile("quick"),
     "long": Profile(
-        "long", kill_after_phases=("write", "commit", "after-commit"), random_kills=400, random_kill_max_delay=0.4,
-        power_mixes=4, power_save_after=True, s3_variants=(False, True),
-        flips=("first", "middle", "last", "random", "random"), truncations=("tail", "half", "empty"),
-        manifest_flips=None, manifest_sweep_variants=((False, True), (True, True), (False, False)),
-        error_when=("before", "after"), every_error_kind=True, s3_when=("before", "after"), s3_stride=1, race_rounds=8,
-        hostile_types_per_path=None, sharded_kill_stride=1,
+        "long",
+        kill_after_phases=("write", "commit", "after-commit"),
+        random_kills=400,
+        random_kill_max_delay=0.4,
+        power_mixes=4,
+        power_save_after=True,
+        s3_variants=(False, True),
+        flips=("first", "middle", "last", "random", "random"),
+        truncations=("tail", "half", "empty"),
+        manifest_flips=None,
+        manifest_sweep_variants=((False, True), (True, True), (False, False)),
+        error_when=("before", "after"),
+        every_error_kind=True,
+        s3_when=("before", "after"),
+        s3_stride=1,
+        race_rounds=8,
+        hostile_types_per_path=None,
+        sharded_kill_stride=1,
     ),
 }
 
@@ -96,13 +108,22 @@ class SuiteModel:
         self.counts.fill_(stamp(step, writer))
 
     def state_dict(self) -> dict:
-        return {"weight": self.weight, "counts": self.counts, "frozen": self.frozen, "step": self.step,
-                "writer": self.writer, "info": {"stamp": stamp(self.step, self.writer), "tag": f"s{self.step}"}}
+        return {
+            "weight": self.weight,
+            "counts": self.counts,
+            "frozen": self.frozen,
+            "step": self.step,
+            "writer": self.writer,
+            "info": {"stamp": stamp(self.step, self.writer), "tag": f"s{self.step}"},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.writer = state["step"], state["writer"]
-        self.weight, self.counts, self.frozen = (state["weight"].clone(), state["counts"].clone(),
-                                                 state["frozen"].clone())
+        self.weight, self.counts, self.frozen = (
+            state["weight"].clone(),
+            state["counts"].clone(),
+            state["frozen"].clone(),
+        )
         self.info = state["info"]
 
 
@@ -121,10 +142,13 @@ class SuiteBuffer:
         import pyarrow as pa
 
         value = stamp(self.step, self.writer)
-        table = pa.table({"stamp": pa.array([value] * 32, type=pa.int64()),
-                          "episode": pa.array(range(32), type=pa.int64()),
-                          "rewards": pa.array([[float(value)] * (i % 3) for i in range(32)],
-                                              type=pa.list_(pa.float64()))})
+        table = pa.table(
+            {
+                "stamp": pa.array([value] * 32, type=pa.int64()),
+                "episode": pa.array(range(32), type=pa.int64()),
+                "rewards": pa.array([[float(value)] * (i % 3) for i in range(32)], type=pa.list_(pa.float64())),
+            }
+        )
         return {"obs": self.obs, "episodes": table, "step": self.step, "writer": self.writer}
 
     def load_state_dict(self, state: dict) -> None:
@@ -153,10 +177,25 @@ def observed(model: SuiteModel, buf: SuiteBuffer) -> tuple[int, int]:
     return step, writer
 
 
-def engine_cfg(base_dir: str, *, dedup: bool = False, atomic_write: bool = True, run_name: str = "run",
-               storage_options: dict | None = None, **extra: Any) -> dict:
-    cfg = {"base_dir": base_dir, "run_name": run_name, "dedup": dedup, "atomic_write": atomic_write,
-           "keep_latest": 2, "keep_best": 1, "best_metric": "avg_reward", "best_mode": "max"}
+def engine_cfg(
+    base_dir: str,
+    *,
+    dedup: bool = False,
+    atomic_write: bool = True,
+    run_name: str = "run",
+    storage_options: dict | None = None,
+    **extra: Any,
+) -> dict:
+    cfg = {
+        "base_dir": base_dir,
+        "run_name": run_name,
+        "dedup": dedup,
+        "atomic_write": atomic_write,
+        "keep_latest": 2,
+        "keep_best": 1,
+        "best_metric": "avg_reward",
+        "best_mode": "max",
+    }
     if storage_options:
         cfg["storage_options"] = storage_options
     cfg.update(extra)
@@ -274,7 +313,7 @@ def op_phases(ops: list[tuple[str, str]]) -> list[str]:
     for i, (op, _path) in enumerate(ops):
         if i < commit:
             out.append("write")
-        elif i == commit or (op == "sync_dir" and all(o == "sync_dir" for o, _ in ops[commit + 1:i + 1])):
+        elif i == commit or (op == "sync_dir" and all(o == "sync_dir" for o, _ in ops[commit + 1 : i + 1])):
             out.append("commit")
         else:
             out.append("after-commit")

@@ -63,11 +63,22 @@ def _race(suite: Suite, res: ScenarioResult, backend: str, n: int, rnd: int) -> 
         res.violate(backend, label, "race", f"{len(committed)} writers committed: {committed}")
     else:
         res.note(f"{backend}: exactly one committed")
-    res.note(f"{backend}: losers got CommitConflictError",
-             sum(1 for what, _ in outcomes.values() if what == "conflict"))
-    ok, _ = suite.check(res, backend, label, target, must_list={step}, allowed={step}, acked_max=step, in_flight=None,
-                       writer=committed[0] if len(committed) == 1 else None, outside_before=before,
-                       save_after=step + 1)
+    res.note(
+        f"{backend}: losers got CommitConflictError", sum(1 for what, _ in outcomes.values() if what == "conflict")
+    )
+    ok, _ = suite.check(
+        res,
+        backend,
+        label,
+        target,
+        must_list={step},
+        allowed={step},
+        acked_max=step,
+        in_flight=None,
+        writer=committed[0] if len(committed) == 1 else None,
+        outside_before=before,
+        save_after=step + 1,
+    )
     if bucket is not None:
         suite.s3().drop_bucket(bucket)
     else:

@@ -20,9 +20,16 @@ class Suite:
     """Runs the scenarios. Cases are independent jobs (own folder or prefix), run on a few threads:
     most of a case's time is fsync, child processes and HTTP, which do not hold the GIL."""
 
-    def __init__(self, mode: str = "quick", base_dir: str | None = None, *, s3_storage_options: dict | None = None,
-                 progress: Callable[[str], None] | None = None, keep_failed: int = 20,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self,
+        mode: str = "quick",
+        base_dir: str | None = None,
+        *,
+        s3_storage_options: dict | None = None,
+        progress: Callable[[str], None] | None = None,
+        keep_failed: int = 20,
+        workers: int | None = None,
+    ) -> None:
         if mode not in PROFILES:
             raise ValueError(f"mode must be one of {sorted(PROFILES)}")
         self.profile = PROFILES[mode]
@@ -49,8 +56,18 @@ class Suite:
             ctx = mp.get_context("forkserver")
             # pandas: pyarrow imports it on the first array it builds (0.2 s in every child otherwise);
             # s3fs/botocore: every S3 writer process would import them again
-            ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "pandas", "s3fs", "rl_ckpt", "rl_ckpt.core.engine",
-                                        "rl_ckpt.tools.fault_suite"])
+            ctx.set_forkserver_preload(
+                [
+                    "torch",
+                    "numpy",
+                    "pyarrow",
+                    "pandas",
+                    "s3fs",
+                    "rl_ckpt",
+                    "rl_ckpt.core.engine",
+                    "rl_ckpt.tools.fault_suite",
+                ]
+            )
             self._ctx = ctx
         return self._ctx
 
@@ -153,10 +170,24 @@ class Suite:
         return proc.exitcode, acks
 
     # -- the common invariant check ----------------------------------------------------------
-    def check(self, res: ScenarioResult, variant: str, label: str, target, *, must_list: set[int], allowed: set[int],
-              acked_max: int | None, in_flight: int | None, save_after: int | None = None, gc: bool = True,
-              writer: int | None = None, outside_before: dict | None = None,
-              damaged: frozenset = frozenset(), retention_keeps: int | None = None) -> tuple[bool, int | None]:
+    def check(
+        self,
+        res: ScenarioResult,
+        variant: str,
+        label: str,
+        target,
+        *,
+        must_list: set[int],
+        allowed: set[int],
+        acked_max: int | None,
+        in_flight: int | None,
+        save_after: int | None = None,
+        gc: bool = True,
+        writer: int | None = None,
+        outside_before: dict | None = None,
+        damaged: frozenset = frozenset(),
+        retention_keeps: int | None = None,
+    ) -> tuple[bool, int | None]:
         """Every invariant after a fault; violations go into ``res``. Returns (all held, restored step).
 
         ``damaged``: snapshot ids the case broke on purpose (they may fail verify and be skipped).
@@ -196,15 +227,20 @@ class Suite:
             try:
                 result = engine.restore()
             except CheckpointError as exc:
-                intact = [i.snapshot_id for i in engine.snapshots()
-                          if i.snapshot_id not in damaged and i.snapshot_id not in report.bad_snapshots]
+                intact = [
+                    i.snapshot_id
+                    for i in engine.snapshots()
+                    if i.snapshot_id not in damaged and i.snapshot_id not in report.bad_snapshots
+                ]
                 if intact:
                     bad("restore_failed", f"restore raised {type(exc).__name__} with {intact} intact: {exc}")
             else:
                 if result.fresh:
                     if listed or must_list:
-                        bad("acked_lost" if must_list else "restore_failed",
-                            f"restore started fresh with {listed} listed")
+                        bad(
+                            "acked_lost" if must_list else "restore_failed",
+                            f"restore started fresh with {listed} listed",
+                        )
                 else:
                     try:
                         step, who = observed(model, buf)
@@ -248,8 +284,11 @@ class Suite:
                 else:
                     report = engine.verify()
                     if set(report.bad_snapshots) - damaged:
-                        bad("broken_listed", f"a later save (step {save_after}) returned, "
-                            f"but verify then says: {report}", len(set(report.bad_snapshots) - damaged))
+                        bad(
+                            "broken_listed",
+                            f"a later save (step {save_after}) returned, but verify then says: {report}",
+                            len(set(report.bad_snapshots) - damaged),
+                        )
                 engine.close()
         except Exception as exc:  # anything that is not a CheckpointError where one was due, or a suite bug
             bad("crash", f"{type(exc).__name__}: {exc}")

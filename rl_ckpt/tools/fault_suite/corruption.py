@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 import random
 
 from rl_ckpt.errors import CheckpointError
@@ -11,8 +12,13 @@ from rl_ckpt.tools.fault_suite.context import Suite
 from rl_ckpt.tools.fault_suite.report import ScenarioResult
 
 
-SWEEP_OUTCOMES = ("caught by verify", "caught by restore only", "restore refused, no fallback",
-                  "unnoticed, load unaffected", "corrupt load")
+SWEEP_OUTCOMES = (
+    "caught by verify",
+    "caught by restore only",
+    "restore refused, no fallback",
+    "unnoticed, load unaffected",
+    "corrupt load",
+)
 
 
 # -- helpers for the scenarios ---------------------------------------------------------------------
@@ -42,8 +48,20 @@ def corruption(suite: Suite) -> ScenarioResult:
         corruptions.append("delete")
         for i, (rel, kind) in enumerate(files):
             for j, how in enumerate(corruptions):
-                jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, rel=rel, kind=kind, how=how, aw=aw,
-                            seed=i * 100 + j: _corrupt_one(suite, part, variant, kw, tpl, rel, kind, how, aw, seed))
+                jobs.append(
+                    partial(
+                        _corrupt_one,
+                        suite,
+                        variant=variant,
+                        kw=kw,
+                        tpl=tpl,
+                        rel=rel,
+                        kind=kind,
+                        how=how,
+                        aw=aw,
+                        seed=i * 100 + j,
+                    )
+                )
         suite.progress(f"  corruption {variant}: {len(files)} files x {len(corruptions)}")
     suite.run_jobs(res, jobs)
     kinds = sorted({k.split(": ")[0] for k in res.notes if k.endswith(": injected")})
@@ -53,8 +71,18 @@ def corruption(suite: Suite) -> ScenarioResult:
     return res
 
 
-def _corrupt_one(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, rel: str, kind: str, how: str,
-                 aw: bool, seed: int) -> None:
+def _corrupt_one(
+    suite: Suite,
+    part: ScenarioResult,
+    variant: str,
+    kw: dict,
+    tpl: str,
+    rel: str,
+    kind: str,
+    how: str,
+    aw: bool,
+    seed: int,
+) -> None:
     target = suite.case(f"corrupt-{variant}-{kind}-{how}", kw, tpl)
     before = target.outside()
     corrupt_file(os.path.join(target.run, *rel.split("/")), how, random.Random(seed))
@@ -75,13 +103,25 @@ def _corrupt_one(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl
         elif outcome != "corrupt load":
             part.violate(variant, label, "undetected", outcome)
     hit = {"step_000000001", "step_000000002"} if kind == "dedup object (shared)" else {"step_000000002"}
-    ok, _ = suite.check(part, variant, label, target, must_list=set(), allowed={1, 2, 3}, acked_max=None,
-                       in_flight=None, save_after=3, outside_before=before, damaged=frozenset(hit))
+    ok, _ = suite.check(
+        part,
+        variant,
+        label,
+        target,
+        must_list=set(),
+        allowed={1, 2, 3},
+        acked_max=None,
+        in_flight=None,
+        save_after=3,
+        outside_before=before,
+        damaged=frozenset(hit),
+    )
     suite.done(target, ok and outcome == "detected")
 
 
-def _judge_corruption(suite: Suite, res: ScenarioResult, variant: str, label: str, target, expect: int | None,
-                      by_design: bool) -> str:
+def _judge_corruption(
+    suite: Suite, res: ScenarioResult, variant: str, label: str, target, expect: int | None, by_design: bool
+) -> str:
     """'detected' when verify flags step 2 and restore neither loads it nor gives up needlessly."""
     engine, model, buf = build(target.cfg, target.storage())
     report = engine.verify()
@@ -134,8 +174,12 @@ def _manifest_sweep(suite: Suite, res: ScenarioResult) -> None:
             for key in MANIFEST_KEY_FIELDS:  # always: every byte of the values that say what a snapshot is
                 chosen.update(json_value_span(original, key))
             positions = sorted(chosen)
-        jobs += [lambda part, variant=variant, kw=kw, tpl=tpl, original=original, pos=pos:
-                 _flip_manifest(suite, part, variant, kw, tpl, original, pos) for pos in positions]
+        jobs += [
+            lambda part, variant=variant, kw=kw, tpl=tpl, original=original, pos=pos: _flip_manifest(
+                suite, part, variant, kw, tpl, original, pos
+            )
+            for pos in positions
+        ]
     sweep = ScenarioResult(res.key, res.title)
     suite.run_jobs(sweep, jobs)
     notes = sweep.notes
@@ -150,8 +194,9 @@ def _manifest_sweep(suite: Suite, res: ScenarioResult) -> None:
     suite.progress(f"  corruption: manifest sweep, {res.notes['manifest bit flips']} flips")
 
 
-def _flip_manifest(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, original: bytes,
-                   pos: int) -> None:
+def _flip_manifest(
+    suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, original: bytes, pos: int
+) -> None:
     target = suite.case(f"manifest-flip-{variant}-{pos}", kw, tpl)
     data = bytearray(original)
     data[pos] ^= 0x01
@@ -160,7 +205,7 @@ def _flip_manifest(suite: Suite, part: ScenarioResult, variant: str, kw: dict, t
     part.tried += 1
     part.injected["manifest bit flip"] += 1
     field = manifest_field(original, pos)
-    label = f"manifest bit flip at byte {pos} ({field}: {original[pos:pos + 1]!r} -> {bytes(data[pos:pos + 1])!r})"
+    label = f"manifest bit flip at byte {pos} ({field}: {original[pos : pos + 1]!r} -> {bytes(data[pos : pos + 1])!r})"
     outcome = _judge_corruption(suite, part, variant, label, target, expect=1, by_design=False)
     if outcome == "corrupt load":
         part.note("sweep: corrupt load")
@@ -199,8 +244,14 @@ def corrupt_file(path: str, how: str, rnd: random.Random) -> None:
         f.write(data)
 
 
-MANIFEST_KEY_FIELDS = ("global_step", "kind", "snapshot_id", "schema_version", "state_schema_version",
-                       "base_snapshot_id")
+MANIFEST_KEY_FIELDS = (
+    "global_step",
+    "kind",
+    "snapshot_id",
+    "schema_version",
+    "state_schema_version",
+    "base_snapshot_id",
+)
 
 
 def json_value_span(manifest: bytes, key: str) -> range:
@@ -212,7 +263,7 @@ def json_value_span(manifest: bytes, key: str) -> range:
     start = i + len(marker)
     end = manifest.find(b"\n", start)
     end = len(manifest) if end < 0 else end
-    if manifest[end - 1:end] == b",":
+    if manifest[end - 1 : end] == b",":
         end -= 1
     return range(start, end)
 
@@ -221,9 +272,11 @@ def manifest_field(manifest: bytes, pos: int) -> str:
     """The top-level manifest key whose line holds byte ``pos`` (the manifest is indent=1 JSON)."""
     start = manifest.rfind(b"\n", 0, pos) + 1
     for line_start in _line_starts_backwards(manifest, start):
-        line = manifest[line_start:manifest.find(b"\n", line_start) if manifest.find(b"\n", line_start) != -1 else None]
+        line = manifest[
+            line_start : manifest.find(b"\n", line_start) if manifest.find(b"\n", line_start) != -1 else None
+        ]
         if line.startswith(b' "'):
-            return line[2:line.find(b'"', 2)].decode(errors="replace")
+            return line[2 : line.find(b'"', 2)].decode(errors="replace")
     return "(structure)"
 
 

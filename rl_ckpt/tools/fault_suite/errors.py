@@ -28,16 +28,29 @@ def errors(suite: Suite) -> ScenarioResult:
             names = kinds if suite.profile.every_error_kind else (kinds[(k + len(jobs)) % len(kinds)],)
             for name in names:
                 for when in suite.profile.error_when:
-                    jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, k=k, op=op, name=name, when=when,
-                                mark=marks[k]: _error_at(suite, part, variant, kw, tpl, k, op, name, when, mark))
+                    jobs.append(
+                        lambda part, variant=variant, kw=kw, tpl=tpl, k=k, op=op, name=name, when=when, mark=marks[k]: (
+                            _error_at(suite, part, variant, kw, tpl, k, op, name, when, mark)
+                        )
+                    )
         suite.progress(f"  errors {variant}: {len(ops)} operations")
     jobs += _gc_error_jobs(suite)
     suite.run_jobs(res, jobs)
     return res
 
 
-def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, name: str,
-              when: str, mark: str) -> None:
+def _error_at(
+    suite: Suite,
+    part: ScenarioResult,
+    variant: str,
+    kw: dict,
+    tpl: str,
+    k: int,
+    op: str,
+    name: str,
+    when: str,
+    mark: str,
+) -> None:
     from rl_ckpt.tools.faults import FaultyStorage
     from rl_ckpt.storage import LocalStorage
 
@@ -52,8 +65,18 @@ def _error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: s
     part.injected[f"{name} ({when} the call)"] += 1
     part.note(f"faults in phase {mark}")
     acked = expect_error(suite, part, variant, label, lambda: save_step(engine, model, buf, 3), op)
-    ok, _ = suite.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
-                       acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
+    ok, _ = suite.check(
+        part,
+        variant,
+        label,
+        target,
+        must_list={2} | ({3} if acked else set()),
+        allowed={1, 2, 3},
+        acked_max=3 if acked else 2,
+        in_flight=3,
+        save_after=4,
+        outside_before=before,
+    )
     suite.done(target, ok)
 
 
@@ -95,8 +118,9 @@ def _gc_error_jobs(suite: Suite) -> list:
         names = kinds if suite.profile.every_error_kind else (kinds[k % len(kinds)],)
         for name in names:
             for when in suite.profile.error_when:
-                jobs.append(lambda part, k=k, op=op, name=name, when=when:
-                            _gc_error_at(suite, part, kw, tpl, k, op, name, when))
+                jobs.append(
+                    lambda part, k=k, op=op, name=name, when=when: _gc_error_at(suite, part, kw, tpl, k, op, name, when)
+                )
     return jobs
 
 
@@ -114,21 +138,33 @@ def _gc_error_at(suite: Suite, part: ScenarioResult, kw: dict, tpl: str, k: int,
     part.injected[f"{name} ({when} the call)"] += 1
     part.note("faults in gc")
     expect_error(suite, part, variant, label, lambda: run_gc(faulty), op)
-    ok, _ = suite.check(part, variant, label, target, must_list={1, 2}, allowed={1, 2}, acked_max=2, in_flight=None,
-                       save_after=3, outside_before=before)
+    ok, _ = suite.check(
+        part,
+        variant,
+        label,
+        target,
+        must_list={1, 2},
+        allowed={1, 2},
+        acked_max=2,
+        in_flight=None,
+        save_after=3,
+        outside_before=before,
+    )
     suite.done(target, ok)
 
 
 def plant_debris(run: str) -> None:
     """Everything gc must remove, beside committed snapshots 1 and 2 (dedup)."""
+
     def put(rel: str, data: bytes = b"debris") -> None:
         full = os.path.join(run, *rel.split("/"))
         os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "wb") as f:
             f.write(data)
 
-    shutil.copytree(os.path.join(run, "step_000000002"),
-                    os.path.join(run, ".staging", "step_000000005.host-1-2-dead0001"))
+    shutil.copytree(
+        os.path.join(run, "step_000000002"), os.path.join(run, ".staging", "step_000000005.host-1-2-dead0001")
+    )
     put("step_000000006/host-1-2-dead0002/model.json")  # manifest-last attempt that never committed
     put(".trash/step_000000000.host-1-2-dead0003/model.json")  # an interrupted retirement
     put(".tmp-host-1-2-dead0004-meta.json")  # an interrupted write_atomic

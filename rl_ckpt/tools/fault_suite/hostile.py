@@ -24,10 +24,19 @@ HOSTILE_DIGITS = (18, 19, 20, 300, 4300, 4301, 5000)  # around int64 and Python'
 # one value of every JSON type, plus integers out of the ranges the core accepts
 HOSTILE_TYPES: tuple = (None, True, 7, -1, 2**64, 1.5, "x", [], {}, [["x", 1]])
 # names a careless parser reads as step 2 or 3; only the canonical ``step_000000002`` is a snapshot
-FOREIGN_NAMES = ("step_0000000002", "step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0663",
-                 "step_\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff13", "step_000000003\n",
-                 "step_000000003.b0", "step_000000003.b01", " step_000000003", "step_000000003.light ",
-                 "STEP_000000003", "step_00000003", "step_000000003.b1.light.light")
+FOREIGN_NAMES = (
+    "step_0000000002",
+    "step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0663",
+    "step_\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff13",
+    "step_000000003\n",
+    "step_000000003.b0",
+    "step_000000003.b01",
+    " step_000000003",
+    "step_000000003.light ",
+    "STEP_000000003",
+    "step_00000003",
+    "step_000000003.b1.light.light",
+)
 RECORD_FOLDERS = ("decisions", "quarantine", "failures", "history/retired", "best")
 
 
@@ -70,6 +79,7 @@ def _nested(depth: int) -> str:
 def _in_manifest(path: tuple, raw_text: str):
     def mutate(target: LocalTarget) -> None:
         edit_manifest(target, lambda m: _set_path(m, path, "@RAW@"), NEWEST, raw={"@RAW@": raw_text})
+
     return mutate
 
 
@@ -78,6 +88,7 @@ def _in_model_json(raw_text: str):
         tree = read_file(target, "model.json", NEWEST).decode()
         assert '"s2"' in tree, "the suite model's tag is no longer in model.json"
         replace_file(target, "model.json", tree.replace('"s2"', raw_text, 1).encode(), sid=NEWEST)
+
     return mutate
 
 
@@ -85,7 +96,7 @@ def _in_safetensors_header(where: str, raw_text: str):
     def mutate(target: LocalTarget) -> None:
         good = read_file(target, "model.safetensors", NEWEST)
         (n,) = struct.unpack("<Q", good[:8])
-        header = json.loads(good[8:8 + n])
+        header = json.loads(good[8 : 8 + n])
         if where == "__metadata__":
             header["__metadata__"] = {"x": "@RAW@"}
         elif where == "empty tensor":  # a tensor of no bytes at the end: only its shape can be wrong
@@ -96,17 +107,24 @@ def _in_safetensors_header(where: str, raw_text: str):
             header[key][field][int(index)] = "@RAW@"
         blob = forge_json(header, {"@RAW@": raw_text}).encode()
         blob += b" " * (-(len(blob) + 8) % 8)
-        replace_file(target, "model.safetensors", struct.pack("<Q", len(blob)) + blob + good[8 + n:], sid=NEWEST)
+        replace_file(target, "model.safetensors", struct.pack("<Q", len(blob)) + blob + good[8 + n :], sid=NEWEST)
+
     return mutate
 
 
 def _plant_record(folder: str, raw_text: str):
     def mutate(target: LocalTarget) -> None:
         os.makedirs(os.path.join(target.run, folder), exist_ok=True)
-        name = f"{NEWEST}.json" if folder in ("quarantine", "history/retired") else "avg_reward.json" \
-            if folder == "best" else "2026-01-01T000000.000000p0000-restore.json"
+        name = (
+            f"{NEWEST}.json"
+            if folder in ("quarantine", "history/retired")
+            else "avg_reward.json"
+            if folder == "best"
+            else "2026-01-01T000000.000000p0000-restore.json"
+        )
         with open(os.path.join(target.run, folder, name), "w") as f:
             f.write(raw_text)
+
     return mutate
 
 
@@ -123,6 +141,7 @@ def _plant_foreign(name: str):
         meta.update(snapshot_id="step_000000003", global_step=3)
         with open(path, "w") as f:
             f.write(reseal(json.dumps(meta)))
+
     return mutate
 
 
@@ -153,8 +172,14 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
     except Exception as exc:
         res.violate(variant, label, "not_a_checkpoint_error", f"read_manifest: {type(exc).__name__}: {exc}")
     export = os.path.join(target.parent, "export.safetensors")
-    for argv in (["ls", target.run], ["ls", target.run, "--deep"], ["verify", target.run], ["plan", target.run],
-                 ["inspect", target.run, NEWEST], ["export", target.run, NEWEST, "model", "-o", export]):
+    for argv in (
+        ["ls", target.run],
+        ["ls", target.run, "--deep"],
+        ["verify", target.run],
+        ["plan", target.run],
+        ["inspect", target.run, NEWEST],
+        ["export", target.run, NEWEST, "model", "-o", export],
+    ):
         command = " ".join(argv[:1] + argv[2:3])
         try:
             rc, out, err = _cli_run(argv)
@@ -163,8 +188,9 @@ def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -
             continue
         errors = [line for line in err.splitlines() if line.startswith("rl-ckpt ")]  # log records aside
         if rc not in (0, 1) or "Traceback" in err or len(errors) > 1:
-            res.violate(variant, label, "cli",
-                        f"rl-ckpt {command} exited {rc} with {len(errors)} error lines: {err[-300:]}")
+            res.violate(
+                variant, label, "cli", f"rl-ckpt {command} exited {rc} with {len(errors)} error lines: {err[-300:]}"
+            )
         elif manifest_refused and argv[0] in ("ls", "verify", "inspect", "export") and rc != 1:
             res.violate(variant, label, "cli", f"rl-ckpt {command} exited {rc} though {NEWEST}'s manifest is refused")
         elif case.foreign is not None and argv[1:] == [target.run, "--deep"] and (rc != 1 or "FOREIGN" not in out):
@@ -209,51 +235,121 @@ def hostile_cases(manifests: dict[bool, dict], types_per_path: int | None) -> li
             original = meta
             for key in path:
                 original = original[key]
-            wrong = [v for v in HOSTILE_TYPES if type(v) is not type(original)
-                     or (type(v) is int and not 0 <= v < 2**63)]
+            wrong = [
+                v for v in HOSTILE_TYPES if type(v) is not type(original) or (type(v) is int and not 0 <= v < 2**63)
+            ]
             if types_per_path is not None:
                 wrong = [wrong[(i + j) % len(wrong)] for j in range(min(types_per_path, len(wrong)))]
             for value in wrong:
-                cases.append(HostileCase("wrong JSON type", f"{_show_path(path)} = {json.dumps(value)}", dedup,
-                                         _in_manifest(path, json.dumps(value))))
-    free = {"manifest tags.x": ("tags", "x"), "manifest config.x": ("config", "x"), "manifest extra.x": ("extra", "x"),
-            "manifest components.model.x (a key the core does not know)": ("components", "model", "x")}
-    core = {"manifest global_step": ("global_step",), "manifest files[0].size": ("files", 0, "size"),
-            "manifest tensor shape": ("components", "model", "tensors", "weight", "shape", 0)}
+                cases.append(
+                    HostileCase(
+                        "wrong JSON type",
+                        f"{_show_path(path)} = {json.dumps(value)}",
+                        dedup,
+                        _in_manifest(path, json.dumps(value)),
+                    )
+                )
+    free = {
+        "manifest tags.x": ("tags", "x"),
+        "manifest config.x": ("config", "x"),
+        "manifest extra.x": ("extra", "x"),
+        "manifest components.model.x (a key the core does not know)": ("components", "model", "x"),
+    }
+    core = {
+        "manifest global_step": ("global_step",),
+        "manifest files[0].size": ("files", 0, "size"),
+        "manifest tensor shape": ("components", "model", "tensors", "weight", "shape", 0),
+    }
     for depth in HOSTILE_DEPTHS:
         text = _nested(depth)
         for label, path in free.items():
-            cases.append(HostileCase("nesting depth", f"{label} nested {depth}", False, _in_manifest(path, text),
-                                     must_refuse=depth > 64))
-        cases.append(HostileCase("nesting depth", f"model.json value nested {depth}", False, _in_model_json(text),
-                                 must_refuse=depth >= 1000))
-        cases.append(HostileCase("nesting depth", f"safetensors __metadata__ nested {depth}", False,
-                                 _in_safetensors_header("__metadata__", text), must_refuse=depth >= 1000))
+            cases.append(
+                HostileCase(
+                    "nesting depth", f"{label} nested {depth}", False, _in_manifest(path, text), must_refuse=depth > 64
+                )
+            )
+        cases.append(
+            HostileCase(
+                "nesting depth",
+                f"model.json value nested {depth}",
+                False,
+                _in_model_json(text),
+                must_refuse=depth >= 1000,
+            )
+        )
+        cases.append(
+            HostileCase(
+                "nesting depth",
+                f"safetensors __metadata__ nested {depth}",
+                False,
+                _in_safetensors_header("__metadata__", text),
+                must_refuse=depth >= 1000,
+            )
+        )
         for folder in RECORD_FOLDERS:
-            cases.append(HostileCase("nesting depth", f"{folder}/ record nested {depth}", False,
-                                     _plant_record(folder, text)))
+            cases.append(
+                HostileCase("nesting depth", f"{folder}/ record nested {depth}", False, _plant_record(folder, text))
+            )
     for digits in HOSTILE_DIGITS:
         text = "9" * digits
         for label, path in {**free, **core}.items():
-            cases.append(HostileCase("number size", f"{label} of {digits} digits", False, _in_manifest(path, text),
-                                     must_refuse=label in core or digits > 4300))
-        cases.append(HostileCase("number size", f"model.json value of {digits} digits", False, _in_model_json(text),
-                                 must_refuse=digits > 4300))
+            cases.append(
+                HostileCase(
+                    "number size",
+                    f"{label} of {digits} digits",
+                    False,
+                    _in_manifest(path, text),
+                    must_refuse=label in core or digits > 4300,
+                )
+            )
+        cases.append(
+            HostileCase(
+                "number size",
+                f"model.json value of {digits} digits",
+                False,
+                _in_model_json(text),
+                must_refuse=digits > 4300,
+            )
+        )
         for where in ("__metadata__", "weight:shape:0", "weight:data_offsets:1"):
-            cases.append(HostileCase("number size", f"safetensors {where} of {digits} digits", False,
-                                     _in_safetensors_header(where, text),
-                                     must_refuse=where != "__metadata__" or digits > 4300))
+            cases.append(
+                HostileCase(
+                    "number size",
+                    f"safetensors {where} of {digits} digits",
+                    False,
+                    _in_safetensors_header(where, text),
+                    must_refuse=where != "__metadata__" or digits > 4300,
+                )
+            )
         for folder in RECORD_FOLDERS:
-            cases.append(HostileCase("number size", f"{folder}/ record of {digits} digits", False,
-                                     _plant_record(folder, f'{{"snapshot_id": "{NEWEST}", "step": {text}, '
-                                                           f'"global_step": {text}}}')))
+            cases.append(
+                HostileCase(
+                    "number size",
+                    f"{folder}/ record of {digits} digits",
+                    False,
+                    _plant_record(folder, f'{{"snapshot_id": "{NEWEST}", "step": {text}, "global_step": {text}}}'),
+                )
+            )
     for shape in ([0, 2**64], [0, 2**62, 2**62], [0] + [2**40] * 3, [0] * 65):
-        cases.append(HostileCase("number size", f"safetensors empty tensor of shape {shape[:5]}", False,
-                                 _in_safetensors_header("empty tensor", json.dumps(shape)), must_refuse=True))
+        cases.append(
+            HostileCase(
+                "number size",
+                f"safetensors empty tensor of shape {shape[:5]}",
+                False,
+                _in_safetensors_header("empty tensor", json.dumps(shape)),
+                must_refuse=True,
+            )
+        )
     for folder in RECORD_FOLDERS:
         for value in HOSTILE_TYPES + ({"snapshot_id": [1], "global_step": "x", "kind": 5, "metric": []},):
-            cases.append(HostileCase("wrong JSON type", f"{folder}/ record = {json.dumps(value)}", False,
-                                     _plant_record(folder, json.dumps(value))))
+            cases.append(
+                HostileCase(
+                    "wrong JSON type",
+                    f"{folder}/ record = {json.dumps(value)}",
+                    False,
+                    _plant_record(folder, json.dumps(value)),
+                )
+            )
     for name in FOREIGN_NAMES:
         cases.append(HostileCase("non-canonical name", f"folder {name!r}", False, _plant_foreign(name), foreign=name))
     return cases

@@ -51,8 +51,9 @@ def malicious(suite: Suite) -> ScenarioResult:
                     res.violate(variant, name, "restore_failed", f"restore failed on an unlisted snapshot: {exc}")
             else:
                 if not result.fresh:
-                    res.violate(variant, name, "corrupt_load",
-                                f"restore loaded the hostile snapshot {result.snapshot_id}")
+                    res.violate(
+                        variant, name, "corrupt_load", f"restore loaded the hostile snapshot {result.snapshot_id}"
+                    )
                 elif expect != "unlisted":
                     res.violate(variant, name, "unexpected", f"restore started fresh with {listed} listed")
                 else:
@@ -101,6 +102,7 @@ def _hostile_job(suite: Suite, case: HostileCase, template: str) -> Callable[[Sc
         n = len(res.violations)
         check_hostile(res, target, case)
         suite.done(target, len(res.violations) == n)
+
     job.__name__ = f"{case.family}: {case.name}"
     return job
 
@@ -123,6 +125,7 @@ def _mal_path(path_of: Callable[[LocalTarget], str]):
     def fn(target: LocalTarget, marker: str) -> str:
         edit_manifest(target, lambda m: m["files"][0].update(path=path_of(target)))
         return "flagged"
+
     return fn
 
 
@@ -183,7 +186,7 @@ def _mal_safetensors_header(kind: str):
     def fn(target: LocalTarget, marker: str) -> str:
         good = read_file(target, "model.safetensors")
         (n,) = struct.unpack("<Q", good[:8])
-        header = json.loads(good[8:8 + n])
+        header = json.loads(good[8 : 8 + n])
         if kind == "huge":
             data = struct.pack("<Q", 2**40) + good[8:]
         elif kind == "past-end":
@@ -192,9 +195,10 @@ def _mal_safetensors_header(kind: str):
             key = next(k for k in header if k != "__metadata__")
             header[key]["data_offsets"] = [0, 10**12]
             blob = json.dumps(header).encode()
-            data = struct.pack("<Q", len(blob)) + blob + good[8 + n:]
+            data = struct.pack("<Q", len(blob)) + blob + good[8 + n :]
         replace_file(target, "model.safetensors", data)
         return "refused"
+
     return fn
 
 
@@ -207,12 +211,13 @@ def _mal_arrow(where: str):
             data[-10:-6] = struct.pack("<i", 10**8)  # the footer "starts" before the file does
         elif where == "footer":
             start = len(data) - 10 - footer
-            data[start + 4:start + 36] = b"\xff" * 32
+            data[start + 4 : start + 36] = b"\xff" * 32
         else:  # the first record batch's metadata
             first = data.find(b"\xff\xff\xff\xff", 16)
-            data[first + 8:first + 40] = b"\x7f" * 32
+            data[first + 8 : first + 40] = b"\x7f" * 32
         replace_file(target, name, bytes(data))
         return "refused"
+
     return fn
 
 
@@ -220,6 +225,7 @@ def _mal_schema(version: int):
     def fn(target: LocalTarget, marker: str) -> str:
         edit_manifest(target, lambda m: m.update(schema_version=version))
         return "flagged"
+
     return fn
 
 
@@ -232,8 +238,10 @@ def _mal_objects_algo(algo: str):
     def fn(target: LocalTarget, marker: str) -> str:
         def mutate(m: dict) -> None:
             m["components"]["model"]["objects_algo"] = algo
+
         edit_manifest(target, mutate)
         return "flagged"
+
     return fn
 
 
@@ -241,6 +249,7 @@ def _mal_object_digest(target: LocalTarget, marker: str) -> str:
     def mutate(m: dict) -> None:
         chunks = m["components"]["model"]["objects"]["weight"]
         chunks[0][0] = "../../../outside/secret.txt"
+
     edit_manifest(target, mutate)
     return "flagged"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.tools.fault_suite.common import VARIANTS, build, op_phases, save_step, variant_name
@@ -24,16 +25,40 @@ def power(suite: Suite) -> ScenarioResult:
             marks = op_phases(ops) + ["after the save returned"]
             for k in range(len(ops) + 1):
                 for mix in range(1 + suite.profile.power_mixes):
-                    jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, step=step, k=k, n=len(ops),
-                                op=ops[k][0] if k < len(ops) else "", mark=marks[k], mix=mix:
-                                _power_cut(suite, part, variant, kw, tpl, step, k, n, op, mark, mix))
+                    op = ops[k][0] if k < len(ops) else ""
+                    jobs.append(
+                        partial(
+                            _power_cut,
+                            suite,
+                            variant=variant,
+                            kw=kw,
+                            tpl=tpl,
+                            step=step,
+                            k=k,
+                            n=len(ops),
+                            op=op,
+                            mark=marks[k],
+                            mix=mix,
+                        )
+                    )
             suite.progress(f"  power {variant}: {len(ops) + 1} cut points x {1 + suite.profile.power_mixes}")
     suite.run_jobs(res, jobs)
     return res
 
 
-def _power_cut(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, step: int, k: int, n: int, op: str,
-               mark: str, mix: int) -> None:
+def _power_cut(
+    suite: Suite,
+    part: ScenarioResult,
+    variant: str,
+    kw: dict,
+    tpl: str,
+    step: int,
+    k: int,
+    n: int,
+    op: str,
+    mark: str,
+    mix: int,
+) -> None:
     from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
     rng = random.Random(k * 1000 + mix) if mix else None
@@ -68,10 +93,22 @@ def _power_cut(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: 
         storage.power_cut(rng)
     storage.close()
     part.tried += 1
-    part.injected["power cut, random mix of unsynced effects undone" if mix else
-                  ("power cut after the save returned" if k == n else "power cut before op")] += 1
+    part.injected[
+        "power cut, random mix of unsynced effects undone"
+        if mix
+        else ("power cut after the save returned" if k == n else "power cut before op")
+    ] += 1
     must = ({2} if step == 3 else set()) | ({step} if acked else set())
-    ok, _ = suite.check(part, variant, label, target, must_list=must, allowed={1, 2, 3},
-                       acked_max=max(must) if must else None, in_flight=step,
-                       save_after=step + 1 if suite.profile.power_save_after else None, outside_before=before)
+    ok, _ = suite.check(
+        part,
+        variant,
+        label,
+        target,
+        must_list=must,
+        allowed={1, 2, 3},
+        acked_max=max(must) if must else None,
+        in_flight=step,
+        save_after=step + 1 if suite.profile.power_save_after else None,
+        outside_before=before,
+    )
     suite.done(target, ok)

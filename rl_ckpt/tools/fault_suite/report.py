@@ -35,8 +35,12 @@ class ScenarioResult:
     notes: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
 
-    COUNTERS = {"corrupt_load": "corrupt_loads", "acked_lost": "acked_lost", "broken_listed": "broken_listed",
-                "escape": "escapes"}
+    COUNTERS = {
+        "corrupt_load": "corrupt_loads",
+        "acked_lost": "acked_lost",
+        "broken_listed": "broken_listed",
+        "escape": "escapes",
+    }
 
     @property
     def ok(self) -> bool:
@@ -52,8 +56,15 @@ class ScenarioResult:
         self.notes[key] = self.notes.get(key, 0) + n
 
     def merge(self, other: "ScenarioResult") -> None:
-        for attr in ("tried", "corrupt_loads", "acked_lost", "broken_listed", "corruptions_injected",
-                     "corruptions_detected", "escapes"):
+        for attr in (
+            "tried",
+            "corrupt_loads",
+            "acked_lost",
+            "broken_listed",
+            "corruptions_injected",
+            "corruptions_detected",
+            "escapes",
+        ):
             setattr(self, attr, getattr(self, attr) + getattr(other, attr))
         self.injected.update(other.injected)
         self.max_rolled_back = max(self.max_rolled_back, other.max_rolled_back)
@@ -94,40 +105,96 @@ class SuiteReport:
         return [v for s in self.scenarios for v in s.violations]
 
     def totals(self) -> dict:
-        out = {k: sum(getattr(s, k) for s in self.scenarios) for k in
-               ("tried", "corrupt_loads", "acked_lost", "broken_listed", "corruptions_injected", "corruptions_detected",
-                "escapes")}
+        out = {
+            k: sum(getattr(s, k) for s in self.scenarios)
+            for k in (
+                "tried",
+                "corrupt_loads",
+                "acked_lost",
+                "broken_listed",
+                "corruptions_injected",
+                "corruptions_detected",
+                "escapes",
+            )
+        }
         out["faults_injected"] = sum(sum(s.injected.values()) for s in self.scenarios)
         out["max_rolled_back"] = max((s.max_rolled_back for s in self.scenarios), default=0)
         out["violations"] = len(self.violations)
         return out
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "started": self.started, "machine": self.machine, "seconds": round(self.seconds, 1),
-                "ok": self.ok, "totals": self.totals(), "scenarios": [s.to_json() for s in self.scenarios]}
+        return {
+            "mode": self.mode,
+            "started": self.started,
+            "machine": self.machine,
+            "seconds": round(self.seconds, 1),
+            "ok": self.ok,
+            "totals": self.totals(),
+            "scenarios": [s.to_json() for s in self.scenarios],
+        }
 
     def table(self) -> str:
-        head = ["scenario", "tried", "faults", "corrupt loads", "acked lost", "broken listed", "detected/injected",
-                "escapes", "max rollback", "violations", "time"]
+        head = [
+            "scenario",
+            "tried",
+            "faults",
+            "corrupt loads",
+            "acked lost",
+            "broken listed",
+            "detected/injected",
+            "escapes",
+            "max rollback",
+            "violations",
+            "time",
+        ]
         rows = []
         for s in self.scenarios:
             det = f"{s.corruptions_detected}/{s.corruptions_injected}" if s.corruptions_injected else "-"
-            rows.append([s.key, str(s.tried), str(sum(s.injected.values())), str(s.corrupt_loads), str(s.acked_lost),
-                         str(s.broken_listed), det, str(s.escapes), str(s.max_rolled_back), str(len(s.violations)),
-                         f"{s.seconds:.0f}s"])
+            rows.append(
+                [
+                    s.key,
+                    str(s.tried),
+                    str(sum(s.injected.values())),
+                    str(s.corrupt_loads),
+                    str(s.acked_lost),
+                    str(s.broken_listed),
+                    det,
+                    str(s.escapes),
+                    str(s.max_rolled_back),
+                    str(len(s.violations)),
+                    f"{s.seconds:.0f}s",
+                ]
+            )
         t = self.totals()
         det = f"{t['corruptions_detected']}/{t['corruptions_injected']}"
-        rows.append(["TOTAL", str(t["tried"]), str(t["faults_injected"]), str(t["corrupt_loads"]), str(t["acked_lost"]),
-                     str(t["broken_listed"]), det, str(t["escapes"]), str(t["max_rolled_back"]), str(t["violations"]),
-                     f"{self.seconds:.0f}s"])
+        rows.append(
+            [
+                "TOTAL",
+                str(t["tried"]),
+                str(t["faults_injected"]),
+                str(t["corrupt_loads"]),
+                str(t["acked_lost"]),
+                str(t["broken_listed"]),
+                det,
+                str(t["escapes"]),
+                str(t["max_rolled_back"]),
+                str(t["violations"]),
+                f"{self.seconds:.0f}s",
+            ]
+        )
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
 
         def line(cells):
-            return ("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                      for i, (c, w) in enumerate(zip(cells, widths))) + " |")
+            return (
+                "| "
+                + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+                + " |"
+            )
 
-        out = [line(head),
-               "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"]
+        out = [
+            line(head),
+            "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|",
+        ]
         out += [line(r) for r in rows]
         out.append("")
         out.append("Faults injected, by kind:")
@@ -146,8 +213,10 @@ class SuiteReport:
             if len(self.violations) > 40:
                 out.append(f"  ... {len(self.violations) - 40} more (see --json)")
         out.append("")
-        out.append(f"{'OK' if self.ok else 'FAILED'}: {self.mode} suite, {t['tried']} cases, {self.seconds:.0f}s "
-                   f"on {self.machine['cpus']} cores")
+        out.append(
+            f"{'OK' if self.ok else 'FAILED'}: {self.mode} suite, {t['tried']} cases, {self.seconds:.0f}s "
+            f"on {self.machine['cpus']} cores"
+        )
         return "\n".join(out)
 
 

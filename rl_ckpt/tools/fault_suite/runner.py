@@ -29,18 +29,34 @@ from rl_ckpt.tools.fault_suite.sigkill import sigkill
 DESCRIPTION = "The fault-injection suite: crash, cut, corrupt, fill, break and race real storage; print the figures."
 # scenario name -> the function that runs it in the shared context
 RUNS: dict[str, Callable[[Suite], ScenarioResult]] = {
-    "sigkill": sigkill, "power": power, "corruption": corruption, "errors": errors, "s3": s3_errors,
-    "concurrent": concurrent, "malicious": malicious, "sharded": sharded,
+    "sigkill": sigkill,
+    "power": power,
+    "corruption": corruption,
+    "errors": errors,
+    "s3": s3_errors,
+    "concurrent": concurrent,
+    "malicious": malicious,
+    "sharded": sharded,
 }
 
 
 def machine_info() -> dict:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
-def run_suite(mode: str = "quick", base_dir: str | None = None, *, scenarios: tuple[str, ...] | list[str] | None = None,
-              s3_storage_options: dict | None = None, progress: Callable[[str], None] | None = None) -> SuiteReport:
+def run_suite(
+    mode: str = "quick",
+    base_dir: str | None = None,
+    *,
+    scenarios: tuple[str, ...] | list[str] | None = None,
+    s3_storage_options: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SuiteReport:
     """Run the suite; returns a :class:`SuiteReport` (``.ok``, ``.table()``, ``.to_json()``)."""
     chosen = list(scenarios or SCENARIOS)
     unknown = set(chosen) - set(SCENARIOS)
@@ -74,13 +90,17 @@ def run_suite(mode: str = "quick", base_dir: str | None = None, *, scenarios: tu
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl_ckpt.tools.fault_suite", description=DESCRIPTION)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                   help="the quick suite (default, < 90 s)")
+    g.add_argument(
+        "--quick", dest="mode", action="store_const", const="quick", help="the quick suite (default, < 90 s)"
+    )
     g.add_argument("--long", dest="mode", action="store_const", const="long", help="the long suite (10-20 minutes)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
-    p.add_argument("--base-dir", default=None,
-                   help="where the suite's working folder goes (default: the temp dir); removed after the run "
-                        "unless a case failed (failed cases are kept there and listed in the report)")
+    p.add_argument(
+        "--base-dir",
+        default=None,
+        help="where the suite's working folder goes (default: the temp dir); removed after the run "
+        "unless a case failed (failed cases are kept there and listed in the report)",
+    )
     p.add_argument("--only", nargs="+", choices=SCENARIOS, help="run only these scenarios")
     p.add_argument("-q", "--no-progress", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)

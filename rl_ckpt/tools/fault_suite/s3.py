@@ -35,8 +35,11 @@ def s3_errors(suite: Suite) -> ScenarioResult:
         indices = [k for k in range(len(ops)) if k % suite.profile.s3_stride == 0 or marks[k] != "write"]
         for k in indices:
             for when in suite.profile.s3_when:
-                jobs.append(lambda part, variant=variant, kw=kw, bucket=bucket, k=k, op=ops[k], when=when,
-                            mark=marks[k]: _s3_error_at(suite, part, variant, kw, bucket, k, op, when, mark))
+                jobs.append(
+                    lambda part, variant=variant, kw=kw, bucket=bucket, k=k, op=ops[k], when=when, mark=marks[k]: (
+                        _s3_error_at(suite, part, variant, kw, bucket, k, op, when, mark)
+                    )
+                )
         suite.progress(f"  s3 {variant}: {len(indices)} of {len(ops)} requests x {len(suite.profile.s3_when)}")
     suite.run_jobs(res, jobs)
     for bucket in buckets:
@@ -44,8 +47,9 @@ def s3_errors(suite: Suite) -> ScenarioResult:
     return res
 
 
-def _s3_error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, bucket: str, k: int, op: tuple, when: str,
-                 mark: str) -> None:
+def _s3_error_at(
+    suite: Suite, part: ScenarioResult, variant: str, kw: dict, bucket: str, k: int, op: tuple, when: str, mark: str
+) -> None:
     from rl_ckpt.tools.faults import FaultyStorage
 
     target = S3Target(suite.s3(), bucket, f"{k}-{when}", kw)
@@ -62,5 +66,15 @@ def _s3_error_at(suite: Suite, part: ScenarioResult, variant: str, kw: dict, buc
     part.injected[f"S3 5xx ({when} the request)"] += 1
     part.note(f"faults in phase {mark}")
     acked = expect_error(suite, part, variant, label, lambda: save_step(engine, model, buf, 3), op[0])
-    suite.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
-               acked_max=3 if acked else 2, in_flight=3, save_after=4, outside_before=before)
+    suite.check(
+        part,
+        variant,
+        label,
+        target,
+        must_list={2} | ({3} if acked else set()),
+        allowed={1, 2, 3},
+        acked_max=3 if acked else 2,
+        in_flight=3,
+        save_after=4,
+        outside_before=before,
+    )

@@ -49,8 +49,13 @@ def _free_port() -> int:
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, ROWS[0]), torch.nn.Tanh(), torch.nn.Linear(ROWS[0], ROWS[1]),
-                               torch.nn.Tanh(), torch.nn.Linear(ROWS[1], 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, ROWS[0]),
+        torch.nn.Tanh(),
+        torch.nn.Linear(ROWS[0], ROWS[1]),
+        torch.nn.Tanh(),
+        torch.nn.Linear(ROWS[1], 3),
+    )
 
 
 def expected(step: int, i: int, shape) -> torch.Tensor:
@@ -72,8 +77,13 @@ class _Rank:
         from rl_ckpt.core.engine import CheckpointEngine
 
         child_init()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=CHILD_TIMEOUT / 2))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=CHILD_TIMEOUT / 2),
+        )
         self.rank = rank
         mesh = init_device_mesh("cpu", (WORLD,))
         model = _model(seed)
@@ -108,7 +118,8 @@ class _Rank:
                 full = expected(step, i, tuple(t.shape)).to(t.dtype)
                 if isinstance(t, DTensor):
                     t.to_local().copy_(
-                        distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+                        distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                    )
                 else:
                     t.copy_(full)
 
@@ -160,8 +171,12 @@ def _child_check(cfg: dict, rank: int, port: int, save_after: int, conn) -> None
         except Exception as exc:
             out["restore_error"] = f"{type(exc).__name__}: {exc}"
         else:
-            out.update(snapshot=result.snapshot_id, step=result.global_step, fresh=result.fresh,
-                       skipped={k: str(v) for k, v in result.skipped.items()})
+            out.update(
+                snapshot=result.snapshot_id,
+                step=result.global_step,
+                fresh=result.fresh,
+                skipped={k: str(v) for k, v in result.skipped.items()},
+            )
             out["mismatch"] = me.mismatches(result.global_step) if not result.fresh else []
         if save_after is not None and "restore_error" not in out:
             me.set_step(save_after)
@@ -270,8 +285,17 @@ def _kill(suite: Suite, part: ScenarioResult, tpl: str, rank: int, k: int, op: s
     acked = any(msg.get("ack") == 3 for _c, msg in outcome)
     if acked:
         part.note("kills after the save was acknowledged by the other rank")
-    ok = _check(suite, part, label, target, must_list={1, 2} | ({3} if acked else set()), allowed={1, 2, 3},
-                acked_max=3 if acked else 2, in_flight=3, outside_before=before)
+    ok = _check(
+        suite,
+        part,
+        label,
+        target,
+        must_list={1, 2} | ({3} if acked else set()),
+        allowed={1, 2, 3},
+        acked_max=3 if acked else 2,
+        in_flight=3,
+        outside_before=before,
+    )
     suite.done(target, ok)
 
 
@@ -283,8 +307,9 @@ def _damage(suite: Suite, part: ScenarioResult, tpl: str, comp: str, rank: int, 
         meta = json.load(f)
     name = f"{comp}.rank{rank}.safetensors"
     path = os.path.join(target.run, sid, name)
-    chunks = [c for t in meta["components"][comp]["layout"]["tensors"].values()
-              for c in t["chunks"] if c["file"] == name]
+    chunks = [
+        c for t in meta["components"][comp]["layout"]["tensors"].values() for c in t["chunks"] if c["file"] == name
+    ]
     chunk = max(chunks, key=lambda c: c["start"])  # the last chunk: a truncation cuts into it too
     with open(path, "r+b") as f:
         if how == "flip":
@@ -298,16 +323,38 @@ def _damage(suite: Suite, part: ScenarioResult, tpl: str, comp: str, rank: int, 
     part.injected[f"{how} in a rank's chunk"] += 1
     part.corruptions_injected += 1
     label = f"{how} {name} of {sid}"
-    ok = _check(suite, part, label, target, must_list=set(), allowed={1, 2}, acked_max=None, in_flight=None,
-                outside_before=before, damaged=frozenset({sid}), expect_rollback=(sid, rank, name, how == "truncate"))
+    ok = _check(
+        suite,
+        part,
+        label,
+        target,
+        must_list=set(),
+        allowed={1, 2},
+        acked_max=None,
+        in_flight=None,
+        outside_before=before,
+        damaged=frozenset({sid}),
+        expect_rollback=(sid, rank, name, how == "truncate"),
+    )
     if ok:
         part.corruptions_detected += 1
     suite.done(target, ok)
 
 
-def _check(suite: Suite, res: ScenarioResult, label: str, target, *, must_list: set[int], allowed: set[int],
-           acked_max: int | None, in_flight: int | None, outside_before: dict, damaged: frozenset = frozenset(),
-           expect_rollback: tuple[str, int, str, bool] | None = None) -> bool:
+def _check(
+    suite: Suite,
+    res: ScenarioResult,
+    label: str,
+    target,
+    *,
+    must_list: set[int],
+    allowed: set[int],
+    acked_max: int | None,
+    in_flight: int | None,
+    outside_before: dict,
+    damaged: frozenset = frozenset(),
+    expect_rollback: tuple[str, int, str, bool] | None = None,
+) -> bool:
     """The suite's invariants for a sharded run: one complete snapshot restored bitwise on both ranks, together.
 
     ``expect_rollback``: (damaged snapshot, the rank reading the damaged chunk, its file, whether a size check
@@ -350,8 +397,11 @@ def _check(suite: Suite, res: ScenarioResult, label: str, target, *, must_list: 
             if outcome[0]["fresh"]:
                 bad("acked_lost", f"restore started fresh with {listed} listed")
             elif any(m["mismatch"] for m in outcome):
-                bad("corrupt_load", f"restored step {step}, but these tensors are not its: "
-                                    f"{sorted({k for m in outcome for k in m['mismatch']})[:6]}")
+                bad(
+                    "corrupt_load",
+                    f"restored step {step}, but these tensors are not its: "
+                    f"{sorted({k for m in outcome for k in m['mismatch']})[:6]}",
+                )
             if acked_max is not None and step < acked_max:
                 bad("acked_lost", f"restored step {step} < acknowledged step {acked_max}")
             if in_flight is not None:
@@ -364,8 +414,10 @@ def _check(suite: Suite, res: ScenarioResult, label: str, target, *, must_list: 
                 if step != 1 or sid not in skipped:
                     bad("undetected", f"restored step {step} (skipped {skipped}); expected a joint fall back to step 1")
                 elif f"rank {rank}" not in skipped[sid] and not (size_check and name in skipped[sid]):
-                    bad("undetected", f"the damage in {name} was not reported by rank {rank}, which reads it: "
-                                      f"{skipped[sid]}")
+                    bad(
+                        "undetected",
+                        f"the damage in {name} was not reported by rank {rank}, which reads it: {skipped[sid]}",
+                    )
             for m in outcome:
                 if m.get("saved") != 9:
                     bad("later_save", f"rank {m['rank']}: a later save of step 9 failed: {m.get('save_error')}")

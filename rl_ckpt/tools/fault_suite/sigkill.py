@@ -26,8 +26,11 @@ def sigkill(suite: Suite) -> ScenarioResult:
             for when in suite.profile.kill_when:
                 if when == "after" and marks[k] not in suite.profile.kill_after_phases:
                     continue
-                jobs.append(lambda part, variant=variant, kw=kw, tpl=tpl, k=k, op=op, when=when, mark=marks[k]:
-                            _kill_point(suite, part, variant, kw, tpl, k, op, when, mark))
+                jobs.append(
+                    lambda part, variant=variant, kw=kw, tpl=tpl, k=k, op=op, when=when, mark=marks[k]: _kill_point(
+                        suite, part, variant, kw, tpl, k, op, when, mark
+                    )
+                )
         suite.progress(f"  sigkill {variant}: {len(ops)} operations x {len(suite.profile.kill_when)}")
     suite.run_jobs(res, jobs)
     suite.run_jobs(res, [lambda part, v=v: _random_kills(suite, part, *v) for v in VARIANTS])
@@ -35,8 +38,9 @@ def sigkill(suite: Suite) -> ScenarioResult:
     return res
 
 
-def _kill_point(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, when: str,
-                mark: str) -> None:
+def _kill_point(
+    suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl: str, k: int, op: str, when: str, mark: str
+) -> None:
     target = suite.case(f"kill-{variant}-{k}-{when}", kw, tpl)
     before = target.outside()
     code, acks = suite.run_child(child_kill_at, (target.cfg, 3, k + 1, op, when))
@@ -54,8 +58,17 @@ def _kill_point(suite: Suite, part: ScenarioResult, variant: str, kw: dict, tpl:
         why = {0: "the save finished without reaching it", 3: "the save took another path"}.get(code, f"exit {code}")
         part.violate(variant, label, "harness", f"kill point not reached: {why}")
     acked = 3 in acks
-    ok, _ = suite.check(part, variant, label, target, must_list={2} | ({3} if acked else set()), allowed={1, 2, 3},
-                       acked_max=3 if acked else 2, in_flight=3, outside_before=before)
+    ok, _ = suite.check(
+        part,
+        variant,
+        label,
+        target,
+        must_list={2} | ({3} if acked else set()),
+        allowed={1, 2, 3},
+        acked_max=3 if acked else 2,
+        in_flight=3,
+        outside_before=before,
+    )
     suite.done(target, ok)
 
 
@@ -93,10 +106,18 @@ def _random_kills(suite: Suite, res: ScenarioResult, dedup: bool, aw: bool) -> N
             res.note("random kills: saves acknowledged", len(acks))
             res.note("random kills after at least one acknowledged save")
         in_flight = (acks[-1] + 1) if acks else start  # the save that was running when the kill came
-        ok, restored = suite.check(res, variant, f"random kill {i}", target,
-                                  must_list={last_ack} if last_ack >= 0 else set(), allowed=set(range(in_flight + 1)),
-                                  acked_max=last_ack if last_ack >= 0 else None, in_flight=in_flight,
-                                  outside_before=outside, retention_keeps=target.cfg["keep_latest"])
+        ok, restored = suite.check(
+            res,
+            variant,
+            f"random kill {i}",
+            target,
+            must_list={last_ack} if last_ack >= 0 else set(),
+            allowed=set(range(in_flight + 1)),
+            acked_max=last_ack if last_ack >= 0 else None,
+            in_flight=in_flight,
+            outside_before=outside,
+            retention_keeps=target.cfg["keep_latest"],
+        )
         all_ok &= ok
         start = 0 if restored is None else restored + 1
     suite.done(target, all_ok)

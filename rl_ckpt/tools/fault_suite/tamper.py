@@ -40,12 +40,19 @@ def reseal(text: str) -> str:
     if not body.endswith("}"):
         return body
     body = body[:-1].rstrip()
-    return (body + ("" if body.endswith("{") else ", ") + json.dumps("manifest_checksum") + ": "
-            + json.dumps(checksum) + "}")
+    return (
+        body
+        + ("" if body.endswith("{") else ", ")
+        + json.dumps("manifest_checksum")
+        + ": "
+        + json.dumps(checksum)
+        + "}"
+    )
 
 
-def edit_manifest(target: LocalTarget, mutate: Callable[[dict], None], sid: str = "step_000000001",
-                  raw: dict[str, str] | None = None) -> None:
+def edit_manifest(
+    target: LocalTarget, mutate: Callable[[dict], None], sid: str = "step_000000001", raw: dict[str, str] | None = None
+) -> None:
     """Rewrite a snapshot's manifest through ``mutate`` (``raw``: see :func:`forge_json`) and reseal it."""
     path = os.path.join(snap_dir(target, sid), "meta.json")
     with open(path) as f:
@@ -56,16 +63,19 @@ def edit_manifest(target: LocalTarget, mutate: Callable[[dict], None], sid: str 
         f.write(reseal(forge_json(meta, raw)))
 
 
-def replace_file(target: LocalTarget, name: str, data: bytes, fix_checksum: bool = True,
-                 sid: str = "step_000000001") -> None:
+def replace_file(
+    target: LocalTarget, name: str, data: bytes, fix_checksum: bool = True, sid: str = "step_000000001"
+) -> None:
     """Put ``data`` in place of a snapshot file and (as an attacker would) make the manifest agree."""
     with open(os.path.join(snap_dir(target, sid), name), "wb") as f:
         f.write(data)
     if fix_checksum:
+
         def fix(meta: dict) -> None:
             for f in meta["files"]:
                 if f["path"] == name:
                     f["size"], f["checksum"] = len(data), digest_bytes(f["algo"], data)
+
         edit_manifest(target, fix, sid)
 
 

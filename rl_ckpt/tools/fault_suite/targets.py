@@ -99,9 +99,11 @@ class S3Target:
         return open_storage(run_url(self.cfg), self.s3.options)
 
     def outside(self) -> dict:
-        return {k: v for k, v in self.s3.keys(self.bucket).items()
-                if not k.startswith(self.run_key + "/")
-                and (k.startswith(self.prefix + "/") or not k.startswith("case-"))}
+        return {
+            k: v
+            for k, v in self.s3.keys(self.bucket).items()
+            if not k.startswith(self.run_key + "/") and (k.startswith(self.prefix + "/") or not k.startswith("case-"))
+        }
 
     def gc(self) -> int:
         return run_gc(self.storage())
@@ -179,9 +181,13 @@ class S3Endpoint:
         recv.close()
         if what != "ok":
             raise RuntimeError(f"moto S3 server failed to start: {value}")
-        return {"endpoint_url": f"http://{LOOPBACK}:{value}", "key": "testing-access-key",
-                "secret": "testing-secret-key", "client_kwargs": {"region_name": "us-east-1"},
-                "config_kwargs": {"s3": {"addressing_style": "path"}}}
+        return {
+            "endpoint_url": f"http://{LOOPBACK}:{value}",
+            "key": "testing-access-key",
+            "secret": "testing-secret-key",
+            "client_kwargs": {"region_name": "us-east-1"},
+            "config_kwargs": {"s3": {"addressing_style": "path"}},
+        }
 
     def bucket(self) -> str:
         name = f"rlckpt-faults-{uuid.uuid4().hex[:16]}"
@@ -205,8 +211,11 @@ class S3Endpoint:
         try:
             keys = list(self.keys(bucket))
             for i in range(0, len(keys), 1000):
-                self.fs.call_s3("delete_objects", Bucket=bucket,
-                                Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+                self.fs.call_s3(
+                    "delete_objects",
+                    Bucket=bucket,
+                    Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+                )
             self.fs.call_s3("delete_bucket", Bucket=bucket)
         except Exception:  # best effort: the server goes away with the suite
             pass

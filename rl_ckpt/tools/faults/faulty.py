@@ -12,8 +12,21 @@ from rl_ckpt.errors import StorageError
 from rl_ckpt.storage import Storage
 
 
-OPERATIONS = ("write", "write_atomic", "read", "open_read", "list", "exists", "size", "stat", "remove", "remove_tree",
-              "makedirs", "rename_dir", "sync_dir")
+OPERATIONS = (
+    "write",
+    "write_atomic",
+    "read",
+    "open_read",
+    "list",
+    "exists",
+    "size",
+    "stat",
+    "remove",
+    "remove_tree",
+    "makedirs",
+    "rename_dir",
+    "sync_dir",
+)
 ANY = "*"
 
 
@@ -45,18 +58,27 @@ class FaultyStorage(Storage):
         self._lock = threading.Lock()
 
     # -- rules -------------------------------------------------------------
-    def fail(self, op: str, *, nth: int | None = None, path_contains: str | None = None,
-             error: int | BaseException = _errno.EIO, after: bool = False) -> Rule:
+    def fail(
+        self,
+        op: str,
+        *,
+        nth: int | None = None,
+        path_contains: str | None = None,
+        error: int | BaseException = _errno.EIO,
+        after: bool = False,
+    ) -> Rule:
         """Make matching calls raise ``error`` (an errno or an exception); ``after``: once the call has run."""
         return self._add(Rule(op, nth, path_contains, error, None, after))
 
-    def before(self, op: str, hook: Callable[[], None], *, nth: int | None = None,
-               path_contains: str | None = None) -> Rule:
+    def before(
+        self, op: str, hook: Callable[[], None], *, nth: int | None = None, path_contains: str | None = None
+    ) -> Rule:
         """Run ``hook`` before matching calls (block, kill the process, count...)."""
         return self._add(Rule(op, nth, path_contains, None, hook))
 
-    def after(self, op: str, hook: Callable[[], None], *, nth: int | None = None,
-              path_contains: str | None = None) -> Rule:
+    def after(
+        self, op: str, hook: Callable[[], None], *, nth: int | None = None, path_contains: str | None = None
+    ) -> Rule:
         """Run ``hook`` after matching calls succeeded."""
         return self._add(Rule(op, nth, path_contains, None, hook, after=True))
 
@@ -95,8 +117,9 @@ class FaultyStorage(Storage):
             raise StorageError(f"injected fault: {op} {shown}: {os.strerror(rule.error)}", path=shown, errno=rule.error)
 
     def write(self, path, chunks, *, create_only=False, durable=True):
-        return self._call("write", path,
-                          lambda: self.inner.write(path, chunks, create_only=create_only, durable=durable))
+        return self._call(
+            "write", path, lambda: self.inner.write(path, chunks, create_only=create_only, durable=durable)
+        )
 
     def write_atomic(self, path, data, *, create_only=False):
         return self._call("write_atomic", path, lambda: self.inner.write_atomic(path, data, create_only=create_only))

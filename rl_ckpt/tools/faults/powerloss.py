@@ -34,7 +34,7 @@ def _under(path: str, folder: str) -> bool:
 
 
 def _moved(path: str, src: str, dst: str) -> str:
-    return dst + path[len(src):] if _under(path, src) else path
+    return dst + path[len(src) :] if _under(path, src) else path
 
 
 @dataclasses.dataclass
@@ -237,8 +237,9 @@ class PowerLossStorage(PowerSwitchStorage):
             return [str(e) for e in self.journal]
 
     # -- the cut ---------------------------------------------------------------
-    def power_cut(self, rng: random.Random | None = None, *, keep_probability: float = 0.5,
-                  halt: bool = True) -> list[str]:
+    def power_cut(
+        self, rng: random.Random | None = None, *, keep_probability: float = 0.5, halt: bool = True
+    ) -> list[str]:
         """Lose power now: undo the pending effects on the real files; returns what was undone."""
         undone = []
         with self._lock:
@@ -323,8 +324,11 @@ class PowerLossStorage(PowerSwitchStorage):
 
     def _published(self, effect: Effect) -> None:
         # a new inode with fsynced data now has this name: older data effects on it are moot
-        for e in [e for e in self.journal if e is not effect and e.path == effect.path
-                  and e.kind in ("create", "overwrite", "replace")]:
+        for e in [
+            e
+            for e in self.journal
+            if e is not effect and e.path == effect.path and e.kind in ("create", "overwrite", "replace")
+        ]:
             if e.kind == "create" and not e.name_durable:
                 effect.kind, effect.backup = "create", None
             self._drop(e)
@@ -354,8 +358,11 @@ class PowerLossStorage(PowerSwitchStorage):
         with self._lock:
             self._alive()
             parts = path.split("/") if _safe(path) else []
-            missing = [Effect("mkdir", p) for p in ("/".join(parts[:i + 1]) for i in range(len(parts)))
-                       if not os.path.lexists(self._full(p))]
+            missing = [
+                Effect("mkdir", p)
+                for p in ("/".join(parts[: i + 1]) for i in range(len(parts)))
+                if not os.path.lexists(self._full(p))
+            ]
             self.journal += missing
             try:
                 super().makedirs(path)
