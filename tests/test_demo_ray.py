@@ -43,6 +43,18 @@ def _last_losses(result) -> dict:
 _CRASHED: dict = {}
 
 
+def _why(run_dir, result) -> str:
+    """What a failed expectation needs to be understood: the attempts, the failure and decision records."""
+    records = [
+        f"{kind}/{p.name}: {p.read_text()[:1500]}"
+        for kind in ("failures", "decisions")
+        if (run_dir / kind).is_dir()
+        for p in sorted((run_dir / kind).iterdir())
+    ]
+    events = [m for m in result.log if m["event"] != "step"]
+    return "\n".join([f"attempts and events: {events}", *records])
+
+
 def _crashed(base, target: str, crash_at: int, memory_tier: bool = False):
     """The crash run of ``target`` at ``crash_at`` in this module's folder (run once, shared by the tests)."""
     from rl_ckpt.demo.ray_ppo import run
@@ -66,7 +78,7 @@ def test_crash_then_exact_restart(ray_cluster, reference, target, crash_at):
     base, ref = reference
     result = _crashed(base, target, crash_at)
     attempts = result.attempts
-    assert len(attempts) == 2 and attempts[0]["restored"] is None
+    assert len(attempts) == 2 and attempts[0]["restored"] is None, _why(base / f"crash-{target}", result)
     restored = attempts[1]
     assert restored["restored"] in ("step_000000010", "step_000000020"), restored["restored"]
     assert all(w[0] == restored["restored"] for w in restored["workers"])  # rollout workers restored the same one
