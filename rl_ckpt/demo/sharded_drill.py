@@ -16,7 +16,8 @@ import os
 
 from rl_ckpt.demo.figures import memory_comparison
 from rl_ckpt.demo.grpo import GRPOConfig
-from rl_ckpt.demo.sharded_grpo import MEMORY_DEFAULTS, Run, start_actors
+from rl_ckpt.demo.grpo_rollout import start_actors
+from rl_ckpt.demo.sharded_grpo import MEMORY_DEFAULTS, Run
 
 
 AUDIT_KEYS = ("consumed", "skipped", "duplicated", "resumed_in_flight", "epochs")

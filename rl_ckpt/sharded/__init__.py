@@ -1,8 +1,8 @@
 """Sharded training state (FSDP2 / DTensor): every rank saves its own shards, any layout restores.
 
 See ``component`` (what is saved), ``layout`` (the manifest's global layout),
-``dcp_storage`` (torch.distributed.checkpoint plugins) and ``full_weights`` (rollout workers); the
-manager-less multi-rank commit is ``rl_ckpt.commit.collective``.
+``dcp_writer`` and ``dcp_reader`` (torch.distributed.checkpoint plugins, saving and loading) and
+``full_weights`` (rollout workers); the manager-less multi-rank commit is ``rl_ckpt.commit.collective``.
 """
 
 from rl_ckpt.sharded.component import (
@@ -13,7 +13,7 @@ from rl_ckpt.sharded.component import (
     sharded_view,
     stage_sharded,
 )
-from rl_ckpt.sharded.dcp_storage import StagedShards, write_shards
+from rl_ckpt.sharded.dcp_writer import StagedShards, write_shards
 from rl_ckpt.sharded.full_weights import load_full_weights
 from rl_ckpt.sharded.layout import Layout, merge_components
 

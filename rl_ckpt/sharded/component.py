@@ -23,13 +23,12 @@ from torch.distributed.tensor import DTensor
 from rl_ckpt.errors import ConfigError, CorruptSnapshotError, StateMismatchError
 from rl_ckpt.format.manifest import Manifest
 from rl_ckpt.storage import Storage
-from rl_ckpt.sharded.dcp_storage import (
+from rl_ckpt.sharded.dcp_reader import ChunkReader, load_shards
+from rl_ckpt.sharded.dcp_writer import (
     DEFAULT_BLOCK_BYTES,
     MIN_BLOCK_BYTES,
-    ChunkReader,
     StagedShards,
     TensorStager,
-    load_shards,
     stage_shards,
 )
 from rl_ckpt.sharded.layout import Layout
