@@ -7,9 +7,10 @@ rank the same recovery plan, watches heartbeats, runs the health patrol and
 serves ``/healthz``.
 
 The actor front (this module) delegates to the commit protocol
-(``commits.py``), the participant registry (``participants.py``) and, after
-each commit, run maintenance (``rl_ckpt/run/maintenance.py``); plans come
-from ``rl_ckpt/recovery/plan.py`` and the run's recorded history.
+(``commits.py``), the participant registry (``participants.py``), failures
+and recovery plans (``recovery.py``) and, after each commit, run maintenance
+(``rl_ckpt/run/maintenance.py``); plans come from ``rl_ckpt/recovery/plan.py``
+and the run's recorded history.
 
 It holds no state that storage does not. The catalog is rebuilt from
 committed manifests; a pending commit is rebuilt from the ``attempt.json``
@@ -40,14 +41,9 @@ from rl_ckpt.commit import strategy_for
 from rl_ckpt.commit.two_phase import PAUSE_DIR_ENV, CommitProtocol
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.format.manifest import MANIFEST_NAME, now_iso, parse_snapshot_id
-from rl_ckpt.recovery.coordinator import FailureInfo
-from rl_ckpt.recovery.history import load_decisions, load_failures, record_decision
-from rl_ckpt.recovery.history import record_failure as write_failure
-from rl_ckpt.recovery.plan import build_plan, coordinator_config, probe_check
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.maintenance import RunMaintenance
 from rl_ckpt.run.patrol import HealthPatrol
-from rl_ckpt.run.retire import retire_for_plan
 from rl_ckpt.storage import join, open_storage
 
 from .commits import ManagerCommits
@@ -56,6 +52,7 @@ from .healthz import HealthzServer
 from .versions_health import health_sections
 from .metrics import ManagerMetrics
 from .participants import LivenessWatch, ParticipantRegistry
+from .recovery import ManagerRecovery
 
 log = logging.getLogger("rl_ckpt")
 __all__ = ["CheckpointManager", "PAUSE_DIR_ENV"]
@@ -104,12 +101,6 @@ def get_or_create(
     return actor.remote(values, healthz_port, "127.0.0.1", kill_hung, patrol_interval_seconds)
 
 
-def plan_key(failures: list, decisions: list, catalog: Catalog) -> tuple:
-    """What a cached plan stays valid for: the failures and decisions recorded, and the newest snapshot."""
-    newest = catalog.snapshots()
-    return (len(failures), len(decisions), newest[-1].snapshot_id if newest else None)
-
-
 class CheckpointManager:
     """The actor implementation. Use :meth:`get_or_create` to get a handle."""
 
@@ -143,8 +134,9 @@ class CheckpointManager:
         self.refused = self.commits.refused
         self.save_decisions = SaveDecisions(self.storage)  # kept on storage: the same answers after a restart
         self.calls = ManagerCommits(self.commits, self._lock, self.registry, self.save_decisions)
-        self._plan_cache: tuple[tuple, dict] | None = None
-        self._last_failure: dict | None = None  # the newest failure recorded by this manager process (for /healthz)
+        self.recovery = ManagerRecovery(
+            self.config, self.storage, self.catalog, self._lock, self.registry, self.commits, self.save_decisions
+        )
         self.started_at = now_iso()
         # Whatever storage holds, the constructor must not raise: Ray never restarts an actor whose
         # constructor raised, and every later save would fail against a dead manager.
@@ -158,7 +150,11 @@ class CheckpointManager:
             log.error("manager could not resume pending commits (aborted; their files are debris for gc): %s", exc)
             self.pending.clear()
         self._monitor = LivenessWatch(
-            self.registry, self._lock, tick=self.commits.expire, record=self.record_failure, kill_hung=kill_hung
+            self.registry,
+            self._lock,
+            tick=self.commits.expire,
+            record=self.recovery.record_failure,
+            kill_hung=kill_hung,
         ).start()
         self.patrol = None
         if patrol_interval_seconds:
@@ -256,65 +252,16 @@ class CheckpointManager:
             self.commits.reported_metrics = {"step": step, **metrics}
 
     def record_failure(self, failure: dict, dead: list[dict] | None = None) -> dict:
-        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored.
-
-        ``dead``: processes Ray reported dead (``{"actor_id", "pid"}``, see
-        ``integrations.ray_train.dead_processes``). The participant that ran in one
-        of them is the one that failed: the record names it, and a failure without
-        a step takes that participant's last reported step, i.e. where it was when
-        it died (a survivor may have run on until its collective failed).
-        The failed participant counts as lost (``/healthz`` degraded) until it
-        registers again or beats (unless its restarted process registered already).
-        """
-        info = FailureInfo.from_json(failure)
-        with self._lock:
-            self.registry.blame(info, dead or [])
-            self._last_failure = info.to_json()
-        write_failure(self.storage, info)
-        log.warning("failure recorded: %s of %s at step %s: %s", info.kind, info.participant, info.step, info.message)
-        return info.to_json()
+        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored (actors/recovery.py)."""
+        return self.recovery.record_failure(failure, dead)
 
     def failures(self) -> list[dict]:
-        return load_failures(self.storage)
+        return self.recovery.failures()
 
     def plan(self) -> dict:
-        """The recovery plan every participant follows (the same for all until something changes).
-
-        The newest failure not yet answered by a decision goes to the coordinator;
-        its decision is recorded in the run folder once.
-        """
-        with self._lock:
-            decisions = load_decisions(self.storage)
-            failures = self.failures()
-            answered = {d.failure.time for d in decisions}
-            open_failures = [f for f in failures if f.get("time") not in answered]
-            key = plan_key(failures, decisions, self.catalog)
-            if self._plan_cache is not None and self._plan_cache[0][0] == key[0] and self._plan_cache[0][2] == key[2]:
-                return self._plan_cache[1]
-            # Saves still pending belong to the timeline being recovered from: finishing one with the
-            # restarted participants' reports would mix two timelines in one snapshot.
-            self.commits.abort_all("a recovery plan was made; this save belongs to the run that failed")
-            self.save_decisions.clear()  # training goes on from the plan's snapshot: its steps are saved anew
-            failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
-            # The manager has no components: the plan loads what the snapshot holds.
-            plan = build_plan(
-                self.catalog,
-                self.storage,
-                schema_version=self.config.schema_version,
-                components=None,
-                coordinator=coordinator_config(self.config),
-                history=decisions,
-                failure=failure,
-                deep=True,
-                probes=probe_check(self.config),
-            )
-            if plan.decision is not None:
-                record_decision(self.storage, plan.decision)
-            if plan.action == "restore":  # the failed timeline's newer snapshots, once for all (retire_for_plan)
-                plan.retired = retire_for_plan(self.storage, self.catalog, plan, by="manager")
-            body = plan.to_json()
-            self._plan_cache = (plan_key(failures, decisions, self.catalog), body)  # as the next caller sees the run
-            return body
+        """The recovery plan every participant follows (the same for all until something changes;
+        actors/recovery.py)."""
+        return self.recovery.plan()
 
     # -- liveness (participants.py) ----------------------------------------------
     def register(self, participant: str, meta: dict, handle: Any = None) -> None:
@@ -351,12 +298,7 @@ class CheckpointManager:
             furthest = self.registry.furthest_step()
             lost = sorted(n for n, p in parts.items() if p["lost"])
             quarantined = bool(self.patrol and self.patrol.status()["quarantined"])
-            failure = None
-            if lost:
-                failure = self._last_failure
-                if failure is None:  # recorded before this manager process started
-                    recorded = self.failures()
-                    failure = recorded[-1] if recorded else None
+            failure = self.recovery.newest_failure() if lost else None
             ManagerMetrics.lost(len(lost))
             return {
                 "status": "degraded" if lost or quarantined else "ok",

@@ -11,9 +11,9 @@ Protocols that need more than plain fsspec calls have a subclass, chosen by
 uploads) and :class:`~rl_ckpt.storage.memory.MemoryStorage`. Subclasses
 override the hooks ``_create_only``, ``_remove_tree_contents`` and ``_options``.
 
-``write`` streams through ``open("wb")``; if the chunk iterator fails the
-partial file is thrown away (block-buffered files, such as s3fs's, abort their
-multipart upload), so no truncated object is published.
+``write`` streams through ``open("wb")`` (``rl_ckpt.storage.fsspec_upload``); if
+the chunk iterator fails the partial file is thrown away (block-buffered files,
+such as s3fs's, abort their multipart upload), so no truncated object is published.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from rl_ckpt.storage.base import (
     too_large,
     unique_suffix,
 )
+from rl_ckpt.storage.fsspec_upload import stream_file
 
 log = logging.getLogger("rl_ckpt")
 
@@ -112,27 +113,7 @@ class FsspecStorage(Storage):
             data = b"".join(memoryview(c).cast("B") for c in chunks)
             self._create_only(full, path, data)
             return len(data)
-        try:
-            f = self.fs.open(full, "wb")
-        except Exception as exc:
-            raise self._error(exc, "cannot write", path) from exc
-        total = 0
-        try:
-            for chunk in chunks:  # errors of the chunk producer propagate unchanged
-                view = memoryview(chunk).cast("B")
-                try:
-                    f.write(view)  # uploads a part each time a block fills
-                except Exception as exc:
-                    raise self._error(exc, "cannot write", path) from exc
-                total += view.nbytes
-        except BaseException:
-            _abandon(self.fs, f, full)
-            raise
-        try:
-            f.close()  # the last part / one-shot PUT happens here
-        except Exception as exc:
-            raise self._error(exc, "cannot write", path) from exc
-        return total
+        return stream_file(self.fs, full, chunks, lambda exc: self._error(exc, "cannot write", path))
 
     def write_stream_atomic(self, path: str, chunks: Iterable) -> int:
         # A file may show while written (and is removed when abandoned): write a temp, move it in place.
@@ -317,21 +298,6 @@ class FsspecStorage(Storage):
 
     def sync_dir(self, path: str) -> None:
         self._abs(path, allow_root=True)  # checked like every other path; nothing to sync
-
-
-def _abandon(fs, f, full: str) -> None:
-    """Throw away a half-written file without publishing it (best effort)."""
-    from fsspec.spec import AbstractBufferedFile
-
-    try:
-        if isinstance(f, AbstractBufferedFile):
-            f.discard()  # s3fs: abort the multipart upload
-            f.closed = True  # skip close()'s final flush, which would publish the partial object
-        else:
-            f.close()
-            fs.rm_file(full)  # e.g. memory://, where the file is visible from open()
-    except Exception as exc:  # best effort: gc removes whatever remains
-        log.warning("could not abandon partial upload of %s: %s", full, exc)
 
 
 def _entries(items: list, full: str) -> list[Entry]:
