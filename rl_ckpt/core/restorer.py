@@ -22,12 +22,13 @@ from typing import Any, Mapping
 
 import torch
 
-from rl_ckpt.config import CheckpointConfig
+from rl_ckpt.config import CheckpointConfig, recorded_config
 from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.snapshot_loader import RestoreResult, SnapshotLoader
 from rl_ckpt.errors import CheckpointError, NoValidSnapshotError, RestoreError, StateMismatchError
-from rl_ckpt.recovery.history import record_decision
-from rl_ckpt.recovery.plan import RecoveryPlan, new_rank_lines
+from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt.recovery.history import load_decisions, record_decision
+from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, new_rank_lines, probe_check
 from rl_ckpt.recovery.probe import compare
 from rl_ckpt.run.catalog import Catalog
 from rl_ckpt.run.retire import retire_newer
@@ -38,7 +39,7 @@ log = logging.getLogger("rl_ckpt")
 
 
 class Restorer:
-    """Follows recovery plans of one run into the components of a registry: the target, then the fallbacks
+    """Plans and follows the recovery of one run into the components of a registry: the target, then the fallbacks
     (each loaded by its :class:`SnapshotLoader`), agreed across ranks, then the failed timeline retired."""
 
     def __init__(
@@ -135,8 +136,38 @@ class Restorer:
             result.retired, plan.retired = outcome.retired, outcome.retired
             result.warnings += outcome.warnings
 
-    def note_new_ranks(self, plan: RecoveryPlan) -> RecoveryPlan:
-        """``plan`` with its ``new ranks`` lines for restoring its target onto this process's group."""
+    def plan(
+        self,
+        failure: FailureInfo | None = None,
+        *,
+        deep: bool = True,
+        snapshot_id: str | None = None,
+        light: bool = True,
+    ) -> RecoveryPlan:
+        """This process's recovery plan (``CheckpointEngine.plan_recovery``): the topology's, with the lines for
+        restoring its target onto this process's group of ranks."""
+
+        def build() -> RecoveryPlan:
+            return build_plan(
+                self.catalog,
+                self.storage,
+                schema_version=self.config.schema_version,
+                components=self.registry.kinds(),
+                coordinator=coordinator_config(self.config),
+                history=load_decisions(self.storage),
+                failure=failure,
+                deep=deep,
+                snapshot_id=snapshot_id,
+                probes=probe_check(self.config),
+                restart_mesh=self.registry.restart_mesh(),
+                light=light,
+                job_config=recorded_config(self.config, self.train_config),
+            )
+
+        # The topology's plan: this process's own, or with a manager one plan for all, made (and recorded) by it.
+        topology = self.registry.topology
+        plan = topology.recovery_plan(failure, snapshot_id, self.storage, self.registry.restart_mesh(), build)
+        # The restoring group is this process's to know.
         plan.new_ranks = new_rank_lines(
             self.storage, plan.target, self.registry.group(), self.registry.per_rank(), self.config.new_rank_state
         )
