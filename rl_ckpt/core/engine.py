@@ -11,10 +11,12 @@ pieces that do the work and delegates to them:
 - :class:`~rl_ckpt.core.save_pipeline.SavePipeline`: stage -> persist ->
   commit (through the commit strategy of ``rl_ckpt.commit``, a manager's,
   or rank 0's of a torch.distributed group);
-- :class:`~rl_ckpt.run.maintenance.RunMaintenance`: best aliases and retention
-  after each commit (where the topology says: not with a manager, which runs it);
-- :class:`~rl_ckpt.core.restorer.Restorer`: follows a recovery plan into the
-  registered objects, falling back along the plan.
+- :class:`~rl_ckpt.core.run_handle.RunHandle` (what the engine is, beneath): the
+  run's storage, catalog and :class:`~rl_ckpt.run.maintenance.RunMaintenance`
+  (best aliases and retention after each commit, where the topology says: not
+  with a manager, which runs it); listing, verification, recorded decisions, patrol;
+- :class:`~rl_ckpt.core.restorer.Restorer`: makes this process's recovery plan
+  and follows it into the registered objects, falling back along the plan.
 """
 
 from __future__ import annotations
@@ -23,31 +25,25 @@ from typing import Any, Mapping
 
 import torch
 
+from rl_ckpt.commit import CommitStrategy, strategy_for
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.core.async_save import SaveHandle
-from rl_ckpt.run.snapshot_files import VerifyReport
 from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.restorer import Restorer, RestoreResult
-from rl_ckpt.config import recorded_config
+from rl_ckpt.core.run_handle import RunHandle
 from rl_ckpt.core.save_pipeline import SavePipeline
 from rl_ckpt.core.scheduler import CheckpointScheduler
-from rl_ckpt.core.topology import Topology, choose_topology
 from rl_ckpt.core.stage_guard import check_background
-from rl_ckpt.errors import CheckpointError
+from rl_ckpt.core.topology import Topology, choose_topology
 from rl_ckpt.format.state_codec import EncodedState
-from rl_ckpt.recovery.coordinator import Decision, FailureInfo
-from rl_ckpt.recovery.history import load_decisions, record_decision
-from rl_ckpt.recovery.plan import RecoveryPlan, build_plan, coordinator_config, probe_check, without_light
-from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.commit import CommitStrategy, strategy_for
-from rl_ckpt.run.maintenance import RunMaintenance
-from rl_ckpt.run.patrol import HealthPatrol
-from rl_ckpt.run.retention import RetentionDecision, RetentionPolicy
-from rl_ckpt.run.verify import verify_run
+from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt.recovery.plan import RecoveryPlan, without_light
+from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt.run.retention import RetentionPolicy
 from rl_ckpt.storage import Storage, open_storage
 
 
-class CheckpointEngine:
+class CheckpointEngine(RunHandle):
     """Saves and restores the whole training state of one run.
 
     Args:
@@ -82,16 +78,14 @@ class CheckpointEngine:
         **overrides: Any,
     ) -> None:
         config = _as_config(config, overrides)
-        self.config: CheckpointConfig = config
         self.train_config = dict(train_config or {})
-        self.storage = storage or open_storage(config.run_url, config.storage_options)
-        self.catalog = Catalog(self.storage)
+        storage = storage or open_storage(config.run_url, config.storage_options)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.role = role
         topology = choose_topology(
-            self.storage,
+            storage,
             config,
-            commit=strategy_for(self.storage, config.atomic_write),
+            commit=strategy_for(storage, config.atomic_write),
             manager=manager,
             rank=self.rank,
             world_size=self.world_size,
@@ -99,16 +93,13 @@ class CheckpointEngine:
             participants=participants,
             actor_handle=_current_actor(),
         )
+        # The run: storage, catalog, maintenance (with a manager, the manager applies retention).
+        super().__init__(config, storage, retention=retention if topology.applies_retention else False)
         self.registry = ComponentRegistry(config, topology)
-        self.maintenance = RunMaintenance.from_config(  # with a manager, the manager applies retention
-            self.storage, self.catalog, config, retention=retention if topology.applies_retention else False
-        )
         self.pipeline = SavePipeline(
             config, self.train_config, self.storage, self.catalog, self.registry, maintenance=self.maintenance
         )
         self.restorer = Restorer(config, self.train_config, self.storage, self.catalog, self.registry)
-        self._patrol: HealthPatrol | None = None
-        self._closed = False
 
     # -- registration --------------------------------------------------------
     def register(
@@ -232,31 +223,6 @@ class CheckpointEngine:
         """Heartbeat to the manager (rate-limited); a no-op without one."""
         self.pipeline.beat(global_step)
 
-    # -- run maintenance -----------------------------------------------------
-    @property
-    def retention(self) -> RetentionPolicy | None:
-        """The retention policy applied after each commit (None: keep everything, or the manager decides)."""
-        return self.maintenance.retention
-
-    @property
-    def last_retention(self) -> RetentionDecision | None:
-        """What the last retention pass kept and deleted, and why."""
-        return self.maintenance.last_retention
-
-    def best(self, metric: str | None = None) -> SnapshotInfo | None:
-        """The best committed snapshot by ``metric`` (default: the first of best_metric)."""
-        return self.maintenance.best(metric)
-
-    # -- listing and verification -------------------------------------------
-    def snapshots(self) -> list[SnapshotInfo]:
-        """Committed snapshots, oldest first."""
-        return self.catalog.snapshots()
-
-    def verify(self, snapshot_id: str | None = None) -> VerifyReport:
-        """Re-hash every file of one snapshot (or all of them) against its manifest."""
-        self.catalog.refresh()
-        return verify_run(self.catalog, None if snapshot_id is None else [snapshot_id])
-
     # -- recovery --------------------------------------------------------------
     def plan_recovery(
         self,
@@ -275,35 +241,7 @@ class CheckpointEngine:
             light: apply the newest valid light snapshot built on the target.
         """
         self._check_open()
-
-        def build() -> RecoveryPlan:
-            return build_plan(
-                self.catalog,
-                self.storage,
-                schema_version=self.config.schema_version,
-                components=self.registry.kinds(),
-                coordinator=coordinator_config(self.config),
-                history=self.decisions(),
-                failure=failure,
-                deep=deep,
-                snapshot_id=snapshot_id,
-                probes=probe_check(self.config),
-                restart_mesh=self.registry.restart_mesh(),
-                light=light,
-                job_config=recorded_config(self.config, self.train_config),
-            )
-
-        # The topology's plan: this process's own, or with a manager one plan for all, made (and recorded) by it.
-        plan = self.topology.recovery_plan(failure, snapshot_id, self.storage, self.registry.restart_mesh(), build)
-        return self.restorer.note_new_ranks(plan)  # the restoring group is this process's to know
-
-    def decisions(self) -> list[Decision]:
-        """The coordinator decisions recorded in this run, oldest first (unreadable records are skipped)."""
-        return load_decisions(self.storage)
-
-    def record_decision(self, decision: Decision) -> None:
-        """Write a coordinator decision into the run folder (one file each: atomic on every backend)."""
-        record_decision(self.storage, decision)
+        return self.restorer.plan(failure, deep=deep, snapshot_id=snapshot_id, light=light)
 
     def restore(
         self,
@@ -338,39 +276,14 @@ class CheckpointEngine:
         self._check_open()
         return self.restorer.load_full_weights(name, module, snapshot_id)
 
-    # -- health patrol -------------------------------------------------------
-    def start_patrol(self, interval_seconds: float = 3600.0, **kwargs: Any) -> HealthPatrol:
-        """Re-hash old snapshots in the background (rate-limited); corrupt ones are quarantined."""
-        if self._patrol is None:
-            cfg, refresh = self.config, lambda r: self.catalog.refresh()
-            limits = {
-                "bytes_per_second": cfg.scrub_bytes_per_second,
-                "min_free_bytes": cfg.min_free_bytes,
-                "on_report": refresh,
-            }
-            self._patrol = HealthPatrol(self.storage, interval_seconds=interval_seconds, **{**limits, **kwargs}).start()
-        return self._patrol
-
     # -- lifecycle -----------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError("this CheckpointEngine is closed")
-
     def close(self) -> None:
         """Wait for the save in flight, then release the storage."""
         if not self._closed:
-            if self._patrol is not None:
-                self._patrol.stop()
+            self._stop_patrol()
             self.pipeline.close()
             self.topology.close()  # with a manager: a clean exit, not a lost heartbeat
-            self._closed = True
-            self.storage.close()
-
-    def __enter__(self) -> "CheckpointEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            super().close()
 
 
 def _as_config(config: CheckpointConfig | Mapping[str, Any] | str | None, overrides: dict) -> CheckpointConfig:
