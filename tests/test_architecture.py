@@ -386,6 +386,8 @@ TOPOLOGY_CLIENTS = (
     "rl_ckpt.core.engine",
     "rl_ckpt.core.save_pipeline",
     "rl_ckpt.core.restorer",
+    "rl_ckpt.core.snapshot_loader",
+    "rl_ckpt.core.run_handle",
     "rl_ckpt.core.registry",
     "rl_ckpt.core.scheduler",
 )
