@@ -411,7 +411,8 @@ class PolicyVersions:
 
 
 def versions_status(storage: RayMemoryStorage) -> dict:
-    """What the run's version stores hold: versions, bytes per node, copies pulled in, pins, reported faults."""
+    """What the run's version stores hold: versions, bytes per node, copies pulled in, pins, reported faults.
+    (``fetched_bytes``: copies the workers' pulls placed; a publisher counts its own, ``VersionsStorage.placed``.)"""
     import json
 
     info = storage.store_info()
