@@ -39,6 +39,7 @@ log = logging.getLogger("rl_ckpt")
 
 VERSIONS_BASE = "raymem://versions"
 COMPONENT = "policy"
+INLINE_BYTES = 256 << 10  # smaller files travel inside the call (as RayMemoryStorage.write's)
 
 
 SUBSCRIBERS = "subscribers"  # subscribers/<node id>: a rollout worker pulls versions on that node
@@ -58,13 +59,14 @@ class VersionsStorage(RayMemoryStorage):
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url, storage_options)
         self.push_to: list[str] = []
-        self.pushing: list = []  # (paths, node, ref of that node's store's fetch) in flight
+        self.pushing: list = []  # (paths, node, ref of that node's store's fetch or put_replica, size) in flight
         self.unpushed: list[str] = []
         self.batching = False
         self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
         self.listing: dict | None = None
         self.removing: list = []  # refs of object removals in flight (during a publish)
         self.pushed_bytes = 0
+        self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
     def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
         manifest = path.endswith("/" + MANIFEST_NAME)
@@ -80,8 +82,9 @@ class VersionsStorage(RayMemoryStorage):
         return size
 
     def write_many_atomic(self, items) -> None:
-        """Many files (a publish's new chunks) at once: handed to this node's store all together (its calls run
-        concurrently) instead of one round trip after another; then copied to ``push_to``, one call per node."""
+        """Many files (a publish's new chunks) at once: each put once into this node's object store and handed
+        from there to this node's store and to those of ``push_to`` together (their calls run concurrently: the
+        copies to other nodes start as the file lands, not after the batch), not one round trip after another."""
         import numpy as np
         import ray
 
@@ -91,10 +94,15 @@ class VersionsStorage(RayMemoryStorage):
             return self._write_each(items)  # commits: the base's, one by one
         store = self.store_of(self.node_id)
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
-        refs = [
-            store.put.remote(path, np.frombuffer(data, dtype=np.uint8) if data.nbytes else b"", False, peers)
-            for path, data in items
-        ]
+        targets = [(node, self.store_of(node)) for node in self.push_to]
+        refs = []
+        for path, data in items:
+            # One copy into this node's object store, shared by this node's store and the placement targets:
+            # every store takes its own copy of that object at once (a target's moves it to its node first).
+            obj = ray.put(np.frombuffer(data, dtype=np.uint8)) if data.nbytes > INLINE_BYTES else bytes(data)
+            refs.append(store.put.remote(path, obj, False, peers))
+            for node, handle in targets:
+                self.pushing.append(([path], node, handle.put_replica.remote(path, obj, self.node_id), data.nbytes))
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
@@ -106,9 +114,6 @@ class VersionsStorage(RayMemoryStorage):
                 if isinstance(cause, StorageError)
                 else StorageError(f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0])
             ) from None
-        if self.push_to:
-            self.unpushed += [path for path, _d in items]
-            self.push()
         # What the store now holds, mapped in one call: the read-back that verifies each file costs no round trip.
         answers = ray.get(store.get_many.remote([path for path, _d in items]))
         refs = [(path, got[0]) for (path, _d), got in zip(items, answers) if isinstance(got, list)]
@@ -146,7 +151,7 @@ class VersionsStorage(RayMemoryStorage):
         if paths:
             here = self.store_of(self.node_id)
             for node in self.push_to:
-                self.pushing.append((paths, node, self.store_of(node).fetch.remote(paths, [here])))
+                self.pushing.append((paths, node, self.store_of(node).fetch.remote(paths, [here]), None))
 
     def wait_pushed(self) -> int:
         """Wait for the copies in flight; returns the bytes they moved (a failed copy is logged, not raised:
@@ -154,9 +159,12 @@ class VersionsStorage(RayMemoryStorage):
         import ray
 
         moved, pending, self.pushing, self.written = 0, self.pushing, [], {}
-        for paths, node, ref in pending:
+        for paths, node, ref, size in pending:  # size: of a ``put_replica`` (True: taken), else ``fetch``'s count
             try:
-                moved += ray.get(ref)
+                got = ray.get(ref)
+                got = got if size is None else size * bool(got)
+                moved += got
+                self.placed[node] = self.placed.get(node, 0) + got
             except Exception as exc:  # that store is full or gone: its workers place (or read remotely)
                 log.warning(
                     "policy versions: %d files (%s...) not placed on node %s at publish (%s); its workers "
@@ -199,9 +207,11 @@ class VersionsStorage(RayMemoryStorage):
             except ray.exceptions.RayActorError:  # that store died: nothing left there to remove
                 pass
 
-    def subscriber_nodes(self) -> list[str]:
-        """Nodes where a rollout worker pulled versions and whose store is alive (one call per store)."""
-        return sorted(node for node, files in self.inventory(SUBSCRIBERS).items() if f"{SUBSCRIBERS}/{node}" in files)
+    def subscriber_nodes(self, inventory: dict | None = None) -> list[str]:
+        """Nodes where a rollout worker pulled versions and whose store is alive (one call per store; none when
+        given ``inventory``, what :meth:`inventory` of the stores answered)."""
+        held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
+        return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
 
 
 def versions_storage(
@@ -219,10 +229,11 @@ def versions_storage(
     return VersionsStorage(f"{VERSIONS_BASE}/{run_name}", opts)
 
 
-def published(storage: RayMemoryStorage) -> dict[int, str]:
-    """Committed versions in any live store: version (step) -> snapshot id, oldest first (one call per store)."""
+def published(storage: RayMemoryStorage, inventory: dict | None = None) -> dict[int, str]:
+    """Committed versions in any live store: version (step) -> snapshot id, oldest first (one call per store;
+    none when given ``inventory``, what ``storage.inventory("")`` answered)."""
     sids = set()
-    for files in storage.inventory("").values():
+    for files in (storage.inventory("") if inventory is None else inventory).values():
         for path in files:
             sid, _, rest = path.partition("/")
             parsed = parse_snapshot_id(sid)
@@ -344,7 +355,8 @@ class PolicyVersions:
             return None
         # Versions kept past retention while a worker pinned them come back into view and are retired now,
         # before the new one needs room in the budget (retention also runs after the commit, as always).
-        held = published(self.storage)
+        files = self.storage.inventory("")  # one listing of the stores for the versions held and the subscribers
+        held = published(self.storage, files)
         if self.rank == 0 and len(held) > self.keep:  # (with none pinned, the last publish left ``keep``)
             self.engine.catalog.refresh()
             for warning in self.engine.maintenance.after_commit():
@@ -360,7 +372,7 @@ class PolicyVersions:
         tags = {"policy_version": step, "policy_dtype": dtype}
         # Placement at publish: the nodes where workers pull get each file as it is written (see VersionsStorage).
         here = [self.storage.node_id, *self.storage.peers()]  # (the ``replicas`` peers get copies anyway)
-        self.storage.push_to = [n for n in self.storage.subscriber_nodes() if n not in here]
+        self.storage.push_to = [n for n in self.storage.subscriber_nodes(files) if n not in here]
         self.storage.hold_listing(True)
         try:
             info = self.engine.save(step, metrics, tags=tags)
@@ -399,7 +411,8 @@ class PolicyVersions:
 
 
 def versions_status(storage: RayMemoryStorage) -> dict:
-    """What the run's version stores hold: versions, bytes per node, copies pulled in, pins, reported faults."""
+    """What the run's version stores hold: versions, bytes per node, copies pulled in, pins, reported faults.
+    (``fetched_bytes``: copies the workers' pulls placed; a publisher counts its own, ``VersionsStorage.placed``.)"""
     import json
 
     info = storage.store_info()

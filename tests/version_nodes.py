@@ -39,7 +39,10 @@ def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
     for version in range(1, 6):
         published = ray.get([lr.publish.remote(version) for lr in learners])
         pulls = ray.get([w.pull.remote(run) for w in workers])
-        fetched = {n: i["fetched_bytes"] for n, i in storage.store_info().items()}  # into each store, so far
+        fetched = {n: i["fetched_bytes"] for n, i in storage.store_info().items()}  # pulled into each store
+        for placed in ray.get([lr.placed.remote() for lr in learners]):  # and placed there by the publishes
+            for n, nbytes in placed.items():
+                fetched[n] = fetched.get(n, 0) + nbytes
         out["versions"].append({"version": version, "published": published, "pulls": pulls, "fetched": fetched})
     out["worker_nodes"] = sorted({p["node"] for p in out["versions"][0]["pulls"]})
     out["status_before_faults"] = versions_status(storage)

@@ -65,6 +65,10 @@ class Learner:
         sid = self.versions.publish(version)
         return sid, digest(self.full_state())
 
+    def placed(self) -> dict:
+        """node -> bytes this learner's publishes placed in that node's store, so far."""
+        return dict(self.versions.storage.placed)
+
     def full_state(self) -> dict:
         from torch.distributed.tensor import DTensor
 

@@ -20,9 +20,9 @@ a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured 
     ``pull_vs_floor`` the pulls alone / floor; the figures are the rounds' medians (each round in ``rounds``);
     ``full_vs_best_floor``: the median full version against the fastest floor round (the stricter figure);
 
-- ``delta``: ``--changed`` of the 8 MiB chunks changed (one element each), published and pulled:
-  ``delta_bytes_fraction`` = bytes moved into a module / the policy's bytes (``delta_vs_changed``: / the
-  changed chunks' bytes);
+- ``delta``: ``--changed`` of the 8 MiB chunks changed (rounded to whole chunks: ``changed_fraction``; one
+  element each), published and pulled: ``delta_bytes_fraction`` = bytes moved into a module / the policy's
+  bytes (``delta_vs_changed``: / the changed chunks' bytes);
 - ``restart``: a receiver on the worker node killed and started again: seconds from asking for the new actor
   to it holding the newest version (``restart_total_s``; the pull alone: ``restart_pull_s``).
 
@@ -222,14 +222,17 @@ def run(args) -> dict:
         chunks = [
             (t, start) for t in policy.state_dict().values() for start in range(0, t.numel() * t.element_size(), CHUNK)
         ]
-        every = max(1, round(1 / args.changed)) if args.changed > 0 else len(chunks) + 1
-        changed = 0
+        # ``--changed`` of the chunks, rounded to whole chunks (32 chunks: 5 % is 2 of them, 6.25 %; 128 chunks,
+        # 1 GiB: 6, 4.7 %), spread evenly: one element of each changed chunk.
+        count = min(len(chunks), max(1, round(args.changed * len(chunks)))) if args.changed > 0 else 0
+        picked = {int((j + 0.5) * len(chunks) / count) for j in range(count)} if count else set()
         with torch.no_grad():
-            for i, (t, start) in enumerate(chunks):
-                if i % every == every // 2:  # spread evenly: one element of every ``every``-th chunk
-                    t.view(-1)[start // t.element_size()].add_(1.0)
-                    changed += 1
+            for i in sorted(picked):
+                t, start = chunks[i]
+                t.view(-1)[start // t.element_size()].add_(1.0)
+        changed = len(picked)
         out["chunks_changed"], out["chunks"] = changed, len(chunks)
+        out["changed_fraction"] = changed / len(chunks)  # what ``delta_bytes_fraction`` is to be read against
         started = time.perf_counter()
         versions.publish(step)
         out["delta_publish_s"] = time.perf_counter() - started
@@ -240,7 +243,7 @@ def run(args) -> dict:
         out["delta_bytes_fraction"] = out["delta_bytes"] / out["full_bytes"]
         out["delta_vs_changed"] = out["delta_bytes"] / max(1, changed * CHUNK)  # 1.0: exactly the changed chunks
         log(
-            f"delta ({changed} chunks changed): {human(out['delta_bytes'])} moved per receiver = "
+            f"delta ({changed} of {len(chunks)} chunks changed): {human(out['delta_bytes'])} moved per receiver = "
             f"{out['delta_bytes_fraction']:.3f} of full; publish {out['delta_publish_s']:.2f} s, pulls "
             f"{out['delta_pull_s']:.2f} s"
         )
