@@ -256,28 +256,27 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
         return hash_in_place(view.toreadonly(), on_chunk)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        ray = _ray()
-        check_range(start, length)
+        return self._ranges(path, [(start, length)])[0]
+
+    def read_ranges(self, path: str, ranges) -> list[bytes]:
+        return self._ranges(path, ranges)
+
+    def _ranges(self, path: str, ranges) -> list[bytes]:
+        """Every ``(start, length)`` of ``path``: sliced from the read session's view when it holds the file here
+        already, else with one call to one store (``read_ranges_of``)."""
+        ranges = [(start, length) for start, length in ranges]
+        for start, length in ranges:
+            check_range(start, length)
         path = check_relpath(path)
         view = self.session_view()
         held = view.bytes_of(self, path, mapped_only=True) if view is not None else None
-        if held is not None:
-            data = memoryview(held).cast("B")
+        if held is None:
+            return read_ranges_of(self, path, ranges)
+        data = memoryview(held).cast("B")
+        for start, length in ranges:
             if start + length > data.nbytes:
                 raise range_past_end(path, start, length, data.nbytes)
-            return bytes(data[start : start + length])
-        got = first_answer(self, lambda handle: ray.get(handle.get_range.remote(path, start, length)))
-        if got is None:
-            raise self.missing(path)
-        if isinstance(got, int):
-            raise range_past_end(path, start, length, got)
-        return got
-
-    def read_ranges(self, path: str, ranges) -> list[bytes]:
-        view = self.session_view()
-        if view is not None and view.bytes_of(self, check_relpath(path), mapped_only=True) is not None:
-            return [self.read_range(path, start, length) for start, length in ranges]
-        return read_ranges_of(self, path, ranges)
+        return [bytes(data[start : start + length]) for start, length in ranges]
 
     def open_read(self, path: str) -> BinaryIO:
         return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=COPY_STEP)
