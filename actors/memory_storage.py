@@ -31,24 +31,16 @@ from typing import Any, BinaryIO, Callable, Iterable
 from rl_ckpt.errors import CommitConflictError, ConfigError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.storage.base import Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large
-from rl_ckpt.storage.buffers import alloc_bytes, prefault
 from rl_ckpt.storage.registry import register_storage
 
-from .memory_store import STORE_PREFIX, store_actor
+from .memory_directory import StoreDirectory
+from .memory_directory import need_ray as _ray
+from .memory_view import COPY_STEP, ReadSessions, ViewReader, copy_out, hash_in_place
 
 PROTOCOL = "raymem"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}$")
 _INLINE_BYTES = 256 << 10  # smaller files travel inside the call; larger ones through the object store
-_COPY_STEP = 8 << 20  # bytes copied (and hashed) at a time out of the object store
 _OPTIONS = ("namespace", "replicas", "budget_bytes", "node_id")
-
-
-def _ray():
-    import ray
-
-    if not ray.is_initialized():
-        raise StorageError("raymem:// storage needs a Ray cluster: call ray.init() (or run inside a Ray task)", path="")
-    return ray
 
 
 def parse_url(url: str, storage_options: dict | None) -> tuple[str, dict]:
@@ -87,49 +79,6 @@ def parse_url(url: str, storage_options: dict | None) -> tuple[str, dict]:
     return key, {**opts, "replicas": replicas, "budget_bytes": budget}
 
 
-def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -> Any:
-    """A read-only view of the object store copied into a fresh writable buffer, piece by piece, each
-    handed to ``on_chunk`` (hashed) while still in the CPU cache (as LocalStorage.read does with the disk)."""
-    out = alloc_bytes(got.nbytes)
-    stop_prefault = prefault(out)
-    try:
-        for start in range(0, got.nbytes, _COPY_STEP):
-            piece = out[start : start + _COPY_STEP]
-            piece[:] = got[start : start + _COPY_STEP]
-            if on_chunk is not None:
-                on_chunk(memoryview(piece))
-    finally:
-        stop_prefault()
-    return out
-
-
-def hash_in_place(view: memoryview, on_chunk: Callable[[memoryview], object] | None) -> memoryview:
-    """``view`` itself, after handing it to ``on_chunk`` piece by piece (no copy)."""
-    if on_chunk is not None:
-        for start in range(0, view.nbytes, _COPY_STEP):
-            on_chunk(view[start : start + _COPY_STEP])
-    return view
-
-
-class ViewReader(io.RawIOBase):
-    """A read-only file over a memoryview (``open_read`` without copying the file first)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        out = memoryview(buf).cast("B")
-        n = min(out.nbytes, self._view.nbytes - self._pos)
-        out[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
 def first_answer(storage: "RayMemoryStorage", call: Callable[[Any], Any]) -> Any:
     """``call(store)`` on the stores of ``storage`` that may hold a file until one answers something other than
     None (None: none did). The stores already known are asked first, so a read costs one call to one store, not
@@ -141,6 +90,7 @@ def first_answer(storage: "RayMemoryStorage", call: Callable[[Any], Any]) -> Any
         for node, handle in storage.holders(fresh):
             if node in answered:
                 continue
+            storage.calls["store_calls"] += 1
             try:
                 got = call(handle)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
@@ -167,6 +117,7 @@ def stat_paths(storage: "RayMemoryStorage", paths) -> list[Entry | None]:
                 return out
             if node in asked:
                 continue
+            storage.calls["store_calls"] += 1
             try:
                 got = ray.get(handle.stat_many.remote([paths[i] for i in todo]))
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
@@ -209,7 +160,7 @@ def spread_manifest(storage: "RayMemoryStorage", path: str, payload: Any, writte
                 pass
 
 
-class RayMemoryStorage(Storage):
+class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
     """A run folder held in the memory of the cluster's nodes (see the module docstring)."""
 
     supports_rename = False
@@ -224,72 +175,9 @@ class RayMemoryStorage(Storage):
         self.budget_bytes = opts["budget_bytes"]
         self._node = opts.get("node_id")
         self._handles: dict[str, Any] = {}
-
-    # -- stores ---------------------------------------------------------------
-    @property
-    def node_id(self) -> str:
-        """The node whose store takes this process's writes."""
-        if self._node is None:
-            self._node = _ray().get_runtime_context().get_node_id()
-        return self._node
-
-    def store_of(self, node_id: str):
-        handle = self._handles.get(node_id)
-        if handle is None:
-            handle = store_actor(self.key, node_id, self.budget_bytes, self.namespace)
-            self._handles[node_id] = handle
-        return handle
-
-    def stores(self) -> dict[str, Any]:
-        """The live stores of this run: node id -> actor handle."""
-        ray = _ray()
-        prefix = f"{STORE_PREFIX}:{self.key}:"
-        found = {}
-        for item in ray.util.list_named_actors(all_namespaces=True):
-            name, namespace = item["name"], item["namespace"]
-            if namespace != self.namespace or not name.startswith(prefix):
-                continue
-            node = name[len(prefix) :]
-            try:
-                found[node] = ray.get_actor(name, namespace=namespace)
-            except ValueError:  # died between the listing and the lookup
-                continue
-        self._handles = {n: h for n, h in self._handles.items() if n in found} | found
-        return found
-
-    def each(self, method: str, *args: Any, stores: dict | None = None) -> dict[str, Any]:
-        """``method(*args)`` on every live store at once: node id -> result (dead stores are left out)."""
-        ray = _ray()
-        stores = self.stores() if stores is None else stores
-        refs = {node: getattr(h, method).remote(*args) for node, h in stores.items()}
-        out = {}
-        for node, ref in refs.items():
-            try:
-                out[node] = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                self._handles.pop(node, None)
-        return out
-
-    def peers(self, node_id: str | None = None) -> list[str]:
-        """The nodes that receive copies of what ``node_id`` (default: this one) writes: the next ``replicas``
-        alive nodes in node-id order."""
-        node_id = node_id or self.node_id
-        if self.replicas == 0:
-            return []
-        alive = sorted(n["NodeID"] for n in _ray().nodes() if n.get("Alive"))
-        ring = [n for n in alive if n > node_id] + [n for n in alive if n < node_id]
-        return ring[: self.replicas]
-
-    def holders(self, fresh: bool = True) -> list[tuple[str, Any]]:
-        """Stores to ask for a file, this node's first: listed now (``fresh``), else the ones already known."""
-        stores = self.stores() if fresh or not self._handles else dict(self._handles)
-        local = self._node if self._node in stores else None
-        order = ([local] if local else []) + sorted(n for n in stores if n != local)
-        return [(n, stores[n]) for n in order]
-
-    def forget(self, node: str) -> None:
-        """Drop the handle of ``node``'s store (it died)."""
-        self._handles.pop(node, None)
+        self._generation = 0  # bumped by every write and removal: a read session's view is retaken after one
+        self._sessions: dict[int, list] = {}  # thread id -> [depth, RunView | None]
+        self.calls = {"store_listings": 0, "store_calls": 0}  # Ray round trips made (bench, tests)
 
     # -- writes -------------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -297,6 +185,7 @@ class RayMemoryStorage(Storage):
 
         ray = _ray()
         path = check_relpath(path)
+        self.changed()
         pieces = [memoryview(c).cast("B") for c in chunks]  # every chunk first: a failing iterator publishes nothing
         size = sum(p.nbytes for p in pieces)
         if size <= _INLINE_BYTES:
@@ -346,6 +235,13 @@ class RayMemoryStorage(Storage):
         ray = _ray()
         check_max_bytes(max_bytes)
         path = check_relpath(path)
+        view = self.session_view()
+        got = view.bytes_of(self, path) if view is not None else None
+        if got is not None:
+            data = memoryview(got).cast("B")
+            if max_bytes is not None and data.nbytes > max_bytes:
+                raise too_large(path, data.nbytes, max_bytes)
+            return hash_in_place(data.toreadonly(), on_chunk)
 
         def get(handle):
             got = ray.get(handle.get.remote(path, max_bytes))
@@ -360,21 +256,30 @@ class RayMemoryStorage(Storage):
         return hash_in_place(view.toreadonly(), on_chunk)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        ray = _ray()
-        check_range(start, length)
-        path = check_relpath(path)
-        got = first_answer(self, lambda handle: ray.get(handle.get_range.remote(path, start, length)))
-        if got is None:
-            raise self.missing(path)
-        if isinstance(got, int):
-            raise range_past_end(path, start, length, got)
-        return got
+        return self._ranges(path, [(start, length)])[0]
 
     def read_ranges(self, path: str, ranges) -> list[bytes]:
-        return read_ranges_of(self, path, ranges)
+        return self._ranges(path, ranges)
+
+    def _ranges(self, path: str, ranges) -> list[bytes]:
+        """Every ``(start, length)`` of ``path``: sliced from the read session's view when it holds the file here
+        already, else with one call to one store (``read_ranges_of``)."""
+        ranges = [(start, length) for start, length in ranges]
+        for start, length in ranges:
+            check_range(start, length)
+        path = check_relpath(path)
+        view = self.session_view()
+        held = view.bytes_of(self, path, mapped_only=True) if view is not None else None
+        if held is None:
+            return read_ranges_of(self, path, ranges)
+        data = memoryview(held).cast("B")
+        for start, length in ranges:
+            if start + length > data.nbytes:
+                raise range_past_end(path, start, length, data.nbytes)
+        return [bytes(data[start : start + length]) for start, length in ranges]
 
     def open_read(self, path: str) -> BinaryIO:
-        return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=_COPY_STEP)
+        return io.BufferedReader(ViewReader(self.read_view(path)), buffer_size=COPY_STEP)
 
     def missing(self, path: str) -> StorageError:
         return StorageError(
@@ -392,6 +297,9 @@ class RayMemoryStorage(Storage):
     def list(self, path: str = "") -> list[Entry]:
         if path:
             path = check_relpath(path)
+        view = self.session_view()
+        if view is not None:
+            return view.list(path)
         base = path + "/" if path else ""
         entries: dict[str, Entry] = {}
         for files in self.inventory(path).values():
@@ -409,13 +317,19 @@ class RayMemoryStorage(Storage):
     def exists(self, path: str) -> bool:
         """Whether a file or a folder with files is at ``path`` (asked as a read is: see first_answer)."""
         path = check_relpath(path)
+        view = self.session_view()
+        if view is not None:
+            return view.exists(path)
         return first_answer(self, lambda handle: _ray().get(handle.holds.remote(path))) is not None
 
     def stat(self, path: str) -> Entry | None:
         """``path``'s entry from the first store holding it (asked as a read is); its version names that store."""
-        return stat_paths(self, [path])[0]
+        return self.stat_many([path])[0]
 
     def stat_many(self, paths) -> list[Entry | None]:
+        view = self.session_view()
+        if view is not None:
+            return [view.entry(check_relpath(p)) for p in paths]
         return stat_paths(self, paths)
 
     def size(self, path: str) -> int:
@@ -426,9 +340,11 @@ class RayMemoryStorage(Storage):
 
     # -- removal --------------------------------------------------------------------
     def remove(self, path: str) -> None:
+        self.changed()
         self.each("remove", check_relpath(path))
 
     def remove_tree(self, path: str) -> None:
+        self.changed()
         self.each("remove_prefix", check_relpath(path))
 
     def makedirs(self, path: str) -> None:

@@ -31,14 +31,14 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from typing import Any, Iterable
 
 from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 from .memory_pins import PinsAndFetch
-from .memory_reads import StoreReads
+from .memory_reads import StoreReads, snapshot_of
+from .memory_replication import StoreReplication
 
 log = logging.getLogger("rl_ckpt")
 
@@ -94,12 +94,7 @@ def _resolve(data: Any):
     return ray.get(data)
 
 
-def _snapshot_of(path: str) -> str | None:
-    top = path.split("/", 1)[0]
-    return top if parse_snapshot_id(top) is not None else None
-
-
-class MemoryStore(PinsAndFetch, StoreReads):
+class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
     """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
 
     def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:
@@ -174,8 +169,8 @@ class MemoryStore(PinsAndFetch, StoreReads):
     def _make_room(self, path: str, extra: int) -> None:
         if self.budget_bytes is None or self._held + extra <= self.budget_bytes:
             return
-        order = self._eviction_order(protect=_snapshot_of(path))
-        freeable = sum(n for p, n in self._sizes.items() if _snapshot_of(p) in order)
+        order = self._eviction_order(protect=snapshot_of(path))
+        freeable = sum(n for p, n in self._sizes.items() if snapshot_of(p) in order)
         if self._held + extra - freeable > self.budget_bytes:
             order = []  # evicting everything allowed would not be enough: refuse, and keep what is held
         for sid in order:
@@ -200,7 +195,7 @@ class MemoryStore(PinsAndFetch, StoreReads):
         ones oldest first; never the newest committed one, anything newer, nor ``protect`` (being written)."""
         folders = {}
         for p in self._files:
-            sid = _snapshot_of(p)
+            sid = snapshot_of(p)
             if sid is not None:
                 folders.setdefault(sid, False)
                 if p == f"{sid}/{MANIFEST_NAME}":
@@ -285,70 +280,10 @@ class MemoryStore(PinsAndFetch, StoreReads):
         with self._lock:
             return self._held
 
-    # -- replication -------------------------------------------------------------
-    def replicate(self, paths: list[str], peers: list) -> None:
-        """Queue ``paths`` for a copy to each peer store (returns at once)."""
-        with self._lock:
-            for p in paths:
-                self._enqueue(p, list(peers))
-
-    def _enqueue(self, path: str, peers: list) -> None:
-        self._queue.append((path, peers, time.monotonic()))
-        self._queued.notify()
-
-    def _replicate_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue:
-                    self._queued.wait()
-                path, peers, _queued_at = self._queue.popleft()
-                self._busy += 1
-            try:
-                self._copy(path, peers)
-            finally:
-                with self._lock:
-                    self._busy -= 1
-                    if not self._queue and not self._busy:
-                        self._idle.notify_all()
-
-    def _copy(self, path: str, peers: list) -> None:
-        """Copy ``path`` to each peer; then the snapshot's manifest too once this store has it, so a peer that
-        received data also learns the snapshot is committed (the manifest always arrives after its data)."""
-        import ray
-
-        sid = _snapshot_of(path)
-        manifest = f"{sid}/{MANIFEST_NAME}" if sid is not None else None
-        for item in [path] + ([manifest] if manifest and path != manifest else []):
-            with self._lock:
-                data, size = self._files.get(item), self._sizes.get(item)
-            if data is None:
-                continue  # removed or evicted before it was copied; or no manifest yet (it follows later)
-            # An ObjectRef goes as is: Ray moves the object to the peer's node, and the peer puts its own copy.
-            refs = [peer.put_replica.remote(item, data, self.node_id) for peer in peers]
-            for ref in refs:
-                try:
-                    ray.get(ref)
-                    self.replicated_bytes += size
-                except Exception as exc:  # a peer gone: its copy is missing, which the tier view shows
-                    self.replication_errors.append(f"{item}: {type(exc).__name__}: {exc}"[:500])
-                    del self.replication_errors[:-50]
-
-    def wait_replicated(self, timeout: float | None = None) -> bool:
-        """Block until every queued copy was acked or failed (True) or ``timeout`` passed (False)."""
-        with self._lock:
-            return self._idle.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
-
-    def replication_lag(self) -> float:
-        """Seconds the oldest queued copy has waited (0 when nothing is queued)."""
-        with self._lock:
-            if not self._queue:
-                return 0.0
-            return time.monotonic() - self._queue[0][2]
-
     def info(self) -> dict:
         """What the store holds and how replication is doing (for /healthz and metrics)."""
         with self._lock:
-            snaps = sorted({s for s in map(_snapshot_of, self._files) if s is not None}, key=parse_snapshot_id)
+            snaps = sorted({s for s in map(snapshot_of, self._files) if s is not None}, key=parse_snapshot_id)
             committed = [s for s in snaps if f"{s}/{MANIFEST_NAME}" in self._files]
             return {
                 "node_id": self.node_id,

@@ -12,7 +12,7 @@ import torch
 
 from helpers import PPOState, assert_same_state, tensors_of
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.errors import CommitConflictError, StorageError
+from rl_ckpt.errors import CommitConflictError, NoValidSnapshotError, StorageError
 from rl_ckpt.format.manifest import MANIFEST_NAME
 from rl_ckpt.recovery.plan import RecoveryPlan
 from rl_ckpt.recovery.tiers import choose_tier
@@ -137,11 +137,16 @@ def test_engine_roundtrip_bitwise_and_corruption_is_caught(mem, tmp_path):
         assert not engine.verify("step_000000007").ok
 
 
-def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path, monkeypatch):
-    """stat, exists and reads ask the stores already known first (the cluster's stores are listed again only for
-    a file none of them holds): a restore lists the stores once per folder it lists, never per file, and reads
-    each file with one call to one store. A ranged read of several ranges is one call too."""
-    from actors import memory_storage
+def _calls_of(storage, fn) -> dict:
+    before = dict(storage.calls)
+    fn()
+    return {k: storage.calls[k] - before[k] for k in before}
+
+
+def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path):
+    """Outside a read session, stat, exists and reads ask the stores already known first (the cluster's stores are
+    listed again only for a file none of them holds): a restore lists the stores once per folder it lists, never
+    per file, and reads each file with one call to one store. A ranged read of several ranges is one call too."""
     from rl_ckpt.storage import open_storage
 
     storage = mem()
@@ -154,36 +159,100 @@ def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path, mon
     reader = _engine(open_storage(storage.url, {"replicas": 0}), tmp_path, post_load_check=False)
     for name in modules:
         reader.register(name, torch.nn.Linear(4, 4))
-    counts = {"listings": 0, "lists": 0, "store_calls": 0}
-    cls, stores, listing, first = (
-        memory_storage.RayMemoryStorage,
-        memory_storage.RayMemoryStorage.stores,
-        memory_storage.RayMemoryStorage.list,
-        memory_storage.first_answer,
-    )
-
-    def counted(key, fn):
-        def call(*args, **kwargs):
-            counts[key] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(cls, "stores", counted("listings", stores))
-    monkeypatch.setattr(cls, "list", counted("lists", listing))
-    monkeypatch.setattr(memory_storage, "first_answer", counted("store_calls", first))
-    assert reader.restore(snapshot_id="step_000000001").snapshot_id == "step_000000001"
-    assert counts["lists"] >= 1 and counts["listings"] == counts["lists"], counts
-    # One call per file read (the manifest and the 10 files); the stats went in one call (stat_many).
-    assert counts["store_calls"] == 11, counts
+    lists = []
+    listing = reader.storage.list
+    reader.storage.list = lambda path="": lists.append(path) or listing(path)
+    counts = _calls_of(reader.storage, lambda: reader.restore(snapshot_id="step_000000001"))
+    assert lists and counts["store_listings"] == len(lists), (counts, lists)
+    # One listing per folder listed and one call to the (one) store for it, one per file read (the manifest and the 10
+    # files), one for the stats (stat_many: the catalog's manifest stats and the plan's file stats).
+    assert counts["store_calls"] == len(lists) + 11 + 2, counts
     sid = reader.snapshots()[-1].snapshot_id
     path = next(f"{sid}/{f.path}" for f in reader.catalog.get(sid).manifest.files if f.path.endswith(".safetensors"))
     whole = bytes(reader.storage.read(path))
-    counts["store_calls"] = 0
-    assert reader.storage.read_ranges(path, [(0, 8), (8, 4), (20, 3)]) == [whole[:8], whole[8:12], whole[20:23]]
-    assert counts["store_calls"] == 1
+    got = []
+    counts = _calls_of(reader.storage, lambda: got.append(reader.storage.read_ranges(path, [(0, 8), (8, 4), (20, 3)])))
+    assert got[0] == [whole[:8], whole[8:12], whole[20:23]] and counts == {"store_listings": 0, "store_calls": 1}
     assert reader.storage.exists(sid) and reader.storage.exists(path) and not reader.storage.exists(f"{sid}/nope")
     reader.close()
+
+
+def test_restore_in_a_read_session_is_one_round_trip_per_store(ray_cluster, mem, tmp_path):
+    """In a read session a restore lists the cluster's stores once and asks each store once (its view: every path,
+    and the newest committed snapshot's files), whatever the number of files; the state is loaded bitwise and
+    every file is still checked against the manifest (a file changed in the store fails the restore)."""
+    from rl_ckpt.storage import open_storage
+
+    storage = mem()
+    modules = {f"m{i}": torch.nn.Linear(64, 64) for i in range(3)}
+    modules["big"] = torch.nn.Linear(512, 256)  # 512 KiB of weights: held in the object store, mapped
+    writer = _engine(storage, tmp_path)
+    for name, module in modules.items():
+        writer.register(name, module)
+    writer.save(1)
+    writer.close()
+    reader = _engine(open_storage(storage.url, {"replicas": 0}), tmp_path, post_load_check=False)
+    loaded = {name: torch.nn.Linear(m.in_features, m.out_features) for name, m in modules.items()}
+    for name, module in loaded.items():
+        reader.register(name, module)
+
+    def restore():
+        with reader.storage.read_session():
+            assert reader.restore(snapshot_id="step_000000001").snapshot_id == "step_000000001"
+
+    assert _calls_of(reader.storage, restore) == {"store_listings": 1, "store_calls": 1}
+    for name, module in modules.items():
+        for key, value in module.state_dict().items():
+            assert torch.equal(value, loaded[name].state_dict()[key]), (name, key)
+    # A small file replaced in the store under the manifest: the session serves it, the checksum refuses it.
+    sid = "step_000000001"
+    manifest = reader.catalog.get(sid).manifest
+    victim = next(f"{sid}/{f.path}" for f in manifest.files if f.path.endswith("m0.safetensors"))
+    data = bytearray(storage.read(victim))
+    data[-1] ^= 0xFF
+    ray_cluster.get(storage.store_of(storage.node_id).put.remote(victim, bytes(data)))
+    with reader.storage.read_session(), pytest.raises(NoValidSnapshotError, match="checksum"):
+        reader.restore(snapshot_id=sid)
+    reader.close()
+
+
+def test_read_session_sees_its_own_writes_and_the_run_as_it_was(mem):
+    """A session answers from one view: writes and removals through the same storage are seen at once (the view is
+    retaken), another client's only after the session; reads of files the view did not carry (an older snapshot)
+    come with the rest of their folder in one call; refusals (too large, past the end, missing) are the same."""
+    from rl_ckpt.errors import FileTooLargeError, ReadRangeError
+    from rl_ckpt.storage import open_storage
+
+    storage = mem()
+    other = open_storage(storage.url, {"replicas": 0})
+    for step in (1, 2):
+        for i in range(3):
+            storage.write_atomic(f"step_00000000{step}/r/f{i}.bin", bytes([step, i]) * 100)
+        storage.write_atomic(f"step_00000000{step}/{MANIFEST_NAME}", b"{}", create_only=True)
+    with storage.read_session():
+        assert [e.name for e in storage.list("")] == ["step_000000001", "step_000000002"]
+        first = _calls_of(storage, lambda: storage.read("step_000000002/r/f0.bin"))
+        assert first == {"store_listings": 0, "store_calls": 0}  # the newest snapshot came with the view
+        older = _calls_of(storage, lambda: storage.read("step_000000001/r/f0.bin"))
+        assert older == {"store_listings": 0, "store_calls": 1}
+        assert _calls_of(storage, lambda: storage.read("step_000000001/r/f2.bin")) == older | {"store_calls": 0}
+        assert bytes(storage.read("step_000000001/r/f1.bin")) == bytes([1, 1]) * 100
+        assert storage.read_range("step_000000001/r/f1.bin", 2, 3) == bytes([1, 1, 1])
+        assert storage.read_ranges("step_000000002/r/f1.bin", [(0, 1), (3, 2)]) == [b"\x02", b"\x01\x02"]
+        with pytest.raises(FileTooLargeError):
+            storage.read("step_000000002/r/f0.bin", max_bytes=10)
+        with pytest.raises(ReadRangeError):
+            storage.read_range("step_000000002/r/f0.bin", 150, 100)
+        with pytest.raises(StorageError):
+            storage.read("step_000000002/r/nope.bin")
+        assert storage.stat("step_000000002/r/f0.bin").size == 200 and storage.stat("step_000000002/nope") is None
+        other.write_atomic("step_000000003/r/f0.bin", b"new")
+        assert not storage.exists("step_000000003")  # another client's write: not in this session's view
+        storage.write_atomic("step_000000002/r/f9.bin", b"mine")
+        assert storage.exists("step_000000003") and bytes(storage.read("step_000000002/r/f9.bin")) == b"mine"
+        storage.remove_tree("step_000000001")
+        assert [e.name for e in storage.list("")] == ["step_000000002", "step_000000003"]
+    assert storage.exists("step_000000003") and not storage.exists("step_000000001")
 
 
 def test_budget_evicts_oldest_never_newest_committed(mem, tmp_path):

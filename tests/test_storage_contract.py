@@ -454,6 +454,21 @@ def test_read_ranges_and_stat_many_answer_like_one_call_each(store):
     assert stats[0].size == 1024 and not stats[0].is_dir and stats[1] is None
 
 
+def test_read_session_answers_like_outside_and_sees_own_writes(store):
+    """``read_session`` (a restore's one view of the run; the default is none) answers as outside it, nests, and
+    sees the writes and removals made through the same storage."""
+    put(store, "snap/a.bin", [b"a" * 10])
+    with store.read_session() as same, store.read_session():
+        assert same is store
+        assert [e.name for e in store.list("snap")] == ["a.bin"] and store.stat("snap/a.bin").size == 10
+        assert bytes(store.read("snap/a.bin")) == b"a" * 10 and store.read_range("snap/a.bin", 2, 3) == b"aaa"
+        put(store, "snap/b.bin", [b"b" * 4])
+        assert store.exists("snap/b.bin") and bytes(store.read("snap/b.bin")) == b"bbbb"
+        store.remove("snap/a.bin")
+        assert not store.exists("snap/a.bin") and [e.name for e in store.list("snap")] == ["b.bin"]
+    assert [e.name for e in store.list("snap")] == ["b.bin"]
+
+
 def test_read_with_max_bytes(store):
     put(store, "snap/meta.json", [b"x" * 100])
     assert bytes(store.read("snap/meta.json", max_bytes=100)) == b"x" * 100

@@ -153,7 +153,8 @@ class MemoryTier:
     # -- recovery ----------------------------------------------------------------
     def plan(self, failure=None) -> TieredPlan:
         """The tier and plan a restore follows now (no side effects)."""
-        return plan_across_tiers(self.memory, self.durable, failure)
+        with self.memory.storage.read_session():
+            return plan_across_tiers(self.memory, self.durable, failure)
 
     def restore(self, failure=None, *, strict: bool = True) -> RestoreResult:
         """Restore the newest complete snapshot across tiers (memory preferred on a tie).
@@ -162,6 +163,12 @@ class MemoryTier:
         memory loads, the durable plan is followed. Memory snapshots newer than what was restored belong to
         the timeline that failed: they are retired so the steps are saved anew.
         """
+        # One view of the memory stores answers the plan's listings and stats and carries the files it loads
+        # (one round trip per store instead of one per listing and file); every file is still verified.
+        with self.memory.storage.read_session():
+            return self._restore(failure, strict)
+
+    def _restore(self, failure, strict: bool) -> RestoreResult:
         tiered = self.plan(failure)
         log.info("recovery across tiers: %s", tiered.reason)
         result = None

@@ -20,6 +20,7 @@ no reader trusts, see ``rl_ckpt.commit``)::
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import os
 import re
@@ -234,6 +235,14 @@ class Storage(abc.ABC):
         """``stat`` of each path, in order: one request for all where the backend can (the memory tier: one call
         per store); this default stats them one by one."""
         return [self.stat(p) for p in paths]
+
+    def read_session(self) -> contextlib.AbstractContextManager:
+        """A context (on the calling thread) within which the backend may answer listings, stats and reads from
+        one view of the run taken at its first use, as a listing taken then would (writes and removals through
+        this object are seen; another client's are not). A restore wraps its planning and loading in one. For
+        the memory tier that is one round trip per store instead of one per listing, stat and file; this
+        default is no view (every call asks the backend)."""
+        return contextlib.nullcontext(self)
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:

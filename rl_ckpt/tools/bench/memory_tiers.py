@@ -5,14 +5,16 @@ memory snapshot, once to local disk and once to S3 (moto's server on 127.0.0.1, 
 loopback endpoint the fault suite uses). Then ``--repeat`` rounds, each timing ``engine.restore`` of the same
 state (every file verified, loaded into the module and the optimizer) from:
 
-- memory: the run's ``raymem://`` stores (one participant, one node);
+- memory: the run's ``raymem://`` stores (one participant, one node), inside one read session of the stores as
+  ``MemoryTier.restore`` reads (``RayMemoryStorage.read_session``); also without one (``memory_no_session``);
 - local disk, warm: the snapshot's pages in the page cache (just read);
 - local disk, cold: its pages dropped first (``--cache``);
 - S3: the loopback endpoint.
 
 The medians and their ratios are printed next to issue #23's goals: memory <= 1.0x warm disk at 1 MiB; at
 256 MiB and more, memory <= 0.5x cold disk and <= 1.0x warm disk. Also counted (not timed): the calls to the
-memory stores that one restore makes (listings of the cluster's stores, calls to a store).
+memory stores that one restore makes (listings of the cluster's stores, calls to a store), with and without a
+read session.
 """
 
 from __future__ import annotations
@@ -43,44 +45,12 @@ def mlp_state(nbytes: int, seed: int = 0):
     return model, optim
 
 
-class StoreCalls:
-    """Counts, while active, the listings of the cluster's stores and the calls made to one store."""
-
-    def __init__(self) -> None:
-        from actors import memory_storage
-
-        self.module, self.counts = memory_storage, {"store_listings": 0, "store_calls": 0}
-
-    def __enter__(self) -> "StoreCalls":
-        cls, counts = self.module.RayMemoryStorage, self.counts
-        self.saved = (cls.stores, self.module.first_answer, cls.each, self.module.stat_paths)
-        stores, first, each, stat_paths = self.saved
-
-        def counted_stores(storage):
-            counts["store_listings"] += 1
-            return stores(storage)
-
-        def counted_first(storage, call):
-            return first(
-                storage, lambda handle: (counts.__setitem__("store_calls", counts["store_calls"] + 1), call(handle))[1]
-            )
-
-        def counted_each(storage, method, *args, stores=None):
-            found = storage.stores() if stores is None else stores
-            counts["store_calls"] += len(found)
-            return each(storage, method, *args, stores=found)
-
-        def counted_stats(storage, paths):  # one call to the local store when it holds them all
-            counts["store_calls"] += 1
-            return stat_paths(storage, paths)
-
-        cls.stores, self.module.first_answer, cls.each = counted_stores, counted_first, counted_each
-        self.module.stat_paths = counted_stats
-        return self
-
-    def __exit__(self, *exc) -> None:
-        cls = self.module.RayMemoryStorage
-        cls.stores, self.module.first_answer, cls.each, self.module.stat_paths = self.saved
+def calls_of(storage, restore) -> dict:
+    """The Ray round trips one ``restore()`` makes to the memory stores: listings of the cluster's stores and calls
+    to a store (``RayMemoryStorage.calls``)."""
+    before = dict(storage.calls)
+    restore()
+    return {k: storage.calls[k] - before[k] for k in before}
 
 
 def _engine(base_dir: str, run: str, model, optim, storage_options: dict | None = None):
@@ -116,8 +86,15 @@ def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -
     remote = _engine(f"s3://{bucket}", run, model, optim, s3.options)
     remote.save(1)
     state_bytes = disk.snapshots()[-1].size_bytes
+    mem = tier.memory.storage
+
+    def memory_restore():  # as MemoryTier.restore reads: inside one read session of the stores
+        with mem.read_session():
+            return tier.memory.restore(snapshot_id="step_000000001")
+
     restores = {
-        "memory": lambda: tier.memory.restore(snapshot_id="step_000000001"),
+        "memory": memory_restore,
+        "memory_no_session": lambda: tier.memory.restore(snapshot_id="step_000000001"),
         "disk_warm": lambda: disk.restore(snapshot_id="step_000000001"),
         "disk_cold": lambda: disk.restore(snapshot_id="step_000000001"),
         "s3": lambda: remote.restore(snapshot_id="step_000000001"),
@@ -135,17 +112,17 @@ def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -
                 restore()
                 if i:
                     runs[name].append(time.perf_counter() - started)
-        with StoreCalls() as calls:
-            restores["memory"]()
+        calls = calls_of(mem, restores["memory"])
+        calls_no_session = calls_of(mem, restores["memory_no_session"])
     finally:
-        storage = tier.memory.storage
         tier.close()
         remote.close()
-        storage.destroy()
+        mem.destroy()
         s3.drop_bucket(bucket)
         rmtree(run_dir)
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratios = {f"memory/{k}": med["memory"] / med[k] for k in ("disk_warm", "disk_cold", "s3")}
+    ratios["memory_no_session/disk_warm"] = med["memory_no_session"] / med["disk_warm"]
     goals = GOALS["large" if nbytes >= LARGE else "small"]
     verdict = {f"memory/disk_{k} <= {v}": ratios[f"memory/disk_{k}"] <= v for k, v in goals.items()}
     return {
@@ -154,7 +131,8 @@ def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -
         "runs": runs,
         "ratios": ratios,
         "goals": verdict,
-        "memory_restore_calls": calls.counts,
+        "memory_restore_calls": calls,
+        "memory_restore_calls_no_session": calls_no_session,
     }
 
 
@@ -175,7 +153,9 @@ def run_tiers(sizes: list[str], base: str, repeat: int, cache: CacheDropper) -> 
                 f"memory/warm {r['memory/disk_warm']:.2f}x, memory/cold {r['memory/disk_cold']:.2f}x, "
                 f"memory/S3 {r['memory/s3']:.2f}x; goals: "
                 + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in got["goals"].items())
-                + f"; one memory restore made {got['memory_restore_calls']}"
+                + f"; one memory restore made {got['memory_restore_calls']}; without a read session it takes "
+                f"{t['memory_no_session']:.4f} s ({r['memory_no_session/disk_warm']:.2f}x warm disk) and makes "
+                f"{got['memory_restore_calls_no_session']}"
             )
     finally:
         s3.close()
