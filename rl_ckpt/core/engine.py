@@ -260,11 +260,12 @@ class CheckpointEngine(RunHandle):
         """
         self._check_open()
         self.wait()
-        if plan is None:
-            plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
-        if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
-            plan = without_light(self.storage, plan)
-        return self.restorer.restore(plan, strict=strict, light=light, record=self.topology.records_decisions)
+        with self.storage.read_session():  # the memory tier: one view of the run for planning and loading
+            if plan is None:
+                plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
+            if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
+                plan = without_light(self.storage, plan)
+            return self.restorer.restore(plan, strict=strict, light=light, record=self.topology.records_decisions)
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into an ordinary ``module`` (rollout workers: no process group).

@@ -221,15 +221,27 @@ def to_torch(code: str, shape: list[int], view: memoryview) -> torch.Tensor:
     dtype = CODE_TO_TORCH[code]
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if view.readonly:
-        with warnings.catch_warnings():  # torch's "buffer is not writable" warning: the caller only reads it
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            raw = torch.frombuffer(view, dtype=torch.uint8)
+    if view.readonly and not _READONLY_WARNING_SPENT:
+        raw = _frombuffer_quietly(view)
     else:
         raw = torch.frombuffer(view, dtype=torch.uint8)
     if raw.data_ptr() % ITEMSIZE[code]:
         raw = raw.clone()
     return raw.view(dtype).reshape(shape)
+
+
+# torch warns once per process that a read-only buffer is not writable (the caller only reads it): the first
+# such call is made with the warning filtered; after it torch stays silent, so no later call pays for a filter.
+_READONLY_WARNING_SPENT = False
+
+
+def _frombuffer_quietly(view: memoryview) -> torch.Tensor:
+    global _READONLY_WARNING_SPENT
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        raw = torch.frombuffer(view, dtype=torch.uint8)
+    _READONLY_WARNING_SPENT = True
+    return raw
 
 
 def to_numpy(code: str, shape: list[int], view: memoryview) -> np.ndarray:
