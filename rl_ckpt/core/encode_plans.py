@@ -102,10 +102,13 @@ class _Plan:
         """``state`` encoded from this plan, or None when its tensors moved (raises NoPlan on other mismatches)."""
         leaves: list[torch.Tensor] = []
         node = _match(state, self.skeleton, leaves)
-        if len(leaves) != len(self.sigs) or [_sig(t) for t in leaves] != self.sigs:
+        sigs = [
+            (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device) for t in leaves
+        ]  # (``_sig`` inlined: this runs for every tensor at every call)
+        if sigs != self.sigs:
             return None
         tree = self.tree if node is _SAME else node
-        return EncodedState(tree=tree, arrays={name: leaves[i].detach() for name, i in self.arrays})
+        return EncodedState(tree=tree, arrays={name: leaves[i] for name, i in self.arrays})  # (staging detaches)
 
 
 def _sig(t: torch.Tensor) -> tuple:
