@@ -124,8 +124,16 @@ def _scalar_node(value: Any) -> Any:
     return value
 
 
-# Skeleton nodes: ("t", kind) a tensor leaf; ("s", type, value) a scalar; ("c", type, form, keys, children, tree)
-# a container whose tree node is ``tree`` and whose children sit in it as ``form`` says.
+# Skeleton nodes: ("t", kind) a tensor leaf; ("s", type, value) a scalar; ("c", type, form, keys, children, tree,
+# leading) a container whose tree node is ``tree``, whose children sit in it as ``form`` says and whose first
+# ``leading`` children are tensor leaves (checked in one loop: a module's state_dict, Adam's per-parameter state).
+
+
+def _container(kind: type, form: str, keys: Any, children: list, tree: Any) -> tuple:
+    leading = 0
+    while leading < len(children) and children[leading][0] == "t":
+        leading += 1
+    return ("c", kind, form, keys, children, tree, leading)
 
 
 def _skeleton(value: Any, tree: Any, leaves: list, depth: int) -> tuple:
@@ -147,12 +155,12 @@ def _skeleton(value: Any, tree: Any, leaves: list, depth: int) -> tuple:
         if list(tree) != keys:
             raise NoPlan()
         children = [_skeleton(value[k], tree[k], leaves, depth + 1) for k in keys]
-        return ("c", kind, "dict", keys, children, tree)
+        return _container(kind, "dict", keys, children, tree)
     if kind is list and type(tree) is list and len(tree) == len(value):
-        return ("c", kind, "list", None, [_skeleton(v, n, leaves, depth + 1) for v, n in zip(value, tree)], tree)
+        return _container(kind, "list", None, [_skeleton(v, n, leaves, depth + 1) for v, n in zip(value, tree)], tree)
     if kind is tuple and type(tree) is dict and list(tree) == ["$tuple"] and len(tree["$tuple"]) == len(value):
         children = [_skeleton(v, n, leaves, depth + 1) for v, n in zip(value, tree["$tuple"])]
-        return ("c", kind, "tuple", None, children, tree)
+        return _container(kind, "tuple", None, children, tree)
     if kind is dict and type(tree) is dict and list(tree) == ["$dict"]:
         return _pairs_skeleton(value, kind, "pairs", tree["$dict"], tree, leaves, depth)
     if kind is collections.OrderedDict and type(tree) is dict and list(tree) == ["$odict"]:
@@ -162,7 +170,7 @@ def _skeleton(value: Any, tree: Any, leaves: list, depth: int) -> tuple:
             raise NoPlan()
         skel = _pairs_skeleton(value, kind, "odict", node["items"], tree, leaves, depth)
         if "_metadata" in meta:
-            skel[4].append(_skeleton(meta["_metadata"], node["meta"], leaves, depth + 1))
+            skel[4].append(_skeleton(meta["_metadata"], node["meta"], leaves, depth + 1))  # (after the items)
         return skel
     raise NoPlan()
 
@@ -172,7 +180,7 @@ def _pairs_skeleton(value: Any, kind: type, form: str, pairs: list, tree: Any, l
     if [p[0] for p in pairs] != [_scalar_node(k) for k in keys] or any(type(k) not in (str, int) for k in keys):
         raise NoPlan()
     children = [_skeleton(value[k], p[1], leaves, depth + 1) for k, p in zip(keys, pairs)]
-    return ("c", kind, form, (keys, [type(k) for k in keys]), children, tree)
+    return _container(kind, form, (keys, [type(k) for k in keys]), children, tree)
 
 
 def _match(value: Any, skel: tuple, leaves: list) -> Any:
@@ -189,11 +197,11 @@ def _match(value: Any, skel: tuple, leaves: list) -> Any:
         if value == old:  # (a float's sign too: -0.0 == 0.0 but they are written differently)
             return _SAME if kind is not float or math.copysign(1, value) == math.copysign(1, old) else value
         return _SAME if value != value and old != old else _scalar_node(value)
-    form, keys, children, tree = skel[2], skel[3], skel[4], skel[5]
+    form, keys, children, tree, leading = skel[2], skel[3], skel[4], skel[5], skel[6]
     if form == "dict":
         if list(value) != keys:
             raise NoPlan()
-        items = value.values()
+        items = list(value.values())
     elif form in ("pairs", "odict"):
         if list(value) != keys[0] or [type(k) for k in value] != keys[1]:
             raise NoPlan()
@@ -208,9 +216,13 @@ def _match(value: Any, skel: tuple, leaves: list) -> Any:
         if len(value) != len(children):
             raise NoPlan()
         items = value
+    for v in items[:leading]:
+        if type(v) is not torch.Tensor:
+            raise NoPlan()
+    leaves.extend(items[:leading])
     changed = None
-    for i, (v, c) in enumerate(zip(items, children)):
-        node = _match(v, c, leaves)
+    for i in range(leading, len(children)):
+        node = _match(items[i], children[i], leaves)
         if node is not _SAME:
             changed = changed or {}
             changed[i] = node
