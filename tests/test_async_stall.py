@@ -273,3 +273,31 @@ def test_gpu_copies_are_ordered_after_the_trainer_at_the_call_and_before_its_nex
     assert side.synced == 1
     copies.copy(Dst(), Src())  # an unmarked copy (the call's own): after the caller's stream
     assert side.waited == ["trainer", "trainer"]
+
+
+def test_prepare_allocates_the_staging_buffers_ahead_and_the_first_save_reuses_them(tmp_path, gate):
+    torch.manual_seed(3)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # no state yet: prepared again after its first step
+    engine = _engine(tmp_path, gate)
+    engine.register("model", model)
+    engine.register("optimizer", opt)
+    staging = engine.pipeline.staging
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert engine.pipeline.prepare() == model_bytes
+    assert staging.warmed.wait(60) and set(gate.alloc_threads) == {"rl_ckpt-staging-warm-up"}
+    assert staging.allocations == len(model.state_dict())
+
+    _train(model, opt)  # the optimizer's step post-hook prepares its new state (Adam's tensors)
+    assert staging.warmed.wait(60)
+    tensors = len(model.state_dict()) + sum(len(s) for s in opt.state_dict()["state"].values())
+    assert staging.allocations == tensors
+    gate.alloc_threads.clear()
+    at_call = _state(model, opt)
+    handle = engine.save_async(1)
+    _train(model, opt, 2)  # the hooks copy into the prepared buffers: nothing is allocated
+    gate.open()
+    _bitwise(at_call, _restored(tmp_path, handle.wait(timeout=60).snapshot_id))
+    assert gate.alloc_threads == [] and staging.allocations == tensors
+    assert engine.pipeline.prepare() == 0  # every buffer is there already
+    engine.close()

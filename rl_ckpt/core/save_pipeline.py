@@ -23,16 +23,16 @@ from typing import Any, Mapping
 from rl_ckpt.config import CheckpointConfig, config_digest, recorded_config
 from rl_ckpt.core.async_save import BackgroundWriter, SaveHandle
 from rl_ckpt.run.snapshot_files import read_manifest
-from rl_ckpt.core.registry import ComponentRegistry, Registered
+from rl_ckpt.core.capture import StateCapture
+from rl_ckpt.core.registry import ComponentRegistry
 from rl_ckpt.core.stage_guard import StageGuard, after_staging, stage_background
 from rl_ckpt.core.staging import StagingArea
 from rl_ckpt.core.topology import Topology
 from rl_ckpt.core.writer import write_component
-from rl_ckpt.errors import CheckpointError, ConfigError, SerializationError
+from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt.format.manifest import Manifest, now_iso, snapshot_id
 from rl_ckpt.format.metrics import clean_metrics
-from rl_ckpt.format.state_codec import EncodedState, encode_state
-from rl_ckpt.recovery.probe import run_probe
+from rl_ckpt.format.state_codec import EncodedState
 from rl_ckpt.run.catalog import Catalog, SnapshotInfo
 from rl_ckpt.commit import Attempt, CommitStrategy
 from rl_ckpt.errors import post_commit_text
@@ -73,7 +73,7 @@ class SavePipeline:
         self.catalog = catalog
         self.registry = registry
         self.maintenance = maintenance
-        self.staging, self.guard = StagingArea(), StageGuard()
+        self.capture, self.guard = StateCapture(config, registry), StageGuard()
         self._writer: BackgroundWriter | None = None
 
     @property
@@ -86,53 +86,28 @@ class SavePipeline:
         """The commit strategy saves go through (the topology's)."""
         return self.registry.topology.commit
 
-    # -- stage -------------------------------------------------------------------
+    # -- stage (core/capture.py) ----------------------------------------------------
+    @property
+    def staging(self) -> StagingArea:
+        """The reused staging buffers of background saves."""
+        return self.capture.staging
+
+    @staging.setter
+    def staging(self, area: StagingArea) -> None:
+        self.capture.staging = area
+
     def probes(self, kind: str) -> dict:
         """Reference outputs of the post-load probe, taken from the state being saved."""
-        if not self.config.post_load_check or kind != "full":
-            return {}
-        out = {}
-        for reg in self.registry.saved(kind):
-            if reg.sharded is not None:
-                continue  # a probe forward of a sharded module is a collective; its chunks carry checksums
-            result = run_probe(reg.obj, fn=reg.probe, shape=self.config.probe_shapes.get(reg.name))
-            if result is not None:
-                out[self.registry.key(reg.name)] = result
-        return out
+        return self.capture.probes(kind)
 
     def stage(self, kind: str = "full", *, copy: bool = False, capture: Any = None) -> dict[str, EncodedState]:
-        """Every saved component's state, split into tensors/tables/JSON.
+        """Every saved component's state, split into tensors/tables/JSON (``StateCapture.stage``)."""
+        return self.capture.stage(kind, copy=copy, capture=capture)
 
-        ``copy``: into this pipeline's staging buffers (a background save), which then hold only what this round
-        staged; ``capture``: a ``core/stage_guard.Capture`` that defers the guarded tensors to a stager."""
-        from rl_ckpt.sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
-
-        staged, area = {}, capture or self.staging
-        try:
-            for reg in self.registry.saved(kind):
-                if reg.sharded is not None:
-                    staged[reg.name] = stage_sharded(
-                        reg.sharded,
-                        self.registry.rank,
-                        copy=copy,
-                        name=reg.name,
-                        staging=self.staging if copy else None,
-                    )
-                elif copy:
-                    staged[reg.name] = area.stage(reg.name, encode_state(reg.name, _state_of(reg), host=False))
-                else:
-                    staged[reg.name] = encode_state(reg.name, _state_of(reg))
-        finally:
-            if copy and capture is None:  # device-to-host copies land; buffers of keys not staged this round are freed
-                self.staging.finish()
-        if not staged and not (self.topology.empty_part_ok and len(self.registry)):
-            # A participant whose state is all replicated (written by rank 0) contributes an empty part.
-            raise CheckpointError(
-                f"nothing to save in a {kind} snapshot: register components first"
-                + (" (or list them in light_components)" if kind == "light" else ""),
-                kind=kind,
-            )
-        return staged
+    def prepare(self, kind: str = "full") -> int:
+        """Allocate and fault in the staging buffers of background saves ahead of the first one, on a thread;
+        returns the bytes prepared (``StateCapture.prepare``)."""
+        return self.capture.prepare(kind)
 
     # -- save --------------------------------------------------------------------
     def save(
@@ -230,7 +205,8 @@ class SavePipeline:
         sid = snapshot_id(global_step, kind)
         attempt = self.commit.begin(sid)
         try:
-            files, sections = self._write(staged, attempt)
+            objects = self._object_writer() if self.config.dedup else None
+            files, sections = write_staged(self.storage, self.registry, self.config, attempt, staged, objects)
             recorded = recorded_config(self.config, self.train_config)
             participant = self.registry.participant
             manifest = Manifest(
@@ -274,46 +250,6 @@ class SavePipeline:
             info.warnings = self.maintenance.after_commit()
         return info
 
-    def _write(self, staged: Mapping[str, EncodedState], attempt: Attempt) -> tuple[list, dict]:
-        """Every staged component's files inside ``attempt``: (manifest file entries, component sections)."""
-        from rl_ckpt.sharded import write_shards  # (lazy: see registry.SHARDED_IMPORT)
-
-        cfg = self.config
-        objects = self._object_writer() if cfg.dedup else None
-        files, sections = [], {}
-        for name, enc in staged.items():
-            key = self.registry.key(name)
-            if "/" in key:
-                self.storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
-            reg = self.registry.get(name)
-            if reg is not None and reg.sharded is not None:
-                entries, section = write_shards(
-                    self.storage,
-                    attempt,
-                    key,
-                    enc,
-                    self.registry.rank,
-                    algo=cfg.checksum_algo,
-                    verify=cfg.verify_after_write,
-                    block_bytes=reg.sharded.block_bytes,
-                    min_block_bytes=reg.sharded.min_block_bytes,
-                    objects=objects,
-                )
-            else:
-                entries, section = write_component(
-                    self.storage,
-                    attempt,
-                    key,
-                    enc,
-                    algo=cfg.checksum_algo,
-                    verify=cfg.verify_after_write,
-                    objects=objects,
-                )
-            section["kind"] = reg.kind if reg is not None else "other"
-            files += entries
-            sections[key] = section
-        return files, sections
-
     def _object_writer(self) -> ObjectWriter:
         if not self.topology.applies_retention:
             # The manager applies retention: see its deletions before reusing any chunk.
@@ -338,6 +274,53 @@ class SavePipeline:
             self._writer.close()
 
 
+def write_staged(
+    storage: Storage,
+    registry: ComponentRegistry,
+    cfg: CheckpointConfig,
+    attempt: Attempt,
+    staged: Mapping[str, EncodedState],
+    objects: ObjectWriter | None,
+) -> tuple[list, dict]:
+    """Every staged component's files inside ``attempt``: (manifest file entries, component sections);
+    ``objects``: the dedup object writer, if any."""
+    from rl_ckpt.sharded import write_shards  # (lazy: see registry.SHARDED_IMPORT)
+
+    files, sections = [], {}
+    for name, enc in staged.items():
+        key = registry.key(name)
+        if "/" in key:
+            storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
+        reg = registry.get(name)
+        if reg is not None and reg.sharded is not None:
+            entries, section = write_shards(
+                storage,
+                attempt,
+                key,
+                enc,
+                registry.rank,
+                algo=cfg.checksum_algo,
+                verify=cfg.verify_after_write,
+                block_bytes=reg.sharded.block_bytes,
+                min_block_bytes=reg.sharded.min_block_bytes,
+                objects=objects,
+            )
+        else:
+            entries, section = write_component(
+                storage,
+                attempt,
+                key,
+                enc,
+                algo=cfg.checksum_algo,
+                verify=cfg.verify_after_write,
+                objects=objects,
+            )
+        section["kind"] = reg.kind if reg is not None else "other"
+        files += entries
+        sections[key] = section
+    return files, sections
+
+
 def manifest_landed(storage: Storage, attempt: Attempt) -> bool:
     """True when the snapshot's committed manifest names ``attempt``: its data belongs to a committed snapshot."""
     try:
@@ -346,18 +329,4 @@ def manifest_landed(storage: Storage, attempt: Attempt) -> bool:
         return False
 
 
-def _state_of(reg: Registered) -> Any:
-    """``reg.obj.state_dict()``; an exception it raises becomes a SerializationError naming the component."""
-    try:
-        return reg.obj.state_dict()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # the user's own code: name the component, keep the cause chained
-        raise SerializationError(
-            f"component {reg.name!r}: state_dict() raised {type(exc).__name__}: {exc}; nothing was saved",
-            component=reg.name,
-            key="",
-        ) from exc
-
-
-__all__ = ["SavePipeline", "check_step"]
+__all__ = ["SavePipeline", "check_step", "write_staged"]

@@ -1,10 +1,11 @@
 """Staging for background saves: copy the state into host buffers the trainer never touches.
 
 The only part of an async save that blocks training is this copy. Buffers are
-allocated on the first save and reused by every later one (re-allocated only
-when a tensor's dtype or element count changes), so steady-state saves do no
-allocation. One staging area holds one staged copy: the engine waits for the
-save in flight to finish before staging again.
+allocated on the first save (or ahead of it, on a thread: ``StagingArea.warm``)
+and reused by every later one (re-allocated only when a tensor's dtype or
+element count changes), so steady-state saves do no allocation. One staging
+area holds one staged copy: the engine waits for the save in flight to finish
+before staging again.
 
 CUDA tensors go to *pinned* host buffers, copied with ``non_blocking=True`` on
 a side stream of their device (after the stream has waited for the trainer's
@@ -82,6 +83,20 @@ class HostBufferPool:
             self._pinned[key] = pinned
             self.allocations += 1
         return buf.view(tuple(shape))
+
+    def fits(self, key: Hashable, numel: int, dtype: torch.dtype, pinned: bool) -> bool:
+        """True when ``key``'s buffer would be reused for ``numel`` elements of ``dtype``."""
+        buf = self._buffers.get(key)
+        return buf is not None and buf.dtype == dtype and buf.numel() == numel and self._pinned[key] == pinned
+
+    def offer(self, key: Hashable, buf: torch.Tensor, pinned: bool) -> bool:
+        """Keep ``buf`` (allocated ahead, e.g. by a warm-up) as ``key``'s buffer unless one that fits is there."""
+        if self.fits(key, buf.numel(), buf.dtype, pinned):
+            return False
+        self._buffers[key] = buf
+        self._pinned[key] = pinned
+        self.allocations += 1
+        return True
 
     def release_unused(self, live: set) -> None:
         """Drop the buffers of keys not in ``live`` (a tensor or component that is gone)."""
@@ -182,6 +197,9 @@ class StagingArea:
         self._touched: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self.bytes_copied = 0
+        self.warmed = threading.Event()  # set when the last ``warm`` has handed over its buffers
+        self.warmed.set()
+        self.warming: threading.Thread | None = None
 
     @property
     def allocations(self) -> int:
@@ -200,6 +218,38 @@ class StagingArea:
         buf = self.reserve(key, value)
         self.copies.copy(buf, value.detach())
         return buf
+
+    def warm(self, specs: list) -> int:
+        """Allocate and fault in buffers ahead of a round, on a thread; returns the bytes it prepares.
+
+        ``specs``: ``((component, key), shape, dtype, pinned)``. A buffer is
+        handed to the pool only once its pages are touched (``offer``), so a
+        round that reserves a key first allocates its own and the warm-up's is
+        dropped; the warm-up never writes into a buffer a round copies into."""
+        todo = []
+        with self._lock:
+            for key, shape, dtype, pinned in specs:
+                numel = 1
+                for n in shape:
+                    numel *= int(n)
+                if not self.pool.fits(key, numel, dtype, pinned):
+                    todo.append((key, numel, dtype, pinned))
+        if not todo:
+            return 0
+
+        def run() -> None:
+            for key, numel, dtype, pinned in todo:
+                buf = self.pool.allocate(numel, dtype, pinned)
+                if numel:
+                    buf.view(torch.uint8).fill_(0)  # touch every page now, not in the round's copy
+                with self._lock:
+                    self.pool.offer(key, buf, pinned)
+            self.warmed.set()
+
+        self.warmed = threading.Event()
+        self.warming = threading.Thread(target=run, name="rl_ckpt-staging-warm-up", daemon=True)
+        self.warming.start()
+        return sum(n * d.itemsize for _k, n, d, _p in todo)
 
     def reserve(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
         """The buffer ``value`` is to be copied into for ``key`` (allocated or reused), counted in this round.
@@ -247,7 +297,8 @@ class StagingArea:
                     staged[key] = self.stage_tensor((name, key), value)
             else:
                 staged[key] = self._stage_array((name, key), value)
-        # The tree is freshly built JSON data and pyarrow tables are immutable: no copy needed.
+        # The tree is JSON data nobody changes (an encode plan's cached tree is shared, never mutated) and pyarrow
+        # tables are immutable: no copy needed.
         return EncodedState(tree=enc.tree, arrays=staged, tables=dict(enc.tables))
 
     def finish(self) -> None:
@@ -265,7 +316,8 @@ class StagingArea:
         """Free the buffers of ``(component, key)`` pairs not in ``live`` (a key or component that is gone).
 
         Called after each staging round, when no save is using the previous round's buffers."""
-        self.pool.release_unused(live)
+        with self._lock:  # (a warm-up may be handing buffers over)
+            self.pool.release_unused(live)
         for key in list(self._arrays):
             if key not in live:
                 del self._arrays[key]
