@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> dict:
         engine.register("policy", model)
         engine.register("optimizer", opt)
         if not args.no_prepare:  # allocate + fault in the staging buffers ahead of the first save_async
-            prepare = getattr(engine, "prepare", None) or engine.pipeline.prepare
+            prepare = engine.prepare
             t0 = time.perf_counter()
             res["prepare"] = {"bytes": prepare()}
             res["prepare"]["call_s"] = time.perf_counter() - t0

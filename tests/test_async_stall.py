@@ -284,7 +284,7 @@ def test_prepare_allocates_the_staging_buffers_ahead_and_the_first_save_reuses_t
     engine.register("optimizer", opt)
     staging = engine.pipeline.staging
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    assert engine.pipeline.prepare() == model_bytes
+    assert engine.prepare() == model_bytes
     assert staging.warmed.wait(60) and set(gate.alloc_threads) == {"rl_ckpt-staging-warm-up"}
     assert staging.allocations == len(model.state_dict())
 
@@ -299,5 +299,5 @@ def test_prepare_allocates_the_staging_buffers_ahead_and_the_first_save_reuses_t
     gate.open()
     _bitwise(at_call, _restored(tmp_path, handle.wait(timeout=60).snapshot_id))
     assert gate.alloc_threads == [] and staging.allocations == tensors
-    assert engine.pipeline.prepare() == 0  # every buffer is there already
+    assert engine.prepare() == 0  # every buffer is there already
     engine.close()

@@ -186,6 +186,13 @@ class CheckpointEngine(RunHandle):
         self._check_open()
         return self.pipeline.save_async(global_step, metrics, tags, kind)
 
+    def prepare(self, kind: str = "full") -> int:
+        """Allocate (and fault in) ``save_async``'s staging buffers on a thread now, so the first save finds them
+        ready instead of allocating them; they are held from here on (one copy of the saved tensors). Returns
+        the bytes prepared."""
+        self._check_open()
+        return self.pipeline.prepare(kind)
+
     def persist(
         self,
         staged: Mapping[str, EncodedState],
