@@ -9,7 +9,7 @@ serves ``/healthz``.
 The actor front (this module) delegates to the commit protocol
 (``commits.py``), the participant registry (``participants.py``), failures
 and recovery plans (``recovery.py``) and, after each commit, run maintenance
-(``rl_ckpt/run/maintenance.py``); plans come from ``rl_ckpt/recovery/plan.py``
+(``rl_ckpt/_run/maintenance.py``); plans come from ``rl_ckpt/_recovery/plan.py``
 and the run's recorded history.
 
 It holds no state that storage does not. The catalog is rebuilt from
@@ -37,22 +37,22 @@ import threading
 import time
 from typing import Any
 
-from rl_ckpt.commit import strategy_for
-from rl_ckpt.commit.two_phase import PAUSE_DIR_ENV, CommitProtocol
+from rl_ckpt._commit import strategy_for
+from rl_ckpt._commit.two_phase import PAUSE_DIR_ENV, CommitProtocol
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.format.manifest import MANIFEST_NAME, now_iso, parse_snapshot_id
-from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.maintenance import RunMaintenance
-from rl_ckpt.run.patrol import HealthPatrol
-from rl_ckpt.storage import join, open_storage
+from rl_ckpt._format.manifest import MANIFEST_NAME, now_iso, parse_snapshot_id
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._run.maintenance import RunMaintenance
+from rl_ckpt._run.patrol import HealthPatrol
+from rl_ckpt._storage import join, open_storage
 
-from .commits import ManagerCommits
-from .decisions import SaveDecisions
-from .healthz import HealthzServer
-from .versions_health import health_sections
-from .metrics import ManagerMetrics
-from .participants import LivenessWatch, ParticipantRegistry
-from .recovery import ManagerRecovery
+from ._commits import ManagerCommits
+from ._decisions import SaveDecisions
+from ._healthz import HealthzServer
+from ._versions_health import health_sections
+from ._metrics import ManagerMetrics
+from ._participants import LivenessWatch, ParticipantRegistry
+from ._recovery import ManagerRecovery
 
 log = logging.getLogger("rl_ckpt")
 __all__ = ["CheckpointManager", "PAUSE_DIR_ENV"]
@@ -172,7 +172,7 @@ class CheckpointManager:
     # -- handle ----------------------------------------------------------------
     get_or_create = staticmethod(get_or_create)
 
-    # -- two-phase commit (rl_ckpt/commit/two_phase.py, through commits.py) ---
+    # -- two-phase commit (rl_ckpt/_commit/two_phase.py, through commits.py) ---
     def begin(self, snapshot_id: str, expected: list[str], participant: str) -> dict:
         """The attempt every participant of ``snapshot_id`` writes into (the same one for all).
 
@@ -197,7 +197,7 @@ class CheckpointManager:
         self, global_step: int, participant: str, kind: str | None, busy: bool, interval_seconds: float
     ) -> dict:
         """Under a time cadence: ``{"kind": "full" | "light" | None, "save": bool}`` for ``global_step``, by
-        this manager's clock, the same for every participant (actors/decisions.py)."""
+        this manager's clock, the same for every participant (actors/_decisions.py)."""
         with self._lock:
             self._check_participant(participant)
             return self.save_decisions.step(global_step, participant, kind, busy, interval_seconds, self._started)
@@ -252,7 +252,7 @@ class CheckpointManager:
             self.commits.reported_metrics = {"step": step, **metrics}
 
     def record_failure(self, failure: dict, dead: list[dict] | None = None) -> dict:
-        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored (actors/recovery.py)."""
+        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored (actors/_recovery.py)."""
         return self.recovery.record_failure(failure, dead)
 
     def failures(self) -> list[dict]:
@@ -260,7 +260,7 @@ class CheckpointManager:
 
     def plan(self) -> dict:
         """The recovery plan every participant follows (the same for all until something changes;
-        actors/recovery.py)."""
+        actors/_recovery.py)."""
         return self.recovery.plan()
 
     # -- liveness (participants.py) ----------------------------------------------

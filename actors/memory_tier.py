@@ -5,7 +5,7 @@ when a trainer says a memory snapshot committed (``notify``) or every
 ``interval`` seconds, and then:
 
 1. asks every live memory store what it holds and builds the tier view
-   (``rl_ckpt.run.tiers``): a store killed or a node lost takes exactly its
+   (``rl_ckpt._run.tiers``): a store killed or a node lost takes exactly its
    copies with it, and a memory snapshot that lost the last copy of a file is
    retired from memory (no reader lists it any more);
 2. flushes the memory snapshot that is due (``memory_flush_every`` /
@@ -25,15 +25,15 @@ import threading
 import time
 
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.core.engine import CheckpointEngine
-from rl_ckpt.format.manifest import parse_snapshot_id
-from rl_ckpt.run.catalog import Catalog, SnapshotInfo
-from rl_ckpt.commit.flush import FlushPolicy, flush_snapshot
-from rl_ckpt.run.tiers import DURABLE, MEMORY, drop_incomplete, tier_view
+from rl_ckpt._core.engine import CheckpointEngine
+from rl_ckpt._format.manifest import parse_snapshot_id
+from rl_ckpt._run.catalog import Catalog, SnapshotInfo
+from rl_ckpt._commit.flush import FlushPolicy, flush_snapshot
+from rl_ckpt._run.tiers import DURABLE, MEMORY, drop_incomplete, tier_view
 
 from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_config, memory_options
 
-from .memory_storage import RayMemoryStorage
+from ._memory_storage import RayMemoryStorage
 
 log = logging.getLogger("rl_ckpt")
 

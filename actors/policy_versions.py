@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from rl_ckpt.errors import CheckpointError, ConfigError, StorageError, VersionNotFoundError
-from rl_ckpt.format.manifest import MANIFEST_NAME, parse_snapshot_id
-from rl_ckpt.storage.base import check_relpath
+from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
+from rl_ckpt._storage.base import check_relpath
 
-from .memory_storage import RayMemoryStorage, copy_out, hash_in_place
+from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place
 
 log = logging.getLogger("rl_ckpt")
 
@@ -310,9 +310,9 @@ class PolicyVersions:
         namespace: str = "rl_ckpt",
         min_object_bytes: int = 0,
     ) -> None:
-        from rl_ckpt.core.engine import CheckpointEngine
-        from rl_ckpt.run.retention import KeepLatest
-        from rl_ckpt.sharded.component import has_dtensors
+        from rl_ckpt._core.engine import CheckpointEngine
+        from rl_ckpt._run.retention import KeepLatest
+        from rl_ckpt._sharded.component import has_dtensors
 
         if keep < 1:
             raise ConfigError(f"PolicyVersions: keep={keep!r}; allowed: an integer >= 1", key="keep", allowed=">= 1")
@@ -385,7 +385,7 @@ class PolicyVersions:
     def rewind(self, step: int) -> list[str]:
         """After the learners restored ``step``: retire the versions newer than it (they belong to the timeline
         that failed; the steps are published anew). Rank 0 does it; returns the snapshot ids retired."""
-        from rl_ckpt.run.delete import delete_snapshot
+        from rl_ckpt._run.delete import delete_snapshot
 
         if self.engine is None or self.rank != 0:
             return []

@@ -12,7 +12,7 @@
    however many workers on the node ask at the same time (usually nothing: a worker's first pull announces
    its node, ``subscribers/<node>``, and publishers place every later version there as they write it);
 5. hashes every piece that changed since the version it holds, in this node's shared memory, and only when
-   every one verified copies them into the module (:class:`~rl_ckpt.sharded.weight_pull.WeightPuller`).
+   every one verified copies them into the module (:class:`~rl_ckpt._sharded.weight_pull.WeightPuller`).
 
 A piece that fails its checksum is never loaded: the module keeps what it held, the fault is logged and
 recorded in the stores (``versions_status`` and the manager's ``/healthz`` show it), and the worker falls
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, NoValidSnapshotError, StorageError
-from rl_ckpt.format.manifest import parse_snapshot_id
-from rl_ckpt.run.snapshot_files import read_manifest
-from rl_ckpt.sharded.weight_pull import WeightPuller, component_pieces
+from rl_ckpt._format.manifest import parse_snapshot_id
+from rl_ckpt._run.snapshot_files import read_manifest
+from rl_ckpt._sharded.weight_pull import WeightPuller, component_pieces
 
 from .policy_versions import COMPONENT, FAULTS, SUBSCRIBERS, not_found, published, versions_storage
 
@@ -241,8 +241,8 @@ class WeightSubscriber:
                 log.warning("could not unpin %s: %s", sid, exc)
 
     def _pull_durable(self, puller: WeightPuller, reasons: dict[str, str]):
-        from rl_ckpt.run.catalog import Catalog
-        from rl_ckpt.storage import open_storage
+        from rl_ckpt._run.catalog import Catalog
+        from rl_ckpt._storage import open_storage
 
         d = self.durable
         storage = open_storage(f"{d['base_dir'].rstrip('/')}/{d['run_name']}", d.get("storage_options") or {})

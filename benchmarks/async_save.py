@@ -204,11 +204,11 @@ def measure_phases(
     staged_tensors: list[torch.Tensor], algo: str, workdir: str, trainer: Trainer, quiet=lambda: None
 ) -> dict:
     """Time each part of a save on its own, and the training step next to each one."""
-    from rl_ckpt.format import safetensors_io
-    from rl_ckpt.format.checksum import new_hasher
-    from rl_ckpt.format.state_codec import encode_state
-    from rl_ckpt.storage import LocalStorage
-    from rl_ckpt.format.hashed_io import hash_file
+    from rl_ckpt._format import safetensors_io
+    from rl_ckpt._format.checksum import new_hasher
+    from rl_ckpt._format.state_codec import encode_state
+    from rl_ckpt._storage import LocalStorage
+    from rl_ckpt._format.hashed_io import hash_file
 
     arrays = {f"t{i}": t for i, t in enumerate(staged_tensors)}
     storage = LocalStorage(os.path.join(workdir, "phases"))

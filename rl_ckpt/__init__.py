@@ -6,7 +6,10 @@ The public surface is this package and ``actors`` (the Ray actors)::
     from rl_ckpt import MemoryTier, CheckpointCallback      # Ray; imported on first use
     from actors import CheckpointManager
 
-Everything else is internal: its modules may change between versions.
+Also public: ``rl_ckpt.config``, ``rl_ckpt.errors``, ``rl_ckpt.components``, ``rl_ckpt.data`` and the
+integrations (``rl_ckpt.integrations.ray_train``, ``.rllib``, ``.samples``, ``.memory_tier``). A module whose
+name, or whose package's, starts with an underscore (``rl_ckpt._core.engine``, ``actors._memory_store``) is
+internal: it may change between versions.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from typing import Any
 
 from rl_ckpt.components import Checkpointable, RNGState, TrainingProgress
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.core.async_save import SaveHandle
-from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
-from rl_ckpt.core.scheduler import CheckpointScheduler
+from rl_ckpt._core.async_save import SaveHandle
+from rl_ckpt._core.engine import CheckpointEngine, RestoreResult
+from rl_ckpt._core.scheduler import CheckpointScheduler
 from rl_ckpt.errors import (
     CheckpointError,
     CommitConflictError,
@@ -55,12 +58,12 @@ from rl_ckpt.data import (
     IterablePosition,
     PromptSampler,
 )
-from rl_ckpt.recovery.coordinator import Action, FailureInfo, FailureKind, RecoveryCoordinator
-from rl_ckpt.recovery.plan import RecoveryPlan
-from rl_ckpt.run.catalog import SnapshotInfo
-from rl_ckpt.run.retention import AnyOf, KeepAll, KeepBest, KeepEveryNSteps, KeepLatest, RetentionPolicy
-from rl_ckpt.run.snapshot_files import VerifyReport
-from rl_ckpt.sharded.full_weights import load_full_weights
+from rl_ckpt._recovery.coordinator import Action, FailureInfo, FailureKind, RecoveryCoordinator
+from rl_ckpt._recovery.plan import RecoveryPlan
+from rl_ckpt._run.catalog import SnapshotInfo
+from rl_ckpt._run.retention import AnyOf, KeepAll, KeepBest, KeepEveryNSteps, KeepLatest, RetentionPolicy
+from rl_ckpt._run.snapshot_files import VerifyReport
+from rl_ckpt._sharded.full_weights import load_full_weights
 
 __version__ = "0.1.0"
 

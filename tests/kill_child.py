@@ -61,7 +61,7 @@ def retention_crash(cfg: dict, op: str, nth: int, partial: bool) -> None:
 
     from rl_ckpt import CheckpointEngine
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = FaultyStorage(open_storage(cfg["base_dir"] + "/" + cfg.get("run_name", "run")))
     engine = CheckpointEngine(**cfg, storage=storage)

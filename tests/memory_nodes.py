@@ -20,7 +20,7 @@ def scenario(ray, cluster, base_dir: str, replicas: int) -> dict:
     from memory_workers import MemParticipant
     from rl_ckpt.config import CheckpointConfig
     from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     worker = cluster.add_node(num_cpus=1, resources={"worker": 4})
     cluster.wait_for_nodes()

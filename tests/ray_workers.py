@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rl_ckpt import CheckpointEngine, RNGState
-from rl_ckpt.storage.local import LocalStorage
+from rl_ckpt._storage.local import LocalStorage
 
 
 class EnvShard:

@@ -143,7 +143,7 @@ def save_job(rank: int, world: int, port: int, run: str, out: str, mesh_shape: t
     model = shard(make_model(0), mesh_shape)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     train(model, optim, range(steps), rank)
-    from rl_ckpt.sharded import ShardedState
+    from rl_ckpt._sharded import ShardedState
 
     engine = engine_for(run, rank, world)
     # This test's tensors are a few KiB: blocks that small (the default floor is 64 KiB) let the restore

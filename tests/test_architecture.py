@@ -250,13 +250,13 @@ def test_no_private_name_of_another_module(module):
 
 def test_private_name_finder():
     tree = ast.parse(
-        "from rl_ckpt.run.commit import _x, Attempt\nfrom rl_ckpt.run import catalog as c\n"
+        "from rl_ckpt._run.commit import _x, Attempt\nfrom rl_ckpt._run import catalog as c\n"
         "def f():\n    from .layout import _y\n    return c._z, c.Catalog\n"
     )
-    assert _private_uses("rl_ckpt.run.gc", tree) == [
-        "line 1: from rl_ckpt.run.commit import _x",
-        "line 4: from rl_ckpt.run.layout import _y",
-        "line 5: rl_ckpt.run.catalog._z",
+    assert _private_uses("rl_ckpt._run.gc", tree) == [
+        "line 1: from rl_ckpt._run.commit import _x",
+        "line 4: from rl_ckpt._run.layout import _y",
+        "line 5: rl_ckpt._run.catalog._z",
     ]
 
 
@@ -266,15 +266,15 @@ def test_private_name_finder():
 # ``rl_ckpt`` itself (the public facade, re-exporting the engine) sits at the top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("rl_ckpt.errors", "rl_ckpt.config", "rl_ckpt.components", "rl_ckpt.data")),
-    ("storage", ("rl_ckpt.storage",)),
-    ("format", ("rl_ckpt.format",)),
-    ("run", ("rl_ckpt.run",)),
-    ("sharded state", ("rl_ckpt.sharded",)),
-    ("commit", ("rl_ckpt.commit",)),
-    ("the manager client", ("rl_ckpt.integrations.managed",)),
-    ("recovery", ("rl_ckpt.recovery",)),
-    ("core", ("rl_ckpt.core",)),
-    ("fronts", ("rl_ckpt.integrations", "rl_ckpt.export", "rl_ckpt.timeline", "actors")),
+    ("storage", ("rl_ckpt._storage",)),
+    ("format", ("rl_ckpt._format",)),
+    ("run", ("rl_ckpt._run",)),
+    ("sharded state", ("rl_ckpt._sharded",)),
+    ("commit", ("rl_ckpt._commit",)),
+    ("the manager client", ("rl_ckpt.integrations._managed",)),
+    ("recovery", ("rl_ckpt._recovery",)),
+    ("core", ("rl_ckpt._core",)),
+    ("fronts", ("rl_ckpt.integrations", "rl_ckpt._export", "rl_ckpt._timeline", "actors")),
     ("applications and tools", ("rl_ckpt", "rl_ckpt.cli", "rl_ckpt.demo", "rl_ckpt.tools")),
 )
 
@@ -335,23 +335,23 @@ def test_imports_point_down_the_layers(module):
 
 def test_layer_checker_sees_lazy_type_only_and_facade_imports():
     tree = ast.parse(
-        "from rl_ckpt.format.manifest import Manifest\nfrom rl_ckpt import errors\n"
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_ckpt.core.engine import E\n"
-        "def f():\n    from rl_ckpt.core.reader import load_component\n"
-        "    from rl_ckpt import CheckpointEngine\n    import rl_ckpt.recovery.plan\n"
+        "from rl_ckpt._format.manifest import Manifest\nfrom rl_ckpt import errors\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_ckpt._core.engine import E\n"
+        "def f():\n    from rl_ckpt._core.reader import load_component\n"
+        "    from rl_ckpt import CheckpointEngine\n    import rl_ckpt._recovery.plan\n"
     )
-    assert _upward_imports("rl_ckpt.run.gc", tree) == [
-        "line 5: rl_ckpt.run.gc (run) imports rl_ckpt.core.engine (core)",
-        "line 7: rl_ckpt.run.gc (run) imports rl_ckpt.core.reader (core)",
-        "line 8: rl_ckpt.run.gc (run) imports rl_ckpt (applications and tools)",
-        "line 9: rl_ckpt.run.gc (run) imports rl_ckpt.recovery.plan (recovery)",
+    assert _upward_imports("rl_ckpt._run.gc", tree) == [
+        "line 5: rl_ckpt._run.gc (run) imports rl_ckpt._core.engine (core)",
+        "line 7: rl_ckpt._run.gc (run) imports rl_ckpt._core.reader (core)",
+        "line 8: rl_ckpt._run.gc (run) imports rl_ckpt (applications and tools)",
+        "line 9: rl_ckpt._run.gc (run) imports rl_ckpt._recovery.plan (recovery)",
     ]
     assert (
-        _layer("rl_ckpt.integrations.managed")
-        < _layer("rl_ckpt.core.engine")
+        _layer("rl_ckpt.integrations._managed")
+        < _layer("rl_ckpt._core.engine")
         < _layer("rl_ckpt.integrations.ray_train")
     )
-    assert _layer("rl_ckpt.storage.local") < _layer("rl_ckpt.format.manifest") < _layer("rl_ckpt.run.catalog")
+    assert _layer("rl_ckpt._storage.local") < _layer("rl_ckpt._format.manifest") < _layer("rl_ckpt._run.catalog")
 
 
 def test_every_error_class_lives_in_errors_and_is_exported():
@@ -380,16 +380,16 @@ def test_every_error_class_lives_in_errors_and_is_exported():
     assert not missing, f"errors not exported from rl_ckpt: {missing}"
 
 
-# The topology seam (rl_ckpt/core/topology.py): who a process is in a save (Solo, TorchDistributed, Managed) is
+# The topology seam (rl_ckpt/_core/topology.py): who a process is in a save (Solo, TorchDistributed, Managed) is
 # chosen once; these modules ask the topology and never branch on it themselves.
 TOPOLOGY_CLIENTS = (
-    "rl_ckpt.core.engine",
-    "rl_ckpt.core.save_pipeline",
-    "rl_ckpt.core.restorer",
-    "rl_ckpt.core.snapshot_loader",
-    "rl_ckpt.core.run_handle",
-    "rl_ckpt.core.registry",
-    "rl_ckpt.core.scheduler",
+    "rl_ckpt._core.engine",
+    "rl_ckpt._core.save_pipeline",
+    "rl_ckpt._core.restorer",
+    "rl_ckpt._core.snapshot_loader",
+    "rl_ckpt._core.run_handle",
+    "rl_ckpt._core.registry",
+    "rl_ckpt._core.scheduler",
 )
 TOPOLOGY_FLAGS = {"managed", "distributed", "multi", "manager_client", "heartbeat"}  # (torch.distributed is torch's)
 TOPOLOGY_OBJECTS = {"manager", "manager_client", "client", "heartbeat"}
@@ -427,7 +427,7 @@ def test_engine_pipeline_and_restorer_ask_the_topology(module):
     branches = _topology_branches(TREES[module])
     assert not branches, (
         f"{MODULES[module]} branches on who this process is; ask the topology "
-        f"(rl_ckpt/core/topology.py) instead: {branches}"
+        f"(rl_ckpt/_core/topology.py) instead: {branches}"
     )
 
 
@@ -446,3 +446,86 @@ def test_topology_branch_finder():
         "line 6: isinstance(self.commit, (DistributedCommit, int))",
         "line 6: reg.multi",
     ]
+
+
+# The internal-module rule: a module is internal when a part of its dotted name starts with one underscore
+# (`rl_ckpt._core.engine`, `actors._memory_store`, `rl_ckpt.data._sampler`); everything else is the public surface,
+# listed here, and users are shown only that. Applications (the `rl-ckpt` commands' packages) are public as
+# commands: nothing in the library imports them (the layers check that).
+PUBLIC_MODULES = {
+    "rl_ckpt",
+    "rl_ckpt.cli",
+    "rl_ckpt.components",
+    "rl_ckpt.config",
+    "rl_ckpt.errors",
+    "rl_ckpt.data",
+    "rl_ckpt.integrations",
+    "rl_ckpt.integrations.memory_tier",
+    "rl_ckpt.integrations.ray_train",
+    "rl_ckpt.integrations.rllib",
+    "rl_ckpt.integrations.samples",
+    "actors",
+    "actors.manager",
+    "actors.memory_tier",
+    "actors.policy_versions",
+    "actors.weight_subscriber",
+}
+APPLICATIONS = ("rl_ckpt.demo", "rl_ckpt.tools")
+
+
+def _internal(module: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+
+
+def _application(module: str) -> bool:
+    return any(module == app or module.startswith(app + ".") for app in APPLICATIONS)
+
+
+def test_every_module_is_marked_internal_or_listed_public():
+    def public(m: str) -> bool:  # a public package's __main__ is its `python -m` command
+        return m in PUBLIC_MODULES or (m.endswith(".__main__") and m.rsplit(".", 1)[0] in PUBLIC_MODULES)
+
+    unmarked = sorted(m for m in MODULES if not _internal(m) and not _application(m) and not public(m))
+    assert not unmarked, (
+        f"modules neither marked internal nor listed public: {unmarked}; rename them with a leading underscore "
+        "(or their package), or add them to PUBLIC_MODULES and document them"
+    )
+    gone = sorted(PUBLIC_MODULES - set(MODULES))
+    assert not gone, f"PUBLIC_MODULES lists modules that do not exist: {gone}"
+    marked = sorted(m for m in PUBLIC_MODULES if _internal(m))
+    assert not marked, f"public modules with an internal name: {marked}"
+
+
+def _imports_in_text(text: str) -> set[str]:
+    """Modules of ours that ``from X import`` / ``import X`` lines in ``text`` name (code blocks and scripts)."""
+    import re
+
+    found = set()
+    for m in re.finditer(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", text, re.M):
+        name = m.group(1) or m.group(2)
+        if name.split(".")[0] in PACKAGES:
+            found.add(name)
+    return found
+
+
+def _user_facing_texts() -> dict[str, str]:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.py"))]
+    files += sorted((ROOT / "configs").glob("*")) if (ROOT / "configs").is_dir() else []
+    return {str(p.relative_to(ROOT)): p.read_text() for p in files if p.is_file()}
+
+
+def test_users_are_shown_only_the_public_surface():
+    shown = {(f, name) for f, text in _user_facing_texts().items() for name in _imports_in_text(text)}
+    assert shown, "no import of rl_ckpt or actors found in the README, docs and examples: the scan is broken"
+    internal = sorted(f"{f}: {name}" for f, name in shown if _internal(name))
+    assert not internal, f"user-facing text imports internal modules (export the names publicly): {internal}"
+
+
+def test_the_rule_sees_each_kind():
+    assert _internal("rl_ckpt._core.engine") and _internal("actors._memory_store") and _internal("rl_ckpt.data._hf")
+    assert not _internal("rl_ckpt.data") and not _internal("rl_ckpt.demo.__main__")
+    assert _application("rl_ckpt.tools.bench.memory") and not _application("rl_ckpt.toolsx")
+    assert _imports_in_text("x\n    from rl_ckpt._core.engine import E\nimport actors._metrics\nimport os\n") == {
+        "rl_ckpt._core.engine",
+        "actors._metrics",
+    }

@@ -11,7 +11,7 @@ import torch
 from helpers import PPOState
 from rl_ckpt import CheckpointEngine, StorageError
 from rl_ckpt.tools.faults import FaultyStorage
-from rl_ckpt.storage import open_storage
+from rl_ckpt._storage import open_storage
 
 
 def _engine(tmp_path, **cfg):

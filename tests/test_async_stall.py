@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.core.stage_guard import StageRound, background_names
-from rl_ckpt.core.staging import StagingArea
+from rl_ckpt._core.stage_guard import StageRound, background_names
+from rl_ckpt._core.staging import StagingArea
 
 
 class Gate:
@@ -240,7 +240,7 @@ class FakeStream:
 def test_gpu_copies_are_ordered_after_the_trainer_at_the_call_and_before_its_next_change(monkeypatch):
     import contextlib
 
-    from rl_ckpt.core.staging import DeviceCopies
+    from rl_ckpt._core.staging import DeviceCopies
 
     streams = {"trainer": FakeStream("trainer"), "stager": FakeStream("stager")}
     current = ["trainer"]

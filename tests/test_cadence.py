@@ -1,5 +1,5 @@
 """One save decision per step and per snapshot for every participant of a managed run, by the manager's
-clock, kept on storage so a restarted manager answers the same (actors/decisions.py).
+clock, kept on storage so a restarted manager answers the same (actors/_decisions.py).
 
 The first tests drive the decision logic with a fake clock on a real local folder; the Ray tests run two
 ranks through a real manager, one of them with a clock that runs slow, and kill the manager between two
@@ -16,9 +16,9 @@ import pytest
 
 from helpers import wait_until
 
-from actors.decisions import FOLDER, SaveDecisions
-from rl_ckpt.format.manifest import MANIFEST_NAME
-from rl_ckpt.storage.local import LocalStorage
+from actors._decisions import FOLDER, SaveDecisions
+from rl_ckpt._format.manifest import MANIFEST_NAME
+from rl_ckpt._storage.local import LocalStorage
 
 
 class Clock:

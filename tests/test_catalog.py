@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.quarantine import QUARANTINE, quarantine, release
-from rl_ckpt.storage import open_storage
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._run.quarantine import QUARANTINE, quarantine, release
+from rl_ckpt._storage import open_storage
 
 
 def _engine(base, run="run", options=None):
@@ -145,7 +145,7 @@ def test_a_planted_link_in_place_of_a_manifest_is_listed_unreadable(tmp_path):
 
 
 def test_look_alike_folders_are_foreign_not_snapshots(tmp_path):
-    from rl_ckpt.run.catalog import foreign_names
+    from rl_ckpt._run.catalog import foreign_names
 
     e = _engine(str(tmp_path))
     e.save(20)

@@ -86,8 +86,8 @@ def test_gc_removes_debris_only(tmp_path):
 
 
 def test_timeline_draws_kept_deleted_best_and_failures(tmp_path):
-    from rl_ckpt.recovery.coordinator import FailureInfo
-    from rl_ckpt.timeline import load
+    from rl_ckpt._recovery.coordinator import FailureInfo
+    from rl_ckpt._timeline import load
 
     s = PPOState()
     e = s.register(CheckpointEngine(base_dir=str(tmp_path), keep_latest=2, keep_best=1))

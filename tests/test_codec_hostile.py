@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine, CheckpointError
-from rl_ckpt.format.checksum import digest_bytes
+from rl_ckpt._format.checksum import digest_bytes
 from rl_ckpt.errors import CorruptSnapshotError
-from rl_ckpt.format.manifest import Manifest
-from rl_ckpt.format.state_codec import MAX_DEPTH, decode_state
+from rl_ckpt._format.manifest import Manifest
+from rl_ckpt._format.state_codec import MAX_DEPTH, decode_state
 from helpers import Bag
 
 TAGS = (

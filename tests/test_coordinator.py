@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from rl_ckpt.run.catalog import SnapshotInfo
-from rl_ckpt.recovery.coordinator import (
+from rl_ckpt._run.catalog import SnapshotInfo
+from rl_ckpt._recovery.coordinator import (
     Action,
     CoordinatorConfig,
     Decision,

@@ -114,7 +114,7 @@ def test_every_bit_flip_in_the_manifest_is_refused(tmp_path):
     """Each single-bit flip of meta.json, including in the key names (``manifest_checksum`` itself), is caught:
     the manifest is never read as something else."""
     from rl_ckpt.errors import CorruptSnapshotError
-    from rl_ckpt.format.manifest import Manifest
+    from rl_ckpt._format.manifest import Manifest
 
     _cfg, _reference, newest = _two_snapshots(tmp_path)
     raw = (newest / "meta.json").read_bytes()

@@ -91,7 +91,7 @@ def test_dedup_restore_export_and_corruption(tmp_path):
     # Corrupt the one object only snapshot 2 has: it is refused, snapshot 1 is restored exactly.
     manifest2 = e2.catalog.get("step_000000002").manifest
     manifest1 = e2.catalog.get("step_000000001").manifest
-    from rl_ckpt.run.dedup import manifest_objects, object_path
+    from rl_ckpt._run.dedup import manifest_objects, object_path
 
     only2 = set(manifest_objects(manifest2)) - set(manifest_objects(manifest1))
     digest = next(iter(only2))
@@ -168,9 +168,9 @@ def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly
     meta_path = tmp_path / "run" / "step_000000001" / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta.pop("manifest_checksum")
-    from rl_ckpt.format.checksum import digest_bytes
-    from rl_ckpt.run.dedup import object_path
-    from rl_ckpt.format.safetensors_io import byte_view
+    from rl_ckpt._format.checksum import digest_bytes
+    from rl_ckpt._run.dedup import object_path
+    from rl_ckpt._format.safetensors_io import byte_view
 
     small_key = next(k for k in saved if k not in sec["objects"])
     data = bytes(byte_view(saved[small_key]))
@@ -178,7 +178,7 @@ def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly
     e.storage.makedirs(object_path(sec["objects_algo"], digest).rsplit("/", 1)[0])
     e.storage.write_atomic(object_path(sec["objects_algo"], digest), data)  # a valid object of that tensor
     meta["components"]["policy"]["objects"][small_key] = [[digest, len(data)]]
-    from rl_ckpt.format.manifest import manifest_checksum
+    from rl_ckpt._format.manifest import manifest_checksum
 
     meta["manifest_checksum"] = manifest_checksum(meta)  # forged consistently: only the contradiction is left
     meta_path.write_text(json.dumps(meta))

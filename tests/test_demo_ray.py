@@ -111,8 +111,8 @@ def test_crash_then_exact_restart(ray_cluster, reference, target, crash_at):
 def _check_summary(ref, result, base, target: str, crash_at: int) -> None:
     """The demo's printed numbers agree with each other, with the run's log and with the timeline's facts."""
     from rl_ckpt.demo.__main__ import ray_summary
-    from rl_ckpt.storage import open_storage
-    from rl_ckpt.timeline import load
+    from rl_ckpt._storage import open_storage
+    from rl_ckpt._timeline import load
 
     text, ok = ray_summary(ref, result, str(base), STEPS, crash_at, None)
     assert ok, text
@@ -147,8 +147,8 @@ def test_memory_tier_crash_restarts_from_memory(ray_cluster, reference):
     durable-only run loses back to step 20), the run ends bitwise equal to the uninterrupted one, the demo's
     side-by-side figures agree with each other and with the run, and the timeline draws the memory tier."""
     from rl_ckpt.demo.__main__ import memory_summary
-    from rl_ckpt.storage import open_storage
-    from rl_ckpt.timeline import load, plot
+    from rl_ckpt._storage import open_storage
+    from rl_ckpt._timeline import load, plot
 
     base, ref = reference
     durable = _crashed(base, "learner", 23)

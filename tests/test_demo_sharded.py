@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from rl_ckpt.demo.grpo import GRPOConfig, advantages, make_policy, sample
-from rl_ckpt.recovery.plan import RecoveryPlan
-from rl_ckpt.sharded.layout import layout_change, mesh_name
+from rl_ckpt._recovery.plan import RecoveryPlan
+from rl_ckpt._sharded.layout import layout_change, mesh_name
 
 
 def _sharded(world: int, mesh: list, placements: list) -> dict:

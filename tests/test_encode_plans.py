@@ -7,8 +7,8 @@ import json
 import torch
 from torch import nn
 
-from rl_ckpt.core.encode_plans import EncodePlans
-from rl_ckpt.format.state_codec import encode_state
+from rl_ckpt._core.encode_plans import EncodePlans
+from rl_ckpt._format.state_codec import encode_state
 
 
 def _same_as_full(plans: EncodePlans, name: str, state) -> None:

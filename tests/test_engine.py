@@ -159,7 +159,7 @@ def test_an_error_after_the_manifest_landed_does_not_claim_nothing_was_committed
     """A failed run-folder fsync right after the commit rename: the save is not acknowledged, but its
     error must not say that nothing was committed (the snapshot is there, and verifies)."""
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = FaultyStorage(open_storage(str(tmp_path / "run")))
     engine = CheckpointEngine(base_dir=str(tmp_path), storage=storage)

@@ -262,10 +262,10 @@ def test_export_peak_memory_figure(tmp_path):
     # A fresh process, so memory freed by earlier work in this one cannot hide the export's own growth.
     code = (
         "import sys; from pathlib import Path\n"
-        "from rl_ckpt.export import export_hf\n"
-        "from rl_ckpt.run.snapshot_files import read_manifest\n"
-        "from rl_ckpt.storage import open_storage\n"
-        "import rl_ckpt.sharded.component  # its imports (torch.distributed) are not the export's memory\n"
+        "from rl_ckpt._export import export_hf\n"
+        "from rl_ckpt._run.snapshot_files import read_manifest\n"
+        "from rl_ckpt._storage import open_storage\n"
+        "import rl_ckpt._sharded.component  # its imports (torch.distributed) are not the export's memory\n"
         "def rss(field):\n"
         "    return next(int(l.split()[1]) * 1024 for l in Path('/proc/self/status').read_text().splitlines()"
         " if l.startswith(field + ':'))\n"

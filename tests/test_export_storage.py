@@ -15,9 +15,9 @@ from safetensors.torch import load as load_safetensors
 
 from rl_ckpt import CheckpointEngine, ConfigError
 from rl_ckpt.cli import main as cli
-from rl_ckpt.export import ComponentSource, export_component, export_hf
-from rl_ckpt.run.snapshot_files import read_manifest
-from rl_ckpt.storage import open_storage
+from rl_ckpt._export import ComponentSource, export_component, export_hf
+from rl_ckpt._run.snapshot_files import read_manifest
+from rl_ckpt._storage import open_storage
 
 SHARD = "12KB"  # several shard files for the model below (a layer is ~9.4 KB)
 

@@ -7,10 +7,10 @@ import os
 import pytest
 
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.recovery.coordinator import Action, Decision, FailureInfo
-from rl_ckpt.recovery.history import load_decisions, load_failures, record_decision, record_failure
-from rl_ckpt.run.layout import timed_record_stem
-from rl_ckpt.storage import open_storage
+from rl_ckpt._recovery.coordinator import Action, Decision, FailureInfo
+from rl_ckpt._recovery.history import load_decisions, load_failures, record_decision, record_failure
+from rl_ckpt._run.layout import timed_record_stem
+from rl_ckpt._storage import open_storage
 
 HOSTILE = [
     "/abs/escape",

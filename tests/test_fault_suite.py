@@ -295,9 +295,9 @@ def test_regression_dedup_rewrites_an_object_that_rotted(tmp_path):
     cfg = engine_cfg(str(tmp_path), dedup=True)
     engine, model, buf = build(cfg)
     save_step(engine, model, buf, 1)
-    from rl_ckpt.run.dedup import object_path
-    from rl_ckpt.run.snapshot_files import read_manifest
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._run.dedup import object_path
+    from rl_ckpt._run.snapshot_files import read_manifest
+    from rl_ckpt._storage import open_storage
 
     section = read_manifest(open_storage(run_url(cfg)), "step_000000001").components["model"]
     ((digest, _size),) = section["objects"]["frozen"]  # the same in every snapshot: one shared object
@@ -412,7 +412,7 @@ def test_power_loss_unsynced_data_is_lost_even_when_the_name_survives(disk):
 
 
 def test_power_loss_unsynced_folder_takes_its_content_along(disk, monkeypatch):
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
 
     # the model, whatever LocalStorage.makedirs itself fsyncs: a plain mkdir that syncs nothing
     monkeypatch.setattr(LocalStorage, "makedirs", lambda self, path: os.makedirs(self._abs(path), exist_ok=True))
@@ -564,7 +564,7 @@ def test_power_loss_mid_save_never_lists_a_partial_snapshot(tmp_path):
 
 
 def test_faulty_storage_any_operation_and_root_errors_name_the_folder(tmp_path):
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
 
     seen = []
     storage = FaultyStorage(LocalStorage(str(tmp_path)))

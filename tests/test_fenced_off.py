@@ -10,7 +10,7 @@ import torch
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.cli import main as cli_main
-from rl_ckpt.run.quarantine import quarantine
+from rl_ckpt._run.quarantine import quarantine
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:

@@ -154,7 +154,7 @@ def test_without_rename_the_manifest_goes_first(fail_op):
     import uuid
 
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     base = f"memory://ret-{uuid.uuid4().hex}"
     storage = FaultyStorage(open_storage(base + "/run"))
@@ -176,7 +176,7 @@ def test_without_rename_the_manifest_goes_first(fail_op):
 # -- housekeeping after a commit never fails the save -------------------------------------------------------------
 def _faulty(tmp_path, **cfg):
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = FaultyStorage(open_storage(str(tmp_path / "run")))
     return CheckpointEngine(base_dir=str(tmp_path), storage=storage, **cfg), storage

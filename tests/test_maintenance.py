@@ -9,14 +9,14 @@ import torch
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.cli import main as cli
-from rl_ckpt.commit.participant import ParticipantCommit
-from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.commit import CommitStrategy, ManifestLastCommit, StagedRenameCommit
-from rl_ckpt.run.maintenance import RunMaintenance
-from rl_ckpt.run.quarantine import quarantine
-from rl_ckpt.run.retention import KeepLatest
-from rl_ckpt.commit.collective import DistributedCommit
-from rl_ckpt.storage import open_storage
+from rl_ckpt._commit.participant import ParticipantCommit
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._commit import CommitStrategy, ManifestLastCommit, StagedRenameCommit
+from rl_ckpt._run.maintenance import RunMaintenance
+from rl_ckpt._run.quarantine import quarantine
+from rl_ckpt._run.retention import KeepLatest
+from rl_ckpt._commit.collective import DistributedCommit
+from rl_ckpt._storage import open_storage
 
 
 def _objects(root) -> set[str]:

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine, CheckpointError, NoValidSnapshotError, SchemaVersionError, UnsafePathError
-from rl_ckpt.format.checksum import digest_bytes
-from rl_ckpt.format.manifest import manifest_checksum
-from rl_ckpt.run.snapshot_files import read_manifest
-from rl_ckpt.storage import open_storage
+from rl_ckpt._format.checksum import digest_bytes
+from rl_ckpt._format.manifest import manifest_checksum
+from rl_ckpt._run.snapshot_files import read_manifest
+from rl_ckpt._storage import open_storage
 
 
 class Payload:
@@ -371,7 +371,7 @@ def test_a_manifest_without_its_checksum_is_refused(tmp_path):
 
 @pytest.mark.parametrize("size", [2**30, 2**36])  # a sparse 1 GiB and 64 GiB manifest
 def test_manifest_size_is_checked_before_reading(tmp_path, size):
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
 
     class Recording(LocalStorage):
         reads: list = []
@@ -407,7 +407,7 @@ FOREIGN = [
 
 
 def test_only_canonical_names_are_snapshots():
-    from rl_ckpt.format.manifest import parse_snapshot_id, snapshot_id
+    from rl_ckpt._format.manifest import parse_snapshot_id, snapshot_id
 
     for name in FOREIGN + [
         "step_000000003.b1.light.light",
@@ -469,7 +469,7 @@ def test_run_records_are_parsed_as_untrusted(tmp_path, capsys, body):
     engine.register("policy", torch.nn.Linear(3, 2))
     assert engine.decisions() == []
     assert engine.restore().snapshot_id == "step_000000002"
-    from rl_ckpt.timeline import load
+    from rl_ckpt._timeline import load
 
     assert [s["id"] for s in load(open_storage(str(run)))["snapshots"]] == ["step_000000001", "step_000000002"]
     assert _cli_one_line(capsys, "plan", str(run), "--failure", "exception", "--step", "3")[0] == 0
@@ -480,7 +480,7 @@ def test_run_records_are_parsed_as_untrusted(tmp_path, capsys, body):
 
 
 def test_untrusted_json_helpers():
-    from rl_ckpt.format.untrusted import depth, parse_json
+    from rl_ckpt._format.untrusted import depth, parse_json
 
     for bad in (b"[" * 100000 + b"]" * 100000, b"9" * 5000, b"\xff{", b"{"):
         with pytest.raises(CheckpointError, match="where.json: not valid JSON"):

@@ -1,23 +1,23 @@
-"""The manager's pieces without Ray: the commit protocol (actors/commits.py) on real storage, the
-participant registry (actors/participants.py), and recovery planning from explicit inputs."""
+"""The manager's pieces without Ray: the commit protocol (actors/_commits.py) on real storage, the
+participant registry (actors/_participants.py), and recovery planning from explicit inputs."""
 
 from __future__ import annotations
 
 import pytest
 
-from rl_ckpt.commit.two_phase import CommitProtocol, Pending
-from actors.participants import ParticipantRegistry
+from rl_ckpt._commit.two_phase import CommitProtocol, Pending
+from actors._participants import ParticipantRegistry
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt.format.manifest import FileEntry, Manifest
+from rl_ckpt._format.manifest import FileEntry, Manifest
 from rl_ckpt.errors import SnapshotAbortedError, UnknownParticipantError
-from rl_ckpt.recovery.coordinator import Action, CoordinatorConfig, FailureInfo
-from rl_ckpt.recovery.history import load_decisions, load_failures, record_decision, record_failure
-from rl_ckpt.recovery.plan import build_plan
-from rl_ckpt.run import layout
-from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.commit import strategy_for
-from rl_ckpt.run.maintenance import RunMaintenance
-from rl_ckpt.storage import open_storage
+from rl_ckpt._recovery.coordinator import Action, CoordinatorConfig, FailureInfo
+from rl_ckpt._recovery.history import load_decisions, load_failures, record_decision, record_failure
+from rl_ckpt._recovery.plan import build_plan
+from rl_ckpt._run import layout
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._commit import strategy_for
+from rl_ckpt._run.maintenance import RunMaintenance
+from rl_ckpt._storage import open_storage
 
 PARTS = ["learner-0", "rollout-0"]
 

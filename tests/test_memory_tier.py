@@ -13,10 +13,10 @@ import torch
 from helpers import PPOState, assert_same_state, tensors_of
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import CommitConflictError, NoValidSnapshotError, StorageError
-from rl_ckpt.format.manifest import MANIFEST_NAME
-from rl_ckpt.recovery.plan import RecoveryPlan
-from rl_ckpt.recovery.tiers import choose_tier
-from rl_ckpt.commit.flush import FlushPolicy
+from rl_ckpt._format.manifest import MANIFEST_NAME
+from rl_ckpt._recovery.plan import RecoveryPlan
+from rl_ckpt._recovery.tiers import choose_tier
+from rl_ckpt._commit.flush import FlushPolicy
 
 pytestmark = pytest.mark.ray
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ray
 @pytest.fixture
 def mem(ray_cluster):
     """A fresh raymem:// storage (one node, no replicas); its stores are killed afterwards."""
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     made = []
 
@@ -58,7 +58,7 @@ def test_store_owns_bytes_after_writer_dies(ray_cluster, mem):
     @ray_cluster.remote(num_cpus=0)
     class Writer:
         def write(self, url, options, data):
-            from rl_ckpt.storage import open_storage
+            from rl_ckpt._storage import open_storage
 
             return open_storage(url, options).write("step_000000001/x.bin", [data])
 
@@ -93,7 +93,7 @@ def test_create_only_and_missing_and_refusals(mem):
 
 
 def test_bad_options_are_refused():
-    from actors.memory_storage import RayMemoryStorage
+    from actors._memory_storage import RayMemoryStorage
     from rl_ckpt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="replicas"):
@@ -147,7 +147,7 @@ def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path):
     """Outside a read session, stat, exists and reads ask the stores already known first (the cluster's stores are
     listed again only for a file none of them holds): a restore lists the stores once per folder it lists, never
     per file, and reads each file with one call to one store. A ranged read of several ranges is one call too."""
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = mem()
     modules = {f"m{i}": torch.nn.Linear(4, 4) for i in range(5)}  # 10 files: a .safetensors and a .json each
@@ -181,7 +181,7 @@ def test_restore_in_a_read_session_is_one_round_trip_per_store(ray_cluster, mem,
     """In a read session a restore lists the cluster's stores once and asks each store once (its view: every path,
     and the newest committed snapshot's files), whatever the number of files; the state is loaded bitwise and
     every file is still checked against the manifest (a file changed in the store fails the restore)."""
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = mem()
     modules = {f"m{i}": torch.nn.Linear(64, 64) for i in range(3)}
@@ -221,7 +221,7 @@ def test_read_session_sees_its_own_writes_and_the_run_as_it_was(mem):
     retaken), another client's only after the session; reads of files the view did not carry (an older snapshot)
     come with the rest of their folder in one call; refusals (too large, past the end, missing) are the same."""
     from rl_ckpt.errors import FileTooLargeError, ReadRangeError
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = mem()
     other = open_storage(storage.url, {"replicas": 0})
@@ -285,7 +285,7 @@ def test_budget_evicts_oldest_never_newest_committed(mem, tmp_path):
         assert info["evicted"] == ["step_000000001", "step_000000002", "step_000000003"]
         # One snapshot larger than the whole budget is refused, and nothing held is lost.
         state["w"] = torch.zeros(budget // 4 + 1024)
-        from actors.memory_store import MemoryBudgetError
+        from actors._memory_store import MemoryBudgetError
 
         with pytest.raises(MemoryBudgetError, match="nothing already held was lost"):
             engine.save(6)

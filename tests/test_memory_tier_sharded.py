@@ -68,7 +68,7 @@ def start(ray, base: str, name: str) -> dict:
 
 def stop(ray, run: dict) -> None:
     from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     open_storage(f"{MEMORY_BASE}/{run['run_name']}", memory_options(run["config"])).destroy()
     for h in (run["manager"], run["memory"]["manager"], run["memory"]["service"]):

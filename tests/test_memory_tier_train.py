@@ -47,7 +47,7 @@ def fit(ray, tmp_path, name: str, die_at: int | None, max_failures: int) -> dict
     trainer.fit()
     status = ray.get(handles["service"].tick.remote())
     ranks = [json.loads((tmp_path / f"{name}.safetensors.rank{r}.json").read_text()) for r in range(2)]
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
     from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
 
     durable_meta = tmp_path / "durable" / name / "step_000000006" / "meta.json"

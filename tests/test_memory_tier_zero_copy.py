@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.core.reader import load_component
-from rl_ckpt.run.snapshot_files import read_verified
+from rl_ckpt._core.reader import load_component
+from rl_ckpt._run.snapshot_files import read_verified
 from rl_ckpt.errors import CorruptSnapshotError
-from rl_ckpt.format import safetensors_io
-from rl_ckpt.format.checksum import new_hasher
+from rl_ckpt._format import safetensors_io
+from rl_ckpt._format.checksum import new_hasher
 
 
 class Big:
@@ -37,7 +37,7 @@ class Big:
 
 @pytest.fixture
 def mem(ray_cluster):
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = open_storage(f"raymem://mem/zc-{uuid.uuid4().hex[:8]}", {"replicas": 0})
     yield storage
@@ -184,7 +184,7 @@ def test_optimizer_state_restored_from_memory_into_its_own_tensors(mem):
 def test_into_optimizer_state_copies_only_into_places_of_their_own():
     """Copied in place: a state tensor of the same shape and dtype that nothing else shares. Cloned: one of another
     shape, one the optimizer holds at two places, and views that overlap."""
-    from rl_ckpt.core.reader import into_optimizer_state
+    from rl_ckpt._core.reader import into_optimizer_state
 
     params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(4)]
     optim = torch.optim.SGD(params, lr=0.1, momentum=0.9)

@@ -97,7 +97,7 @@ def test_healthz_and_metrics_show_the_memory_tier(ray_cluster, tmp_path):
 
 def test_health_section_never_waits_past_its_bound(monkeypatch):
     """A service that does not answer: the request gets 'unreachable' after the bound, not a hang or an error."""
-    import actors.memory_health as mh
+    import actors._memory_health as mh
 
     release, calls = threading.Event(), []
 
@@ -126,8 +126,8 @@ def test_health_section_never_waits_past_its_bound(monkeypatch):
 
 
 def test_summary_and_prometheus_text():
-    from actors.memory_health import summarize
-    from actors.metrics import prometheus_text
+    from actors._memory_health import summarize
+    from actors._metrics import prometheus_text
 
     tiers = [
         {
@@ -183,11 +183,11 @@ def test_summary_and_prometheus_text():
 # -- the timeline -------------------------------------------------------------------------------------------------
 def test_timeline_marks_memory_snapshots_and_restores_from_memory(tmp_path):
     """Durable snapshots from manifests, memory snapshots and the restore from memory from ``memory_tier/``."""
-    from rl_ckpt.recovery.coordinator import FailureInfo
-    from rl_ckpt.recovery.history import load_decisions, record_decision
-    from rl_ckpt.run.catalog import SnapshotInfo
-    from rl_ckpt.run.tier_events import record_memory_snapshot, record_tier_restore
-    from rl_ckpt.timeline import load, plot
+    from rl_ckpt._recovery.coordinator import FailureInfo
+    from rl_ckpt._recovery.history import load_decisions, record_decision
+    from rl_ckpt._run.catalog import SnapshotInfo
+    from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
+    from rl_ckpt._timeline import load, plot
 
     state = PPOState(seed=0)
     with state.register(CheckpointEngine(base_dir=str(tmp_path), run_name="r", keep_best=0)) as engine:

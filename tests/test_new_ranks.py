@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 import new_rank_workers as nw
 import sharded_workers as w
 from rl_ckpt import RNGState
-from rl_ckpt.format.manifest import FileEntry, Manifest
-from rl_ckpt.recovery.new_ranks import derive_seed, new_rank_gaps, plan_lines
+from rl_ckpt._format.manifest import FileEntry, Manifest
+from rl_ckpt._recovery.new_ranks import derive_seed, new_rank_gaps, plan_lines
 
 STORED = [
     "shared/optim",

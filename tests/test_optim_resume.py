@@ -9,7 +9,7 @@ before that step. The case list must cover every optimizer and scheduler class t
 
 The first case that failed before the fix was LBFGS: its state tensors came back as views into the
 file's read buffer at odd addresses, and BLAS ``dot`` sums in another order there (see
-``rl_ckpt.core.reader.load_component``).
+``rl_ckpt._core.reader.load_component``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import torch
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import CorruptSnapshotError, StateMismatchError
-from rl_ckpt.run.snapshot_files import read_manifest
-from rl_ckpt.sharded.weight_pull import WeightPuller, component_pieces
+from rl_ckpt._run.snapshot_files import read_manifest
+from rl_ckpt._sharded.weight_pull import WeightPuller, component_pieces
 
 
 def policy(seed: int = 0) -> torch.nn.Module:
@@ -74,7 +74,7 @@ def versions_run(ray_cluster):
 
 
 def test_pinned_version_outlives_retention_and_the_budget_holds(versions_run):
-    from actors.memory_store import MemoryBudgetError
+    from actors._memory_store import MemoryBudgetError
     from actors.policy_versions import PolicyVersions
     from actors.weight_subscriber import WeightSubscriber
 
@@ -161,7 +161,7 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
     assert (got.source, got.version, got.fell_back_from) == ("durable", 1, 2) and bad in got.reason
     assert all(torch.equal(expected[k], v) for k, v in worker.state_dict().items())
     assert sub.status()["status"] == "degraded" and pv.status()["faults"][0]["path"] == bad
-    from actors.versions_health import lookup
+    from actors._versions_health import lookup
 
     section = lookup(versions_run)  # what the manager's /healthz shows as "policy_versions"
     assert section["status"] == "degraded" and section["faults"][0]["snapshot_id"] == "step_000000002"
@@ -172,7 +172,7 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
 def test_publish_writes_a_batch_at_once_and_verifies_what_the_store_holds(versions_run):
     from actors.policy_versions import PolicyVersions, versions_storage
     from actors.weight_subscriber import WeightSubscriber
-    from rl_ckpt.format.checksum import new_hasher
+    from rl_ckpt._format.checksum import new_hasher
 
     storage = versions_storage(versions_run, replicas=0)
     big, small = bytes(range(256)) * 2048, b"small file"  # 512 KiB: an object of the store; 10 bytes: inline

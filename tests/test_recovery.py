@@ -11,10 +11,10 @@ import torch
 
 from helpers import PPOState, assert_same_state
 from rl_ckpt import CheckpointEngine, NoValidSnapshotError
-from rl_ckpt.format.checksum import digest_bytes
+from rl_ckpt._format.checksum import digest_bytes
 from rl_ckpt.cli import main as cli
-from rl_ckpt.recovery.coordinator import FailureInfo
-from rl_ckpt.format.manifest import manifest_checksum
+from rl_ckpt._recovery.coordinator import FailureInfo
+from rl_ckpt._format.manifest import manifest_checksum
 
 
 def _tree(path) -> dict:
@@ -174,7 +174,7 @@ def test_probe_of_a_sampling_sb3_policy_passes_after_the_global_rng_moved(tmp_pa
     import numpy as np
     from stable_baselines3 import PPO
 
-    from rl_ckpt.recovery.probe import run_probe
+    from rl_ckpt._recovery.probe import run_probe
 
     cfg = {"base_dir": str(tmp_path), "retention": False}
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_probe_record_is_bounded_for_a_large_output(tmp_path):
 
 @pytest.mark.parametrize("delta", [1e-2, 1e-4])
 def test_fingerprint_catches_one_perturbed_weight_and_passes_a_correct_restore(delta):
-    from rl_ckpt.recovery.probe import compare, run_probe
+    from rl_ckpt._recovery.probe import compare, run_probe
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1000))
@@ -238,7 +238,7 @@ def test_fingerprint_catches_one_perturbed_weight_and_passes_a_correct_restore(d
 
 
 def test_probe_recorded_in_full_by_an_older_version_still_compares():
-    from rl_ckpt.recovery.probe import compare, run_probe
+    from rl_ckpt._recovery.probe import compare, run_probe
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
@@ -252,7 +252,7 @@ def test_probe_recorded_in_full_by_an_older_version_still_compares():
 
 def test_a_restore_parses_each_manifest_once(tmp_path):
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     cfg, _ = _run(tmp_path, [(10, 1.0), (20, 2.0)])
     storage = FaultyStorage(open_storage(str(tmp_path / "run")))

@@ -1,13 +1,13 @@
-"""Unit tests for rl_ckpt.run.retention: policies, hard rules, light snapshots."""
+"""Unit tests for rl_ckpt._run.retention: policies, hard rules, light snapshots."""
 
 from __future__ import annotations
 
 import pytest
 
-from rl_ckpt.run.catalog import SnapshotInfo
+from rl_ckpt._run.catalog import SnapshotInfo
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.errors import ConfigError
-from rl_ckpt.run.retention import (
+from rl_ckpt._run.retention import (
     AnyOf,
     KeepAll,
     KeepBest,

@@ -12,11 +12,11 @@ import pytest
 
 from helpers import PPOState
 from rl_ckpt import CheckpointEngine
-from rl_ckpt.run.snapshot_files import verify_snapshot
-from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.run.quarantine import quarantine, quarantined
-from rl_ckpt.run.retire import retire_newer
-from rl_ckpt.storage.local import LocalStorage
+from rl_ckpt._run.snapshot_files import verify_snapshot
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._run.quarantine import quarantine, quarantined
+from rl_ckpt._run.retire import retire_newer
+from rl_ckpt._storage.local import LocalStorage
 from rl_ckpt.tools.faults import FaultyStorage
 
 S = "step_{:09d}".format

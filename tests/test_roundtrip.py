@@ -12,7 +12,7 @@ import torch
 
 from helpers import Bag, PPOState, assert_same_state, next_draws
 from rl_ckpt import CheckpointEngine, CheckpointError, SerializationError
-from rl_ckpt.commit import ManifestLastCommit, StagedRenameCommit
+from rl_ckpt._commit import ManifestLastCommit, StagedRenameCommit
 
 
 @pytest.fixture(params=["local", "local-manifest-last", "memory"])
@@ -285,7 +285,7 @@ def test_a_state_that_contains_itself_is_refused(cfg):
 def test_the_deepest_allowed_nesting_round_trips(cfg):
     from collections import OrderedDict
 
-    from rl_ckpt.format.state_codec import MAX_DEPTH
+    from rl_ckpt._format.state_codec import MAX_DEPTH
 
     node: object = torch.ones(1)
     for depth in range(MAX_DEPTH - 1):  # the component's own dict is the first level

@@ -1,4 +1,4 @@
-"""The run folder's layout (rl_ckpt/run/layout.py) and the JSON record store (rl_ckpt/run/records.py)."""
+"""The run folder's layout (rl_ckpt/_run/layout.py) and the JSON record store (rl_ckpt/_run/records.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import logging
 import pytest
 
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.run import layout
-from rl_ckpt.commit import ManifestLastCommit, StagedRenameCommit
-from rl_ckpt.run.records import RecordStore
-from rl_ckpt.storage import open_storage
+from rl_ckpt._run import layout
+from rl_ckpt._commit import ManifestLastCommit, StagedRenameCommit
+from rl_ckpt._run.records import RecordStore
+from rl_ckpt._storage import open_storage
 
 
 @pytest.fixture

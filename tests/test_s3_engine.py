@@ -10,7 +10,7 @@ import torch
 from helpers import PPOState, assert_same_state
 from rl_ckpt import CheckpointEngine, CommitConflictError, StorageError
 from rl_ckpt.cli import main as cli
-from rl_ckpt.commit import ManifestLastCommit
+from rl_ckpt._commit import ManifestLastCommit
 
 
 def _cfg(s3_url, **extra):
@@ -82,7 +82,7 @@ def test_dedup_retention_and_corruption_on_s3(s3_url):
 def test_large_shard_parallel_multipart_and_abort(s3_url, monkeypatch):
     import s3fs
 
-    from rl_ckpt.storage import s3 as s3_storage
+    from rl_ckpt._storage import s3 as s3_storage
 
     monkeypatch.setattr(s3_storage, "PARALLEL_UPLOAD_BYTES", 8 * 1024 * 1024)
     monkeypatch.setattr(s3_storage, "PART_BYTES", 5 * 1024 * 1024)  # S3's minimum part size

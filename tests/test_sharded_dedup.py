@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 import sharded_store_workers as sw
 import sharded_workers as w
-from rl_ckpt.run.dedup import layout_objects, manifest_objects, object_path
-from rl_ckpt.run.gc import find_unreferenced_objects, remove_debris
-from rl_ckpt.format.manifest import Manifest
-from rl_ckpt.storage.local import LocalStorage
+from rl_ckpt._run.dedup import layout_objects, manifest_objects, object_path
+from rl_ckpt._run.gc import find_unreferenced_objects, remove_debris
+from rl_ckpt._format.manifest import Manifest
+from rl_ckpt._storage.local import LocalStorage
 
 
 def spawn(fn, world: int, *args) -> None:
@@ -59,9 +59,9 @@ def test_unchanged_shards_are_referenced_not_rewritten(dedup_run):
     shared = sum(n for d, (_a, n) in manifest_objects(manifest).items())
     assert manifest.size_bytes >= sum(f.size for f in manifest.files) + shared > sum(f.size for f in manifest.files)
     # So does the recovery plan's count of what each component loads.
-    from rl_ckpt.recovery.coordinator import CoordinatorConfig
-    from rl_ckpt.recovery.plan import build_plan
-    from rl_ckpt.run.catalog import Catalog
+    from rl_ckpt._recovery.coordinator import CoordinatorConfig
+    from rl_ckpt._recovery.plan import build_plan
+    from rl_ckpt._run.catalog import Catalog
 
     storage = LocalStorage(str(run))
     plan = build_plan(
@@ -123,7 +123,7 @@ def test_retention_and_gc_keep_referenced_objects_and_remove_the_rest(dedup_run)
     # Export (rollout weights / serving) reads the chunks from the objects too, verified.
     from safetensors.torch import load_file
 
-    from rl_ckpt.export import export_component
+    from rl_ckpt._export import export_component
 
     m3 = Manifest.from_bytes((run / "step_000000003" / "meta.json").read_bytes(), "step_000000003")
     export_component(storage, m3, "policy", str(out / "policy_3.safetensors"))
@@ -167,7 +167,7 @@ def test_layout_object_references_are_checked():
 
 @pytest.mark.parametrize("nth,partial", [(1, True), (2, False)])
 def test_rank_killed_while_publishing_objects_commits_nothing_and_gc_cleans_up(tmp_path, nth, partial):
-    from rl_ckpt.run.gc import find_debris
+    from rl_ckpt._run.gc import find_debris
 
     run = tmp_path / "run"
     with pytest.raises(mp.ProcessExitedException):
@@ -188,8 +188,8 @@ def test_rank_killed_while_publishing_objects_commits_nothing_and_gc_cleans_up(t
 
 def test_layout_with_object_chunks_round_trips_and_refuses_hostile_ones():
     from rl_ckpt.errors import CorruptSnapshotError
-    from rl_ckpt.format.checksum import digest_bytes
-    from rl_ckpt.sharded.layout import Chunk, Layout, TensorLayout
+    from rl_ckpt._format.checksum import digest_bytes
+    from rl_ckpt._sharded.layout import Chunk, Layout, TensorLayout
 
     algo = "sha256"
     d = digest_bytes(algo, b"x")

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from rl_ckpt.errors import CorruptSnapshotError, UnsafePathError
-from rl_ckpt.sharded.layout import Layout, merge_components
+from rl_ckpt._sharded.layout import Layout, merge_components
 
 
 def part(rank: int, rows: int = 4) -> dict:

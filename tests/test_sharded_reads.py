@@ -11,11 +11,11 @@ import torch
 
 from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import NoValidSnapshotError
-from rl_ckpt.sharded import ShardedState
-from rl_ckpt.sharded.dcp_reader import ChunkReader
-from rl_ckpt.sharded.layout import Layout
-from rl_ckpt.run.snapshot_files import read_manifest
-from rl_ckpt.storage import LocalStorage
+from rl_ckpt._sharded import ShardedState
+from rl_ckpt._sharded.dcp_reader import ChunkReader
+from rl_ckpt._sharded.layout import Layout
+from rl_ckpt._run.snapshot_files import read_manifest
+from rl_ckpt._storage import LocalStorage
 
 
 class Counting(LocalStorage):

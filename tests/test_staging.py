@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl_ckpt.core.staging import HostBufferPool, StagingArea, torch_allocator
-from rl_ckpt.format.state_codec import encode_state
+from rl_ckpt._core.staging import HostBufferPool, StagingArea, torch_allocator
+from rl_ckpt._format.state_codec import encode_state
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA staging path is not run here")
 

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from rl_ckpt.commit import ManifestLastCommit
+from rl_ckpt._commit import ManifestLastCommit
 from rl_ckpt.errors import (
     CommitConflictError,
     ConfigError,
@@ -28,8 +28,8 @@ from rl_ckpt.errors import (
     StoragePermissionError,
     UnsafePathError,
 )
-from rl_ckpt.format.manifest import MANIFEST_NAME
-from rl_ckpt.storage import (
+from rl_ckpt._format.manifest import MANIFEST_NAME
+from rl_ckpt._storage import (
     FsspecStorage,
     LocalStorage,
     MemoryStorage,
@@ -40,7 +40,7 @@ from rl_ckpt.storage import (
     register_storage,
     storage_class,
 )
-from rl_ckpt.storage.registry import registry as storage_registry
+from rl_ckpt._storage.registry import registry as storage_registry
 
 
 # --------------------------------------------------------------------------- backends
@@ -705,7 +705,7 @@ def test_local_large_read_with_prefault_is_exact(local):
     store, _root, _ = local
     import numpy as np
 
-    from rl_ckpt.storage.buffers import alloc_bytes, prefault
+    from rl_ckpt._storage.buffers import alloc_bytes, prefault
 
     data = np.random.default_rng(0).integers(0, 256, size=(48 << 20) + 4097, dtype=np.uint8).tobytes()
     put(store, "snap/big.bin", [data])
@@ -713,7 +713,7 @@ def test_local_large_read_with_prefault_is_exact(local):
     got = store.read("snap/big.bin", on_chunk=lambda v: pieces.append(len(v)))
     assert bytes(got) == data and sum(pieces) == len(data) and len(pieces) > 1
     # Out of the page cache, the same files are read with O_DIRECT (aligned sizes and an unaligned tail).
-    import rl_ckpt.storage.local_io as local_mod
+    import rl_ckpt._storage.local_io as local_mod
 
     modes = []
     real = local_mod._set_direct
@@ -782,7 +782,7 @@ def test_register_storage_adds_and_guards_protocols():
 
 def test_local_sparse_huge_files_refused_before_allocating(local, monkeypatch):
     """A 1 GiB and a 64 GiB sparse meta.json: refused from the open file's size, nothing allocated or read."""
-    import rl_ckpt.storage.local_io as local_mod
+    import rl_ckpt._storage.local_io as local_mod
 
     store, root, _ = local
     (root / "snap").mkdir()
@@ -807,7 +807,7 @@ def test_local_read_without_memory_is_a_storage_error(local, monkeypatch):
     """Without a cap, a file too large for memory still ends in a StorageError naming it (not a raw ENOMEM)."""
     import errno
 
-    import rl_ckpt.storage.local_io as local_mod
+    import rl_ckpt._storage.local_io as local_mod
 
     store, _root, _ = local
     put(store, "snap/meta.json", [b"{}"])
@@ -824,7 +824,7 @@ def test_local_read_without_memory_is_a_storage_error(local, monkeypatch):
 def test_os_errors_map_to_storage_errors_that_say_what_to_do():
     import errno
 
-    from rl_ckpt.storage.local_io import storage_error as _storage_error
+    from rl_ckpt._storage.local_io import storage_error as _storage_error
 
     for code in (errno.EACCES, errno.EPERM):
         err = _storage_error(PermissionError(code, os.strerror(code)), "cannot open", "step_000000002/meta.json")
@@ -844,7 +844,7 @@ def test_os_errors_map_to_storage_errors_that_say_what_to_do():
 
 _PERMISSION_CHILD = r"""
 import json, sys
-from rl_ckpt.storage import open_storage
+from rl_ckpt._storage import open_storage
 
 store = open_storage(sys.argv[1])
 calls = {
@@ -987,7 +987,7 @@ def test_local_list_skips_an_entry_removed_while_listing(local, monkeypatch):
     out; the rest of the folder is still listed."""
     import contextlib
 
-    import rl_ckpt.storage.local as local_mod
+    import rl_ckpt._storage.local as local_mod
 
     store, root, _ = local
     for name in ("a.bin", "b.bin", "c.bin"):

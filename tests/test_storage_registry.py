@@ -1,5 +1,5 @@
 """Storage protocols from entry points: ``raymem://`` comes in through the ``rl_ckpt.storage`` group, so
-``rl_ckpt/storage`` names nothing above it, and opening other URLs never imports Ray."""
+``rl_ckpt/_storage`` names nothing above it, and opening other URLs never imports Ray."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from rl_ckpt.errors import ConfigError
-from rl_ckpt.storage import registry
+from rl_ckpt._storage import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def test_storage_package_names_no_module_above_it():
 def test_raymem_is_served_through_its_entry_point_and_other_urls_do_not_import_ray():
     code = (
         "import sys\n"
-        "from rl_ckpt.storage.registry import storage_class\n"
+        "from rl_ckpt._storage.registry import storage_class\n"
         "assert storage_class('memory://a').__name__ == 'MemoryStorage'\n"
         "assert storage_class('file:///tmp/a').__name__ == 'LocalStorage'\n"
         "assert 'ray' not in sys.modules, 'opening memory:// or file:// imported ray'\n"
@@ -33,7 +33,7 @@ def test_raymem_is_served_through_its_entry_point_and_other_urls_do_not_import_r
         "print(cls.__module__, cls.__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["actors.memory_storage", "RayMemoryStorage"]
+    assert out.split() == ["actors._memory_storage", "RayMemoryStorage"]
 
 
 def test_an_entry_point_that_fails_to_load_is_a_config_error_naming_the_protocol(monkeypatch):

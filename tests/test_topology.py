@@ -8,12 +8,12 @@ import torch.distributed as dist
 
 from helpers import PPOState
 from rl_ckpt import CheckpointEngine, ConfigError, NoValidSnapshotError
-from rl_ckpt.commit import StagedRenameCommit
-from rl_ckpt.commit.collective import DistributedCommit
-from rl_ckpt.core.topology import Managed, Solo, TorchDistributed
-from rl_ckpt.recovery import plan as plan_module
-from rl_ckpt.recovery.plan import RecoveryPlan
-from rl_ckpt.storage import open_storage
+from rl_ckpt._commit import StagedRenameCommit
+from rl_ckpt._commit.collective import DistributedCommit
+from rl_ckpt._core.topology import Managed, Solo, TorchDistributed
+from rl_ckpt._recovery import plan as plan_module
+from rl_ckpt._recovery.plan import RecoveryPlan
+from rl_ckpt._storage import open_storage
 
 
 class FakeCommit:

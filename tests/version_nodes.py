@@ -25,8 +25,8 @@ def free_port() -> int:
 
 def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
     from actors.policy_versions import versions_status, versions_storage
-    from rl_ckpt.run.snapshot_files import read_manifest
-    from rl_ckpt.sharded.weight_pull import component_pieces
+    from rl_ckpt._run.snapshot_files import read_manifest
+    from rl_ckpt._sharded.weight_pull import component_pieces
     from version_workers import Learner
 
     started = time.monotonic()

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Sequence
 
-from rl_ckpt.cli.commands import (
+from rl_ckpt.cli._commands import (
     EXIT_PROBLEM,
     EXIT_USAGE,
     cmd_bench,

@@ -11,12 +11,12 @@ Each checks at restore that the saved position fits the data given now
 (``DataPositionError`` naming both values).
 """
 
-from rl_ckpt.data.auditor import AuditReport, ConsumptionAuditor, replay_log
-from rl_ckpt.data.episodes import EpisodeStream
-from rl_ckpt.data.hf import IterablePosition
-from rl_ckpt.data.inflight import InflightRollouts, Rollout
-from rl_ckpt.data.loader import DataLoaderPosition
-from rl_ckpt.data.sampler import PromptSampler
+from rl_ckpt.data._auditor import AuditReport, ConsumptionAuditor, replay_log
+from rl_ckpt.data._episodes import EpisodeStream
+from rl_ckpt.data._hf import IterablePosition
+from rl_ckpt.data._inflight import InflightRollouts, Rollout
+from rl_ckpt.data._loader import DataLoaderPosition
+from rl_ckpt.data._sampler import PromptSampler
 
 __all__ = [
     "AuditReport",

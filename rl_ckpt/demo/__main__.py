@@ -19,8 +19,8 @@ import argparse
 import sys
 import tempfile
 
-from rl_ckpt.run.catalog import Catalog
-from rl_ckpt.storage import open_storage
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._storage import open_storage
 from rl_ckpt.demo.drill import crash_drill
 from rl_ckpt.demo.figures import crash_figures, human_bytes, matches, memory_comparison
 
@@ -58,7 +58,7 @@ def summarize(result, cfg: dict, steps: int) -> str:
 
 def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None) -> tuple[str, bool]:
     """The summary of a Ray demo run and whether it matched the uninterrupted run."""
-    from rl_ckpt.timeline import load
+    from rl_ckpt._timeline import load
 
     storage = open_storage(f"{base}/{run.run_name}")
     data = load(storage)
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from rl_ckpt.timeline import load, plot
+    from rl_ckpt._timeline import load, plot
     from rl_ckpt.demo.ray_ppo import run
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -279,7 +279,7 @@ def memory_summary(ref, crashed, mem, base: str, crash_at: int) -> tuple[str, bo
     """The durable-only crash and the memory tier's crash side by side, and whether the memory run was exact
     and its figures agree (restored from memory, fewer or as many steps lost)."""
     from rl_ckpt.demo.ray_ppo import MEMORY_DEFAULTS
-    from rl_ckpt.timeline import load
+    from rl_ckpt._timeline import load
 
     durable = crash_figures(crashed, load(open_storage(f"{base}/{crashed.run_name}")), crash_at)
     memory = crash_figures(mem, load(open_storage(f"{base}/{mem.run_name}")), crash_at)

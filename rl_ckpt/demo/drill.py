@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from rl_ckpt import CheckpointEngine, RNGState
-from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt._recovery.coordinator import FailureInfo
 from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer, param_digest
 
 

@@ -65,7 +65,7 @@ class RolloutActor:
         """The policy version of ``snapshot_id``'s step (the learners publish one per snapshot): only the chunks
         that changed since the version held move (the first pull moves all)."""
         from actors.weight_subscriber import WeightSubscriber
-        from rl_ckpt.format.manifest import parse_snapshot_id
+        from rl_ckpt._format.manifest import parse_snapshot_id
 
         from rl_ckpt.errors import CheckpointError
 

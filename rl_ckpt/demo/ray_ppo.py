@@ -485,7 +485,7 @@ def stop_memory_tier(memory: dict, engine_cfg: dict) -> dict:
 
     from rl_ckpt.config import CheckpointConfig
     from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     cfg = CheckpointConfig(**engine_cfg)
     status = ray.get(memory["service"].tick.remote(), timeout=120)

@@ -139,8 +139,8 @@ def summarize(
     run: Run, learners: int, restart_learners: int, steps: int, save_every: int, memory_status: dict | None = None
 ) -> DrillReport:
     """The drill's figures, from the event log and the snapshots, checked against each other."""
-    from rl_ckpt.storage import open_storage
-    from rl_ckpt.timeline import load
+    from rl_ckpt._storage import open_storage
+    from rl_ckpt._timeline import load
 
     events = run.events()
     kill = next(e for e in events if e["event"] == "kill")

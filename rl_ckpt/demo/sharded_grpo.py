@@ -150,7 +150,7 @@ def learner_loop(config: dict) -> None:
         plan = result.plan
         saved_by = {}
         if result.snapshot_id is not None:  # who wrote the restored policy, as its manifest says
-            from rl_ckpt.run.snapshot_files import read_manifest
+            from rl_ckpt._run.snapshot_files import read_manifest
 
             storage = tier.memory.storage if tier_name == "memory" else engine.storage
             section = read_manifest(storage, result.snapshot_id).components.get("policy") or {}
@@ -244,7 +244,7 @@ def audit_log_path(log: str) -> str:
 
 
 def parse_step(snapshot_id: str) -> int:
-    from rl_ckpt.format.manifest import parse_snapshot_id
+    from rl_ckpt._format.manifest import parse_snapshot_id
 
     return parse_snapshot_id(snapshot_id)[0]
 

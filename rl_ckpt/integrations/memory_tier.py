@@ -16,7 +16,7 @@ is staged, as in ``save_async``; replication is store-to-store and durable
 copies are made from memory by the ``MemoryTierService`` actor. The trainer
 never writes durable snapshots itself while the tier is on; one participant
 records each memory snapshot and each restore across tiers as a small JSON
-record in the durable run folder (``memory_tier/``, ``rl_ckpt/run/tier_events.py``),
+record in the durable run folder (``memory_tier/``, ``rl_ckpt/_run/tier_events.py``),
 which the timeline draws.
 """
 
@@ -26,15 +26,15 @@ import logging
 import time
 from typing import Any, Mapping
 
-from rl_ckpt.core.engine import CheckpointEngine, RestoreResult
+from rl_ckpt._core.engine import CheckpointEngine, RestoreResult
 from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
-from rl_ckpt.format.manifest import parse_snapshot_id
-from rl_ckpt.recovery.tiers import TieredPlan, plan_across_tiers
-from rl_ckpt.run.delete import delete_snapshot
-from rl_ckpt.run.retention import KeepLatest
-from rl_ckpt.run.tier_events import record_memory_snapshot, record_tier_restore
-from rl_ckpt.run.tiers import MEMORY
-from rl_ckpt.storage import open_storage
+from rl_ckpt._format.manifest import parse_snapshot_id
+from rl_ckpt._recovery.tiers import TieredPlan, plan_across_tiers
+from rl_ckpt._run.delete import delete_snapshot
+from rl_ckpt._run.retention import KeepLatest
+from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
+from rl_ckpt._run.tiers import MEMORY
+from rl_ckpt._storage import open_storage
 
 log = logging.getLogger("rl_ckpt")
 

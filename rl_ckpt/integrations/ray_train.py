@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.train import UserCallback
 
-from rl_ckpt.recovery.coordinator import FailureInfo
+from rl_ckpt._recovery.coordinator import FailureInfo
 from rl_ckpt.errors import ParticipantFailedError
 
 log = logging.getLogger("rl_ckpt")

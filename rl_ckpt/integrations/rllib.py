@@ -402,7 +402,7 @@ class CheckpointCallback(RLlibCallback):
         self.metric_keys: tuple[str, ...] = tuple(self.settings.get("metrics", DEFAULT_METRICS))
 
     def on_algorithm_init(self, *, algorithm: Any, **kwargs: Any) -> None:
-        from rl_ckpt.core.engine import CheckpointEngine
+        from rl_ckpt._core.engine import CheckpointEngine
 
         s = self.settings
         self.engine = CheckpointEngine(dict(s["config"]), train_config=recorded_config(algorithm))

@@ -82,7 +82,7 @@ def time_raw_floor(sm, cache, path: str, views: list[memoryview]) -> None:
 
 
 def hash_all(views: list[memoryview], algo: str) -> str:
-    from rl_ckpt.format.checksum import new_hasher
+    from rl_ckpt._format.checksum import new_hasher
 
     h = new_hasher(algo)
     for v in views:

@@ -43,7 +43,7 @@ from rl_ckpt.tools.bench.state import (
 
 def bench_engine(workdir: str, run: str, **kw):
     """A CheckpointEngine for the bench run ``run`` under ``workdir`` (config keys in ``kw``)."""
-    from rl_ckpt.core.engine import CheckpointEngine
+    from rl_ckpt._core.engine import CheckpointEngine
 
     return CheckpointEngine(base_dir=workdir, run_name=run, retention=False, **kw)
 

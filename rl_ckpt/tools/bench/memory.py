@@ -197,7 +197,7 @@ def run(args) -> dict:
             f"blocking: memory snapshot {out['blocking_s']['memory_snapshot']:.3f} s, durable save_async "
             f"{out['blocking_s']['durable_save_async']:.3f} s"
         )
-        from rl_ckpt.core.reader import load_component
+        from rl_ckpt._core.reader import load_component
 
         mem_restore, mem_zero_copy, disk_restore, resident = [], [], [], []
         newest_disk = engine.snapshots()[-1].snapshot_id
@@ -282,7 +282,7 @@ def run(args) -> dict:
                 + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
             )
             ray.kill(actor, no_restart=True)
-        from rl_ckpt.storage import open_storage
+        from rl_ckpt._storage import open_storage
 
         open_storage(f"raymem://mem/{run_name}-mem", {"replicas": 0}).destroy()
     finally:

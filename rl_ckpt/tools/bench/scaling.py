@@ -96,7 +96,7 @@ def scale_size(args, workdir: str, cache: CacheDropper, size_text: str) -> dict:
 def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) -> list[dict]:
     import torch
 
-    from rl_ckpt.run.retention import plan_retention
+    from rl_ckpt._run.retention import plan_retention
 
     e = bench_engine(workdir, "catalog", verify_after_write=False)
     e.register("policy", torch.nn.Linear(4, 4))
@@ -153,6 +153,6 @@ def scale_catalog(args, workdir: str, cache: CacheDropper, counts: list[int]) ->
 
 
 def _default_policy(engine):
-    from rl_ckpt.run.retention import policy_from_config
+    from rl_ckpt._run.retention import policy_from_config
 
     return policy_from_config(engine.config)

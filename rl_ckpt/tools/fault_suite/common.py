@@ -208,7 +208,7 @@ def run_url(cfg: dict) -> str:
 
 def build(cfg: dict, storage=None, **kwargs: Any):
     """(engine, model, buffer): an engine with the suite's two components registered."""
-    from rl_ckpt.core.engine import CheckpointEngine
+    from rl_ckpt._core.engine import CheckpointEngine
 
     engine = CheckpointEngine(**cfg, storage=storage, **kwargs)
     model, buf = SuiteModel(), SuiteBuffer()
@@ -238,7 +238,7 @@ def child_kill_at(cfg: dict, step: int, nth: int, expect_op: str, when: str, con
     """Save ``step``; SIGKILL ourselves right before/after the nth storage call (of any kind)."""
     child_init()
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     storage = FaultyStorage(open_storage(run_url(cfg)))
     engine, model, buf = build(cfg, storage)

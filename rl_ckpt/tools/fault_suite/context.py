@@ -64,7 +64,7 @@ class Suite:
                     "pandas",
                     "s3fs",
                     "rl_ckpt",
-                    "rl_ckpt.core.engine",
+                    "rl_ckpt._core.engine",
                     "rl_ckpt.tools.fault_suite",
                 ]
             )
@@ -139,7 +139,7 @@ class Suite:
     def record_ops(self, template: str, cfg_kwargs: dict, step: int) -> list[tuple[str, str]]:
         """The storage calls of one save of ``step`` on a copy of ``template``."""
         from rl_ckpt.tools.faults import FaultyStorage
-        from rl_ckpt.storage import LocalStorage
+        from rl_ckpt._storage import LocalStorage
 
         target = self.case("record", cfg_kwargs, template)
         storage = FaultyStorage(LocalStorage(target.run))

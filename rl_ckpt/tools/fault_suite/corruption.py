@@ -26,9 +26,9 @@ SWEEP_OUTCOMES = (
 
 def corruption(suite: Suite) -> ScenarioResult:
     """Flip bits in, truncate and delete every kind of file of a committed snapshot; sweep the manifest."""
-    from rl_ckpt.run.dedup import manifest_objects, object_path
-    from rl_ckpt.run.snapshot_files import read_manifest
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._run.dedup import manifest_objects, object_path
+    from rl_ckpt._run.snapshot_files import read_manifest
+    from rl_ckpt._storage import LocalStorage
 
     res = ScenarioResult("corruption", "bit flips, truncation, deletion in every kind of file of a snapshot")
     jobs = []

@@ -52,7 +52,7 @@ def _error_at(
     mark: str,
 ) -> None:
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
 
     target = suite.case(f"error-{variant}-{k}-{name}-{when}", kw, tpl)
     before = target.outside()
@@ -98,7 +98,7 @@ def expect_error(suite: Suite, res: ScenarioResult, variant: str, label: str, fn
 
 def _gc_error_jobs(suite: Suite) -> list:
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
 
     kw = {"dedup": True, "atomic_write": True}
     tpl_clean = suite.template(variant_name(True, True), kw)
@@ -126,7 +126,7 @@ def _gc_error_jobs(suite: Suite) -> list:
 
 def _gc_error_at(suite: Suite, part: ScenarioResult, kw: dict, tpl: str, k: int, op: str, name: str, when: str) -> None:
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
 
     variant = "gc/" + variant_name(True, True)
     target = suite.case(f"gc-error-{k}-{name}-{when}", kw, tpl)

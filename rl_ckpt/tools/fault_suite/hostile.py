@@ -158,8 +158,8 @@ def _cli_run(argv: list[str]) -> tuple[int, str, str]:
 def check_hostile(res: ScenarioResult, target: LocalTarget, case: HostileCase) -> None:
     """Restore falls back to step 1 (or loads step 2 exactly), the CLI answers with an exit status and at
     most one line of error, gc leaves foreign folders alone."""
-    from rl_ckpt.format.manifest import parse_snapshot_id
-    from rl_ckpt.run.snapshot_files import read_manifest
+    from rl_ckpt._format.manifest import parse_snapshot_id
+    from rl_ckpt._run.snapshot_files import read_manifest
 
     variant, label = variant_name(case.dedup, True), f"{case.family}: {case.name}"
     # The CLI first: a restore that falls back retires the refused newer snapshot (history/retired/).

@@ -34,7 +34,7 @@ def check_invariants(
     ``retention_keeps``: an acknowledged step may be gone only if at least this many newer snapshots
     are listed (retention retired it in their favour: keep_latest).
     """
-    from rl_ckpt.run.gc import find_debris, find_unreferenced_objects
+    from rl_ckpt._run.gc import find_debris, find_unreferenced_objects
 
     n_before = len(res.violations)
     restored = None

@@ -13,7 +13,7 @@ from rl_ckpt.tools.fault_suite.targets import S3Target
 def s3_errors(suite: Suite) -> ScenarioResult:
     """Fail every request of a save on S3 with a 5xx-like error."""
     from rl_ckpt.tools.faults import FaultyStorage
-    from rl_ckpt.storage import open_storage
+    from rl_ckpt._storage import open_storage
 
     res = ScenarioResult("s3", "5xx-like errors at every request of a save on S3 (moto on 127.0.0.1)")
     s3 = suite.s3()

@@ -74,7 +74,7 @@ class _Rank:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from rl_ckpt.core.engine import CheckpointEngine
+        from rl_ckpt._core.engine import CheckpointEngine
 
         child_init()
         dist.init_process_group(
@@ -143,7 +143,7 @@ class _Rank:
 
 def _child_save(cfg: dict, rank: int, port: int, step: int, kill_rank: int, nth: int, record: bool, conn) -> None:
     """Save ``step`` on this rank; the ``kill_rank`` rank SIGKILLs itself right before its ``nth`` storage call."""
-    from rl_ckpt.storage import LocalStorage
+    from rl_ckpt._storage import LocalStorage
     from rl_ckpt.tools.faults import FaultyStorage
 
     storage = FaultyStorage(LocalStorage(run_url(cfg)))
@@ -360,8 +360,8 @@ def _check(
     ``expect_rollback``: (damaged snapshot, the rank reading the damaged chunk, its file, whether a size check
     may catch it before any rank reads: a truncation) -- both ranks must fall back to step 1 together.
     """
-    from rl_ckpt.core.engine import CheckpointEngine
-    from rl_ckpt.run.gc import find_debris
+    from rl_ckpt._core.engine import CheckpointEngine
+    from rl_ckpt._run.gc import find_debris
 
     n_before = len(res.violations)
     variant = "2 ranks"

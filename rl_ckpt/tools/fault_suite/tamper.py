@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Callable
 
-from rl_ckpt.format.checksum import digest_bytes
+from rl_ckpt._format.checksum import digest_bytes
 from rl_ckpt.tools.fault_suite.targets import LocalTarget
 
 
@@ -28,7 +28,7 @@ def reseal(text: str) -> str:
     """Manifest text with its ``manifest_checksum`` recomputed, as anyone who can write the storage can.
     When Python cannot parse it (too deep, too many digits) no checksum can be computed: a dummy is put
     in, and the parser must refuse the file before it looks at the checksum."""
-    from rl_ckpt.format.manifest import manifest_checksum
+    from rl_ckpt._format.manifest import manifest_checksum
 
     try:
         doc = json.loads(text)

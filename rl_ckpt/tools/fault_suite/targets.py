@@ -58,7 +58,7 @@ class LocalTarget:
         self.cfg = engine_cfg(parent, **(cfg_kwargs or {}))
 
     def storage(self):
-        from rl_ckpt.storage import LocalStorage
+        from rl_ckpt._storage import LocalStorage
 
         return LocalStorage(self.run)
 
@@ -94,7 +94,7 @@ class S3Target:
         self.cfg = engine_cfg(f"s3://{bucket}/{prefix}", storage_options=s3.options, **(cfg_kwargs or {}))
 
     def storage(self):
-        from rl_ckpt.storage import open_storage
+        from rl_ckpt._storage import open_storage
 
         return open_storage(run_url(self.cfg), self.s3.options)
 
@@ -111,7 +111,7 @@ class S3Target:
 
 def run_gc(storage) -> int:
     """What ``rl-ckpt gc --grace 0`` does, on a given storage object."""
-    from rl_ckpt.run.gc import find_debris, find_unreferenced_objects, remove_debris
+    from rl_ckpt._run.gc import find_debris, find_unreferenced_objects, remove_debris
 
     debris = find_debris(storage, grace_seconds=0)
     objects, _refusal = find_unreferenced_objects(storage, grace_seconds=0)

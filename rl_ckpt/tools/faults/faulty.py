@@ -9,7 +9,7 @@ import threading
 from typing import Callable
 
 from rl_ckpt.errors import StorageError
-from rl_ckpt.storage import Storage
+from rl_ckpt._storage import Storage
 
 
 OPERATIONS = (

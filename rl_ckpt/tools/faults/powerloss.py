@@ -14,7 +14,7 @@ import weakref
 from typing import Callable, Iterable
 
 from rl_ckpt.errors import CommitConflictError, UnsafePathError
-from rl_ckpt.storage import LocalStorage
+from rl_ckpt._storage import LocalStorage
 
 
 class PowerCut(BaseException):
@@ -444,7 +444,7 @@ def _undo(e: Effect, earlier: list[Effect], full_of: Callable[[str], str]) -> bo
 
 def _safe(path: str) -> bool:
     """A path the inner storage would accept (it refuses the others before touching anything)."""
-    from rl_ckpt.storage import check_relpath
+    from rl_ckpt._storage import check_relpath
 
     try:
         check_relpath(path)

@@ -1,0 +1,124 @@
+"""The ``CheckpointManager``'s failures and recovery plans: it records the failures participants report
+(blaming the participant that ran in a process Ray reported dead), lists them, and makes the one recovery plan
+every participant follows (``rl_ckpt/_recovery/plan.py``), cached until a failure, a decision or a newer snapshot
+changes it. Failures and decisions are files in the run folder, so a restarted manager plans the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from rl_ckpt._commit.two_phase import CommitProtocol
+from rl_ckpt.config import CheckpointConfig
+from rl_ckpt._recovery.coordinator import FailureInfo
+from rl_ckpt._recovery.history import load_decisions, load_failures, record_decision
+from rl_ckpt._recovery.history import record_failure as write_failure
+from rl_ckpt._recovery.plan import build_plan, coordinator_config, probe_check
+from rl_ckpt._run.catalog import Catalog
+from rl_ckpt._run.retire import retire_for_plan
+from rl_ckpt._storage.base import Storage
+
+from ._decisions import SaveDecisions
+from ._participants import ParticipantRegistry
+
+log = logging.getLogger("rl_ckpt")
+
+
+def plan_key(failures: list, decisions: list, catalog: Catalog) -> tuple:
+    """What a cached plan stays valid for: the failures and decisions recorded, and the newest snapshot."""
+    newest = catalog.snapshots()
+    return (len(failures), len(decisions), newest[-1].snapshot_id if newest else None)
+
+
+class ManagerRecovery:
+    """The actor's failure and plan calls, under the manager's lock."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        storage: Storage,
+        catalog: Catalog,
+        lock: threading.RLock,
+        registry: ParticipantRegistry,
+        commits: CommitProtocol,
+        save_decisions: SaveDecisions,
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.catalog = catalog
+        self.lock = lock
+        self.registry = registry
+        self.commits = commits
+        self.save_decisions = save_decisions
+        self.plan_cache: tuple[tuple, dict] | None = None
+        self.last_failure: dict | None = None  # the newest failure recorded by this manager process (for /healthz)
+
+    def record_failure(self, failure: dict, dead: list[dict] | None = None) -> dict:
+        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored.
+
+        ``dead``: processes Ray reported dead (``{"actor_id", "pid"}``, see
+        ``integrations.ray_train.dead_processes``). The participant that ran in one
+        of them is the one that failed: the record names it, and a failure without
+        a step takes that participant's last reported step, i.e. where it was when
+        it died (a survivor may have run on until its collective failed).
+        The failed participant counts as lost (``/healthz`` degraded) until it
+        registers again or beats (unless its restarted process registered already).
+        """
+        info = FailureInfo.from_json(failure)
+        with self.lock:
+            self.registry.blame(info, dead or [])
+            self.last_failure = info.to_json()
+        write_failure(self.storage, info)
+        log.warning("failure recorded: %s of %s at step %s: %s", info.kind, info.participant, info.step, info.message)
+        return info.to_json()
+
+    def failures(self) -> list[dict]:
+        return load_failures(self.storage)
+
+    def newest_failure(self) -> dict | None:
+        """The newest failure: recorded by this manager process, else read from the run folder (recorded before
+        this process started)."""
+        if self.last_failure is not None:
+            return self.last_failure
+        recorded = self.failures()
+        return recorded[-1] if recorded else None
+
+    def plan(self) -> dict:
+        """The recovery plan every participant follows (the same for all until something changes).
+
+        The newest failure not yet answered by a decision goes to the coordinator;
+        its decision is recorded in the run folder once.
+        """
+        with self.lock:
+            decisions = load_decisions(self.storage)
+            failures = self.failures()
+            answered = {d.failure.time for d in decisions}
+            open_failures = [f for f in failures if f.get("time") not in answered]
+            key = plan_key(failures, decisions, self.catalog)
+            if self.plan_cache is not None and self.plan_cache[0][0] == key[0] and self.plan_cache[0][2] == key[2]:
+                return self.plan_cache[1]
+            # Saves still pending belong to the timeline being recovered from: finishing one with the
+            # restarted participants' reports would mix two timelines in one snapshot.
+            self.commits.abort_all("a recovery plan was made; this save belongs to the run that failed")
+            self.save_decisions.clear()  # training goes on from the plan's snapshot: its steps are saved anew
+            failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
+            # The manager has no components: the plan loads what the snapshot holds.
+            plan = build_plan(
+                self.catalog,
+                self.storage,
+                schema_version=self.config.schema_version,
+                components=None,
+                coordinator=coordinator_config(self.config),
+                history=decisions,
+                failure=failure,
+                deep=True,
+                probes=probe_check(self.config),
+            )
+            if plan.decision is not None:
+                record_decision(self.storage, plan.decision)
+            if plan.action == "restore":  # the failed timeline's newer snapshots, once for all (retire_for_plan)
+                plan.retired = retire_for_plan(self.storage, self.catalog, plan, by="manager")
+            body = plan.to_json()
+            self.plan_cache = (plan_key(failures, decisions, self.catalog), body)  # as the next caller sees the run
+            return body
