@@ -7,8 +7,8 @@ rank the same recovery plan, watches heartbeats, runs the health patrol and
 serves ``/healthz``.
 
 The actor front (this module) delegates to the commit protocol
-(``commits.py``), the participant registry (``participants.py``), failures
-and recovery plans (``recovery.py``) and, after each commit, run maintenance
+(``_commits.py``), the participant registry (``_participants.py``), failures
+and recovery plans (``_recovery.py``) and, after each commit, run maintenance
 (``rl_ckpt/_run/maintenance.py``); plans come from ``rl_ckpt/_recovery/plan.py``
 and the run's recorded history.
 
@@ -172,7 +172,7 @@ class CheckpointManager:
     # -- handle ----------------------------------------------------------------
     get_or_create = staticmethod(get_or_create)
 
-    # -- two-phase commit (rl_ckpt/_commit/two_phase.py, through commits.py) ---
+    # -- two-phase commit (rl_ckpt/_commit/two_phase.py, through _commits.py) ---
     def begin(self, snapshot_id: str, expected: list[str], participant: str) -> dict:
         """The attempt every participant of ``snapshot_id`` writes into (the same one for all).
 
@@ -263,7 +263,7 @@ class CheckpointManager:
         actors/_recovery.py)."""
         return self.recovery.plan()
 
-    # -- liveness (participants.py) ----------------------------------------------
+    # -- liveness (_participants.py) ---------------------------------------------
     def register(self, participant: str, meta: dict, handle: Any = None) -> None:
         """A participant process announces itself (pid, node, actor handle).
 
