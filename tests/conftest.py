@@ -138,5 +138,8 @@ def ray_cluster(tmp_path_factory):
             namespace="rl_ckpt_tests",
             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}},
         )
+    import ray_train_cleaner
+
+    ray_train_cleaner.install()  # Ray Train's cleaner must not take "no record" for a dead controller under load
     yield ray
     ray.shutdown()

@@ -70,9 +70,9 @@ def test_restore_after_a_corrupt_newest_retires_it_and_the_step_saves_again(tmp_
     assert record["restored"] == f"{S(10)} + light {S(12)}.light" and record["restored_step"] == 12
     assert record["reason"].startswith("newer than the snapshot a restore loaded") and record["retired_at"]
     assert record["moved_to"] == f"history/retired/{moved.name}" and record["kind"] == "full"
-    from rl_ckpt import timeline
+    from rl_ckpt._timeline import load as load_timeline
 
-    drawn = {s["id"]: s["state"] for s in timeline.load(e.storage)["snapshots"]}
+    drawn = {s["id"]: s["state"] for s in load_timeline(e.storage)["snapshots"]}
     assert drawn[S(15)] == "retired" and drawn[S(10)] == "kept"  # the picture tells a retire from a deletion
 
     state.train(3)
