@@ -90,7 +90,8 @@ class ManagerRecovery:
         The newest failure not yet answered by a decision goes to the coordinator;
         its decision is recorded in the run folder once.
         """
-        with self.lock:
+        # One view of the run for the whole plan (a memory tier: one round trip per store, not one per file).
+        with self.lock, self.storage.read_session():
             decisions = load_decisions(self.storage)
             failures = self.failures()
             answered = {d.failure.time for d in decisions}

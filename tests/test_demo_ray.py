@@ -180,6 +180,11 @@ def test_memory_tier_crash_restarts_from_memory(ray_cluster, reference):
     restore_s = [float(x.split()[0]) for x in row("restore time")]
     kill_s = [float(x.split()[0]) for x in row("kill to first step")]
     assert all(0 < r < k for r, k in zip(restore_s, kill_s))  # the restore is part of the time from kill to step
+    # Kill to first step split at the restarted train function's first line: Ray's part, then the run's own
+    # (which holds the restore); the two add up to the whole (each printed rounded to 0.01 s).
+    ray_s = [float(x.split()[0]) for x in row("  of which Ray")]
+    resume_s = [float(x.split()[0]) for x in row("  of which resume")]
+    assert all(a > 0 and b > r and abs(a + b - k) <= 0.011 for a, b, r, k in zip(ray_s, resume_s, restore_s, kill_s))
     assert row("exact restart") == ("YES", "YES")
     first_after = min(m["step"] for m in result.log if m["event"] == "step" and m["t"] > resumed["t"])
     assert first_after == restored[1] + 1

@@ -13,6 +13,7 @@ is still verified file by file while it loads (``engine.restore``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
@@ -98,7 +99,16 @@ def plan_across_tiers(
     memory: Planner | None, durable: Planner | None, failure: "FailureInfo | None" = None, *, deep: bool = False
 ) -> TieredPlan:
     """Plan each tier with its engine (``deep``: re-hash every candidate file first; either way every file
-    is verified while it loads) and choose between them. Reads storage; writes nothing."""
+    is verified while it loads) and choose between them. Reads storage; writes nothing.
+
+    The two tiers are planned at once (the durable one on a thread of its own: with a manager, each plan is a
+    call to that tier's manager, which may re-read its storage), so a restart waits for the slower, not both."""
+    if memory is not None and durable is not None:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-plan-durable") as pool:
+            pending = pool.submit(durable.plan_recovery, failure, deep=deep)
+            mplan = memory.plan_recovery(failure, deep=deep)  # this thread: a read session opened here applies
+            dplan = pending.result()
+        return choose_tier(mplan, dplan)
     mplan = memory.plan_recovery(failure, deep=deep) if memory is not None else None
     dplan = durable.plan_recovery(failure, deep=deep) if durable is not None else None
     if mplan is None and dplan is None:

@@ -37,6 +37,11 @@ def matches(ref, run, crash_at: int) -> tuple[bool, bool]:
     return params_equal, losses_equal
 
 
+# Kill to first step, split: Ray's part (the death noticed, a new worker group up to the train function) and
+# the run's own (from the train function's first line to its first step: set up, plan, restore, workers).
+SPLIT = (("ray_restart_seconds", "  of which Ray"), ("resume_seconds", "  of which resume"))
+
+
 def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
     """What the crash cost ``run``: the failure and decision recorded, the tier and snapshot restored, steps lost,
     restore time (the learner's ``restore()`` call), and seconds from the kill to the first step after it."""
@@ -48,6 +53,7 @@ def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
     restored_step = resumed["step"] if resumed else 0
     kill = next((m for m in run.log if m["event"] == "kill"), None)
     back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
+    began = (resumed.get("phases") or {}).get("began") if resumed else None
     return {
         "failure": failure,
         "decision": decision,
@@ -59,6 +65,10 @@ def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
         "steps_lost": crash_step - restored_step,
         "restore_seconds": resumed.get("restore_seconds", math.nan) if resumed else math.nan,
         "kill_to_first_step": (back - kill["t"]) if (kill and back) else math.nan,
+        # Split at the restarted attempt's first line: Ray (noticing the death, a new worker group) and then
+        # the run's own restart (engine and tiers set up, restore, rollout workers restored, the first step).
+        "ray_restart_seconds": (began - kill["t"]) if (kill and began) else math.nan,
+        "resume_seconds": (back - began) if (back and began) else math.nan,
     }
 
 
@@ -94,6 +104,9 @@ def memory_comparison(
         row("restore time", seconds(durable["restore_seconds"]), seconds(memory["restore_seconds"])),
         row("kill to first step", seconds(durable["kill_to_first_step"]), seconds(memory["kill_to_first_step"])),
     ]
+    for key, name in SPLIT:  # where the runs have it (the sharded drill times the whole only)
+        if not (math.isnan(durable.get(key, math.nan)) or math.isnan(memory.get(key, math.nan))):
+            rows.append(row(name, seconds(durable[key]), seconds(memory[key])))
     if durable_exact is not None or memory_exact is not None:
         rows.append(row("exact restart", "YES" if durable_exact else "NO", "YES" if memory_exact else "NO"))
     return "\n".join(rows)

@@ -245,6 +245,7 @@ def learner_loop(config: dict) -> None:
 
     from rl_ckpt.integrations.ray_train import report
 
+    began = time.time()  # the restarted attempt's phases, logged with it: where kill-to-first-step goes
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
     k = config["workers_per_learner"]
@@ -259,6 +260,7 @@ def learner_loop(config: dict) -> None:
     )
     tier = memory_tier(engine, config.get("memory"))
     front = tier or engine
+    engine_ready = time.time()
     for name, component in learner.components().items():
         front.register(name, component, replicated=name in ("policy", "optimizer", "lr_scheduler"))
     front.register("rng", RNGState())
@@ -267,7 +269,9 @@ def learner_loop(config: dict) -> None:
     started = time.monotonic()
     result = tier.restore() if tier is not None else engine.restore(light=use_light)
     restore_seconds = time.monotonic() - started
+    restored = time.time()
     worker_restores = ray.get([w.restore.remote(use_light) for w in workers])
+    workers_restored = time.time()
     start = result.global_step
     if rank == 0:
         tier_name = tier.tier_restored if tier is not None else ("durable" if result.snapshot_id else None)
@@ -281,6 +285,12 @@ def learner_loop(config: dict) -> None:
                 "workers": worker_restores,
                 "tier": tier_name,
                 "restore_seconds": restore_seconds,
+                "phases": {
+                    "began": began,
+                    "engine_ready": engine_ready,
+                    "restored": restored,
+                    "workers_restored": workers_restored,
+                },
                 "plan": str(result.plan) if result.plan is not None else "",
             },
         )
