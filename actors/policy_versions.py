@@ -97,12 +97,21 @@ class VersionsStorage(RayMemoryStorage):
         targets = [(node, self.store_of(node)) for node in self.push_to]
         refs = []
         for path, data in items:
-            # One copy into this node's object store, shared by this node's store and the placement targets:
-            # every store takes its own copy of that object at once (a target's moves it to its node first).
-            obj = ray.put(np.frombuffer(data, dtype=np.uint8)) if data.nbytes > INLINE_BYTES else bytes(data)
-            refs.append(store.put.remote(path, obj, False, peers))
+            if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
+                obj = bytes(data)
+                refs.append(store.put.remote(path, obj, False, peers))
+                for node, handle in targets:
+                    ref = handle.put_replica.remote(path, obj, self.node_id)
+                    self.pushing.append(([path], node, ref, data.nbytes))
+                continue
+            # One copy into this node's object store, borrowed by this node's store and the placement targets (the
+            # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
+            # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
+            obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
+            refs.append(store.borrow.remote(path, obj, data.nbytes, peers))
             for node, handle in targets:
-                self.pushing.append(([path], node, handle.put_replica.remote(path, obj, self.node_id), data.nbytes))
+                ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
+                self.pushing.append(([path], node, ref, data.nbytes))
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
@@ -397,6 +406,11 @@ class PolicyVersions:
             log.info("policy versions of %s: retired %s (newer than the restored step %d)", self.run_name, gone, step)
         return gone
 
+    def wait_owned(self, timeout: float | None = None) -> bool:
+        """Block until every store owns its copy of what was published (True: from then on the versions outlive
+        this publisher), or ``timeout`` passed (False). ``publish`` returns before: see ``VersionsStorage``."""
+        return all(self.storage.each("wait_owned", timeout).values())
+
     def versions(self) -> list[int]:
         """The versions published and not retired, oldest first."""
         return list(published(self.storage))
@@ -428,9 +442,11 @@ def versions_status(storage: RayMemoryStorage) -> dict:
         "versions": list(published(storage)),
         "bytes_per_node": {n: i["bytes_held"] for n, i in info.items()},
         "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
+        "borrowed_bytes": {n: i.get("borrowed_bytes", 0) for n, i in info.items()},
+        "lost": {n: i["lost"] for n, i in info.items() if i.get("lost")},
         "pinned": {n: p for n, p in pins.items() if p},
         "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
-        "status": "degraded" if faults else "ok",
+        "status": "degraded" if faults or any(i.get("lost") for i in info.values()) else "ok",
     }
 
 
