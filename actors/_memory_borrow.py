@@ -9,7 +9,9 @@ publish: it *borrows* the publisher's object, then owns a copy of it in the back
   an owned file; budget, pins, eviction, listings and stats treat a borrowed file as an owned one.
 - **Own** (a thread of the store, :meth:`StoreBorrowing._own_loop`). Each borrowed file is copied into an
   object the store puts itself (from the value it maps, else ``ray.get`` of the ref), and swapped in under the
-  lock if the entry is still the one borrowed. From then on the file outlives the publisher.
+  lock if the entry is still the one borrowed. From then on the file outlives the publisher. The copies wait
+  while readers are pulling (any pin held, ``OWN_DEFER_SECONDS`` at most), so they do not slow the pulls that
+  follow a publish.
   :meth:`StoreBorrowing.wait_owned` waits for it.
 - **The ownership window.** A publisher that dies while a file is still borrowed takes the object with it
   (``OwnerDiedError`` / ``ObjectLostError``). The thread then drops that file (``lost``, shown by ``info``):
@@ -32,6 +34,7 @@ import threading
 log = logging.getLogger("rl_ckpt")
 
 OWN_BATCH = 8  # borrowed files owned per turn of the thread (the lock is not held while copying)
+OWN_DEFER_SECONDS = 2.0  # how long the copies wait for the readers pulling at the time (pins) to finish
 
 
 class StoreBorrowing:
@@ -81,6 +84,8 @@ class StoreBorrowing:
                 self._own_wake.wait_for(lambda: bool(self._own_queue))
             self._own_gate.wait()
             with self._lock:
+                # Readers pulling now (their pins) go first: the copies wait for them, OWN_DEFER_SECONDS at most.
+                self._own_wake.wait_for(lambda: not self._live_pins(), timeout=OWN_DEFER_SECONDS)
                 batch = []
                 while self._own_queue and len(batch) < OWN_BATCH:
                     path = self._own_queue.popleft()
@@ -125,6 +130,11 @@ class StoreBorrowing:
                 self._files[path] = owned
                 del self._borrowed[path]
                 self.owned_bytes += size
+
+    def unpin(self, snapshot: str, holder: str) -> None:
+        super().unpin(snapshot, holder)
+        with self._lock:
+            self._own_wake.notify_all()  # the copies waiting for the readers
 
     def wait_owned(self, timeout: float | None = None) -> bool:
         """Block until the thread has taken every borrowed file: True when none is left borrowed (each owned, or
