@@ -95,7 +95,7 @@ class VersionsStorage(RayMemoryStorage):
         store = self.store_of(self.node_id)
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
         targets = [(node, self.store_of(node)) for node in self.push_to]
-        refs = []
+        refs, lent = [], {}  # lent: path -> the object put here, that the stores borrow
         for path, data in items:
             if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
                 obj = bytes(data)
@@ -108,6 +108,7 @@ class VersionsStorage(RayMemoryStorage):
             # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
             # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
             obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
+            lent[path] = obj[0]
             refs.append(store.borrow.remote(path, obj, data.nbytes, peers))
             for node, handle in targets:
                 ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
@@ -123,13 +124,13 @@ class VersionsStorage(RayMemoryStorage):
                 if isinstance(cause, StorageError)
                 else StorageError(f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0])
             ) from None
-        # What the store now holds, mapped in one call: the read-back that verifies each file costs no round trip.
-        answers = ray.get(store.get_many.remote([path for path, _d in items]))
-        refs = [(path, got[0]) for (path, _d), got in zip(items, answers) if isinstance(got, list)]
+        # What the store now holds, mapped: the read-back that verifies each file costs no call per file. A borrowed
+        # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
+        small = [path for path, _d in items if path not in lent]
+        answers = ray.get(store.get_many.remote(small)) if small else []
+        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)] + list(lent.items())
         self.written = {
-            path: memoryview(got).cast("B").toreadonly()
-            for (path, _d), got in zip(items, answers)
-            if isinstance(got, bytes)
+            path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
         }
         self.written.update(
             (path, memoryview(data).cast("B").toreadonly())
