@@ -10,8 +10,8 @@ publish: it *borrows* the publisher's object, then owns a copy of it in the back
 - **Own** (a thread of the store, :meth:`StoreBorrowing._own_loop`). Each borrowed file is copied into an
   object the store puts itself (from the value it maps, else ``ray.get`` of the ref), and swapped in under the
   lock if the entry is still the one borrowed. From then on the file outlives the publisher. The copies wait
-  while readers are pulling (any pin held, ``OWN_DEFER_SECONDS`` at most), so they do not slow the pulls that
-  follow a publish.
+  for the store to be quiet (no borrow nor pin for ``OWN_QUIET_SECONDS``, no pin held; ``OWN_DEFER_SECONDS``
+  at most), so they do not slow the publish that borrows nor the pulls that follow it.
   :meth:`StoreBorrowing.wait_owned` waits for it.
 - **The ownership window.** A publisher that dies while a file is still borrowed takes the object with it
   (``OwnerDiedError`` / ``ObjectLostError``). The thread then drops that file (``lost``, shown by ``info``):
@@ -30,11 +30,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 log = logging.getLogger("rl_ckpt")
 
 OWN_BATCH = 8  # borrowed files owned per turn of the thread (the lock is not held while copying)
-OWN_DEFER_SECONDS = 2.0  # how long the copies wait for the readers pulling at the time (pins) to finish
+OWN_QUIET_SECONDS = 0.25  # the copies start once no file was borrowed and no reader pinned for this long,
+OWN_DEFER_SECONDS = 2.0  # and no pin is held (a publish and the pulls right after it go first); this long at most
 
 
 class StoreBorrowing:
@@ -42,6 +44,7 @@ class StoreBorrowing:
         self._borrowed: dict[str, tuple] = {}  # path -> (the publisher's ref, the mapped value or None)
         self._own_queue: collections.deque = collections.deque()
         self._owning = 0
+        self._last_activity = 0.0  # when a file was last borrowed or a reader pinned or let go (monotonic)
         self._own_wake = threading.Condition(self._lock)
         self._own_done = threading.Condition(self._lock)
         self._own_gate = threading.Event()  # cleared by ``hold_owning`` (tests): the thread waits
@@ -71,6 +74,7 @@ class StoreBorrowing:
                 return False
             self._store(path, ref, size)
             self._borrowed[path] = (ref, value)
+            self._last_activity = time.monotonic()
             self._own_queue.append(path)
             self._own_wake.notify()
             peers = list(replicate_to)
@@ -84,8 +88,7 @@ class StoreBorrowing:
                 self._own_wake.wait_for(lambda: bool(self._own_queue))
             self._own_gate.wait()
             with self._lock:
-                # Readers pulling now (their pins) go first: the copies wait for them, OWN_DEFER_SECONDS at most.
-                self._own_wake.wait_for(lambda: not self._live_pins(), timeout=OWN_DEFER_SECONDS)
+                self._wait_quiet()
                 batch = []
                 while self._own_queue and len(batch) < OWN_BATCH:
                     path = self._own_queue.popleft()
@@ -99,6 +102,25 @@ class StoreBorrowing:
                 with self._lock:
                     self._owning -= 1
                     self._own_done.notify_all()
+
+    def _wait_quiet(self) -> None:
+        """Wait (holding the lock's condition) until the store is quiet: no file borrowed and no reader pinning or
+        letting go for ``OWN_QUIET_SECONDS``, and no pin held; ``OWN_DEFER_SECONDS`` at most. A publish borrows
+        chunk after chunk and its readers pin, pull and let go right after: the copies wait for both."""
+        deadline = time.monotonic() + OWN_DEFER_SECONDS
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            quiet = self._last_activity + OWN_QUIET_SECONDS - now
+            if quiet <= 0 and not self._live_pins():
+                return
+            self._own_wake.wait(timeout=min(max(quiet, OWN_QUIET_SECONDS / 4), deadline - now))
+
+    def pin(self, snapshot: str, holder: str, paths: list[str], seconds: float) -> bool:
+        with self._lock:
+            self._last_activity = time.monotonic()
+        return super().pin(snapshot, holder, paths, seconds)
 
     def _own_one(self, path: str, entry: tuple) -> None:
         import ray
@@ -134,6 +156,7 @@ class StoreBorrowing:
     def unpin(self, snapshot: str, holder: str) -> None:
         super().unpin(snapshot, holder)
         with self._lock:
+            self._last_activity = time.monotonic()
             self._own_wake.notify_all()  # the copies waiting for the readers
 
     def wait_owned(self, timeout: float | None = None) -> bool:
