@@ -82,6 +82,12 @@ class StoreBorrowing:
                 self._enqueue(path, peers)
         return True
 
+    def borrow_many(self, items: list, replicate_to=()) -> int:
+        """:meth:`borrow` of each ``(path, ref, size)`` in one call (the refs are inside a list: not resolved)."""
+        for path, ref, size in items:
+            self.borrow(path, [ref], size, replicate_to)
+        return len(items)
+
     def _own_loop(self) -> None:
         while True:
             with self._lock:

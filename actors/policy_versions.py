@@ -95,7 +95,7 @@ class VersionsStorage(RayMemoryStorage):
         store = self.store_of(self.node_id)
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
         targets = [(node, self.store_of(node)) for node in self.push_to]
-        refs, lent = [], {}  # lent: path -> the object put here, that the stores borrow
+        refs, lent = [], {}  # lent: path -> (the object put here, that the stores borrow; its size)
         for path, data in items:
             if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
                 obj = bytes(data)
@@ -108,11 +108,12 @@ class VersionsStorage(RayMemoryStorage):
             # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
             # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
             obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
-            lent[path] = obj[0]
-            refs.append(store.borrow.remote(path, obj, data.nbytes, peers))
-            for node, handle in targets:
+            lent[path] = (obj[0], data.nbytes)
+            for node, handle in targets:  # the transfers start now, chunk by chunk
                 ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
                 self.pushing.append(([path], node, ref, data.nbytes))
+        if lent:  # this node's store: no transfer, one call for the batch
+            refs.append(store.borrow_many.remote([(p, ref, n) for p, (ref, n) in lent.items()], peers))
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
@@ -128,7 +129,8 @@ class VersionsStorage(RayMemoryStorage):
         # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
         small = [path for path, _d in items if path not in lent]
         answers = ray.get(store.get_many.remote(small)) if small else []
-        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)] + list(lent.items())
+        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)]
+        refs += [(path, ref) for path, (ref, _n) in lent.items()]
         self.written = {
             path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
         }
