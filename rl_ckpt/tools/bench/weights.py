@@ -1,6 +1,7 @@
 """``rl-ckpt bench weights``: a policy delivered to rollout actors as versions, next to the object-store floor.
 
     rl-ckpt bench weights [--size 256MiB] [--receivers 4] [--rounds 3] [--changed 0.05] [--json FILE]
+                          [--profile FILE]
 
 On a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: the head, where the learner
 (this process) publishes, and a worker node), ``--receivers`` rollout actors, half on each node, each holding
@@ -179,9 +180,18 @@ def run(args) -> dict:
             floor_s = floor_round(policy, receivers)
             bump(policy, step)
             pushed = versions.storage.pushed_bytes
+            profiler = None
+            if args.profile and _round == args.rounds - 1:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
             started = time.perf_counter()
             versions.publish(step)
             publish_s = time.perf_counter() - started
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(args.profile)  # read it with: python -m pstats FILE
             started = time.perf_counter()
             pulls = ray.get([r.pull.remote() for r in receivers])
             pull_s = time.perf_counter() - started
@@ -288,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed", type=float, default=0.05, help="fraction of chunks changed for the delta")
     parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--profile", default=None, help="cProfile the last round's publish into this pstats file")
     args = parser.parse_args(argv)
     print_json(run(args), args.json)
     return 0
