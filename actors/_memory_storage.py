@@ -284,7 +284,8 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
     def missing(self, path: str) -> StorageError:
         return StorageError(
             f"cannot read {self.url}/{path}: no live memory store holds it (never written, removed, "
-            "evicted, or its store and every replica are gone)",
+            "evicted, its store and every replica are gone, or its object was lost: a policy version's chunk "
+            "whose publisher died before the stores owned it)",
             path=path,
         )
 

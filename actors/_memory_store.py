@@ -36,6 +36,7 @@ from typing import Any, Iterable
 from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 
+from ._memory_borrow import StoreBorrowing
 from ._memory_pins import PinsAndFetch
 from ._memory_reads import StoreReads, snapshot_of
 from ._memory_replication import StoreReplication
@@ -94,7 +95,7 @@ def _resolve(data: Any):
     return ray.get(data)
 
 
-class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
+class MemoryStore(StoreBorrowing, PinsAndFetch, StoreReads, StoreReplication):
     """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
 
     def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:
@@ -118,6 +119,8 @@ class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
         self._fetching: set[str] = set()
         self._fetched = threading.Condition(self._lock)
         self.fetched_bytes = 0
+        self.copied_bytes = 0  # bytes this store copied into objects it owns (puts, replicas, fetches, owning)
+        self._init_borrowing()
         self._thread = threading.Thread(target=self._replicate_loop, name="rl_ckpt-mem-replicate", daemon=True)
         self._thread.start()
 
@@ -125,7 +128,7 @@ class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
     def put(self, path: str, data: Any, create_only: bool = False, replicate_to: Iterable = ()) -> int:
         """Hold a copy of ``data`` at ``path``; returns its size. ``create_only``: ``CommitConflictError`` if
         ``path`` is held already. ``replicate_to``: peer store handles to copy it to (in the background)."""
-        owned, size = _owned(data)
+        owned, size = self.take(data)
         with self._lock:
             if create_only and path in self._files:
                 raise CommitConflictError(
@@ -140,17 +143,20 @@ class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
                 self._enqueue(path, peers)
         return size
 
-    @staticmethod
-    def take(data: Any) -> tuple[Any, int]:
+    def take(self, data: Any) -> tuple[Any, int]:
         """A copy of ``data`` this store owns, and its size (bytes, or the ref of an object it put)."""
-        return _owned(data)
+        owned, size = _owned(data)
+        if not isinstance(owned, bytes):
+            with self._lock:
+                self.copied_bytes += size
+        return owned, size
 
     def put_replica(self, path: str, data: Any, source_node: str) -> bool:
         """A peer's copy of ``path``: kept unless this store holds it already (replicas are idempotent)."""
         with self._lock:
             if path in self._files:
                 return False
-        owned, size = _owned(data)
+        owned, size = self.take(data)
         with self._lock:
             if path in self._files:
                 return False
@@ -161,6 +167,7 @@ class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
         old = self._sizes.get(path, 0)
         self._make_room(path, size - old)
         self._files[path] = owned
+        self._borrowed.pop(path, None)  # replaced: what was borrowed there is not owned any more
         self._sizes[path] = size
         self._held += size - old
         self._counter += 1
@@ -216,6 +223,7 @@ class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
 
     def _drop(self, path: str) -> None:
         if self._files.pop(path, None) is not None:
+            self._borrowed.pop(path, None)
             self._held -= self._sizes.pop(path)
             self._versions.pop(path, None)
 
@@ -296,6 +304,11 @@ class MemoryStore(PinsAndFetch, StoreReads, StoreReplication):
                 "replication_lag_s": self.replication_lag(),
                 "replicated_bytes": self.replicated_bytes,
                 "fetched_bytes": self.fetched_bytes,
+                "copied_bytes": self.copied_bytes,
+                "borrowed_bytes": sum(self._sizes[p] for p in self._borrowed),
+                "borrowed_files": len(self._borrowed),
+                "owned_bytes": self.owned_bytes,
+                "lost": list(self.lost[-20:]),
                 "replication_errors": list(self.replication_errors[-5:]),
                 "evicted": list(self.evicted[-20:]),
             }

@@ -95,14 +95,25 @@ class VersionsStorage(RayMemoryStorage):
         store = self.store_of(self.node_id)
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
         targets = [(node, self.store_of(node)) for node in self.push_to]
-        refs = []
+        refs, lent = [], {}  # lent: path -> (the object put here, that the stores borrow; its size)
         for path, data in items:
-            # One copy into this node's object store, shared by this node's store and the placement targets:
-            # every store takes its own copy of that object at once (a target's moves it to its node first).
-            obj = ray.put(np.frombuffer(data, dtype=np.uint8)) if data.nbytes > INLINE_BYTES else bytes(data)
-            refs.append(store.put.remote(path, obj, False, peers))
-            for node, handle in targets:
-                self.pushing.append(([path], node, handle.put_replica.remote(path, obj, self.node_id), data.nbytes))
+            if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
+                obj = bytes(data)
+                refs.append(store.put.remote(path, obj, False, peers))
+                for node, handle in targets:
+                    ref = handle.put_replica.remote(path, obj, self.node_id)
+                    self.pushing.append(([path], node, ref, data.nbytes))
+                continue
+            # One copy into this node's object store, borrowed by this node's store and the placement targets (the
+            # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
+            # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
+            obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
+            lent[path] = (obj[0], data.nbytes)
+            for node, handle in targets:  # the transfers start now, chunk by chunk
+                ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
+                self.pushing.append(([path], node, ref, data.nbytes))
+        if lent:  # this node's store: no transfer, one call for the batch
+            refs.append(store.borrow_many.remote([(p, ref, n) for p, (ref, n) in lent.items()], peers))
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
@@ -114,13 +125,14 @@ class VersionsStorage(RayMemoryStorage):
                 if isinstance(cause, StorageError)
                 else StorageError(f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0])
             ) from None
-        # What the store now holds, mapped in one call: the read-back that verifies each file costs no round trip.
-        answers = ray.get(store.get_many.remote([path for path, _d in items]))
-        refs = [(path, got[0]) for (path, _d), got in zip(items, answers) if isinstance(got, list)]
+        # What the store now holds, mapped: the read-back that verifies each file costs no call per file. A borrowed
+        # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
+        small = [path for path, _d in items if path not in lent]
+        answers = ray.get(store.get_many.remote(small)) if small else []
+        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)]
+        refs += [(path, ref) for path, (ref, _n) in lent.items()]
         self.written = {
-            path: memoryview(got).cast("B").toreadonly()
-            for (path, _d), got in zip(items, answers)
-            if isinstance(got, bytes)
+            path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
         }
         self.written.update(
             (path, memoryview(data).cast("B").toreadonly())
@@ -397,6 +409,11 @@ class PolicyVersions:
             log.info("policy versions of %s: retired %s (newer than the restored step %d)", self.run_name, gone, step)
         return gone
 
+    def wait_owned(self, timeout: float | None = None) -> bool:
+        """Block until every store owns its copy of what was published (True: from then on the versions outlive
+        this publisher), or ``timeout`` passed (False). ``publish`` returns before: see ``VersionsStorage``."""
+        return all(self.storage.each("wait_owned", timeout).values())
+
     def versions(self) -> list[int]:
         """The versions published and not retired, oldest first."""
         return list(published(self.storage))
@@ -428,9 +445,11 @@ def versions_status(storage: RayMemoryStorage) -> dict:
         "versions": list(published(storage)),
         "bytes_per_node": {n: i["bytes_held"] for n, i in info.items()},
         "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
+        "borrowed_bytes": {n: i.get("borrowed_bytes", 0) for n, i in info.items()},
+        "lost": {n: i["lost"] for n, i in info.items() if i.get("lost")},
         "pinned": {n: p for n, p in pins.items() if p},
         "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
-        "status": "degraded" if faults else "ok",
+        "status": "degraded" if faults or any(i.get("lost") for i in info.values()) else "ok",
     }
 
 

@@ -311,9 +311,22 @@ def local_views(storage, paths: list[str]) -> dict:
         return {}
     refs = [(p, a[0]) for p, a in zip(paths, answers) if isinstance(a, list)]
     out = {p: memoryview(a).toreadonly() for p, a in zip(paths, answers) if isinstance(a, bytes)}
-    for (p, _ref), data in zip(refs, ray.get([r for _p, r in refs])):
-        out[p] = memoryview(data).cast("B").toreadonly()
+    try:
+        datas = ray.get([r for _p, r in refs])
+    except ray.exceptions.ObjectLostError:  # e.g. a chunk still borrowed from a publisher that died: one by one
+        datas = [readable(ray, r) for _p, r in refs]
+    for (p, _ref), data in zip(refs, datas):
+        if data is not None:  # an object lost is left out: read later from another store, or missing (fall back)
+            out[p] = memoryview(data).cast("B").toreadonly()
     return out
+
+
+def readable(ray, ref):
+    """The object behind ``ref``, or None when it is lost (its owner died: ``OwnerDiedError``, ``ObjectLostError``)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.ObjectLostError:
+        return None
 
 
 def _why(reasons: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-LAYER = 128  # a Linear(LAYER, LAYER) weight is LAYER * LAYER * 4 bytes
+LAYER = 512  # a Linear(LAYER, LAYER) weight is LAYER * LAYER * 4 bytes (1 MiB: its chunks are borrowed at publish)
 
 
 def make_policy(seed: int = 0) -> torch.nn.Module:

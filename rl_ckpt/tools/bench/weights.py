@@ -1,6 +1,7 @@
 """``rl-ckpt bench weights``: a policy delivered to rollout actors as versions, next to the object-store floor.
 
     rl-ckpt bench weights [--size 256MiB] [--receivers 4] [--rounds 3] [--changed 0.05] [--json FILE]
+                          [--profile FILE]
 
 On a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: the head, where the learner
 (this process) publishes, and a worker node), ``--receivers`` rollout actors, half on each node, each holding
@@ -16,7 +17,9 @@ a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured 
     module; a real worker needs no more, its weights end up in its module);
   - ``full``: ``PolicyVersions.publish`` (write, verify, commit, place on the receivers' other node) of a
     version whose every chunk changed, then every receiver's ``WeightSubscriber.pull`` of it at once
-    (pin, verify, copy into the module); ``full_vs_floor`` is (publish + pulls) / floor of the same round,
+    (pin, verify, copy into the module), then (untimed in the ratios) ``PolicyVersions.wait_owned``: the stores
+    borrow the publisher's objects at publish and own copies in the background (``owned_after_pulls_s``: how
+    long after the pulls that finished); ``full_vs_floor`` is (publish + pulls) / floor of the same round,
     ``pull_vs_floor`` the pulls alone / floor; the figures are the rounds' medians (each round in ``rounds``);
     ``full_vs_best_floor``: the median full version against the fastest floor round (the stricter figure);
 
@@ -171,23 +174,38 @@ def run(args) -> dict:
             bump(policy, step)
             versions.publish(step)
             ray.get([r.pull.remote() for r in receivers])
+        versions.wait_owned(timeout=600)
         rounds, step = [], 2
         for _round in range(args.rounds):  # floor and full version in turns: the same load for both
             floor_s = floor_round(policy, receivers)
             bump(policy, step)
             pushed = versions.storage.pushed_bytes
+            profiler = None
+            if args.profile and _round == args.rounds - 1:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
             started = time.perf_counter()
             versions.publish(step)
             publish_s = time.perf_counter() - started
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(args.profile)  # read it with: python -m pstats FILE
             started = time.perf_counter()
             pulls = ray.get([r.pull.remote() for r in receivers])
             pull_s = time.perf_counter() - started
+            started = time.perf_counter()  # untimed in the ratio: the stores owning their copies in the background
+            owned = versions.wait_owned(timeout=600)  # (done before the next round: no round pays for another's)
+            own_s = time.perf_counter() - started
             rounds.append(
                 {
                     "floor_s": floor_s,
                     "publish_s": publish_s,
                     "pull_s": pull_s,
                     "full_vs_floor": (publish_s + pull_s) / floor_s,
+                    "owned_after_pulls_s": own_s,
+                    "owned": owned,
                     "node_bytes_copied": versions.storage.pushed_bytes
                     - pushed
                     + sum(p["node_bytes_copied"] for p in pulls),
@@ -196,11 +214,12 @@ def run(args) -> dict:
             )
             log(
                 f"round {_round + 1}: floor {floor_s:.2f} s, full version: publish {publish_s:.2f} s + pulls "
-                f"{pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor"
+                f"{pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor; the stores owned it {own_s:.2f} s "
+                "after the pulls"
             )
             step += 1
         out["rounds"] = rounds
-        for key in ("floor_s", "publish_s", "pull_s", "full_vs_floor"):
+        for key in ("floor_s", "publish_s", "pull_s", "full_vs_floor", "owned_after_pulls_s"):
             out[key] = statistics.median(r[key] for r in rounds)
         out["full_s"] = out["publish_s"] + out["pull_s"]
         out["floor_best_s"] = min(r["floor_s"] for r in rounds)  # a busy machine's floor varies by rounds:
@@ -279,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed", type=float, default=0.05, help="fraction of chunks changed for the delta")
     parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--profile", default=None, help="cProfile the last round's publish into this pstats file")
     args = parser.parse_args(argv)
     print_json(run(args), args.json)
     return 0

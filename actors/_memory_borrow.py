@@ -1,0 +1,185 @@
+"""What a :class:`~actors._memory_store.MemoryStore` does to take a policy version's chunks without copying them at
+publish: it *borrows* the publisher's object, then owns a copy of it in the background.
+
+- **Borrow** (:meth:`StoreBorrowing.borrow`). The publisher ``ray.put`` a chunk once and hands the store its
+  ``ObjectRef`` inside a list (so Ray does not resolve it). The store on the publisher's node keeps the ref
+  and nothing else: no copy. A placement target on another node ``ray.get`` s it (Ray moves the object to its
+  node: the one transfer every reader on that node then reads locally) and keeps the ref and the mapped value
+  (which keeps the node-local copy in place): no copy either. Readers are answered the same ``[ref]`` as for
+  an owned file; budget, pins, eviction, listings and stats treat a borrowed file as an owned one.
+- **Own** (a thread of the store, :meth:`StoreBorrowing._own_loop`). Each borrowed file is copied into an
+  object the store puts itself (from the value it maps, else ``ray.get`` of the ref), and swapped in under the
+  lock if the entry is still the one borrowed. From then on the file outlives the publisher. The copies wait
+  for the store to be quiet (no borrow nor pin for ``OWN_QUIET_SECONDS``, no pin held; ``OWN_DEFER_SECONDS``
+  at most), so they do not slow the publish that borrows nor the pulls that follow it.
+  :meth:`StoreBorrowing.wait_owned` waits for it.
+- **The ownership window.** A publisher that dies while a file is still borrowed takes the object with it
+  (``OwnerDiedError`` / ``ObjectLostError``). The thread then drops that file (``lost``, shown by ``info``):
+  the store never answers a ref it knows cannot be read. A reader that meets such a ref first gets the same
+  error from ``ray.get`` and treats the chunk as missing (the weight subscriber falls back, as for a checksum
+  mismatch). A target that already mapped the object still owns it (from its mapped copy).
+
+Only policy versions borrow (``VersionsStorage.write_many_atomic``); every other put copies at once, as a
+memory-tier snapshot must outlive its writer the moment it commits.
+
+A mixin of ``MemoryStore``: it uses the store's lock, files, sizes, ``_store``, ``_drop`` and ``take``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+log = logging.getLogger("rl_ckpt")
+
+OWN_BATCH = 8  # borrowed files owned per turn of the thread (the lock is not held while copying)
+OWN_QUIET_SECONDS = 0.25  # the copies start once no file was borrowed and no reader pinned for this long,
+OWN_DEFER_SECONDS = 2.0  # and no pin is held (a publish and the pulls right after it go first); this long at most
+
+
+class StoreBorrowing:
+    def _init_borrowing(self) -> None:
+        self._borrowed: dict[str, tuple] = {}  # path -> (the publisher's ref, the mapped value or None)
+        self._own_queue: collections.deque = collections.deque()
+        self._owning = 0
+        self._last_activity = 0.0  # when a file was last borrowed or a reader pinned or let go (monotonic)
+        self._own_wake = threading.Condition(self._lock)
+        self._own_done = threading.Condition(self._lock)
+        self._own_gate = threading.Event()  # cleared by ``hold_owning`` (tests): the thread waits
+        self._own_gate.set()
+        self.owned_bytes = 0  # borrowed bytes this store has copied into objects it owns
+        self.lost: list[str] = []  # borrowed files dropped: their publisher died before they were owned
+        self.own_errors: list[str] = []  # files left borrowed by another failure (e.g. the object store full)
+        self._own_thread = threading.Thread(target=self._own_loop, name="rl_ckpt-mem-own", daemon=True)
+        self._own_thread.start()
+
+    def borrow(self, path: str, wrapped: list, size: int, replicate_to=(), place: bool = False, replica: bool = False):
+        """Hold ``path`` as the object ``wrapped[0]`` (the publisher's ``ObjectRef``, ``size`` bytes) without a copy;
+        it is owned in the background. ``place``: move it to this node first (``ray.get``, the mapped value is
+        kept). ``replica``: kept only if this store does not hold ``path`` already (returns False then).
+        ``replicate_to``: peer stores to copy it to (in the background, as ``put``'s)."""
+        ref = wrapped[0]
+        with self._lock:
+            if replica and path in self._files:
+                return False
+        value = None
+        if place:
+            import ray
+
+            value = ray.get(ref)  # the transfer to this node; the mapped value keeps the local copy
+        with self._lock:
+            if replica and path in self._files:
+                return False
+            self._store(path, ref, size)
+            self._borrowed[path] = (ref, value)
+            self._last_activity = time.monotonic()
+            self._own_queue.append(path)
+            self._own_wake.notify()
+            peers = list(replicate_to)
+            if peers:
+                self._enqueue(path, peers)
+        return True
+
+    def borrow_many(self, items: list, replicate_to=()) -> int:
+        """:meth:`borrow` of each ``(path, ref, size)`` in one call (the refs are inside a list: not resolved)."""
+        for path, ref, size in items:
+            self.borrow(path, [ref], size, replicate_to)
+        return len(items)
+
+    def _own_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._own_wake.wait_for(lambda: bool(self._own_queue))
+            self._own_gate.wait()
+            with self._lock:
+                self._wait_quiet()
+                batch = []
+                while self._own_queue and len(batch) < OWN_BATCH:
+                    path = self._own_queue.popleft()
+                    if path in self._borrowed:
+                        batch.append((path, self._borrowed[path]))
+                self._owning += 1
+            try:
+                for path, entry in batch:
+                    self._own_one(path, entry)
+            finally:
+                with self._lock:
+                    self._owning -= 1
+                    self._own_done.notify_all()
+
+    def _wait_quiet(self) -> None:
+        """Wait (holding the lock's condition) until the store is quiet: no file borrowed and no reader pinning or
+        letting go for ``OWN_QUIET_SECONDS``, and no pin held; ``OWN_DEFER_SECONDS`` at most. A publish borrows
+        chunk after chunk and its readers pin, pull and let go right after: the copies wait for both."""
+        deadline = time.monotonic() + OWN_DEFER_SECONDS
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            quiet = self._last_activity + OWN_QUIET_SECONDS - now
+            if quiet <= 0 and not self._live_pins():
+                return
+            self._own_wake.wait(timeout=min(max(quiet, OWN_QUIET_SECONDS / 4), deadline - now))
+
+    def pin(self, snapshot: str, holder: str, paths: list[str], seconds: float) -> bool:
+        with self._lock:
+            self._last_activity = time.monotonic()
+        return super().pin(snapshot, holder, paths, seconds)
+
+    def _own_one(self, path: str, entry: tuple) -> None:
+        import ray
+
+        ref, value = entry
+        try:
+            data = value if value is not None else ray.get(ref)
+            owned, size = self.take(data)
+        except ray.exceptions.RayError as exc:  # the publisher died first (OwnerDiedError, ObjectLostError)
+            with self._lock:
+                if self._borrowed.get(path) is entry:
+                    self._drop(path)
+                    self.lost.append(path)
+                    del self.lost[:-50]
+            log.warning(
+                "memory store %s: %s lost before this store owned it (%s); dropped",
+                self.node_id[:12],
+                path,
+                type(exc).__name__,
+            )
+            return
+        except Exception as exc:  # e.g. the object store is full: it stays borrowed (``info`` shows it)
+            log.warning("memory store %s: %s not owned yet: %s", self.node_id[:12], path, exc)
+            self.own_errors.append(f"{path}: {type(exc).__name__}: {exc}"[:500])
+            del self.own_errors[:-50]
+            return
+        with self._lock:
+            if self._borrowed.get(path) is entry and self._files.get(path) is ref:
+                self._files[path] = owned
+                del self._borrowed[path]
+                self.owned_bytes += size
+
+    def unpin(self, snapshot: str, holder: str) -> None:
+        super().unpin(snapshot, holder)
+        with self._lock:
+            self._last_activity = time.monotonic()
+            self._own_wake.notify_all()  # the copies waiting for the readers
+
+    def wait_owned(self, timeout: float | None = None) -> bool:
+        """Block until the thread has taken every borrowed file: True when none is left borrowed (each owned, or
+        dropped as lost); False when ``timeout`` passed first, or a file could not be owned (``own_errors``)."""
+        with self._lock:
+            idle = self._own_done.wait_for(lambda: not self._owning and not self._own_queue, timeout=timeout)
+            return bool(idle) and not self._borrowed
+
+    def hold_owning(self, on: bool) -> None:
+        """Hold (True) or release the thread that owns borrowed files (a test hook: the ownership window kept
+        open deterministically)."""
+        if on:
+            self._own_gate.clear()
+        else:
+            self._own_gate.set()
+
+    def borrowed_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes[p] for p in self._borrowed)
