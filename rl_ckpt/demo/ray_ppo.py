@@ -1,9 +1,8 @@
 """PPO on CartPole-v1 on Ray: TorchTrainer learner ranks + rollout-worker actors, one run, one manager.
 
 - Rollout workers (plain Ray actors) own the envs and the action-sampling RNG;
-  each is a checkpoint participant ``rollout-i`` (env state, RNG, and the copy of
-  the policy it acts with: the same bytes as the learners' policy, which dedup
-  stores once).
+  each is a checkpoint participant ``rollout-i`` (env state, RNG, and the copy of the
+  policy it acts with: the same bytes as the learners' policy, which dedup stores once).
 - Learner ranks (Ray Train v2 ``TorchTrainer``, gloo) send the policy weights to
   their workers, keep the rollout buffer, and run the PPO update with
   gradients all-reduced across ranks, so the model/optimizer/scheduler are
@@ -245,7 +244,7 @@ def learner_loop(config: dict) -> None:
 
     from rl_ckpt.integrations.ray_train import report
 
-    began = time.time()  # the restarted attempt's phases, logged with it: where kill-to-first-step goes
+    phases = {"began": time.time()}  # when this attempt reached each phase: where kill-to-first-step goes
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
     k = config["workers_per_learner"]
@@ -260,7 +259,7 @@ def learner_loop(config: dict) -> None:
     )
     tier = memory_tier(engine, config.get("memory"))
     front = tier or engine
-    engine_ready = time.time()
+    phases["engine_ready"] = time.time()
     for name, component in learner.components().items():
         front.register(name, component, replicated=name in ("policy", "optimizer", "lr_scheduler"))
     front.register("rng", RNGState())
@@ -269,9 +268,9 @@ def learner_loop(config: dict) -> None:
     started = time.monotonic()
     result = tier.restore() if tier is not None else engine.restore(light=use_light)
     restore_seconds = time.monotonic() - started
-    restored = time.time()
+    phases["restored"] = time.time()
     worker_restores = ray.get([w.restore.remote(use_light) for w in workers])
-    workers_restored = time.time()
+    phases["workers_restored"] = time.time()
     start = result.global_step
     if rank == 0:
         tier_name = tier.tier_restored if tier is not None else ("durable" if result.snapshot_id else None)
@@ -285,12 +284,7 @@ def learner_loop(config: dict) -> None:
                 "workers": worker_restores,
                 "tier": tier_name,
                 "restore_seconds": restore_seconds,
-                "phases": {
-                    "began": began,
-                    "engine_ready": engine_ready,
-                    "restored": restored,
-                    "workers_restored": workers_restored,
-                },
+                "phases": phases,
                 "plan": str(result.plan) if result.plan is not None else "",
             },
         )
