@@ -17,6 +17,15 @@ newest ``keep`` versions; a version a worker is reading is pinned and stays unti
 places the version on the nodes where workers pull as it writes it (:class:`VersionsStorage`), so their
 pulls find it on their node.
 
+``publish`` returns once the version is committed in the publisher's node's store, not once its placement
+has landed: the transfers to the other nodes overlap the workers' pulls. A store never holds a manifest
+whose files it does not hold: each placement target commits the version itself once every file it vouches
+for has landed there (``MemoryStore.commit_after``), and a worker pulling there meanwhile waits for the
+announced files instead of copying them again (``MemoryStore.expect``). ``wait_placed`` waits for the
+placements, ``wait_owned`` for the stores' own copies too. A publisher killed before its placement landed
+leaves the targets without the manifest; their workers then take the version from the publisher's node
+whole (checksummed) or fall back to the previous one, never a partial module.
+
 Publishing cast (``dtype=torch.bfloat16``) writes the floating-point tensors in that dtype and records it
 in the manifest's tags (``policy_dtype``); the learners' fp32 state stays theirs (and in their snapshots).
 The pulling side is :class:`~actors.weight_subscriber.WeightSubscriber`.
@@ -33,7 +42,7 @@ from rl_ckpt.errors import CheckpointError, ConfigError, StorageError, VersionNo
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 from rl_ckpt._storage.base import check_relpath
 
-from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place
+from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place, spread_manifest
 
 log = logging.getLogger("rl_ckpt")
 
@@ -49,17 +58,23 @@ class VersionsStorage(RayMemoryStorage):
     """The version stores of a run, seen from a writer that also *places* what it writes.
 
     ``push_to`` (node ids, set by :meth:`PolicyVersions.publish` to the nodes where rollout workers pull):
-    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.fetch``,
-    started as the file is written, so the transfers run while the publish goes on writing and verifying).
-    A manifest is written only once every copy of the data it vouches for has landed (or failed: a node
-    that could not take a copy has its workers place it when they pull), so a store that learns of the
-    snapshot holds its data; the manifest itself then follows, and the write returns once it is there.
+    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.borrow`` /
+    ``put_replica`` / ``fetch``, started as the file is written, so the transfers run while the publish goes on
+    writing and verifying), announced there first (``MemoryStore.expect``: a worker's pull there waits for them
+    rather than copying them a second time).
+
+    A manifest is committed in this node's store (and copied to its ``replicas`` peers) WITHOUT waiting for those
+    transfers: the write returns then. Each placement target gets it with the files it vouches for
+    (``MemoryStore.commit_after``) and stores it only once every one of them is held there, so a store never
+    holds a manifest whose files it does not hold; a target where a file failed to land keeps no manifest, and
+    its workers place the version when they pull. :meth:`wait_pushed` waits for the transfers and those commits.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url, storage_options)
         self.push_to: list[str] = []
-        self.pushing: list = []  # (paths, node, ref of that node's store's fetch or put_replica, size) in flight
+        self.pushing: list = []  # (paths, node, ref of that node's store's call, size or None) in flight
+        self.expecting: list = []  # refs of ``expect`` calls to the placement targets (waited for before a commit)
         self.unpushed: list[str] = []
         self.batching = False
         self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
@@ -69,17 +84,46 @@ class VersionsStorage(RayMemoryStorage):
         self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
     def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
-        manifest = path.endswith("/" + MANIFEST_NAME)
-        if manifest:
-            self.wait_pushed()  # the data first, everywhere
-        size = super().write(path, chunks, create_only=create_only, durable=durable)
-        if self.push_to:
-            self.unpushed.append(path)
-            if not self.batching:
-                self.push()
-            if manifest:  # committed on those nodes too when the write returns
-                self.wait_pushed()
+        if not (self.push_to and path.endswith("/" + MANIFEST_NAME)):
+            size = super().write(path, chunks, create_only=create_only, durable=durable)
+            if self.push_to:
+                self.unpushed.append(path)
+                if not self.batching:
+                    self.push()
+            return size
+        # A commit: the targets know what is on its way to them (and that this manifest follows) before any reader
+        # can see the version here; then this node's store commits it, and each target once its files landed.
+        data = b"".join(memoryview(c).cast("B") for c in chunks)
+        self.written = {}
+        self.push()
+        vouched = vouched_paths(path, data)
+        targets = [(node, self.store_of(node)) for node in self.push_to]
+        self.expecting += [handle.expect.remote([path]) for _n, handle in targets]
+        self.wait_expected()
+        try:
+            size = super().write(path, [data], create_only=create_only, durable=durable)
+        except BaseException:
+            self.expecting += [handle.expect.remote([path], 0) for _n, handle in targets]  # it is not coming
+            raise
+        if vouched is not None:
+            for node, handle in targets:
+                self.pushing.append(([path], node, handle.commit_after.remote(path, data, vouched), None))
         return size
+
+    def spread_manifest(self, path: str, payload, written_on: str) -> None:
+        """As the base's, but not to the placement targets: they commit it themselves once its files landed."""
+        spread_manifest(self, path, payload, written_on, skip=set(self.push_to))
+
+    def wait_expected(self) -> None:
+        """Wait for the announcements to the placement targets (a target that died is left out)."""
+        import ray
+
+        refs, self.expecting = self.expecting, []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:  # that store is gone: its workers place the version
+                log.warning("policy versions: a placement target did not take the announcement: %s", str(exc)[:300])
 
     def write_many_atomic(self, items) -> None:
         """Many files (a publish's new chunks) at once: each put once into this node's object store and handed
@@ -95,6 +139,7 @@ class VersionsStorage(RayMemoryStorage):
         store = self.store_of(self.node_id)
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
         targets = [(node, self.store_of(node)) for node in self.push_to]
+        self.expecting += [handle.expect.remote([path for path, _d in items]) for _n, handle in targets]
         refs, lent = [], {}  # lent: path -> (the object put here, that the stores borrow; its size)
         for path, data in items:
             if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
@@ -158,20 +203,33 @@ class VersionsStorage(RayMemoryStorage):
             self.push()
 
     def push(self) -> None:
-        """Start copying the files written since the last push into the stores of ``push_to`` (one call each)."""
+        """Start copying the files written since the last push into the stores of ``push_to`` (one call each,
+        announced first)."""
         paths, self.unpushed = self.unpushed, []
         if paths:
             here = self.store_of(self.node_id)
             for node in self.push_to:
-                self.pushing.append((paths, node, self.store_of(node).fetch.remote(paths, [here]), None))
+                handle = self.store_of(node)
+                self.expecting.append(handle.expect.remote(paths))
+                self.pushing.append((paths, node, handle.fetch.remote(paths, [here], True), None))
 
-    def wait_pushed(self) -> int:
-        """Wait for the copies in flight; returns the bytes they moved (a failed copy is logged, not raised:
-        the workers of that node place the file when they pull)."""
+    def wait_pushed(self, timeout: float | None = None) -> int:
+        """Wait for the copies and commits in flight (``timeout`` seconds at most: those not done stay in flight;
+        0: only take those done); returns the bytes they moved (a failed copy is logged, not raised: the workers
+        of that node place the file when they pull)."""
         import ray
 
-        moved, pending, self.pushing, self.written = 0, self.pushing, [], {}
-        for paths, node, ref, size in pending:  # size: of a ``put_replica`` (True: taken), else ``fetch``'s count
+        self.wait_expected()
+        moved, pending, self.written = 0, self.pushing, {}
+        if not pending:
+            return 0
+        refs = [ref for _p, _n, ref, _s in pending]
+        done, _rest = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done = set(done)
+        self.pushing = [entry for entry in pending if entry[2] not in done]
+        for paths, node, ref, size in pending:  # size: of a ``put_replica`` or ``borrow`` (True: taken), else a count
+            if ref not in done:
+                continue
             try:
                 got = ray.get(ref)
                 got = got if size is None else size * bool(got)
@@ -224,6 +282,25 @@ class VersionsStorage(RayMemoryStorage):
         given ``inventory``, what :meth:`inventory` of the stores answered)."""
         held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
         return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
+
+
+def vouched_paths(path: str, data: bytes) -> list[str] | None:
+    """The files the manifest at ``path`` (``data``) vouches for: its snapshot's files and the objects it references
+    (None if it cannot be parsed: then no target is told to commit it, its workers place it when they pull)."""
+    from rl_ckpt._format.manifest import Manifest
+    from rl_ckpt._run.dedup import manifest_objects, object_path
+
+    sid = path.split("/", 1)[0]
+    try:
+        manifest = Manifest.from_bytes(data, sid)
+        objects = manifest_objects(manifest)
+    except CheckpointError as exc:
+        log.warning("policy versions: %s not placed (%s)", path, exc)
+        return None
+    files = [f"{sid}/{f.path}" for f in manifest.files]
+    out = dict.fromkeys(files + [object_path(algo, d) for d, (algo, _n) in objects.items()])
+    out.pop(path, None)
+    return list(out)
 
 
 def versions_storage(
@@ -362,7 +439,10 @@ class PolicyVersions:
 
     def publish(self, step: int, metrics: dict | None = None) -> str | None:
         """Publish the policy as version ``step`` (returns its snapshot id; None on a replicated rank that does
-        not write). Returns after the version is committed and verified."""
+        not write). Returns once the version is written, verified and committed in this node's store: every
+        reader sees it from then on, and it is whole wherever its manifest is. Its placement on the workers'
+        other nodes may still be landing (their stores commit it once its files are there; a pull there
+        meanwhile waits for them): :meth:`wait_placed` waits for that, :meth:`wait_owned` for everything."""
         if self.engine is None:
             return None
         # Versions kept past retention while a worker pinned them come back into view and are retired now,
@@ -385,11 +465,14 @@ class PolicyVersions:
         # Placement at publish: the nodes where workers pull get each file as it is written (see VersionsStorage).
         here = [self.storage.node_id, *self.storage.peers()]  # (the ``replicas`` peers get copies anyway)
         self.storage.push_to = [n for n in self.storage.subscriber_nodes(files) if n not in here]
+        self.storage.wait_pushed(0)  # the placements of earlier publishes that are done: counted, let go
         self.storage.hold_listing(True)
         try:
             info = self.engine.save(step, metrics, tags=tags)
+        except BaseException:
+            self.storage.wait_pushed()  # a save that failed leaves no copy in flight
+            raise
         finally:
-            self.storage.wait_pushed()  # a save that failed before its manifest leaves no copy in flight
             self.storage.push_to = []
             self.storage.hold_listing(False)
         return info.snapshot_id
@@ -409,10 +492,24 @@ class PolicyVersions:
             log.info("policy versions of %s: retired %s (newer than the restored step %d)", self.run_name, gone, step)
         return gone
 
+    def wait_placed(self, timeout: float | None = None) -> bool:
+        """Block until the placements of what was published have landed (or failed: logged, the workers of that
+        node place the version when they pull) and each target committed or refused it; True when none is left
+        in flight, False when ``timeout`` passed first."""
+        self.storage.wait_pushed(timeout)
+        return not self.storage.pushing
+
     def wait_owned(self, timeout: float | None = None) -> bool:
-        """Block until every store owns its copy of what was published (True: from then on the versions outlive
-        this publisher), or ``timeout`` passed (False). ``publish`` returns before: see ``VersionsStorage``."""
-        return all(self.storage.each("wait_owned", timeout).values())
+        """Block until the placements landed (:meth:`wait_placed`) and every store owns its copy of what was
+        published (True: from then on the versions outlive this publisher), or ``timeout`` passed (False).
+        ``publish`` returns before both: see ``VersionsStorage``."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait_placed(timeout):
+            return False
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return all(self.storage.each("wait_owned", left).values())
 
     def versions(self) -> list[int]:
         """The versions published and not retired, oldest first."""
