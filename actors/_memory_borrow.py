@@ -69,8 +69,8 @@ class StoreBorrowing:
             if place:
                 import ray
 
-                value = ray.get(ref)  # the transfer to this node; the mapped value keeps the local copy
                 self._land_gate.wait()  # (``hold_landing``, a test hook)
+                value = ray.get(ref)  # the transfer to this node; the mapped value keeps the local copy
             with self._lock:
                 if replica and path in self._files:
                     return False

@@ -15,8 +15,8 @@ A policy version is committed in the publisher's node's store first; the stores 
   the version when they pull, as for a store the publisher never reached. The wait blocks one of the actor's
   threads on a condition (the lock is released meanwhile): its other calls go on.
 
-``hold_landing`` (a test hook) holds the placed borrows of files after their transfer and before they are
-stored, so a test sees a target holding data but no manifest, deterministically.
+``hold_landing`` (a test hook) holds the placed borrows of files before their transfer, so a test sees a target
+holding some of a version's files but no manifest, deterministically (and can kill the publisher meanwhile).
 
 A mixin of ``MemoryStore``: it uses the store's lock, files and ``_store`` (which calls :meth:`_landed_here`).
 """
@@ -106,8 +106,8 @@ class StoreLanding:
             return 0
 
     def hold_landing(self, on: bool) -> None:
-        """Hold (True) or release the placed borrows between their transfer and their storing (a test hook: a
-        target holding data but no manifest, deterministically)."""
+        """Hold (True) or release the placed borrows before their transfer (a test hook: a target holding some
+        of a version's files but no manifest, deterministically)."""
         if on:
             self._land_gate.clear()
         else:

@@ -74,6 +74,9 @@ class Learner:
     def wait_placed(self) -> bool:
         return self.versions.wait_placed(timeout=120)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def full_state(self) -> dict:
         from torch.distributed.tensor import DTensor
 
