@@ -48,6 +48,10 @@ STORE_PREFIX = "rl_ckpt-mem"
 PLASMA_MIN_BYTES = 256 << 10  # files from this size are held in the object store, owned by the store actor
 
 
+CONCURRENCY_GROUPS = {"placing": 16, "committing": 8}  # besides the default group (``max_concurrency``: 16)
+CONCURRENCY_OF = {"borrow": "placing", "commit_after": "committing"}
+
+
 def store_name(key: str, node_id: str) -> str:
     """The Ray actor name of the store of run ``key`` on node ``node_id``."""
     return f"{STORE_PREFIX}:{key}:{node_id}"
@@ -331,7 +335,12 @@ def store_actor(key: str, node_id: str, budget_bytes: int | None, namespace: str
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    cls = ray.remote(MemoryStore)
+    # A publisher's placement transfers (``borrow`` of another node's object: each holds a thread until it lands)
+    # and the commits waiting for them have threads of their own: the announcements, listings, pins and reads
+    # of the pulls that overlap them are never queued behind them.
+    for method, group in CONCURRENCY_OF.items():
+        ray.method(concurrency_group=group)(getattr(MemoryStore, method))
+    cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(MemoryStore)
     return cls.options(
         name=store_name(key, node_id),
         namespace=namespace,
