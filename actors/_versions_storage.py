@@ -63,7 +63,7 @@ class VersionsStorage(RayMemoryStorage):
         self.written = {}
         self.push()
         vouched = vouched_paths(path, data)
-        targets = [(node, self.store_of(node)) for node in self.push_to]
+        targets = [(node, self.store_of(node)) for node in self.push_to] if vouched is not None else []
         self.expecting += [handle.expect.remote([path]) for _n, handle in targets]
         self.wait_expected()
         try:
@@ -71,9 +71,8 @@ class VersionsStorage(RayMemoryStorage):
         except BaseException:
             self.expecting += [handle.expect.remote([path], 0) for _n, handle in targets]  # it is not coming
             raise
-        if vouched is not None:
-            for node, handle in targets:
-                self.pushing.append(([path], node, handle.commit_after.remote(path, data, vouched), None))
+        for node, handle in targets:
+            self.pushing.append(([path], node, handle.commit_after.remote(path, data, vouched), None))
         return size
 
     def spread_manifest(self, path: str, payload, written_on: str) -> None:
@@ -149,6 +148,7 @@ class VersionsStorage(RayMemoryStorage):
             (path, memoryview(data).cast("B").toreadonly())
             for (path, _r), data in zip(refs, ray.get([r for _p, r in refs]))
         )
+        self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 
     def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
         """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
@@ -178,6 +178,7 @@ class VersionsStorage(RayMemoryStorage):
                 handle = self.store_of(node)
                 self.expecting.append(handle.expect.remote(paths))
                 self.pushing.append((paths, node, handle.fetch.remote(paths, [here], True), None))
+            self.wait_expected()
 
     def wait_pushed(self, timeout: float | None = None) -> int:
         """Wait for the copies and commits in flight (``timeout`` seconds at most: those not done stay in flight;

@@ -231,6 +231,7 @@ class PolicyVersions:
 
         if self.engine is None or self.rank != 0:
             return []
+        self.storage.wait_pushed()  # no target commits a version of the failed timeline after it is retired
         gone = [sid for v, sid in published(self.storage).items() if v > step]
         for sid in gone:
             delete_snapshot(self.storage, sid)
