@@ -65,21 +65,26 @@ class StoreBorrowing:
             if replica and path in self._files:
                 return False
         value = None
-        if place:
-            import ray
+        try:
+            if place:
+                import ray
 
-            value = ray.get(ref)  # the transfer to this node; the mapped value keeps the local copy
-        with self._lock:
-            if replica and path in self._files:
-                return False
-            self._store(path, ref, size)
-            self._borrowed[path] = (ref, value)
-            self._last_activity = time.monotonic()
-            self._own_queue.append(path)
-            self._own_wake.notify()
-            peers = list(replicate_to)
-            if peers:
-                self._enqueue(path, peers)
+                self._land_gate.wait()  # (``hold_landing``, a test hook)
+                value = ray.get(ref)  # the transfer to this node; the mapped value keeps the local copy
+            with self._lock:
+                if replica and path in self._files:
+                    return False
+                self._store(path, ref, size)
+                self._borrowed[path] = (ref, value)
+                self._last_activity = time.monotonic()
+                self._own_queue.append(path)
+                self._own_wake.notify()
+                peers = list(replicate_to)
+                if peers:
+                    self._enqueue(path, peers)
+        except BaseException:
+            self._not_landing([path])  # it will not land: a commit waiting for it gives up, a reader copies it
+            raise
         return True
 
     def borrow_many(self, items: list, replicate_to=()) -> int:

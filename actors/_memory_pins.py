@@ -5,7 +5,9 @@
   (budget) until the reader unpins it or its lease runs out (a reader that died lets go that way). The
   budget still holds: a put that does not fit without evicting a pinned file is refused.
 - **Placement.** ``fetch`` copies files this store lacks from peer stores, store to store, once per file
-  however many readers on the node ask at the same time.
+  however many readers on the node ask at the same time; files a publisher is placing here are waited for
+  rather than copied again, and a manifest is copied only once the data asked for with it is held
+  (``actors/_memory_landing.py``).
 
 A mixin of ``MemoryStore``: it uses the store's lock, files and ``_store``.
 """
@@ -59,28 +61,45 @@ class PinsAndFetch:
         return [self.get(p) for p in paths]
 
     # -- placement: copies pulled in from peer stores ------------------------------
-    def fetch(self, paths: list[str], sources: list) -> int:
+    def fetch(self, paths: list[str], sources: list, placing: bool = False) -> int:
         """Copy each of ``paths`` this store lacks from the first of ``sources`` (peer stores) holding it: data
-        first, manifests last (a manifest tells this store the snapshot is whole here), many at once. Callers
-        asking at once for the same file wait for the copy in flight instead of making another, so N readers
-        on a node cost one transfer to it. Returns the bytes this call copied in."""
+        first, manifests last and only once every data file asked for is held here (a manifest tells this store
+        the snapshot is whole here), many at once. Callers asking at once for the same file wait for the copy
+        in flight instead of making another, so N readers on a node cost one transfer to it; files a publisher
+        announced as on their way here (``expect``) are waited for (``WAIT_EXPECTED_SECONDS`` at most) rather
+        than copied. ``placing``: the publisher's own placement (it waits for nobody; what it could not copy is
+        no longer expected). Returns the bytes this call copied in."""
         import ray
 
+        if not placing:
+            self.wait_landed(list(paths))
         with self._lock:
             mine = [p for p in dict.fromkeys(paths) if p not in self._files and p not in self._fetching]
             self._fetching.update(mine)
         moved = 0
         try:
             manifests = [p for p in mine if p.endswith("/" + MANIFEST_NAME)]
-            for group in ([p for p in mine if p not in manifests], manifests):
-                moved += self._fetch_many(ray, group, sources)
+            moved += self._fetch_many(ray, [p for p in mine if p not in manifests], sources)
+            if manifests and self._holds_data_of(paths, mine):
+                moved += self._fetch_many(ray, manifests, sources)
         finally:
             with self._lock:
                 self._fetching.difference_update(mine)
                 self._fetched.notify_all()
+            if placing:
+                self._not_landing([p for p in mine if p not in self._files])
         with self._lock:  # copies of the same files that other callers are making
             self._fetched.wait_for(lambda: not self._fetching.intersection(paths))
         return moved
+
+    def _holds_data_of(self, paths: list[str], mine: list[str]) -> bool:
+        """Whether every file of ``paths`` but the manifests is held here (first waiting for those other callers
+        are copying; ``mine``: this call's, copied already)."""
+        data = set(p for p in paths if not p.endswith("/" + MANIFEST_NAME))
+        others = data - set(mine)
+        with self._lock:
+            self._fetched.wait_for(lambda: not self._fetching.intersection(others))
+            return all(p in self._files for p in data)
 
     def _fetch_many(self, ray, paths: list[str], sources: list) -> int:
         moved, todo = 0, list(paths)

@@ -147,10 +147,10 @@ def read_ranges_of(storage: "RayMemoryStorage", path: str, ranges) -> list[bytes
     return got
 
 
-def spread_manifest(storage: "RayMemoryStorage", path: str, payload: Any, written_on: str) -> None:
-    """A committed manifest also goes to every other store holding files of its snapshot."""
+def spread_manifest(storage: "RayMemoryStorage", path: str, payload: Any, written_on: str, skip=()) -> None:
+    """A committed manifest also goes to every other store holding files of its snapshot (but those of ``skip``)."""
     sid = path.split("/", 1)[0]
-    stores = storage.stores()
+    stores = {n: h for n, h in storage.stores().items() if n not in skip}
     held = storage.each("inventory", sid, stores=stores)
     for node, files in held.items():
         if node != written_on and files:
@@ -215,8 +215,12 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
                 raise cause from None
             raise StorageError(f"cannot write {self.url}/{path}: {exc}", path=path) from exc
         if path.endswith("/" + MANIFEST_NAME):
-            spread_manifest(self, path, payload, local)
+            self.spread_manifest(path, payload, local)
         return got
+
+    def spread_manifest(self, path: str, payload: Any, written_on: str) -> None:
+        """After a manifest's commit in ``written_on``'s store: its copies to the others (:func:`spread_manifest`)."""
+        spread_manifest(self, path, payload, written_on)
 
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         self.write(path, [data], create_only=create_only)

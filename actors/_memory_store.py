@@ -37,6 +37,7 @@ from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 from ._memory_borrow import StoreBorrowing
+from ._memory_landing import StoreLanding
 from ._memory_pins import PinsAndFetch
 from ._memory_reads import StoreReads, snapshot_of
 from ._memory_replication import StoreReplication
@@ -45,6 +46,10 @@ log = logging.getLogger("rl_ckpt")
 
 STORE_PREFIX = "rl_ckpt-mem"
 PLASMA_MIN_BYTES = 256 << 10  # files from this size are held in the object store, owned by the store actor
+
+
+CONCURRENCY_GROUPS = {"placing": 16, "committing": 8}  # besides the default group (``max_concurrency``: 16)
+CONCURRENCY_OF = {"borrow": "placing", "commit_after": "committing"}
 
 
 def store_name(key: str, node_id: str) -> str:
@@ -95,7 +100,7 @@ def _resolve(data: Any):
     return ray.get(data)
 
 
-class MemoryStore(StoreBorrowing, PinsAndFetch, StoreReads, StoreReplication):
+class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreReplication):
     """The store's implementation (plain class: the actor is ``ray.remote(MemoryStore)``, see :func:`store_actor`)."""
 
     def __init__(self, key: str, node_id: str, budget_bytes: int | None = None) -> None:
@@ -120,6 +125,7 @@ class MemoryStore(StoreBorrowing, PinsAndFetch, StoreReads, StoreReplication):
         self._fetched = threading.Condition(self._lock)
         self.fetched_bytes = 0
         self.copied_bytes = 0  # bytes this store copied into objects it owns (puts, replicas, fetches, owning)
+        self._init_landing()
         self._init_borrowing()
         self._thread = threading.Thread(target=self._replicate_loop, name="rl_ckpt-mem-replicate", daemon=True)
         self._thread.start()
@@ -156,12 +162,16 @@ class MemoryStore(StoreBorrowing, PinsAndFetch, StoreReads, StoreReplication):
         with self._lock:
             if path in self._files:
                 return False
-        owned, size = self.take(data)
-        with self._lock:
-            if path in self._files:
-                return False
-            self._store(path, owned, size)
-            return True
+        try:
+            owned, size = self.take(data)
+            with self._lock:
+                if path in self._files:
+                    return False
+                self._store(path, owned, size)
+                return True
+        except Exception:
+            self._not_landing([path])  # whoever waits for it stops waiting
+            raise
 
     def _store(self, path: str, owned: Any, size: int) -> None:
         old = self._sizes.get(path, 0)
@@ -172,6 +182,7 @@ class MemoryStore(StoreBorrowing, PinsAndFetch, StoreReads, StoreReplication):
         self._held += size - old
         self._counter += 1
         self._versions[path] = self._counter
+        self._landed_here(path)
 
     def _make_room(self, path: str, extra: int) -> None:
         if self.budget_bytes is None or self._held + extra <= self.budget_bytes:
@@ -309,6 +320,8 @@ class MemoryStore(StoreBorrowing, PinsAndFetch, StoreReads, StoreReplication):
                 "borrowed_files": len(self._borrowed),
                 "owned_bytes": self.owned_bytes,
                 "lost": list(self.lost[-20:]),
+                "expected_files": len(self._awaited(list(self._expected))),
+                "refused_commits": list(self.refused_commits[-5:]),
                 "replication_errors": list(self.replication_errors[-5:]),
                 "evicted": list(self.evicted[-20:]),
             }
@@ -322,7 +335,12 @@ def store_actor(key: str, node_id: str, budget_bytes: int | None, namespace: str
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    cls = ray.remote(MemoryStore)
+    # A publisher's placement transfers (``borrow`` of another node's object: each holds a thread until it lands)
+    # and the commits waiting for them have threads of their own: the announcements, listings, pins and reads
+    # of the pulls that overlap them are never queued behind them.
+    for method, group in CONCURRENCY_OF.items():
+        ray.method(concurrency_group=group)(getattr(MemoryStore, method))
+    cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(MemoryStore)
     return cls.options(
         name=store_name(key, node_id),
         namespace=namespace,

@@ -17,6 +17,15 @@ newest ``keep`` versions; a version a worker is reading is pinned and stays unti
 places the version on the nodes where workers pull as it writes it (:class:`VersionsStorage`), so their
 pulls find it on their node.
 
+``publish`` returns once the version is committed in the publisher's node's store, not once its placement
+has landed: the transfers to the other nodes overlap the workers' pulls. A store never holds a manifest
+whose files it does not hold: each placement target commits the version itself once every file it vouches
+for has landed there (``MemoryStore.commit_after``), and a worker pulling there meanwhile waits for the
+announced files instead of copying them again (``MemoryStore.expect``). ``wait_placed`` waits for the
+placements, ``wait_owned`` for the stores' own copies too. A publisher killed before its placement landed
+leaves the targets without the manifest; their workers then take the version from the publisher's node
+whole (checksummed) or fall back to the previous one, never a partial module.
+
 Publishing cast (``dtype=torch.bfloat16``) writes the floating-point tensors in that dtype and records it
 in the manifest's tags (``policy_dtype``); the learners' fp32 state stays theirs (and in their snapshots).
 The pulling side is :class:`~actors.weight_subscriber.WeightSubscriber`.
@@ -29,201 +38,16 @@ from typing import Any
 
 import torch
 
-from rl_ckpt.errors import CheckpointError, ConfigError, StorageError, VersionNotFoundError
+from rl_ckpt.errors import CheckpointError, ConfigError, VersionNotFoundError
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
-from rl_ckpt._storage.base import check_relpath
 
-from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place
+from ._memory_storage import RayMemoryStorage
+from ._versions_storage import VersionsStorage
 
 log = logging.getLogger("rl_ckpt")
 
 VERSIONS_BASE = "raymem://versions"
 COMPONENT = "policy"
-INLINE_BYTES = 256 << 10  # smaller files travel inside the call (as RayMemoryStorage.write's)
-
-
-SUBSCRIBERS = "subscribers"  # subscribers/<node id>: a rollout worker pulls versions on that node
-
-
-class VersionsStorage(RayMemoryStorage):
-    """The version stores of a run, seen from a writer that also *places* what it writes.
-
-    ``push_to`` (node ids, set by :meth:`PolicyVersions.publish` to the nodes where rollout workers pull):
-    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.fetch``,
-    started as the file is written, so the transfers run while the publish goes on writing and verifying).
-    A manifest is written only once every copy of the data it vouches for has landed (or failed: a node
-    that could not take a copy has its workers place it when they pull), so a store that learns of the
-    snapshot holds its data; the manifest itself then follows, and the write returns once it is there.
-    """
-
-    def __init__(self, url: str, storage_options: dict | None = None) -> None:
-        super().__init__(url, storage_options)
-        self.push_to: list[str] = []
-        self.pushing: list = []  # (paths, node, ref of that node's store's fetch or put_replica, size) in flight
-        self.unpushed: list[str] = []
-        self.batching = False
-        self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
-        self.listing: dict | None = None
-        self.removing: list = []  # refs of object removals in flight (during a publish)
-        self.pushed_bytes = 0
-        self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
-
-    def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
-        manifest = path.endswith("/" + MANIFEST_NAME)
-        if manifest:
-            self.wait_pushed()  # the data first, everywhere
-        size = super().write(path, chunks, create_only=create_only, durable=durable)
-        if self.push_to:
-            self.unpushed.append(path)
-            if not self.batching:
-                self.push()
-            if manifest:  # committed on those nodes too when the write returns
-                self.wait_pushed()
-        return size
-
-    def write_many_atomic(self, items) -> None:
-        """Many files (a publish's new chunks) at once: each put once into this node's object store and handed
-        from there to this node's store and to those of ``push_to`` together (their calls run concurrently: the
-        copies to other nodes start as the file lands, not after the batch), not one round trip after another."""
-        import numpy as np
-        import ray
-
-        items = [(check_relpath(path), memoryview(data).cast("B")) for path, data in items]
-        self.written = {}
-        if any(path.endswith("/" + MANIFEST_NAME) for path, _d in items):
-            return self._write_each(items)  # commits: the base's, one by one
-        store = self.store_of(self.node_id)
-        peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
-        targets = [(node, self.store_of(node)) for node in self.push_to]
-        refs, lent = [], {}  # lent: path -> (the object put here, that the stores borrow; its size)
-        for path, data in items:
-            if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
-                obj = bytes(data)
-                refs.append(store.put.remote(path, obj, False, peers))
-                for node, handle in targets:
-                    ref = handle.put_replica.remote(path, obj, self.node_id)
-                    self.pushing.append(([path], node, ref, data.nbytes))
-                continue
-            # One copy into this node's object store, borrowed by this node's store and the placement targets (the
-            # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
-            # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
-            obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
-            lent[path] = (obj[0], data.nbytes)
-            for node, handle in targets:  # the transfers start now, chunk by chunk
-                ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
-                self.pushing.append(([path], node, ref, data.nbytes))
-        if lent:  # this node's store: no transfer, one call for the batch
-            refs.append(store.borrow_many.remote([(p, ref, n) for p, (ref, n) in lent.items()], peers))
-        try:
-            ray.get(refs)
-        except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
-            return self._write_each(items)
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            raise (
-                cause
-                if isinstance(cause, StorageError)
-                else StorageError(f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0])
-            ) from None
-        # What the store now holds, mapped: the read-back that verifies each file costs no call per file. A borrowed
-        # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
-        small = [path for path, _d in items if path not in lent]
-        answers = ray.get(store.get_many.remote(small)) if small else []
-        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)]
-        refs += [(path, ref) for path, (ref, _n) in lent.items()]
-        self.written = {
-            path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
-        }
-        self.written.update(
-            (path, memoryview(data).cast("B").toreadonly())
-            for (path, _r), data in zip(refs, ray.get([r for _p, r in refs]))
-        )
-
-    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
-        """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
-        :meth:`write_many_atomic` just wrote (the first read of it, with ``on_chunk``): that one gets the
-        mapping of what the store holds, taken right after the write, hashed in place, READ-ONLY and not copied
-        (its reader, the write's verification, only hashes it)."""
-        view = self.written.pop(path, None)
-        if view is None or (max_bytes is not None and view.nbytes > max_bytes):
-            return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
-        return hash_in_place(view, on_chunk) if on_chunk is not None else copy_out(view, None)
-
-    def _write_each(self, items) -> None:
-        self.batching = True
-        try:
-            super().write_many_atomic(items)
-        finally:
-            self.batching = False
-            self.push()
-
-    def push(self) -> None:
-        """Start copying the files written since the last push into the stores of ``push_to`` (one call each)."""
-        paths, self.unpushed = self.unpushed, []
-        if paths:
-            here = self.store_of(self.node_id)
-            for node in self.push_to:
-                self.pushing.append((paths, node, self.store_of(node).fetch.remote(paths, [here]), None))
-
-    def wait_pushed(self) -> int:
-        """Wait for the copies in flight; returns the bytes they moved (a failed copy is logged, not raised:
-        the workers of that node place the file when they pull)."""
-        import ray
-
-        moved, pending, self.pushing, self.written = 0, self.pushing, [], {}
-        for paths, node, ref, size in pending:  # size: of a ``put_replica`` (True: taken), else ``fetch``'s count
-            try:
-                got = ray.get(ref)
-                got = got if size is None else size * bool(got)
-                moved += got
-                self.placed[node] = self.placed.get(node, 0) + got
-            except Exception as exc:  # that store is full or gone: its workers place (or read remotely)
-                log.warning(
-                    "policy versions: %d files (%s...) not placed on node %s at publish (%s); its workers "
-                    "will place them",
-                    len(paths),
-                    paths[0],
-                    node[:12],
-                    str(exc)[:300],
-                )
-        self.pushed_bytes += moved
-        return moved
-
-    def stores(self) -> dict:
-        """The live stores; during a publish (``hold_listing``), the listing taken when it began: a publish asks
-        every store several times (stats, sweeps) and a store started meanwhile holds nothing of older versions."""
-        if self.listing is None:
-            return super().stores()
-        return dict(self.listing)
-
-    def hold_listing(self, on: bool) -> None:
-        """Begin (True) or end a publish: the listing of stores is held meanwhile, and dedup objects removed by
-        retention's sweep go in the background, all at once, waited for when the publish ends."""
-        if not on:
-            self.wait_removed()
-        self.listing = super().stores() if on else None
-
-    def remove(self, path: str) -> None:
-        if self.listing is None or not path.startswith("objects/"):  # a snapshot's files: in order, as always
-            return super().remove(path)
-        path = check_relpath(path)
-        self.removing += [h.remove.remote(path) for h in self.listing.values()]
-
-    def wait_removed(self) -> None:
-        import ray
-
-        refs, self.removing = self.removing, []
-        for ref in refs:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:  # that store died: nothing left there to remove
-                pass
-
-    def subscriber_nodes(self, inventory: dict | None = None) -> list[str]:
-        """Nodes where a rollout worker pulled versions and whose store is alive (one call per store; none when
-        given ``inventory``, what :meth:`inventory` of the stores answered)."""
-        held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
-        return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
 
 
 def versions_storage(
@@ -362,7 +186,10 @@ class PolicyVersions:
 
     def publish(self, step: int, metrics: dict | None = None) -> str | None:
         """Publish the policy as version ``step`` (returns its snapshot id; None on a replicated rank that does
-        not write). Returns after the version is committed and verified."""
+        not write). Returns once the version is written, verified and committed in this node's store: every
+        reader sees it from then on, and it is whole wherever its manifest is. Its placement on the workers'
+        other nodes may still be landing (their stores commit it once its files are there; a pull there
+        meanwhile waits for them): :meth:`wait_placed` waits for that, :meth:`wait_owned` for everything."""
         if self.engine is None:
             return None
         # Versions kept past retention while a worker pinned them come back into view and are retired now,
@@ -385,11 +212,14 @@ class PolicyVersions:
         # Placement at publish: the nodes where workers pull get each file as it is written (see VersionsStorage).
         here = [self.storage.node_id, *self.storage.peers()]  # (the ``replicas`` peers get copies anyway)
         self.storage.push_to = [n for n in self.storage.subscriber_nodes(files) if n not in here]
+        self.storage.wait_pushed(0)  # the placements of earlier publishes that are done: counted, let go
         self.storage.hold_listing(True)
         try:
             info = self.engine.save(step, metrics, tags=tags)
+        except BaseException:
+            self.storage.wait_pushed()  # a save that failed leaves no copy in flight
+            raise
         finally:
-            self.storage.wait_pushed()  # a save that failed before its manifest leaves no copy in flight
             self.storage.push_to = []
             self.storage.hold_listing(False)
         return info.snapshot_id
@@ -401,6 +231,7 @@ class PolicyVersions:
 
         if self.engine is None or self.rank != 0:
             return []
+        self.storage.wait_pushed()  # no target commits a version of the failed timeline after it is retired
         gone = [sid for v, sid in published(self.storage).items() if v > step]
         for sid in gone:
             delete_snapshot(self.storage, sid)
@@ -409,10 +240,24 @@ class PolicyVersions:
             log.info("policy versions of %s: retired %s (newer than the restored step %d)", self.run_name, gone, step)
         return gone
 
+    def wait_placed(self, timeout: float | None = None) -> bool:
+        """Block until the placements of what was published have landed (or failed: logged, the workers of that
+        node place the version when they pull) and each target committed or refused it; True when none is left
+        in flight, False when ``timeout`` passed first."""
+        self.storage.wait_pushed(timeout)
+        return not self.storage.pushing
+
     def wait_owned(self, timeout: float | None = None) -> bool:
-        """Block until every store owns its copy of what was published (True: from then on the versions outlive
-        this publisher), or ``timeout`` passed (False). ``publish`` returns before: see ``VersionsStorage``."""
-        return all(self.storage.each("wait_owned", timeout).values())
+        """Block until the placements landed (:meth:`wait_placed`) and every store owns its copy of what was
+        published (True: from then on the versions outlive this publisher), or ``timeout`` passed (False).
+        ``publish`` returns before both: see ``VersionsStorage``."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait_placed(timeout):
+            return False
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return all(self.storage.each("wait_owned", left).values())
 
     def versions(self) -> list[int]:
         """The versions published and not retired, oldest first."""

@@ -3,7 +3,9 @@
 2 learners (plain replicated ones, then FSDP2 ones on a gloo group) publish 5 versions; 4 rollout workers, 2
 per node, pull each: bitwise the learners' weights, a one-layer change moves that layer's bytes, one transfer
 per node; a killed worker's replacement gets the newest from the stores; retired and unknown versions are
-named errors; a corrupted chunk is never loaded (the workers fall back to the previous version and say so)."""
+named errors; a corrupted chunk is never loaded (the workers fall back to the previous version and say so); a
+publish returns once committed on its own node, and the workers' node commits the version only once its files
+landed there, also when the learners are killed before they do."""
 
 from __future__ import annotations
 
@@ -103,3 +105,35 @@ def test_corrupted_chunk_is_never_loaded(outcomes, kind):
     assert o["status"]["status"] == "degraded"
     assert {f["path"] for f in o["status"]["faults"]} == {bad}
     assert o["status"]["pinned"] == {}  # every pull let go of its pins
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_target_commits_a_version_only_once_its_files_landed(outcomes, kind):
+    h = outcomes[kind]["held"]
+    target, during, after = h["target"], h["during"], h["after"]
+    (head,) = set(during) - {target}
+    # The publishes returned with the placement held: committed and whole on the learners' node, listed,
+    # and on the target some of the version's files but no manifest.
+    assert during[head]["manifest"] and during[head]["files"] == during[head]["of"]
+    assert not during[target]["manifest"] and 0 < during[target]["files"] < during[target]["of"]
+    assert h["versions"][-1] == 7
+    # Released: the target commits it with every file; its workers find it there (nothing copied), bitwise.
+    assert h["placed"] == [True, True]
+    assert after[target]["manifest"] and after[target]["files"] == after[target]["of"]
+    for pull in h["pulls"]:
+        assert (pull["version"], pull["source"], pull["node_bytes_copied"]) == (7, "memory", 0)
+        assert pull["node"] == target and pull["digest"] == h["published"][0][1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_learners_killed_before_the_placement_landed(outcomes, kind):
+    k, v7 = outcomes[kind]["killed"], outcomes[kind]["held"]["published"][0][1]
+    assert k["left"] == []  # every held transfer ended (landed, or failed with its owner dead)
+    for node, held in k["holdings"].items():  # a store holding the manifest holds every file it vouches for
+        assert not held["manifest"] or held["files"] == held["of"], node
+    for pull in k["pulls"]:  # version 8 whole, or version 7 and why: never a partial module
+        assert pull["source"] == "memory"
+        if pull["version"] == 8:
+            assert pull["digest"] == k["published"][0][1] and pull["fell_back_from"] is None
+        else:
+            assert (pull["version"], pull["fell_back_from"], pull["digest"]) == (7, 8, v7)

@@ -4,8 +4,9 @@ Run by test_policy_versions_nodes.py in a process of its own: ``python version_n
 line per scenario ("replicated": 2 plain learners; "fsdp2": 2 FSDP2 learners on a gloo group). Per scenario
 the learners publish 5 versions (1 and 3 change every layer, 2, 4 and 5 only one layer's weight); 4 rollout
 workers, 2 on each node, pull each; then a worker on the worker node is killed and a new one pulls the
-newest; then every copy of a chunk only version 6 has is corrupted and workers pull again. The 4 rollout
-workers serve both scenarios.
+newest; then every copy of a chunk only version 6 has is corrupted and workers pull again; then version 7 is
+published with its placement on the workers' node held (a store's test hook) and released, and version 8 the
+same way with the learners SIGKILLed before it is released. The 4 rollout workers serve both scenarios.
 """
 
 from __future__ import annotations
@@ -73,13 +74,86 @@ def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
     out["after_corruption"] = ray.get([w.pull.remote(run) for w in (workers[0], workers[3])])
     out["worker_status"] = ray.get(workers[0].status.remote(run))
     out["status"] = versions_status(storage)
-    for actor in learners:
-        ray.get(actor.close.remote())
+    target = out["versions"][0]["pulls"][2]["node"]  # the workers' other node (workers 2 and 3 run there)
+    out["held"] = held_placement(ray, run, storage, learners, workers, target)
+    out["killed"] = killed_before_placement(ray, run, storage, learners, workers, target)
     for actor in learners:
         ray.kill(actor, no_restart=True)
     storage.destroy()
     out["seconds"] = time.monotonic() - started
     return out
+
+
+def vouched(storage, sid: str) -> list[str]:
+    """The files ``sid``'s manifest vouches for (itself left out)."""
+    from rl_ckpt._run.snapshot_files import read_manifest
+    from rl_ckpt._sharded.weight_pull import component_pieces
+
+    return [p for p in component_pieces(read_manifest(storage, sid), "policy").paths() if p != f"{sid}/meta.json"]
+
+
+def holdings(ray, storage, sid: str) -> dict:
+    """node -> whether its store holds ``sid``'s manifest, and how many of the files it vouches for it holds."""
+    manifest, paths = f"{sid}/meta.json", vouched(storage, sid)
+    out = {}
+    for node, handle in storage.stores().items():
+        files = ray.get(handle.inventory.remote(""))
+        out[node] = {"manifest": manifest in files, "files": sum(p in files for p in paths), "of": len(paths)}
+    return out
+
+
+def held_placement(ray, run: str, storage, learners: list, workers: list, target: str, version: int = 7) -> dict:
+    """Version ``version`` published with its placement on the workers' other node held (``hold_landing``, an
+    event): the publish returns once committed on the learners' node; the target holds some of its files and
+    no manifest; released, it commits; its workers then find it placed."""
+    from actors.policy_versions import published
+
+    sid = f"step_{version:09d}"
+    handle = storage.stores()[target]
+    ray.get(handle.hold_landing.remote(True))
+    try:
+        out = {"target": target, "published": ray.get([lr.publish.remote(version) for lr in learners])}
+        out["during"] = holdings(ray, storage, sid)
+        out["versions"] = list(published(storage))
+    finally:
+        ray.get(handle.hold_landing.remote(False))
+    out["placed"] = ray.get([lr.wait_placed.remote() for lr in learners])
+    out["after"] = holdings(ray, storage, sid)
+    out["pulls"] = ray.get([w.pull.remote(run) for w in workers[2:]])
+    return out
+
+
+def killed_before_placement(ray, run: str, storage, learners: list, workers: list, target: str, version: int = 8):
+    """Version ``version`` published with its placement held on the workers' other node, then every learner
+    SIGKILLed before it lands, then the placement released: every store holding the manifest holds its files,
+    and every worker gets the version bitwise or the previous one, never a partial module."""
+    import os
+    import signal
+
+    handle = storage.stores()[target]
+    ray.get(handle.hold_landing.remote(True))
+    try:
+        published = ray.get([lr.publish.remote(version) for lr in learners])
+        pids = ray.get([lr.pid.remote() for lr in learners])
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for lr in learners:  # dead once a call to it fails
+            while True:
+                try:
+                    ray.get(lr.pid.remote())
+                except ray.exceptions.RayActorError:
+                    break
+    finally:
+        ray.get(handle.hold_landing.remote(False))
+    sid = f"step_{version:09d}"
+    left = ray.get(handle.wait_landed.remote(vouched(storage, sid), 60))  # the held transfers: landed or failed
+    return {
+        "target": target,
+        "published": published,
+        "left": left,
+        "holdings": holdings(ray, storage, sid),
+        "pulls": ray.get([w.pull.remote(run) for w in workers]),
+    }
 
 
 def main() -> None:

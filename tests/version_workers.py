@@ -66,8 +66,16 @@ class Learner:
         return sid, digest(self.full_state())
 
     def placed(self) -> dict:
-        """node -> bytes this learner's publishes placed in that node's store, so far."""
+        """node -> bytes this learner's publishes placed in that node's store, so far (once they landed: a publish
+        returns before)."""
+        assert self.versions.wait_placed(timeout=120)
         return dict(self.versions.storage.placed)
+
+    def wait_placed(self) -> bool:
+        return self.versions.wait_placed(timeout=120)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def full_state(self) -> dict:
         from torch.distributed.tensor import DTensor

@@ -1,0 +1,270 @@
+"""The storage a policy-version publisher writes through: :class:`VersionsStorage`, the run's version stores
+(``raymem://versions/<run>``) seen from a writer that also *places* each file on the nodes where rollout
+workers pull, and commits there only once the files landed (see ``actors/policy_versions.py``)."""
+
+from __future__ import annotations
+
+import logging
+
+from rl_ckpt.errors import CheckpointError, StorageError
+from rl_ckpt._format.manifest import MANIFEST_NAME
+from rl_ckpt._storage.base import check_relpath
+
+from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place, spread_manifest
+
+log = logging.getLogger("rl_ckpt")
+
+INLINE_BYTES = 256 << 10  # smaller files travel inside the call (as RayMemoryStorage.write's)
+
+
+SUBSCRIBERS = "subscribers"  # subscribers/<node id>: a rollout worker pulls versions on that node
+
+
+class VersionsStorage(RayMemoryStorage):
+    """The version stores of a run, seen from a writer that also *places* what it writes.
+
+    ``push_to`` (node ids, set by :meth:`PolicyVersions.publish` to the nodes where rollout workers pull):
+    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.borrow`` /
+    ``put_replica`` / ``fetch``, started as the file is written, so the transfers run while the publish goes on
+    writing and verifying), announced there first (``MemoryStore.expect``: a worker's pull there waits for them
+    rather than copying them a second time).
+
+    A manifest is committed in this node's store (and copied to its ``replicas`` peers) WITHOUT waiting for those
+    transfers: the write returns then. Each placement target gets it with the files it vouches for
+    (``MemoryStore.commit_after``) and stores it only once every one of them is held there, so a store never
+    holds a manifest whose files it does not hold; a target where a file failed to land keeps no manifest, and
+    its workers place the version when they pull. :meth:`wait_pushed` waits for the transfers and those commits.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        super().__init__(url, storage_options)
+        self.push_to: list[str] = []
+        self.pushing: list = []  # (paths, node, ref of that node's store's call, size or None) in flight
+        self.expecting: list = []  # refs of ``expect`` calls to the placement targets (waited for before a commit)
+        self.unpushed: list[str] = []
+        self.batching = False
+        self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
+        self.listing: dict | None = None
+        self.removing: list = []  # refs of object removals in flight (during a publish)
+        self.pushed_bytes = 0
+        self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
+
+    def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
+        if not (self.push_to and path.endswith("/" + MANIFEST_NAME)):
+            size = super().write(path, chunks, create_only=create_only, durable=durable)
+            if self.push_to:
+                self.unpushed.append(path)
+                if not self.batching:
+                    self.push()
+            return size
+        # A commit: the targets know what is on its way to them (and that this manifest follows) before any reader
+        # can see the version here; then this node's store commits it, and each target once its files landed.
+        data = b"".join(memoryview(c).cast("B") for c in chunks)
+        self.written = {}
+        self.push()
+        vouched = vouched_paths(path, data)
+        targets = [(node, self.store_of(node)) for node in self.push_to] if vouched is not None else []
+        self.expecting += [handle.expect.remote([path]) for _n, handle in targets]
+        self.wait_expected()
+        try:
+            size = super().write(path, [data], create_only=create_only, durable=durable)
+        except BaseException:
+            self.expecting += [handle.expect.remote([path], 0) for _n, handle in targets]  # it is not coming
+            raise
+        for node, handle in targets:
+            self.pushing.append(([path], node, handle.commit_after.remote(path, data, vouched), None))
+        return size
+
+    def spread_manifest(self, path: str, payload, written_on: str) -> None:
+        """As the base's, but not to the placement targets: they commit it themselves once its files landed."""
+        spread_manifest(self, path, payload, written_on, skip=set(self.push_to))
+
+    def wait_expected(self) -> None:
+        """Wait for the announcements to the placement targets (a target that died is left out)."""
+        import ray
+
+        refs, self.expecting = self.expecting, []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:  # that store is gone: its workers place the version
+                log.warning("policy versions: a placement target did not take the announcement: %s", str(exc)[:300])
+
+    def write_many_atomic(self, items) -> None:
+        """Many files (a publish's new chunks) at once: each put once into this node's object store and handed
+        from there to this node's store and to those of ``push_to`` together (their calls run concurrently: the
+        copies to other nodes start as the file lands, not after the batch), not one round trip after another."""
+        import numpy as np
+        import ray
+
+        items = [(check_relpath(path), memoryview(data).cast("B")) for path, data in items]
+        self.written = {}
+        if any(path.endswith("/" + MANIFEST_NAME) for path, _d in items):
+            return self._write_each(items)  # commits: the base's, one by one
+        store = self.store_of(self.node_id)
+        peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
+        targets = [(node, self.store_of(node)) for node in self.push_to]
+        self.expecting += [handle.expect.remote([path for path, _d in items]) for _n, handle in targets]
+        refs, lent = [], {}  # lent: path -> (the object put here, that the stores borrow; its size)
+        for path, data in items:
+            if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
+                obj = bytes(data)
+                refs.append(store.put.remote(path, obj, False, peers))
+                for node, handle in targets:
+                    ref = handle.put_replica.remote(path, obj, self.node_id)
+                    self.pushing.append(([path], node, ref, data.nbytes))
+                continue
+            # One copy into this node's object store, borrowed by this node's store and the placement targets (the
+            # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
+            # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
+            obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
+            lent[path] = (obj[0], data.nbytes)
+            for node, handle in targets:  # the transfers start now, chunk by chunk
+                ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
+                self.pushing.append(([path], node, ref, data.nbytes))
+        if lent:  # this node's store: no transfer, one call for the batch
+            refs.append(store.borrow_many.remote([(p, ref, n) for p, (ref, n) in lent.items()], peers))
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
+            return self._write_each(items)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise (
+                cause
+                if isinstance(cause, StorageError)
+                else StorageError(f"cannot write {len(items)} files to {self.url}: {exc}", path=items[0][0])
+            ) from None
+        # What the store now holds, mapped: the read-back that verifies each file costs no call per file. A borrowed
+        # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
+        small = [path for path, _d in items if path not in lent]
+        answers = ray.get(store.get_many.remote(small)) if small else []
+        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)]
+        refs += [(path, ref) for path, (ref, _n) in lent.items()]
+        self.written = {
+            path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
+        }
+        self.written.update(
+            (path, memoryview(data).cast("B").toreadonly())
+            for (path, _r), data in zip(refs, ray.get([r for _p, r in refs]))
+        )
+        self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
+
+    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
+        """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
+        :meth:`write_many_atomic` just wrote (the first read of it, with ``on_chunk``): that one gets the
+        mapping of what the store holds, taken right after the write, hashed in place, READ-ONLY and not copied
+        (its reader, the write's verification, only hashes it)."""
+        view = self.written.pop(path, None)
+        if view is None or (max_bytes is not None and view.nbytes > max_bytes):
+            return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+        return hash_in_place(view, on_chunk) if on_chunk is not None else copy_out(view, None)
+
+    def _write_each(self, items) -> None:
+        self.batching = True
+        try:
+            super().write_many_atomic(items)
+        finally:
+            self.batching = False
+            self.push()
+
+    def push(self) -> None:
+        """Start copying the files written since the last push into the stores of ``push_to`` (one call each,
+        announced first)."""
+        paths, self.unpushed = self.unpushed, []
+        if paths:
+            here = self.store_of(self.node_id)
+            for node in self.push_to:
+                handle = self.store_of(node)
+                self.expecting.append(handle.expect.remote(paths))
+                self.pushing.append((paths, node, handle.fetch.remote(paths, [here], True), None))
+            self.wait_expected()
+
+    def wait_pushed(self, timeout: float | None = None) -> int:
+        """Wait for the copies and commits in flight (``timeout`` seconds at most: those not done stay in flight;
+        0: only take those done); returns the bytes they moved (a failed copy is logged, not raised: the workers
+        of that node place the file when they pull)."""
+        import ray
+
+        self.wait_expected()
+        moved, pending, self.written = 0, self.pushing, {}
+        if not pending:
+            return 0
+        refs = [ref for _p, _n, ref, _s in pending]
+        done, _rest = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done = set(done)
+        self.pushing = [entry for entry in pending if entry[2] not in done]
+        for paths, node, ref, size in pending:  # size: of a ``put_replica`` or ``borrow`` (True: taken), else a count
+            if ref not in done:
+                continue
+            try:
+                got = ray.get(ref)
+                got = got if size is None else size * bool(got)
+                moved += got
+                self.placed[node] = self.placed.get(node, 0) + got
+            except Exception as exc:  # that store is full or gone: its workers place (or read remotely)
+                log.warning(
+                    "policy versions: %d files (%s...) not placed on node %s at publish (%s); its workers "
+                    "will place them",
+                    len(paths),
+                    paths[0],
+                    node[:12],
+                    str(exc)[:300],
+                )
+        self.pushed_bytes += moved
+        return moved
+
+    def stores(self) -> dict:
+        """The live stores; during a publish (``hold_listing``), the listing taken when it began: a publish asks
+        every store several times (stats, sweeps) and a store started meanwhile holds nothing of older versions."""
+        if self.listing is None:
+            return super().stores()
+        return dict(self.listing)
+
+    def hold_listing(self, on: bool) -> None:
+        """Begin (True) or end a publish: the listing of stores is held meanwhile, and dedup objects removed by
+        retention's sweep go in the background, all at once, waited for when the publish ends."""
+        if not on:
+            self.wait_removed()
+        self.listing = super().stores() if on else None
+
+    def remove(self, path: str) -> None:
+        if self.listing is None or not path.startswith("objects/"):  # a snapshot's files: in order, as always
+            return super().remove(path)
+        path = check_relpath(path)
+        self.removing += [h.remove.remote(path) for h in self.listing.values()]
+
+    def wait_removed(self) -> None:
+        import ray
+
+        refs, self.removing = self.removing, []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # that store died: nothing left there to remove
+                pass
+
+    def subscriber_nodes(self, inventory: dict | None = None) -> list[str]:
+        """Nodes where a rollout worker pulled versions and whose store is alive (one call per store; none when
+        given ``inventory``, what :meth:`inventory` of the stores answered)."""
+        held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
+        return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
+
+
+def vouched_paths(path: str, data: bytes) -> list[str] | None:
+    """The files the manifest at ``path`` (``data``) vouches for: its snapshot's files and the objects it references
+    (None if it cannot be parsed: then no target is told to commit it, its workers place it when they pull)."""
+    from rl_ckpt._format.manifest import Manifest
+    from rl_ckpt._run.dedup import manifest_objects, object_path
+
+    sid = path.split("/", 1)[0]
+    try:
+        manifest = Manifest.from_bytes(data, sid)
+        objects = manifest_objects(manifest)
+    except CheckpointError as exc:
+        log.warning("policy versions: %s not placed (%s)", path, exc)
+        return None
+    files = [f"{sid}/{f.path}" for f in manifest.files]
+    out = dict.fromkeys(files + [object_path(algo, d) for d, (algo, _n) in objects.items()])
+    out.pop(path, None)
+    return list(out)
