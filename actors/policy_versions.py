@@ -34,6 +34,7 @@ The pulling side is :class:`~actors.weight_subscriber.WeightSubscriber`.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -169,6 +170,7 @@ class PolicyVersions:
         self.keep = keep
         self.storage = versions_storage(run_name, namespace=namespace, replicas=replicas, budget_bytes=budget_bytes)
         self.engine = None
+        self.retention = None  # the engine's retention, run by ``_retire_later`` after each publish
         if self.sharded or self.rank == 0:
             self.engine = CheckpointEngine(
                 base_dir=VERSIONS_BASE,
@@ -183,6 +185,10 @@ class PolicyVersions:
                 world_size=world_size,
             )
             self.engine.register(COMPONENT, CastPolicy(module, dtype) if dtype is not None else module)
+            # Retention runs after each publish on a thread of its own (``_retire_later``), not inside the save:
+            # the learner goes on while the versions past ``keep`` are retired.
+            self.retention, self.engine.pipeline.maintenance = self.engine.pipeline.maintenance, None
+        self.retiring: threading.Thread | None = None
 
     def publish(self, step: int, metrics: dict | None = None) -> str | None:
         """Publish the policy as version ``step`` (returns its snapshot id; None on a replicated rank that does
@@ -192,13 +198,14 @@ class PolicyVersions:
         meanwhile waits for them): :meth:`wait_placed` waits for that, :meth:`wait_owned` for everything."""
         if self.engine is None:
             return None
+        self.settle()  # the previous publish's retention is done before this one looks at what is held
         # Versions kept past retention while a worker pinned them come back into view and are retired now,
         # before the new one needs room in the budget (retention also runs after the commit, as always).
         files = self.storage.inventory("")  # one listing of the stores for the versions held and the subscribers
         held = published(self.storage, files)
         if self.rank == 0 and len(held) > self.keep:  # (with none pinned, the last publish left ``keep``)
             self.engine.catalog.refresh()
-            for warning in self.engine.maintenance.after_commit():
+            for warning in self.retention.after_commit():
                 log.warning("policy versions of %s: %s", self.run_name, warning)
             held = published(self.storage)
         if self.sharded:  # no rank reuses an object of a version rank 0 is retiring right now
@@ -222,7 +229,35 @@ class PolicyVersions:
         finally:
             self.storage.push_to = []
             self.storage.hold_listing(False)
+        self._retire_later()
         return info.snapshot_id
+
+    def _retire_later(self) -> None:
+        """Retire the versions past ``keep`` (those no worker pins) on a thread, while the learner goes on; the
+        publisher's next call that looks at the versions (``publish``, ``versions``, ``rewind``, ``status``,
+        ``wait_owned``, ``close``) waits for it first (:meth:`settle`). A publisher killed meanwhile leaves
+        ``keep`` + 1 versions at most, retired by the next publish."""
+        if self.retention is None or not self.engine.pipeline.topology.runs_maintenance:
+            return
+
+        def run() -> None:
+            self.storage.hold_listing(True)  # one listing; the objects swept go at once, waited for at the end
+            try:
+                for warning in self.retention.after_commit():
+                    log.warning("policy versions of %s: %s", self.run_name, warning)
+            except Exception as exc:  # the version is committed whatever happens here; the next publish retries
+                log.warning("policy versions of %s: retention after publishing failed: %s", self.run_name, exc)
+            finally:
+                self.storage.hold_listing(False)
+
+        self.retiring = threading.Thread(target=run, name="rl_ckpt-versions-retention", daemon=True)
+        self.retiring.start()
+
+    def settle(self) -> None:
+        """Wait for the retention started by the last publish (see :meth:`_retire_later`)."""
+        if self.retiring is not None:
+            self.retiring.join()
+            self.retiring = None
 
     def rewind(self, step: int) -> list[str]:
         """After the learners restored ``step``: retire the versions newer than it (they belong to the timeline
@@ -231,6 +266,7 @@ class PolicyVersions:
 
         if self.engine is None or self.rank != 0:
             return []
+        self.settle()
         self.storage.wait_pushed()  # no target commits a version of the failed timeline after it is retired
         gone = [sid for v, sid in published(self.storage).items() if v > step]
         for sid in gone:
@@ -253,6 +289,7 @@ class PolicyVersions:
         ``publish`` returns before both: see ``VersionsStorage``."""
         import time
 
+        self.settle()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.wait_placed(timeout):
             return False
@@ -261,13 +298,16 @@ class PolicyVersions:
 
     def versions(self) -> list[int]:
         """The versions published and not retired, oldest first."""
+        self.settle()
         return list(published(self.storage))
 
     def status(self) -> dict:
         """Versions held, bytes per node, pins and the faults rollout workers reported (for /healthz)."""
+        self.settle()
         return versions_status(self.storage)
 
     def close(self) -> None:
+        self.settle()
         if self.engine is not None:
             self.engine.close()
 
