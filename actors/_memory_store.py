@@ -162,16 +162,18 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
         with self._lock:
             if path in self._files:
                 return False
+        stored = False
         try:
             owned, size = self.take(data)
             with self._lock:
                 if path in self._files:
                     return False
                 self._store(path, owned, size)
+                stored = True
                 return True
-        except Exception:
-            self._not_landing([path])  # whoever waits for it stops waiting
-            raise
+        finally:
+            if not stored:  # (taking it failed, or another copy came first) whoever waits for it stops waiting
+                self._not_landing([path])
 
     def _store(self, path: str, owned: Any, size: int) -> None:
         old = self._sizes.get(path, 0)

@@ -222,8 +222,8 @@ class VersionsStorage(RayMemoryStorage):
         return dict(self.listing)
 
     def hold_listing(self, on: bool) -> None:
-        """Begin (True) or end a publish: the listing of stores is held meanwhile, and dedup objects removed by
-        retention's sweep go in the background, all at once, waited for when the publish ends."""
+        """Begin (True) or end a publish, or the retention after it: the listing of stores is held meanwhile, and
+        dedup objects removed by retention's sweep go in the background, all at once, waited for at the end."""
         if not on:
             self.wait_removed()
         self.listing = super().stores() if on else None
