@@ -37,6 +37,7 @@ from rl_ckpt._format.manifest import parse_snapshot_id
 from rl_ckpt._run.snapshot_files import read_manifest
 from rl_ckpt._sharded.weight_pull import WeightPuller, component_pieces
 
+from ._memory_storage import local_views
 from ._versions_storage import SUBSCRIBERS
 from .policy_versions import COMPONENT, FAULTS, not_found, published, versions_storage
 
@@ -297,37 +298,6 @@ def fetch_here(storage, paths: list[str]) -> int:
 
     others = [h for n, h in sorted(storage.stores().items()) if n != storage.node_id]
     return ray.get(storage.store_of(storage.node_id).fetch.remote(list(paths), others))
-
-
-def local_views(storage, paths: list[str]) -> dict:
-    """Read-only views of those of ``paths`` this node's store holds, in one call to it and one ``ray.get`` (the
-    rest are read one by one later). Nothing is verified here: the puller hashes each view before using it."""
-    import ray
-
-    if not paths:
-        return {}
-    try:
-        answers = ray.get(storage.store_of(storage.node_id).get_many.remote(list(paths)))
-    except ray.exceptions.RayActorError:
-        return {}
-    refs = [(p, a[0]) for p, a in zip(paths, answers) if isinstance(a, list)]
-    out = {p: memoryview(a).toreadonly() for p, a in zip(paths, answers) if isinstance(a, bytes)}
-    try:
-        datas = ray.get([r for _p, r in refs])
-    except ray.exceptions.ObjectLostError:  # e.g. a chunk still borrowed from a publisher that died: one by one
-        datas = [readable(ray, r) for _p, r in refs]
-    for (p, _ref), data in zip(refs, datas):
-        if data is not None:  # an object lost is left out: read later from another store, or missing (fall back)
-            out[p] = memoryview(data).cast("B").toreadonly()
-    return out
-
-
-def readable(ray, ref):
-    """The object behind ``ref``, or None when it is lost (its owner died: ``OwnerDiedError``, ``ObjectLostError``)."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.ObjectLostError:
-        return None
 
 
 def _why(reasons: dict[str, Any]) -> str:

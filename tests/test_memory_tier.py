@@ -144,6 +144,63 @@ def _calls_of(storage, fn) -> dict:
     return {k: storage.calls[k] - before[k] for k in before}
 
 
+def test_hash_many_maps_the_local_store_in_one_call_and_dedup_reuse_checks_each_tensor_at_once(mem, tmp_path):
+    """The memory tier's ``hash_many``: the files this node's store holds are mapped in one call and hashed where
+    they lie. A dedup save reusing a committed snapshot's chunks checks each tensor's chunks with one such call
+    (not a stat, a size and a read per chunk), reuses the good ones and writes again one that rotted in place."""
+    import torch
+
+    from rl_ckpt._format.checksum import new_hasher
+    from rl_ckpt._run.dedup import CHUNK_BYTES, object_path
+
+    ray = pytest.importorskip("ray")
+    storage = mem()
+    data = [bytes([i]) * 300_000 for i in range(5)]
+    for i, d in enumerate(data):
+        storage.write(f"objects/x/{i}", [d])
+    paths = [f"objects/x/{i}" for i in range(5)] + ["objects/x/none"]
+    calls = _calls_of(storage, lambda: storage.hash_many(paths[:-1], "xxh3_128"))
+    assert calls == {"store_listings": 0, "store_calls": 1}  # (one none holds is asked of every store)
+    got = storage.hash_many(paths, "xxh3_128")
+    assert got[-1] is None and [g[0] for g in got[:-1]] == [300_000] * 5
+
+    class Policy:
+        def __init__(self):
+            self.w = torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32)  # three whole chunks
+
+        def state_dict(self):
+            return {"w": self.w}
+
+        def load_state_dict(self, state):
+            self.w.copy_(state["w"])
+
+    policy = Policy()
+    engine = _engine(storage, tmp_path, dedup=True)
+    engine.register("policy", policy)
+    engine.save(1)
+    chunks = engine.catalog.get("step_000000001").manifest.components["policy"]["objects"]["w"]
+    objects = [object_path("xxh3_128", digest) for digest, _size in chunks]
+    # Rot the second chunk in place (same size, other bytes), as a bit flip in the store would.
+    store = next(iter(storage.stores().values()))
+    ray.get(store.put.remote(objects[1], bytes(chunks[1][1])))
+    before = storage.stat_many(objects)
+    with torch.no_grad():
+        policy.w[0] += 1  # the first chunk changes; the second (rotten) and the third do not
+    engine.save(2)
+    after = storage.stat_many(objects)
+    assert after[2].version == before[2].version  # reused as it was: not written again
+    assert after[1].version != before[1].version  # the rotten one was written again...
+    hasher = new_hasher("xxh3_128")
+    hasher.update(storage.read(objects[1]))
+    assert hasher.hexdigest() == chunks[1][0]  # ...with the right bytes
+    restored = Policy()
+    restored.w.zero_()
+    fresh = _engine(storage, tmp_path, dedup=True)
+    fresh.register("policy", restored)
+    assert fresh.restore().snapshot_id == "step_000000002"
+    assert torch.equal(restored.w, policy.w)
+
+
 def test_restore_lists_stores_per_folder_listing_not_per_file(mem, tmp_path):
     """Outside a read session, stat, exists and reads ask the stores already known first (the cluster's stores are
     listed again only for a file none of them holds): a restore lists the stores once per folder it lists, never

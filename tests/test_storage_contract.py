@@ -454,6 +454,27 @@ def test_read_ranges_and_stat_many_answer_like_one_call_each(store):
     assert stats[0].size == 1024 and not stats[0].is_dir and stats[1] is None
 
 
+def test_hash_many_rereads_each_file_in_order(store):
+    """``hash_many``: (size, checksum) of each stored file as read back now, in order; None for a file that is
+    missing; a file rewritten since gives its new checksum."""
+    from rl_ckpt._format.checksum import new_hasher
+
+    def digest(data: bytes) -> str:
+        hasher = new_hasher("xxh3_128")
+        hasher.update(data)
+        return hasher.hexdigest()
+
+    big = bytes(range(256)) * 5000  # past any inline-size threshold
+    put(store, "objects/aa/big", [big])
+    put(store, "objects/aa/small", [b"abc"])
+    put(store, "objects/bb/empty", [b""])
+    got = store.hash_many(["objects/aa/small", "objects/aa/missing", "objects/aa/big", "objects/bb/empty"], "xxh3_128")
+    assert got == [(3, digest(b"abc")), None, (len(big), digest(big)), (0, digest(b""))]
+    put(store, "objects/aa/small", [b"abd"])
+    assert store.hash_many(["objects/aa/small"], "xxh3_128") == [(3, digest(b"abd"))]
+    assert store.hash_many([], "xxh3_128") == []
+
+
 def test_read_session_answers_like_outside_and_sees_own_writes(store):
     """``read_session`` (a restore's one view of the run; the default is none) answers as outside it, nests, and
     sees the writes and removals made through the same storage."""

@@ -113,8 +113,12 @@ class ObjectWriter:
         self._folders: set[str] = set()  # object folders known to exist
 
     def put(self, view: memoryview, verify: bool) -> list[list]:
-        """Store a tensor's bytes; returns its chunk list ``[[digest, size], ...]``."""
-        chunks = []
+        """Store a tensor's bytes; returns its chunk list ``[[digest, size], ...]``.
+
+        Every chunk is hashed first; the chunks a committed snapshot already holds are then checked all at once
+        (``Storage.hash_many`` with ``verify``, else ``stat_many``: one request for the tensor where the backend
+        can) and reused; the rest are written, in batches."""
+        chunks, fresh = [], []  # fresh: (digest, chunk) of the chunks this save has not met yet
         for start in range(0, max(view.nbytes, 1), CHUNK_BYTES):
             chunk = view[start : start + CHUNK_BYTES]
             hasher = new_hasher(self.algo)
@@ -125,25 +129,34 @@ class ObjectWriter:
                 self.bytes_reused += chunk.nbytes
                 continue
             self.seen.add(digest)
-            path = object_path(self.algo, digest)
-            if digest in self.committed and self._present(path, chunk.nbytes):
-                if verify:
-                    # Reused, not rewritten: with verify-after-write the new snapshot still vouches only
-                    # for bytes it has read back, so an object that rotted in place is rewritten.
-                    try:
-                        check_object(self.storage, self.algo, digest, chunk.nbytes)
-                        self.bytes_reused += chunk.nbytes
-                        continue
-                    except CorruptSnapshotError:
-                        pass  # fall through: write a good copy over the rotten one
-                else:
-                    self.bytes_reused += chunk.nbytes
-                    continue
-            self._pending.append((path, chunk, digest, chunk.nbytes))
+            fresh.append((digest, chunk))
+        reusable = self._reusable([(d, c.nbytes) for d, c in fresh if d in self.committed], verify)
+        for digest, chunk in fresh:
+            if digest in reusable:
+                self.bytes_reused += chunk.nbytes
+                continue
+            self._pending.append((object_path(self.algo, digest), chunk, digest, chunk.nbytes))
             self._pending_bytes += chunk.nbytes
             if self._pending_bytes >= BATCH_BYTES or len(self._pending) >= BATCH_FILES:
                 self.flush(verify)
         return chunks
+
+    def _reusable(self, candidates: list[tuple[str, int]], verify: bool) -> set[str]:
+        """Of ``candidates`` (digest, size), objects that committed snapshots reference, those present with that
+        size and, with ``verify``, whose stored bytes hash to their name: with verify-after-write the new
+        snapshot vouches only for bytes it has read back, so an object that rotted in place (or is missing,
+        short, or not a regular file) is written again, a good copy over the bad one."""
+        if not candidates:
+            return set()
+        paths = [object_path(self.algo, digest) for digest, _size in candidates]
+        try:
+            if verify:
+                got = self.storage.hash_many(paths, self.algo)
+                return {d for (d, size), g in zip(candidates, got) if g == (size, d)}
+            entries = self.storage.stat_many(paths)
+        except StorageError:
+            return set()
+        return {d for (d, size), e in zip(candidates, entries) if e is not None and not e.is_dir and e.size == size}
 
     def flush(self, verify: bool) -> None:
         """Publish the pending objects durably (one batch), then read each back if ``verify``.
@@ -162,12 +175,6 @@ class ObjectWriter:
         if verify:
             for _path, _chunk, digest, size in batch:
                 check_object(self.storage, self.algo, digest, size)
-
-    def _present(self, path: str, size: int) -> bool:
-        try:
-            return self.storage.exists(path) and self.storage.size(path) == size
-        except StorageError:
-            return False
 
 
 def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearray:
