@@ -87,11 +87,28 @@ class StoreBorrowing:
             raise
         return True
 
-    def borrow_many(self, items: list, replicate_to=()) -> int:
-        """:meth:`borrow` of each ``(path, ref, size)`` in one call (the refs are inside a list: not resolved)."""
+    def borrow_many(self, items: list, replicate_to=(), place: bool = False, replica: bool = False) -> int:
+        """:meth:`borrow` of each ``(path, ref, size)`` in one call (the refs are inside a list: not resolved); with
+        ``place`` the transfers of all of them to this node run at once. Returns the bytes taken; a file that could
+        not be taken (its object lost) is not landing (see :meth:`borrow`) and the first such error is raised once
+        the others are taken."""
+        if place and items:
+            import ray
+
+            self._land_gate.wait()  # (``hold_landing``, a test hook)
+            try:  # every transfer started at once; each ``borrow`` below then maps its object here
+                ray.wait([ref for _p, ref, _n in items], num_returns=len(items), fetch_local=True)
+            except ray.exceptions.RayError:
+                pass  # each borrow's own ``ray.get`` says which one failed
+        taken, failed = 0, None
         for path, ref, size in items:
-            self.borrow(path, [ref], size, replicate_to)
-        return len(items)
+            try:
+                taken += size * bool(self.borrow(path, [ref], size, replicate_to, place, replica))
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        return taken
 
     def _own_loop(self) -> None:
         while True:

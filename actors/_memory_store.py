@@ -49,7 +49,7 @@ PLASMA_MIN_BYTES = 256 << 10  # files from this size are held in the object stor
 
 
 CONCURRENCY_GROUPS = {"placing": 16, "committing": 8}  # besides the default group (``max_concurrency``: 16)
-CONCURRENCY_OF = {"borrow": "placing", "commit_after": "committing"}
+CONCURRENCY_OF = {"borrow": "placing", "borrow_many": "placing", "commit_after": "committing"}
 
 
 def store_name(key: str, node_id: str) -> str:
@@ -337,7 +337,7 @@ def store_actor(key: str, node_id: str, budget_bytes: int | None, namespace: str
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # A publisher's placement transfers (``borrow`` of another node's object: each holds a thread until it lands)
+    # A publisher's placement transfers (``borrow_many`` of another node's objects: each holds a thread until they land)
     # and the commits waiting for them have threads of their own: the announcements, listings, pins and reads
     # of the pulls that overlap them are never queued behind them.
     for method, group in CONCURRENCY_OF.items():

@@ -24,9 +24,9 @@ class VersionsStorage(RayMemoryStorage):
     """The version stores of a run, seen from a writer that also *places* what it writes.
 
     ``push_to`` (node ids, set by :meth:`PolicyVersions.publish` to the nodes where rollout workers pull):
-    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.borrow`` /
-    ``put_replica`` / ``fetch``, started as the file is written, so the transfers run while the publish goes on
-    writing and verifying), announced there first (``MemoryStore.expect``: a worker's pull there waits for them
+    every file written is also copied, store to store, into those nodes' stores (``MemoryStore.borrow_many`` /
+    ``put_replica`` / ``fetch``, started as each batch of files is written, so the transfers run while the publish
+    goes on writing and verifying), announced there first (``MemoryStore.expect``: a worker's pull there waits for them
     rather than copying them a second time).
 
     A manifest is committed in this node's store (and copied to its ``replicas`` peers) WITHOUT waiting for those
@@ -92,8 +92,8 @@ class VersionsStorage(RayMemoryStorage):
 
     def write_many_atomic(self, items) -> None:
         """Many files (a publish's new chunks) at once: each put once into this node's object store and handed
-        from there to this node's store and to those of ``push_to`` together (their calls run concurrently: the
-        copies to other nodes start as the file lands, not after the batch), not one round trip after another."""
+        from there to this node's store and to those of ``push_to`` together, one call per store for the batch
+        (the targets start moving every file of it to their node at once), not one round trip after another."""
         import numpy as np
         import ray
 
@@ -117,13 +117,12 @@ class VersionsStorage(RayMemoryStorage):
             # One copy into this node's object store, borrowed by this node's store and the placement targets (the
             # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
             # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
-            obj = [ray.put(np.frombuffer(data, dtype=np.uint8))]
-            lent[path] = (obj[0], data.nbytes)
-            for node, handle in targets:  # the transfers start now, chunk by chunk
-                ref = handle.borrow.remote(path, obj, data.nbytes, (), True, True)
-                self.pushing.append(([path], node, ref, data.nbytes))
-        if lent:  # this node's store: no transfer, one call for the batch
-            refs.append(store.borrow_many.remote([(p, ref, n) for p, (ref, n) in lent.items()], peers))
+            lent[path] = (ray.put(np.frombuffer(data, dtype=np.uint8)), data.nbytes)
+        if lent:  # one call per store for the batch: the targets move every chunk to their node at once
+            batch = [(p, ref, n) for p, (ref, n) in lent.items()]
+            for node, handle in targets:
+                self.pushing.append((list(lent), node, handle.borrow_many.remote(batch, (), True, True), None))
+            refs.append(store.borrow_many.remote(batch, peers))  # this node's store: no transfer
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
@@ -194,7 +193,7 @@ class VersionsStorage(RayMemoryStorage):
         done, _rest = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         done = set(done)
         self.pushing = [entry for entry in pending if entry[2] not in done]
-        for paths, node, ref, size in pending:  # size: of a ``put_replica`` or ``borrow`` (True: taken), else a count
+        for paths, node, ref, size in pending:  # size: of a ``put_replica`` (True: taken), else bytes moved
             if ref not in done:
                 continue
             try:
