@@ -188,6 +188,35 @@ class CpuMeter:
         return max(0.0, (b - self._b) - (t[0] + t[1] + t[2] + t[3] - self._own)) / wall
 
 
+class CpuWork:
+    """CPU seconds the whole machine spent (every process: user, system, interrupts) between ``start`` and
+    ``stop``, and the seconds the hypervisor took from it (``steal``: another tenant's load), from /proc/stat.
+    On a machine whose cores are all busy, wall time follows the work; the work does not follow the scheduling.
+    None where /proc/stat is missing."""
+
+    def __init__(self) -> None:
+        self._tck = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._at: tuple[float, float] | None = None
+
+    def _read(self) -> tuple[float, float] | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        return (v[0] + v[1] + v[2] + v[5] + v[6]) / self._tck, v[7] / self._tck
+
+    def start(self) -> None:
+        self._at = self._read()
+
+    def stop(self) -> tuple[float | None, float | None]:
+        """(work, steal) in CPU seconds since ``start``."""
+        now = self._read()
+        if now is None or self._at is None:
+            return None, None
+        return now[0] - self._at[0], now[1] - self._at[1]
+
+
 def free_page_reporting() -> bool:
     """True when the guest hands freed memory back to its hypervisor (virtio_balloon free page reporting)."""
     try:

@@ -1,6 +1,6 @@
 """``rl-ckpt bench weights``: a policy delivered to rollout actors as versions, next to the object-store floor.
 
-    rl-ckpt bench weights [--size 256MiB] [--receivers 4] [--rounds 3] [--changed 0.05] [--json FILE]
+    rl-ckpt bench weights [--size 1GiB] [--receivers 4] [--rounds 5] [--changed 0.05] [--json FILE]
                           [--profile FILE]
 
 On a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: the head, where the learner
@@ -9,8 +9,10 @@ a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured 
 
 - ``safetensors``: the policy written to one ``.safetensors`` file (``save_file``, timed apart), then every
   receiver loading it (``load_file``) and copying it into its module, at once (warm page cache: same disk);
-- then, after an untimed warm-up (a floor round, versions 0 and 1: the stores started, the receivers' nodes
-  known to the publisher, the stores' memory touched once), ``--rounds`` rounds of, in turn:
+- then, after an untimed warm-up (versions 0 and 1: the stores started, the receivers' nodes known to the
+  publisher, the stores' memory touched once; and ``WARM_FLOOR_ROUNDS`` floor rounds: the first floor rounds
+  after the versions' chunks took the object store are several times slower, 6.2 and 3.5 s against 1.5 s
+  at 1 GiB, while the object store finds room for one whole policy), ``--rounds`` rounds of, in turn:
 
   - ``floor``: ``ray.put`` of the policy once, ``ray.get`` by every receiver at once and a copy into its
     module's parameters (what any delivery must at least do: move the bytes to each node and into each
@@ -42,10 +44,11 @@ import tempfile
 import time
 import uuid
 
-from rl_ckpt.tools.bench.common import human, log, parse_size, print_json, rmtree
+from rl_ckpt.tools.bench.common import CpuWork, human, log, parse_size, print_json, rmtree
 
 TENSORS = 16
 CHUNK = 8 << 20  # run/dedup.py's chunk size: what "a changed chunk" means
+WARM_FLOOR_ROUNDS = 3  # untimed floor rounds before the timed ones (see the module docstring)
 
 
 def make_policy(nbytes: int):
@@ -101,14 +104,16 @@ class Receiver:
         return float(sum(t.double().sum() for t in self.module.state_dict().values()))
 
 
-def floor_round(policy, receivers) -> float:
-    """The object-store floor once: ``ray.put`` of the policy, every receiver ``ray.get`` + copy into its module."""
+def floor_round(policy, receivers) -> tuple[float, float]:
+    """The object-store floor once: ``ray.put`` of the policy, every receiver ``ray.get`` + copy into its module.
+    Returns (seconds in all, of which the ``ray.put``)."""
     import ray
 
     started = time.perf_counter()
     ref = ray.put({k: v.numpy() for k, v in policy.state_dict().items()})
+    put_s = time.perf_counter() - started
     ray.get([r.from_object.remote([ref]) for r in receivers])
-    return time.perf_counter() - started
+    return time.perf_counter() - started, put_s
 
 
 def bump(policy, step: int) -> None:
@@ -166,18 +171,23 @@ def run(args) -> dict:
         )
 
         versions = PolicyVersions(run_name, policy, replicas=0, namespace=namespace, keep=2)
-        # Warm-up, untimed: a floor round (the receivers' first object transfers) and versions 0 and 1 (they
-        # start the version stores, tell them where the receivers are, and fill the stores' memory once, as a
-        # run's earlier versions have): what is timed is a run's steady state, every chunk of each version new.
-        floor_round(policy, receivers)
+        # Warm-up, untimed: versions 0 and 1 (they start the version stores, tell them where the receivers are,
+        # and fill the stores' memory once, as a run's earlier versions have), then floor rounds until the floor
+        # is in its steady state too: what is timed is both in a run's steady state, every chunk of each version
+        # new. (Timing the floor's first rounds would flatter the versions: they are the slow ones.)
         for step in range(2):
             bump(policy, step)
             versions.publish(step)
             ray.get([r.pull.remote() for r in receivers])
         versions.wait_owned(timeout=600)
+        out["floor_warmup_s"] = [floor_round(policy, receivers)[0] for _ in range(WARM_FLOOR_ROUNDS)]
+        log("floor warm-up rounds (untimed): " + ", ".join(f"{t:.2f} s" for t in out["floor_warmup_s"]))
         rounds, step = [], 2
         for _round in range(args.rounds):  # floor and full version in turns: the same load for both
-            floor_s = floor_round(policy, receivers)
+            cpu = CpuWork()
+            cpu.start()
+            floor_s, floor_put_s = floor_round(policy, receivers)
+            floor_cpu_s, floor_steal_s = cpu.stop()
             bump(policy, step)
             pushed = versions.storage.pushed_bytes
             profiler = None
@@ -186,6 +196,7 @@ def run(args) -> dict:
 
                 profiler = cProfile.Profile()
                 profiler.enable()
+            cpu.start()
             started = time.perf_counter()
             versions.publish(step)
             publish_s = time.perf_counter() - started
@@ -195,12 +206,18 @@ def run(args) -> dict:
             started = time.perf_counter()
             pulls = ray.get([r.pull.remote() for r in receivers])
             pull_s = time.perf_counter() - started
+            full_cpu_s, full_steal_s = cpu.stop()
             started = time.perf_counter()  # untimed in the ratio: the stores owning their copies in the background
             owned = versions.wait_owned(timeout=600)  # (done before the next round: no round pays for another's)
             own_s = time.perf_counter() - started
             rounds.append(
                 {
                     "floor_s": floor_s,
+                    "floor_put_s": floor_put_s,
+                    "floor_cpu_s": floor_cpu_s,  # CPU seconds of every process (CpuWork), and stolen by the host
+                    "floor_steal_s": floor_steal_s,
+                    "full_cpu_s": full_cpu_s,
+                    "full_steal_s": full_steal_s,
                     "publish_s": publish_s,
                     "pull_s": pull_s,
                     "full_vs_floor": (publish_s + pull_s) / floor_s,
@@ -213,9 +230,15 @@ def run(args) -> dict:
                 }
             )
             log(
-                f"round {_round + 1}: floor {floor_s:.2f} s, full version: publish {publish_s:.2f} s + pulls "
-                f"{pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor; the stores owned it {own_s:.2f} s "
-                "after the pulls"
+                f"round {_round + 1}: floor {floor_s:.2f} s (its put {floor_put_s:.2f} s), full version: publish "
+                f"{publish_s:.2f} s + pulls {pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor; the stores "
+                f"owned it {own_s:.2f} s after the pulls"
+                + (
+                    f"; CPU seconds (every process): floor {floor_cpu_s:.2f}, full version {full_cpu_s:.2f}"
+                    f" (stolen by the host: {floor_steal_s:.2f}, {full_steal_s:.2f})"
+                    if floor_cpu_s is not None
+                    else ""
+                )
             )
             step += 1
         out["rounds"] = rounds
@@ -225,6 +248,8 @@ def run(args) -> dict:
         out["floor_best_s"] = min(r["floor_s"] for r in rounds)  # a busy machine's floor varies by rounds:
         out["full_vs_best_floor"] = out["full_s"] / out["floor_best_s"]  # the median full against the best floor
         out["pull_vs_floor"] = statistics.median(r["pull_s"] / r["floor_s"] for r in rounds)  # receivers alone
+        if all(r["floor_cpu_s"] for r in rounds):  # the work done, whatever the scheduling: full / floor
+            out["full_vs_floor_cpu"] = statistics.median(r["full_cpu_s"] / r["floor_cpu_s"] for r in rounds)
         out["full_bytes"] = pulls[0]["bytes_total"]
         out["node_bytes_copied"] = rounds[-1]["node_bytes_copied"]  # into the worker node, per version
         want = float(sum(t.double().sum() for t in policy.state_dict().values()))
@@ -292,9 +317,9 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rl-ckpt bench weights", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="256MiB", help="bytes of the fp32 policy (default 256MiB)")
+    parser.add_argument("--size", default="1GiB", help="bytes of the fp32 policy (default 1GiB)")
     parser.add_argument("--receivers", type=int, default=4, help="rollout actors, half on each node (default 4)")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of floor + full version (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of floor + full version (median)")
     parser.add_argument("--changed", type=float, default=0.05, help="fraction of chunks changed for the delta")
     parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
