@@ -293,26 +293,9 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
         view = memoryview(got).cast("B")
         return hash_in_place(view.toreadonly(), on_chunk)
 
-    def hash_many(self, paths, algo: str) -> list[tuple[int, str] | None]:
-        """As the base's, but the files this node's store holds are mapped in one call and hashed where they lie
-        (no copy); any other is read as ``read_view`` reads it (another store), or None when no store has it."""
-        from rl_ckpt._format.checksum import new_hasher
-
-        paths = [check_relpath(p) for p in paths]
-        views = local_views(self, paths)
-        out: list[tuple[int, str] | None] = []
-        for path in paths:
-            view = views.get(path)
-            if view is None:
-                try:
-                    view = self.read_view(path)
-                except StorageError:
-                    out.append(None)
-                    continue
-            hasher = new_hasher(algo)
-            hash_in_place(view, hasher.update)
-            out.append((view.nbytes, hasher.hexdigest()))
-        return out
+    def views_many(self, paths) -> dict[str, memoryview]:
+        """The files of ``paths`` this node's store holds, mapped read-only with one call to it (``local_views``)."""
+        return local_views(self, [check_relpath(p) for p in paths])
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         return self._ranges(path, [(start, length)])[0]

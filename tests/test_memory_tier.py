@@ -144,13 +144,15 @@ def _calls_of(storage, fn) -> dict:
     return {k: storage.calls[k] - before[k] for k in before}
 
 
-def test_hash_many_maps_the_local_store_in_one_call_and_dedup_reuse_checks_each_tensor_at_once(mem, tmp_path):
-    """The memory tier's ``hash_many``: the files this node's store holds are mapped in one call and hashed where
-    they lie. A dedup save reusing a committed snapshot's chunks checks each tensor's chunks with one such call
-    (not a stat, a size and a read per chunk), reuses the good ones and writes again one that rotted in place."""
+def test_local_files_hashed_in_one_call_and_dedup_reuse_checks_each_tensor_at_once(mem, tmp_path):
+    """``hash_files`` on the memory tier: the files this node's store holds are mapped in one call (``views_many``)
+    and hashed where they lie. A dedup save reusing a committed snapshot's chunks checks each tensor's chunks with
+    one such call (not a stat, a size and a read per chunk), reuses the good ones and writes again one that rotted
+    in place."""
     import torch
 
     from rl_ckpt._format.checksum import new_hasher
+    from rl_ckpt._format.hashed_io import hash_files
     from rl_ckpt._run.dedup import CHUNK_BYTES, object_path
 
     ray = pytest.importorskip("ray")
@@ -159,9 +161,9 @@ def test_hash_many_maps_the_local_store_in_one_call_and_dedup_reuse_checks_each_
     for i, d in enumerate(data):
         storage.write(f"objects/x/{i}", [d])
     paths = [f"objects/x/{i}" for i in range(5)] + ["objects/x/none"]
-    calls = _calls_of(storage, lambda: storage.hash_many(paths[:-1], "xxh3_128"))
+    calls = _calls_of(storage, lambda: hash_files(storage, paths[:-1], "xxh3_128"))
     assert calls == {"store_listings": 0, "store_calls": 1}  # (one none holds is asked of every store)
-    got = storage.hash_many(paths, "xxh3_128")
+    got = hash_files(storage, paths, "xxh3_128")
     assert got[-1] is None and [g[0] for g in got[:-1]] == [300_000] * 5
 
     class Policy:

@@ -454,10 +454,12 @@ def test_read_ranges_and_stat_many_answer_like_one_call_each(store):
     assert stats[0].size == 1024 and not stats[0].is_dir and stats[1] is None
 
 
-def test_hash_many_rereads_each_file_in_order(store):
-    """``hash_many``: (size, checksum) of each stored file as read back now, in order; None for a file that is
-    missing; a file rewritten since gives its new checksum."""
+def test_hash_files_rereads_each_file_in_order_and_views_many_hands_over_what_it_can(store):
+    """``hash_files`` (format layer, over ``Storage.views_many`` and ``open_read``): (size, checksum) of each stored
+    file as read back now, in order; None for a missing one; a file rewritten since gives its new checksum.
+    ``views_many`` hands over a subset of the paths asked for, each read-only with the file's bytes."""
     from rl_ckpt._format.checksum import new_hasher
+    from rl_ckpt._format.hashed_io import hash_files
 
     def digest(data: bytes) -> str:
         hasher = new_hasher("xxh3_128")
@@ -468,11 +470,16 @@ def test_hash_many_rereads_each_file_in_order(store):
     put(store, "objects/aa/big", [big])
     put(store, "objects/aa/small", [b"abc"])
     put(store, "objects/bb/empty", [b""])
-    got = store.hash_many(["objects/aa/small", "objects/aa/missing", "objects/aa/big", "objects/bb/empty"], "xxh3_128")
+    paths = ["objects/aa/small", "objects/aa/missing", "objects/aa/big", "objects/bb/empty"]
+    got = hash_files(store, paths, "xxh3_128")
     assert got == [(3, digest(b"abc")), None, (len(big), digest(big)), (0, digest(b""))]
     put(store, "objects/aa/small", [b"abd"])
-    assert store.hash_many(["objects/aa/small"], "xxh3_128") == [(3, digest(b"abd"))]
-    assert store.hash_many([], "xxh3_128") == []
+    assert hash_files(store, ["objects/aa/small"], "xxh3_128") == [(3, digest(b"abd"))]
+    assert hash_files(store, [], "xxh3_128") == []
+    views = store.views_many(paths)
+    assert set(views) <= {"objects/aa/small", "objects/aa/big", "objects/bb/empty"}
+    for path, view in views.items():
+        assert memoryview(view).readonly and bytes(view) == bytes(store.read(path))
 
 
 def test_read_session_answers_like_outside_and_sees_own_writes(store):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from rl_ckpt.errors import CorruptSnapshotError
+from rl_ckpt.errors import CorruptSnapshotError, StorageError, UnsafePathError
 from rl_ckpt._format.checksum import new_hasher
 from rl_ckpt._format.manifest import FileEntry
 from rl_ckpt._storage import Storage
@@ -50,6 +50,28 @@ def hash_file(storage: Storage, path: str, algo: str, throttle=None) -> tuple[in
             if throttle is not None:
                 throttle(n)
     return size, hasher.hexdigest()
+
+
+def hash_files(storage: Storage, paths: list[str], algo: str) -> list[tuple[int, str] | None]:
+    """``(size, checksum)`` of each stored file as the backend holds it now, re-read, in order; None for one that
+    cannot be read or is not a regular file. What the backend hands over at once (``Storage.views_many``: the
+    memory tier maps the files of this node's store with one call) is hashed where it lies; every other file is
+    streamed through a bounded buffer (``hash_file``)."""
+    views = storage.views_many(paths) if paths else {}
+    out: list[tuple[int, str] | None] = []
+    for path in paths:
+        view = views.get(path)
+        if view is None:
+            try:
+                out.append(hash_file(storage, path, algo))
+            except (StorageError, UnsafePathError):  # missing, unreadable, or not a regular file
+                out.append(None)
+            continue
+        hasher = new_hasher(algo)
+        for start in range(0, view.nbytes, HASH_SLICE):
+            hasher.update(view[start : start + HASH_SLICE])
+        out.append((view.nbytes, hasher.hexdigest()))
+    return out
 
 
 def verify_written(storage: Storage, path: str, entry: FileEntry) -> None:

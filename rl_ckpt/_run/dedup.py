@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from rl_ckpt._format.checksum import new_hasher
+from rl_ckpt._format.hashed_io import hash_files
 from rl_ckpt.config import CHECKSUM_ALGOS, FIELDS
 from rl_ckpt.errors import CorruptSnapshotError, StorageError
 from rl_ckpt._format.manifest import Manifest
@@ -116,7 +117,7 @@ class ObjectWriter:
         """Store a tensor's bytes; returns its chunk list ``[[digest, size], ...]``.
 
         Every chunk is hashed first; the chunks a committed snapshot already holds are then checked all at once
-        (``Storage.hash_many`` with ``verify``, else ``stat_many``: one request for the tensor where the backend
+        (``hash_files`` with ``verify``, else ``stat_many``: one request for the tensor where the backend
         can) and reused; the rest are written, in batches."""
         chunks, fresh = [], []  # fresh: (digest, chunk) of the chunks this save has not met yet
         for start in range(0, max(view.nbytes, 1), CHUNK_BYTES):
@@ -151,7 +152,7 @@ class ObjectWriter:
         paths = [object_path(self.algo, digest) for digest, _size in candidates]
         try:
             if verify:
-                got = self.storage.hash_many(paths, self.algo)
+                got = hash_files(self.storage, paths, self.algo)
                 return {d for (d, size), g in zip(candidates, got) if g == (size, d)}
             entries = self.storage.stat_many(paths)
         except StorageError:

@@ -27,9 +27,9 @@ import re
 import socket
 import threading
 import uuid
-from typing import BinaryIO, Callable, Iterable, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Sequence
 
-from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError, UnsafePathError
+from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
 
 _BAD_PART = re.compile(r"[\x00\\]")
 
@@ -236,22 +236,11 @@ class Storage(abc.ABC):
         per store); this default stats them one by one."""
         return [self.stat(p) for p in paths]
 
-    def hash_many(self, paths: Sequence[str], algo: str) -> list[tuple[int, str] | None]:
-        """``(size, checksum)`` of each stored file as the backend holds it now, re-read (None for a file that
-        cannot be read or is not a regular file), in order. One request for all where the backend can (the memory
-        tier: one call to this node's store, each file hashed where it lies, not copied); this default streams
-        them one by one through a bounded buffer. For checking stored files against their names (dedup's
-        reuse)."""
-
-        from rl_ckpt._format.hashed_io import hash_file
-
-        out: list[tuple[int, str] | None] = []
-        for path in paths:
-            try:
-                out.append(hash_file(self, path, algo))
-            except (StorageError, UnsafePathError):  # missing, unreadable, or not a regular file
-                out.append(None)
-        return out
+    def views_many(self, paths: Sequence[str]) -> dict[str, Any]:
+        """Those of ``paths`` the backend can hand over at once as READ-ONLY views of memory it shares, in one
+        request (the memory tier: the files this node's store holds, mapped, not copied): path -> view. The
+        others are left out (read them as usual). Nothing is verified here. This default hands over none."""
+        return {}
 
     def read_session(self) -> contextlib.AbstractContextManager:
         """A context (on the calling thread) within which the backend may answer listings, stats and reads from
