@@ -40,7 +40,7 @@ from rl_ckpt.tools.fault_suite import (
 )
 from rl_ckpt.tools.faults import FaultyStorage, PowerCut, PowerLossStorage
 
-pytestmark = pytest.mark.slow  # the quick fault suite runs once for the module (~2.5 min)
+pytestmark = pytest.mark.slow  # the quick fault suite runs once for the module (~3.5 min)
 
 # -- the quick suite ------------------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl_ckpt.tools.fault_suite", description=DESCRIPTION)
     g = p.add_mutually_exclusive_group()
     g.add_argument(
-        "--quick", dest="mode", action="store_const", const="quick", help="the quick suite (default, < 90 s)"
+        "--quick", dest="mode", action="store_const", const="quick", help="the quick suite (default, ~3.5 min)"
     )
     g.add_argument("--long", dest="mode", action="store_const", const="long", help="the long suite (10-20 minutes)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
