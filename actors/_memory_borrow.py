@@ -32,6 +32,8 @@ import logging
 import threading
 import time
 
+from ._memory_reads import Slice, resolved
+
 log = logging.getLogger("rl_ckpt")
 
 OWN_BATCH = 8  # borrowed files owned per turn of the thread (the lock is not held while copying)
@@ -56,26 +58,26 @@ class StoreBorrowing:
         self._own_thread.start()
 
     def borrow(self, path: str, wrapped: list, size: int, replicate_to=(), place: bool = False, replica: bool = False):
-        """Hold ``path`` as the object ``wrapped[0]`` (the publisher's ``ObjectRef``, ``size`` bytes) without a copy;
+        """Hold ``path`` as the object ``wrapped[0]`` (the publisher's ``ObjectRef``, ``size`` bytes), or as item
+        ``wrapped[1]`` of that object when it holds a list of files (a publish's batch of chunks), without a copy;
         it is owned in the background. ``place``: move it to this node first (``ray.get``, the mapped value is
         kept). ``replica``: kept only if this store does not hold ``path`` already (returns False then).
         ``replicate_to``: peer stores to copy it to (in the background, as ``put``'s)."""
         ref = wrapped[0]
+        held = Slice(ref, wrapped[1]) if len(wrapped) > 1 else ref  # item ``wrapped[1]`` of a batch object
         with self._lock:
             if replica and path in self._files:
                 return False
         value = None
         try:
             if place:
-                import ray
-
                 self._land_gate.wait()  # (``hold_landing``, a test hook)
-                value = ray.get(ref)  # the transfer to this node; the mapped value keeps the local copy
+                value = resolved(held)  # the transfer to this node; the mapped value keeps the local copy
             with self._lock:
                 if replica and path in self._files:
                     return False
-                self._store(path, ref, size)
-                self._borrowed[path] = (ref, value)
+                self._store(path, held, size)
+                self._borrowed[path] = (held, value)
                 self._last_activity = time.monotonic()
                 self._own_queue.append(path)
                 self._own_wake.notify()
@@ -88,22 +90,25 @@ class StoreBorrowing:
         return True
 
     def borrow_many(self, items: list, replicate_to=(), place: bool = False, replica: bool = False) -> int:
-        """:meth:`borrow` of each ``(path, ref, size)`` in one call (the refs are inside a list: not resolved); with
-        ``place`` the transfers of all of them to this node run at once. Returns the bytes taken; a file that could
+        """:meth:`borrow` of each ``(path, ref, size, index)`` in one call (the refs are inside a list: not resolved;
+        ``index``: the file's item in the object's list, or None for an object of its own); with ``place`` the
+        transfers of all of them to this node run at once. Returns the bytes taken; a file that could
         not be taken (its object lost) is not landing (see :meth:`borrow`) and the first such error is raised once
         the others are taken."""
         if place and items:
             import ray
 
             self._land_gate.wait()  # (``hold_landing``, a test hook)
+            refs = list({ref: None for _p, ref, _n, _i in items})  # (a batch object once)
             try:  # every transfer started at once; each ``borrow`` below then maps its object here
-                ray.wait([ref for _p, ref, _n in items], num_returns=len(items), fetch_local=True)
+                ray.wait(refs, num_returns=len(refs), fetch_local=True)
             except ray.exceptions.RayError:
                 pass  # each borrow's own ``ray.get`` says which one failed
         taken, failed = 0, None
-        for path, ref, size in items:
+        for path, ref, size, index in items:
             try:
-                taken += size * bool(self.borrow(path, [ref], size, replicate_to, place, replica))
+                wrapped = [ref] if index is None else [ref, index]
+                taken += size * bool(self.borrow(path, wrapped, size, replicate_to, place, replica))
             except Exception as exc:
                 failed = failed or exc
         if failed is not None:
@@ -155,7 +160,7 @@ class StoreBorrowing:
 
         ref, value = entry
         try:
-            data = value if value is not None else ray.get(ref)
+            data = value if value is not None else resolved(ref)
             owned, size = self.take(data)
         except ray.exceptions.RayError as exc:  # the publisher died first (OwnerDiedError, ObjectLostError)
             with self._lock:

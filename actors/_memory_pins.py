@@ -18,6 +18,8 @@ import time
 
 from rl_ckpt._format.manifest import MANIFEST_NAME
 
+from ._memory_reads import picked
+
 FETCH_BATCH = 16  # files moved from a peer at once (objects of up to 8 MiB each)
 
 
@@ -119,7 +121,7 @@ class PinsAndFetch:
                     continue
                 datas.reverse()
                 for path, answer in batch:
-                    owned, size = self.take(datas.pop() if isinstance(answer, list) else answer)
+                    owned, size = self.take(picked(answer, datas.pop()) if isinstance(answer, list) else answer)
                     with self._lock:
                         if path not in self._files:
                             self._store(path, owned, size)

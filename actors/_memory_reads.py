@@ -12,6 +12,8 @@ A mixin of ``MemoryStore``: it uses the store's lock, files, sizes and versions.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 
 
@@ -24,6 +26,38 @@ def snapshot_of(path: str) -> str | None:
 def under(path: str, prefix: str) -> bool:
     """Whether ``path`` is ``prefix`` or inside the folder ``prefix`` ("" : everything)."""
     return not prefix or path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
+class Slice(NamedTuple):
+    """A file held as item ``index`` of an object that holds a list of files: a publish's batch of chunks is one
+    object (``ray.put`` of the list), not one per chunk, while the stores borrow it; each file is owned later as an
+    object of its own (``actors/_memory_borrow.py``)."""
+
+    ref: Any
+    index: int
+
+
+def answer_of(held: Any) -> Any:
+    """What a reader is answered for a held file: ``bytes`` (a small file), ``[ObjectRef]`` (an object of its own)
+    or ``[ObjectRef, index]`` (item ``index`` of the object's list); the reader picks it out (``picked``)."""
+    if isinstance(held, bytes):
+        return held
+    return [held.ref, held.index] if isinstance(held, Slice) else [held]
+
+
+def resolved(held: Any) -> Any:
+    """The bytes of a held file: itself, or the (read-only, not copied) object, or the item of it, behind its ref."""
+    if isinstance(held, bytes):
+        return held
+    import ray
+
+    return ray.get(held.ref)[held.index] if isinstance(held, Slice) else ray.get(held)
+
+
+def picked(answer: list, value: Any) -> Any:
+    """The file a store's ``[ObjectRef]`` / ``[ObjectRef, index]`` answer names, given ``value``, the object behind
+    the ref (``ray.get``, by the reader)."""
+    return value[answer[1]] if len(answer) > 1 else value
 
 
 class StoreReads:
@@ -43,15 +77,13 @@ class StoreReads:
     def get_ranges(self, path: str, ranges: list[tuple[int, int]]):
         """The bytes of each ``(start, length)`` of ``path``, in one reply (None: absent; an int: the file's size,
         when a range runs past it)."""
-        import ray
-
         with self._lock:
             data, size = self._files.get(path), self._sizes.get(path)
         if data is None:
             return None
         if any(start + length > size for start, length in ranges):
             return size
-        view = memoryview(data if isinstance(data, bytes) else ray.get(data))
+        view = memoryview(resolved(data)).cast("B")
         return [bytes(view[start : start + length]) for start, length in ranges]
 
     def view(self, prefix: str = "", inline_bytes: int = 4 << 20, max_refs: int = 64) -> dict:
@@ -80,5 +112,5 @@ class StoreReads:
                         data[p] = held
                     elif refs > 0:
                         refs -= 1
-                        data[p] = [held]
+                        data[p] = answer_of(held)
         return {"node": self.node_id, "files": files, "data": data}

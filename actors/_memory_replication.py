@@ -13,7 +13,7 @@ import time
 
 from rl_ckpt._format.manifest import MANIFEST_NAME
 
-from ._memory_reads import snapshot_of
+from ._memory_reads import Slice, resolved, snapshot_of
 
 
 class StoreReplication:
@@ -55,7 +55,10 @@ class StoreReplication:
                 data, size = self._files.get(item), self._sizes.get(item)
             if data is None:
                 continue  # removed or evicted before it was copied; or no manifest yet (it follows later)
-            # An ObjectRef goes as is: Ray moves the object to the peer's node, and the peer puts its own copy.
+            # An ObjectRef goes as is: Ray moves the object to the peer's node, and the peer puts its own copy. An
+            # item of a borrowed batch object goes as its bytes (mapped here, copied into the call).
+            if isinstance(data, Slice):
+                data = resolved(data)
             refs = [peer.put_replica.remote(item, data, self.node_id) for peer in peers]
             for ref in refs:
                 try:

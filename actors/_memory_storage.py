@@ -34,6 +34,7 @@ from rl_ckpt._storage.base import Entry, Storage, check_max_bytes, check_range, 
 from rl_ckpt._storage.registry import register_storage
 
 from ._memory_directory import StoreDirectory
+from ._memory_reads import picked
 from ._memory_directory import need_ray as _ray
 from ._memory_view import COPY_STEP, ReadSessions, ViewReader, copy_out, hash_in_place
 
@@ -144,15 +145,18 @@ def local_views(storage: "RayMemoryStorage", paths: list[str]) -> dict[str, memo
     except ray.exceptions.RayActorError:
         storage.forget(storage.node_id)
         return {}
-    refs = [(p, a[0]) for p, a in zip(paths, answers) if isinstance(a, list)]
+    refs = [(p, a) for p, a in zip(paths, answers) if isinstance(a, list)]
     out = {p: memoryview(a).toreadonly() for p, a in zip(paths, answers) if isinstance(a, bytes)}
+    unique = list({a[0]: None for _p, a in refs})  # a batch object once for all its files
     try:
-        datas = ray.get([r for _p, r in refs])
+        datas = ray.get(unique)
     except ray.exceptions.ObjectLostError:  # one by one: only the lost ones are left out
-        datas = [_readable(ray, r) for _p, r in refs]
-    for (p, _ref), data in zip(refs, datas):
+        datas = [_readable(ray, r) for r in unique]
+    values = dict(zip(unique, datas))
+    for p, a in refs:
+        data = values[a[0]]
         if data is not None:
-            out[p] = memoryview(data).cast("B").toreadonly()
+            out[p] = memoryview(picked(a, data)).cast("B").toreadonly()
     return out
 
 
@@ -283,7 +287,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
 
         def get(handle):
             got = ray.get(handle.get.remote(path, max_bytes))
-            return ray.get(got[0]) if isinstance(got, list) else got  # [ObjectRef] of an object the store owns
+            return picked(got, ray.get(got[0])) if isinstance(got, list) else got  # [ObjectRef(, index)]
 
         got = first_answer(self, get)
         if got is None:

@@ -39,7 +39,7 @@ from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 from ._memory_borrow import StoreBorrowing
 from ._memory_landing import StoreLanding
 from ._memory_pins import PinsAndFetch
-from ._memory_reads import StoreReads, snapshot_of
+from ._memory_reads import StoreReads, answer_of, resolved, snapshot_of
 from ._memory_replication import StoreReplication
 
 log = logging.getLogger("rl_ckpt")
@@ -89,15 +89,6 @@ def _owned(data: Any) -> tuple[Any, int]:
             "larger object_store_memory or lower memory_budget_bytes",
             path="",
         ) from None
-
-
-def _resolve(data: Any):
-    """The bytes of a held file: itself, or the (read-only, not copied) object behind its ref."""
-    if isinstance(data, bytes):
-        return data
-    import ray
-
-    return ray.get(data)
 
 
 class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreReplication):
@@ -261,16 +252,17 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
 
     # -- reads ------------------------------------------------------------------
     def get(self, path: str, max_bytes: int | None = None):
-        """``path``'s bytes: ``bytes`` for a small file, else ``[ObjectRef]`` of the object this store owns (in a
-        list, so the reply does not copy it: ``ray.get`` of the ref maps it read-only on this node); None if
-        absent. Larger than ``max_bytes``: its size (an int), so the caller refuses it without the bytes moving."""
+        """``path``'s bytes: ``bytes`` for a small file, else ``[ObjectRef]`` of the object this store owns, or
+        ``[ObjectRef, index]`` of a borrowed batch object whose item ``index`` it is (``answer_of``; in a list, so
+        the reply does not copy it: ``ray.get`` of the ref maps it read-only on this node); None if absent.
+        Larger than ``max_bytes``: its size (an int), so the caller refuses it without the bytes moving."""
         with self._lock:
             data, size = self._files.get(path), self._sizes.get(path)
         if data is None:
             return None
         if max_bytes is not None and size > max_bytes:
             return size
-        return data if isinstance(data, bytes) else [data]
+        return answer_of(data)
 
     def get_range(self, path: str, start: int, length: int):
         """``length`` bytes of ``path`` from ``start`` (None: absent; an int: the file's size, when too short)."""
@@ -280,7 +272,7 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
             return None
         if start + length > size:
             return size
-        return bytes(memoryview(_resolve(data))[start : start + length])
+        return bytes(memoryview(resolved(data)).cast("B")[start : start + length])
 
     def stat(self, path: str) -> tuple[int, int] | None:
         """(size, version) of ``path``; the version changes whenever the file is replaced."""

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from rl_ckpt._storage.base import Entry
 from rl_ckpt._storage.buffers import alloc_bytes, prefault
 
+from ._memory_reads import picked
 from ._memory_store import PLASMA_MIN_BYTES
 
 COPY_STEP = 8 << 20  # bytes copied (and hashed) at a time out of the object store
@@ -220,7 +221,7 @@ class RunView:
             storage.forget(node)
             return
         for p, obj in zip(batch, objects):
-            self.data[p] = obj
+            self.data[p] = picked(self.data[p], obj)
 
 
 class ReadSessions:

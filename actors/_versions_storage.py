@@ -10,6 +10,7 @@ from rl_ckpt.errors import CheckpointError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME
 from rl_ckpt._storage.base import check_relpath
 
+from ._memory_reads import picked
 from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place, spread_manifest
 
 log = logging.getLogger("rl_ckpt")
@@ -91,9 +92,10 @@ class VersionsStorage(RayMemoryStorage):
                 log.warning("policy versions: a placement target did not take the announcement: %s", str(exc)[:300])
 
     def write_many_atomic(self, items) -> None:
-        """Many files (a publish's new chunks) at once: each put once into this node's object store and handed
-        from there to this node's store and to those of ``push_to`` together, one call per store for the batch
-        (the targets start moving every file of it to their node at once), not one round trip after another."""
+        """Many files (a publish's new chunks) at once: put once into this node's object store, the larger ones as one
+        object for the batch, and handed from there to this node's store and to those of ``push_to`` together, one
+        call per store for the batch (the targets start moving it to their node at once), not one round trip
+        after another."""
         import numpy as np
         import ray
 
@@ -105,7 +107,7 @@ class VersionsStorage(RayMemoryStorage):
         peers = [self.store_of(n) for n in self.peers(self.node_id)]  # ``replicas``: copied in the background
         targets = [(node, self.store_of(node)) for node in self.push_to]
         self.expecting += [handle.expect.remote([path for path, _d in items]) for _n, handle in targets]
-        refs, lent = [], {}  # lent: path -> (the object put here, that the stores borrow; its size)
+        refs, big = [], []
         for path, data in items:
             if data.nbytes <= INLINE_BYTES:  # a small file travels inside the call; each store keeps its bytes
                 obj = bytes(data)
@@ -113,14 +115,19 @@ class VersionsStorage(RayMemoryStorage):
                 for node, handle in targets:
                     ref = handle.put_replica.remote(path, obj, self.node_id)
                     self.pushing.append(([path], node, ref, data.nbytes))
-                continue
-            # One copy into this node's object store, borrowed by this node's store and the placement targets (the
-            # ref inside a list: Ray does not resolve it): no store copies it now (a target moves it to its node),
-            # each owns a copy of its own in the background (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``).
-            lent[path] = (ray.put(np.frombuffer(data, dtype=np.uint8)), data.nbytes)
-        if lent:  # one call per store for the batch: the targets move every chunk to their node at once
-            batch = [(p, ref, n) for p, (ref, n) in lent.items()]
-            for node, handle in targets:
+            else:
+                big.append((path, data))
+        # The batch's larger files (a publish's chunks) as ONE object put here, a list of them: each file is its item
+        # (Ray's cost is per object: one put, one transfer and one ref per batch, not per chunk). This node's store
+        # and the placement targets borrow it (the ref inside a list: Ray does not resolve it): no store copies it
+        # now (a target moves it to its node); each owns a copy of each file in the background
+        # (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``). lent: path -> (that object, size, item).
+        lent: dict[str, tuple] = {}
+        if big:
+            obj = ray.put([np.frombuffer(data, dtype=np.uint8) for _p, data in big])
+            lent = {path: (obj, data.nbytes, i) for i, (path, data) in enumerate(big)}
+            batch = [(p, ref, n, i) for p, (ref, n, i) in lent.items()]
+            for node, handle in targets:  # one call per store: the targets move the batch to their node at once
                 self.pushing.append((list(lent), node, handle.borrow_many.remote(batch, (), True, True), None))
             refs.append(store.borrow_many.remote(batch, peers))  # this node's store: no transfer
         try:
@@ -138,14 +145,15 @@ class VersionsStorage(RayMemoryStorage):
         # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
         small = [path for path, _d in items if path not in lent]
         answers = ray.get(store.get_many.remote(small)) if small else []
-        refs = [(path, got[0]) for path, got in zip(small, answers) if isinstance(got, list)]
-        refs += [(path, ref) for path, (ref, _n) in lent.items()]
+        mapped = [(path, got) for path, got in zip(small, answers) if isinstance(got, list)]
+        mapped += [(path, [ref, i]) for path, (ref, _n, i) in lent.items()]
         self.written = {
             path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
         }
+        unique = list({answer[0]: None for _p, answer in mapped})
+        values = dict(zip(unique, ray.get(unique)))
         self.written.update(
-            (path, memoryview(data).cast("B").toreadonly())
-            for (path, _r), data in zip(refs, ray.get([r for _p, r in refs]))
+            (path, memoryview(picked(answer, values[answer[0]])).cast("B").toreadonly()) for path, answer in mapped
         )
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 

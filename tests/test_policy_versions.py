@@ -133,6 +133,7 @@ def test_publish_cast_to_bf16(versions_run):
 def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path):
     import ray
 
+    from actors._memory_reads import picked
     from actors.policy_versions import PolicyVersions
     from actors.weight_subscriber import WeightSubscriber
 
@@ -152,7 +153,7 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
     )
     for handle in pv.storage.stores().values():
         got = ray.get(handle.get.remote(bad))
-        data = bytearray(ray.get(got[0]) if isinstance(got, list) else got)
+        data = bytearray(picked(got, ray.get(got[0])) if isinstance(got, list) else got)
         data[0] ^= 0xFF
         ray.get(handle.put.remote(bad, bytes(data)))
     worker = policy(1)

@@ -25,6 +25,7 @@ def free_port() -> int:
 
 
 def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
+    from actors._memory_reads import picked
     from actors.policy_versions import versions_status, versions_storage
     from rl_ckpt._run.snapshot_files import read_manifest
     from rl_ckpt._sharded.weight_pull import component_pieces
@@ -65,7 +66,7 @@ def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
         got = ray.get(handle.get.remote(bad))
         if got is None:
             continue
-        data = bytearray(ray.get(got[0]) if isinstance(got, list) else got)
+        data = bytearray(picked(got, ray.get(got[0])) if isinstance(got, list) else got)
         data[len(data) // 2] ^= 0xFF
         ray.get(handle.put.remote(bad, bytes(data)))
         corrupted += 1

@@ -10,9 +10,9 @@ a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured 
 - ``safetensors``: the policy written to one ``.safetensors`` file (``save_file``, timed apart), then every
   receiver loading it (``load_file``) and copying it into its module, at once (warm page cache: same disk);
 - then, after an untimed warm-up (versions 0 and 1: the stores started, the receivers' nodes known to the
-  publisher, the stores' memory touched once; and ``WARM_FLOOR_ROUNDS`` floor rounds: the first floor rounds
-  after the versions' chunks took the object store are several times slower, 6.2 and 3.5 s against 1.5 s
-  at 1 GiB, while the object store finds room for one whole policy), ``--rounds`` rounds of, in turn:
+  publisher, the stores' memory touched once; and ``WARM_ROUNDS`` rounds just as the timed ones: the first
+  rounds of each kind after the other took the object store are several times slower, the floor's 6.2 and
+  3.5 s against 1.5 s at 1 GiB), ``--rounds`` rounds of, in turn:
 
   - ``floor``: ``ray.put`` of the policy once, ``ray.get`` by every receiver at once and a copy into its
     module's parameters (what any delivery must at least do: move the bytes to each node and into each
@@ -48,7 +48,7 @@ from rl_ckpt.tools.bench.common import CpuWork, human, log, parse_size, print_js
 
 TENSORS = 16
 CHUNK = 8 << 20  # run/dedup.py's chunk size: what "a changed chunk" means
-WARM_FLOOR_ROUNDS = 3  # untimed floor rounds before the timed ones (see the module docstring)
+WARM_ROUNDS = 3  # untimed rounds (floor, then full version) before the timed ones (see the module docstring)
 
 
 def make_policy(nbytes: int):
@@ -172,18 +172,17 @@ def run(args) -> dict:
 
         versions = PolicyVersions(run_name, policy, replicas=0, namespace=namespace, keep=2)
         # Warm-up, untimed: versions 0 and 1 (they start the version stores, tell them where the receivers are,
-        # and fill the stores' memory once, as a run's earlier versions have), then floor rounds until the floor
-        # is in its steady state too: what is timed is both in a run's steady state, every chunk of each version
-        # new. (Timing the floor's first rounds would flatter the versions: they are the slow ones.)
+        # and fill the stores' memory once, as a run's earlier versions have), then ``WARM_ROUNDS`` rounds just as
+        # the timed ones: what is timed is both in a run's steady state, every chunk of each version new. (The
+        # first rounds of each after the other took the object store are the slow ones: timing them would favour
+        # whichever had more warm-up.)
         for step in range(2):
             bump(policy, step)
             versions.publish(step)
             ray.get([r.pull.remote() for r in receivers])
         versions.wait_owned(timeout=600)
-        out["floor_warmup_s"] = [floor_round(policy, receivers)[0] for _ in range(WARM_FLOOR_ROUNDS)]
-        log("floor warm-up rounds (untimed): " + ", ".join(f"{t:.2f} s" for t in out["floor_warmup_s"]))
-        rounds, step = [], 2
-        for _round in range(args.rounds):  # floor and full version in turns: the same load for both
+        rounds, warmup, step = [], [], 2
+        for _round in range(-WARM_ROUNDS, args.rounds):  # floor and full version in turns: the same load for both
             cpu = CpuWork()
             cpu.start()
             floor_s, floor_put_s = floor_round(policy, receivers)
@@ -191,7 +190,7 @@ def run(args) -> dict:
             bump(policy, step)
             pushed = versions.storage.pushed_bytes
             profiler = None
-            if args.profile and _round == args.rounds - 1:
+            if args.profile and _round == args.rounds - 1:  # (the last timed round)
                 import cProfile
 
                 profiler = cProfile.Profile()
@@ -210,7 +209,7 @@ def run(args) -> dict:
             started = time.perf_counter()  # untimed in the ratio: the stores owning their copies in the background
             owned = versions.wait_owned(timeout=600)  # (done before the next round: no round pays for another's)
             own_s = time.perf_counter() - started
-            rounds.append(
+            (rounds if _round >= 0 else warmup).append(
                 {
                     "floor_s": floor_s,
                     "floor_put_s": floor_put_s,
@@ -230,8 +229,9 @@ def run(args) -> dict:
                 }
             )
             log(
-                f"round {_round + 1}: floor {floor_s:.2f} s (its put {floor_put_s:.2f} s), full version: publish "
-                f"{publish_s:.2f} s + pulls {pull_s:.2f} s = {rounds[-1]['full_vs_floor']:.2f} x floor; the stores "
+                (f"round {_round + 1}" if _round >= 0 else f"warm-up round {_round + WARM_ROUNDS + 1} (untimed)")
+                + f": floor {floor_s:.2f} s (its put {floor_put_s:.2f} s), full version: publish {publish_s:.2f} s + "
+                f"pulls {pull_s:.2f} s = {(publish_s + pull_s) / floor_s:.2f} x floor; the stores "
                 f"owned it {own_s:.2f} s after the pulls"
                 + (
                     f"; CPU seconds (every process): floor {floor_cpu_s:.2f}, full version {full_cpu_s:.2f}"
@@ -241,7 +241,7 @@ def run(args) -> dict:
                 )
             )
             step += 1
-        out["rounds"] = rounds
+        out["rounds"], out["warmup_rounds"] = rounds, warmup
         for key in ("floor_s", "publish_s", "pull_s", "full_vs_floor", "owned_after_pulls_s"):
             out[key] = statistics.median(r[key] for r in rounds)
         out["full_s"] = out["publish_s"] + out["pull_s"]
