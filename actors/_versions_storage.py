@@ -10,8 +10,7 @@ from rl_ckpt.errors import CheckpointError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME
 from rl_ckpt._storage.base import check_relpath
 
-from ._memory_reads import picked
-from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place, spread_manifest
+from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place, local_views, spread_manifest
 
 log = logging.getLogger("rl_ckpt")
 
@@ -121,12 +120,12 @@ class VersionsStorage(RayMemoryStorage):
         # (Ray's cost is per object: one put, one transfer and one ref per batch, not per chunk). This node's store
         # and the placement targets borrow it (the ref inside a list: Ray does not resolve it): no store copies it
         # now (a target moves it to its node); each owns a copy of each file in the background
-        # (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``). lent: path -> (that object, size, item).
+        # (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``). lent: path -> (size, item).
         lent: dict[str, tuple] = {}
         if big:
             obj = ray.put([np.frombuffer(data, dtype=np.uint8) for _p, data in big])
-            lent = {path: (obj, data.nbytes, i) for i, (path, data) in enumerate(big)}
-            batch = [(p, ref, n, i) for p, (ref, n, i) in lent.items()]
+            lent = {path: (data.nbytes, i) for i, (path, data) in enumerate(big)}
+            batch = [(p, obj, n, i) for p, (n, i) in lent.items()]
             for node, handle in targets:  # one call per store: the targets move the batch to their node at once
                 self.pushing.append((list(lent), node, handle.borrow_many.remote(batch, (), True, True), None))
             refs.append(store.borrow_many.remote(batch, peers))  # this node's store: no transfer
@@ -143,18 +142,10 @@ class VersionsStorage(RayMemoryStorage):
             ) from None
         # What the store now holds, mapped: the read-back that verifies each file costs no call per file. A borrowed
         # file is the very object put here (mapped without asking the store); the small ones' bytes, in one call.
-        small = [path for path, _d in items if path not in lent]
-        answers = ray.get(store.get_many.remote(small)) if small else []
-        mapped = [(path, got) for path, got in zip(small, answers) if isinstance(got, list)]
-        mapped += [(path, [ref, i]) for path, (ref, _n, i) in lent.items()]
-        self.written = {
-            path: memoryview(got).cast("B").toreadonly() for path, got in zip(small, answers) if isinstance(got, bytes)
-        }
-        unique = list({answer[0]: None for _p, answer in mapped})
-        values = dict(zip(unique, ray.get(unique)))
-        self.written.update(
-            (path, memoryview(picked(answer, values[answer[0]])).cast("B").toreadonly()) for path, answer in mapped
-        )
+        self.written = local_views(self, [path for path, _d in items if path not in lent])
+        if lent:
+            files = ray.get(obj)
+            self.written.update((path, memoryview(files[i]).cast("B").toreadonly()) for path, (_n, i) in lent.items())
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 
     def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
