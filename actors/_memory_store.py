@@ -233,9 +233,17 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
 
     def remove(self, path: str) -> None:
         """Forget one file (missing is fine; a pinned one is kept until its pin ends)."""
+        self.remove_many([path])
+
+    def remove_many(self, paths: list[str]) -> int:
+        """:meth:`remove` of each of ``paths`` in one call (a sweep of many objects pays one round trip and one look
+        at the pins, not one each); returns how many were held and are now forgotten."""
         with self._lock:
-            if path not in self._pinned_paths():
-                self._drop(path)
+            pinned = self._pinned_paths()
+            gone = [p for p in paths if p in self._files and p not in pinned]
+            for p in gone:
+                self._drop(p)
+            return len(gone)
 
     def remove_prefix(self, prefix: str) -> int:
         """Forget every file under the folder ``prefix`` ("" : everything) but pinned ones; returns how many."""

@@ -45,7 +45,7 @@ class VersionsStorage(RayMemoryStorage):
         self.batching = False
         self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
         self.listing: dict | None = None
-        self.removing: list = []  # refs of object removals in flight (during a publish)
+        self.removing: list[str] = []  # objects the retention's sweep removed (sent at once: ``wait_removed``)
         self.pushed_bytes = 0
         self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
@@ -221,7 +221,8 @@ class VersionsStorage(RayMemoryStorage):
 
     def hold_listing(self, on: bool) -> None:
         """Begin (True) or end a publish, or the retention after it: the listing of stores is held meanwhile, and
-        dedup objects removed by retention's sweep go in the background, all at once, waited for at the end."""
+        dedup objects removed by retention's sweep are collected and go at the end, all at once (one call per
+        store: ``wait_removed``)."""
         if not on:
             self.wait_removed()
         self.listing = super().stores() if on else None
@@ -229,18 +230,14 @@ class VersionsStorage(RayMemoryStorage):
     def remove(self, path: str) -> None:
         if self.listing is None or not path.startswith("objects/"):  # a snapshot's files: in order, as always
             return super().remove(path)
-        path = check_relpath(path)
-        self.removing += [h.remove.remote(path) for h in self.listing.values()]
+        self.removing.append(check_relpath(path))
 
     def wait_removed(self) -> None:
-        import ray
-
-        refs, self.removing = self.removing, []
-        for ref in refs:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:  # that store died: nothing left there to remove
-                pass
+        """Remove the objects the sweep collected from every store of the held listing, one call each, and wait."""
+        paths, self.removing = self.removing, []
+        if paths and self.listing:
+            self.changed()
+            self.each("remove_many", paths, stores=self.listing)
 
     def subscriber_nodes(self, inventory: dict | None = None) -> list[str]:
         """Nodes where a rollout worker pulled versions and whose store is alive (one call per store; none when

@@ -210,3 +210,29 @@ def test_publish_writes_a_batch_at_once_and_verifies_what_the_store_holds(versio
     held = {p for files in pv.storage.inventory("objects/xxh3_128").values() for p in files}
     assert held <= live  # version 1 retired and its objects swept (in the background, all at once)
     pv.close()
+
+
+def test_a_sweep_removes_its_objects_with_one_call_per_store_and_keeps_what_a_reader_pins(versions_run):
+    from actors.policy_versions import versions_storage
+
+    storage = versions_storage(versions_run, replicas=0)
+    paths = [f"objects/x/{i:03d}" for i in range(40)]
+    storage.write_many_atomic([(p, bytes([i]) * 1000) for i, p in enumerate(paths)])
+    storage.each("pin", "step_000000001", "a-reader", paths[:3], 60.0)
+    storage.hold_listing(True)  # as the retention after a publish: objects swept go at the end, all at once
+    for p in paths:
+        storage.remove(p)
+    assert storage.removing == paths and all(storage.stat_many(paths))  # collected, nothing removed yet
+    calls = storage.calls["store_calls"]
+    storage.hold_listing(False)
+    assert storage.calls["store_calls"] - calls == len(storage.stores())  # one call per store, not one per object
+    assert storage.removing == [] and storage.listing is None
+    left = storage.stat_many(paths)
+    assert [e is not None for e in left] == [True] * 3 + [False] * 37  # the pinned ones stay until let go
+    storage.each("unpin", "step_000000001", "a-reader")
+    storage.hold_listing(True)
+    storage.remove(paths[0])
+    storage.remove("objects/x/never-written")  # missing is fine
+    storage.hold_listing(False)
+    assert [e is not None for e in storage.stat_many(paths[:3])] == [False, True, True]
+    storage.destroy()
