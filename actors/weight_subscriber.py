@@ -214,6 +214,17 @@ class WeightSubscriber:
         return result
 
     def _pull_version(self, puller: WeightPuller, sid: str):
+        # One listing of the stores for the whole read (manifest, pins, placement, unpin), not one per step; taken
+        # fresh where this node's store is not in it yet (it must be pinned with the others).
+        self.storage.hold_listing(True)
+        if self.storage.node_id not in self.storage.listing:
+            self.storage.hold_listing(False)
+        try:
+            return self._read_version(puller, sid)
+        finally:
+            self.storage.hold_listing(False)
+
+    def _read_version(self, puller: WeightPuller, sid: str):
         try:
             manifest = read_manifest(self.storage, sid)
         except CorruptSnapshotError:  # also what an unreadable (e.g. just removed) manifest gives
