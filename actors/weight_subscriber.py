@@ -122,6 +122,15 @@ class WeightSubscriber:
 
     def pull(self, module: torch.nn.Module, version: int | str = "latest", *, _tries: int = 3) -> PullResult:
         """Make ``module`` hold ``version`` ("latest" or a version number); returns what it holds and the cost."""
+        # One listing of the stores for the whole pull (the versions published, then the read: manifest, pins,
+        # placement, unpin), not one per step; taken again if this node's store started meanwhile.
+        self.storage.hold_listing(True)
+        try:
+            return self._pull(module, version, _tries)
+        finally:
+            self.storage.hold_listing(False)
+
+    def _pull(self, module: torch.nn.Module, version: int | str, _tries: int) -> PullResult:
         started = time.monotonic()
         available = published(self.storage)
         if version == "latest":
@@ -214,17 +223,8 @@ class WeightSubscriber:
         return result
 
     def _pull_version(self, puller: WeightPuller, sid: str):
-        # One listing of the stores for the whole read (manifest, pins, placement, unpin), not one per step; taken
-        # fresh where this node's store is not in it yet (it must be pinned with the others).
-        self.storage.hold_listing(True)
-        if self.storage.node_id not in self.storage.listing:
-            self.storage.hold_listing(False)
-        try:
-            return self._read_version(puller, sid)
-        finally:
-            self.storage.hold_listing(False)
-
-    def _read_version(self, puller: WeightPuller, sid: str):
+        if self.storage.node_id not in (self.storage.listing or {}):  # this node's store is pinned with the others
+            self.storage.hold_listing(True)
         try:
             manifest = read_manifest(self.storage, sid)
         except CorruptSnapshotError:  # also what an unreadable (e.g. just removed) manifest gives
