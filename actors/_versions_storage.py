@@ -215,9 +215,8 @@ class VersionsStorage(RayMemoryStorage):
     def stores(self) -> dict:
         """The live stores; during a publish (``hold_listing``), the listing taken when it began: a publish asks
         every store several times (stats, sweeps) and a store started meanwhile holds nothing of older versions."""
-        if self.listing is None:
-            return super().stores()
-        return dict(self.listing)
+        listing = self.listing  # (read once: another thread may end its hold meanwhile)
+        return super().stores() if listing is None else dict(listing)
 
     def hold_listing(self, on: bool) -> None:
         """Begin (True) or end a publish, or the retention after it: the listing of stores is held meanwhile, and
