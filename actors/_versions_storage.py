@@ -213,15 +213,16 @@ class VersionsStorage(RayMemoryStorage):
         return moved
 
     def stores(self) -> dict:
-        """The live stores; during a publish (``hold_listing``), the listing taken when it began: a publish asks
-        every store several times (stats, sweeps) and a store started meanwhile holds nothing of older versions."""
+        """The live stores; during a publish or a pull (``hold_listing``), the listing taken when it began: either
+        asks every store several times (stats, sweeps; pins, placement) and a store started meanwhile holds nothing
+        of older versions."""
         listing = self.listing  # (read once: another thread may end its hold meanwhile)
         return super().stores() if listing is None else dict(listing)
 
     def hold_listing(self, on: bool) -> None:
-        """Begin (True) or end a publish, or the retention after it: the listing of stores is held meanwhile, and
-        dedup objects removed by retention's sweep are collected and go at the end, all at once (one call per
-        store: ``wait_removed``)."""
+        """Begin (True) or end a publish, the retention after it, or a worker's pull: the listing of stores is held
+        meanwhile, and dedup objects removed by retention's sweep are collected and go at the end, all at once
+        (one call per store: ``wait_removed``)."""
         if not on:
             self.wait_removed()
         self.listing = super().stores() if on else None
