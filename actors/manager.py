@@ -40,6 +40,7 @@ from typing import Any
 from rl_ckpt._commit import strategy_for
 from rl_ckpt._commit.two_phase import PAUSE_DIR_ENV, CommitProtocol
 from rl_ckpt.config import CheckpointConfig
+from rl_ckpt.errors import ConfigError
 from rl_ckpt._format.manifest import MANIFEST_NAME, now_iso, parse_snapshot_id
 from rl_ckpt._run.catalog import Catalog
 from rl_ckpt._run.maintenance import RunMaintenance
@@ -86,7 +87,8 @@ def get_or_create(
     if "://" not in base_dir:
         base_dir = os.path.abspath(base_dir)  # the actor's working directory is not the driver's
     values.update(overrides, base_dir=base_dir, run_name=run_name, storage_options=storage_options or {})
-    CheckpointConfig(**values)  # fail here, in the caller, on a bad key
+    run_url = CheckpointConfig(**values).run_url  # fail here, in the caller, on a bad key
+    _check_existing(f"rl_ckpt:{run_name}", namespace, run_url)
     actor = ray.remote(CheckpointManager).options(
         name=f"rl_ckpt:{run_name}",
         namespace=namespace,
@@ -99,6 +101,29 @@ def get_or_create(
         **({"runtime_env": runtime_env} if runtime_env else {}),
     )
     return actor.remote(values, healthz_port, "127.0.0.1", kill_hung, patrol_interval_seconds)
+
+
+def _check_existing(name: str, namespace: str, run_url: str) -> None:
+    """A manager already running under ``name`` must serve ``run_url``: attaching to one that serves another
+    folder (the same run name, another ``base_dir``) would commit into, and restore from, that folder."""
+    import ray
+
+    try:
+        existing = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return  # none yet: get_or_create starts it
+    try:
+        serves = ray.get(existing.run_url.remote(), timeout=60)
+    except Exception as exc:  # restarting or lost: the caller's first call says so, with its own timeout
+        log.warning("could not ask the running manager %r which run it serves: %s", name, exc)
+        return
+    if serves != run_url:
+        raise ConfigError(
+            f"a CheckpointManager for run {name.split(':', 1)[1]!r} is already running and serves {serves}, not "
+            f"{run_url}: give this run another run_name, or stop that manager first (ray.kill of the actor "
+            f"{name!r} in namespace {namespace!r}) if its run is over",
+            key="base_dir",
+        )
 
 
 class CheckpointManager:
@@ -324,3 +349,7 @@ class CheckpointManager:
 
     def ping(self) -> str:
         return "ok"
+
+    def run_url(self) -> str:
+        """The run folder this manager serves (``get_or_create`` checks it before attaching)."""
+        return self.config.run_url

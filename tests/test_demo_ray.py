@@ -154,7 +154,11 @@ def test_memory_tier_crash_restarts_from_memory(ray_cluster, reference):
     durable = _crashed(base, "learner", 23)
     result = _crashed(base, "learner", 23, memory_tier=True)
     resumed = result.attempts[-1]
-    assert (resumed["tier"], resumed["restored"], resumed["step"]) == ("memory", "step_000000022", 22)
+    why = _why(base / "crash-learner-memory", result)
+    # The killed rank waited for its step-22 memory snapshot to end before the kill: it committed.
+    kill = next(m for m in result.log if m["event"] == "kill")
+    assert kill["last_save"] == {"step": 22, "error": None}, why
+    assert (resumed["tier"], resumed["restored"], resumed["step"]) == ("memory", "step_000000022", 22), why
     assert [w[:2] for w in resumed["workers"]] == [["step_000000022", 22]]  # rank 0's rollout worker: the same one
     assert result.done["digest"] == ref.done["digest"] and _last_losses(result) == _last_losses(ref)
     # Durable copies were made from memory by the service (one in 5 memory snapshots), none by the trainer.

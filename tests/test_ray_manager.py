@@ -165,3 +165,28 @@ def test_healthz(ray_cluster, run):
     assert body["storage_free_bytes"] > 0 and "patrol" in body and body["last_step"] >= 5
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(url.replace("/healthz", "/other"), timeout=10)
+
+
+def test_attaching_to_a_manager_of_the_same_run_name_in_another_folder_is_refused(ray_cluster, run, tmp_path_factory):
+    """A second run reusing a run name while its first manager still runs: attaching would commit into, and plan
+    restores from, the first run's folder. get_or_create names both folders; the first run keeps its manager and
+    its snapshots; the same folder still attaches (also a spelled-differently relative path)."""
+    from actors import CheckpointManager
+    from rl_ckpt import CheckpointError
+    from rl_ckpt.errors import ConfigError
+
+    ray = ray_cluster
+    name, base, make = run
+    mgr = make()
+    group = _group(ray, base, name, mgr)
+    assert ray.get([p.save.remote(1) for p in group]) == ["step_000000001"] * 4
+    other = tmp_path_factory.mktemp("other-run")
+    with pytest.raises(ConfigError) as err:
+        CheckpointManager.get_or_create(run_name=name, base_dir=str(other))
+    assert isinstance(err.value, CheckpointError) and err.value.key == "base_dir"
+    assert base in str(err.value) and str(other) in str(err.value) and repr(name) in str(err.value)
+    assert [s["snapshot_id"] for s in ray.get(mgr.snapshots.remote())] == ["step_000000001"]  # nothing lost
+    assert not list(other.iterdir())  # nothing written into the other folder
+    same = CheckpointManager.get_or_create(run_name=name, base_dir=base + "/.")
+    assert ray.get(same.run_url.remote()) == ray.get(mgr.run_url.remote())
+    assert ray.get(same.stats.remote())["pid"] == ray.get(mgr.stats.remote())["pid"]  # attached, not a new one

@@ -155,6 +155,16 @@ def memory_tier(engine: CheckpointEngine, memory: dict | None, service: bool = T
     return MemoryTier(engine, manager=memory["manager"], service=memory["service"] if service else None)
 
 
+def _outcome(last) -> dict | None:
+    """How this rank's newest save ended (it is finished): its step and its error, None if it committed. The
+    crash drill logs it with the kill, so a restart point other than that step says why."""
+    if last is None:
+        return None
+    step, handle = last
+    error = handle.exception()
+    return {"step": step, "error": f"{type(error).__name__}: {error}" if error is not None else None}
+
+
 def last_beat(engine: CheckpointEngine, step: int) -> None:
     """Tell the manager, and wait until it knows, that this participant reached ``step``.
 
@@ -290,6 +300,7 @@ def learner_loop(config: dict) -> None:
         )
     scheduler = engine.scheduler(start_step=start) if tier is None else None  # with the tier: memory saves only
     crash = config.get("crash")
+    last = None  # (step, handle) of this rank's newest save
     while learner.progress.global_step < config["steps"]:
         metrics = learner.train_step()
         step = learner.progress.global_step
@@ -304,13 +315,14 @@ def learner_loop(config: dict) -> None:
             else:
                 front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
                 last_beat(engine, step)
-                _log(config, {"event": "kill", "step": step, "target": "learner"})
+                _log(config, {"event": "kill", "step": step, "target": "learner", "last_save": _outcome(last)})
                 os.kill(os.getpid(), signal.SIGKILL)
         values = learner.snapshot_metrics()
         if tier is not None and tier.due(step):
             tier.wait()  # every due memory snapshot is taken (none skipped because the previous one still runs)
         handle = scheduler.step(step, metrics=values) if tier is None else tier.maybe_save(step, values)
         if handle is not None:  # the workers join the same snapshot: same step, same kind
+            last = (step, handle)
             for w in workers:
                 w.save.remote(step, handle.kind)
         if rank == 0:
@@ -405,7 +417,10 @@ def run(
         "light_interval_steps": 0,
         "keep_latest": 3,
         "keep_best": 1,
-        "commit_timeout_seconds": 20.0,
+        # A bound for a participant that never reports, not for a slow one: a loaded machine can keep a
+        # participant's part tens of seconds late, and a save aborted then would move the crash drill's restart
+        # point. A lost participant does not wait it out: the recovery plan aborts the saves pending.
+        "commit_timeout_seconds": 120.0,
         **(MEMORY_DEFAULTS if memory_tier else {}),
         **(engine_cfg or {}),
     }
