@@ -278,7 +278,7 @@ def main(argv=None) -> int:
 def memory_summary(ref, crashed, mem, base: str, crash_at: int) -> tuple[str, bool]:
     """The durable-only crash and the memory tier's crash side by side, and whether the memory run was exact
     and its figures agree (restored from memory, fewer or as many steps lost)."""
-    from rl_ckpt.demo.ray_ppo import MEMORY_DEFAULTS
+    from rl_ckpt.demo.ray_tier import MEMORY_DEFAULTS
     from rl_ckpt._timeline import load
 
     durable = crash_figures(crashed, load(open_storage(f"{base}/{crashed.run_name}")), crash_at)

@@ -38,6 +38,14 @@ import torch
 from rl_ckpt import CheckpointEngine, RNGState
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer, EnvState
+from rl_ckpt.demo.ray_tier import (
+    MEMORY_DEFAULTS,
+    last_beat,
+    memory_tier,
+    save_outcome,
+    start_memory_tier,
+    stop_memory_tier,
+)
 
 log = logging.getLogger("rl_ckpt")
 
@@ -144,41 +152,6 @@ class RolloutWorker:
         """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
         self._settle()
         (self.tier or self.engine).close()
-
-
-def memory_tier(engine: CheckpointEngine, memory: dict | None, service: bool = True):
-    """``engine``'s ``MemoryTier`` when the run has one (``memory``: the memory manager and service handles)."""
-    if memory is None:
-        return None
-    from rl_ckpt.integrations.memory_tier import MemoryTier
-
-    return MemoryTier(engine, manager=memory["manager"], service=memory["service"] if service else None)
-
-
-def _outcome(last) -> dict | None:
-    """How this rank's newest save ended (it is finished): its step and its error, None if it committed. The
-    crash drill logs it with the kill, so a restart point other than that step says why."""
-    if last is None:
-        return None
-    step, handle = last
-    error = handle.exception()
-    return {"step": step, "error": f"{type(error).__name__}: {error}" if error is not None else None}
-
-
-def last_beat(engine: CheckpointEngine, step: int) -> None:
-    """Tell the manager, and wait until it knows, that this participant reached ``step``.
-
-    A crash drill calls this right before its SIGKILL: the failure the manager then
-    records carries this participant's last step, which is exactly the crash step
-    (an ordinary heartbeat is rate-limited and fire-and-forget, so it may lag).
-    """
-    import ray
-
-    newest = engine.catalog.snapshots()
-    ray.get(
-        engine.manager.heartbeat.remote(engine.participant, step, newest[-1].snapshot_id if newest else None),
-        timeout=60,
-    )
 
 
 class Learner(PPOTrainer):
@@ -315,7 +288,7 @@ def learner_loop(config: dict) -> None:
             else:
                 front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
                 last_beat(engine, step)
-                _log(config, {"event": "kill", "step": step, "target": "learner", "last_save": _outcome(last)})
+                _log(config, {"event": "kill", "step": step, "target": "learner", "last_save": save_outcome(last)})
                 os.kill(os.getpid(), signal.SIGKILL)
         values = learner.snapshot_metrics()
         if tier is not None and tier.due(step):
@@ -482,34 +455,3 @@ def run(
     with open(log_path) as f:
         log = [json.loads(line) for line in f]
     return RunResult(run_name, log, manager, time.monotonic() - started, status)
-
-
-# The demo's memory tier: a memory snapshot every 2 steps, a durable copy of every 5th (every 10 steps, as the
-# durable-only run saves), one node so no replicas.
-MEMORY_DEFAULTS = {"memory_interval_steps": 2, "memory_flush_every": 5, "memory_replicas": 0}
-
-
-def start_memory_tier(engine_cfg: dict) -> dict:
-    """The run's memory manager and ``MemoryTierService`` handles."""
-    from actors.memory_tier import MemoryTierService, memory_manager
-    from rl_ckpt.config import CheckpointConfig
-
-    cfg = CheckpointConfig(**engine_cfg)
-    return {"manager": memory_manager(cfg), "service": MemoryTierService.get_or_create(cfg)}
-
-
-def stop_memory_tier(memory: dict, engine_cfg: dict) -> dict:
-    """The service's last figures; then the memory manager, the service and the run's memory stores go."""
-    import ray
-
-    from rl_ckpt.config import CheckpointConfig
-    from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
-    from rl_ckpt._storage import open_storage
-
-    cfg = CheckpointConfig(**engine_cfg)
-    status = ray.get(memory["service"].tick.remote(), timeout=120)
-    ray.get(memory["service"].stop.remote(), timeout=60)
-    for handle in (memory["service"], memory["manager"]):
-        ray.kill(handle, no_restart=True)
-    open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg)).destroy()
-    return status

@@ -88,7 +88,7 @@ def learner_loop(config: dict) -> None:
     import ray.train
 
     from rl_ckpt import CheckpointEngine, RNGState
-    from rl_ckpt.demo.ray_ppo import last_beat
+    from rl_ckpt.demo.ray_tier import last_beat
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -306,7 +306,7 @@ class Run:
         )
         memory = None
         if memory_tier is not None:
-            from rl_ckpt.demo.ray_ppo import start_memory_tier
+            from rl_ckpt.demo.ray_tier import start_memory_tier
 
             memory = {
                 **start_memory_tier(
@@ -417,7 +417,7 @@ class Run:
         import ray
 
         if self.memory is not None:
-            from rl_ckpt.demo.ray_ppo import stop_memory_tier
+            from rl_ckpt.demo.ray_tier import stop_memory_tier
 
             stop_memory_tier(self.memory, {"base_dir": self.base_dir, "run_name": self.run_name, **self.memory["cfg"]})
             self.memory = None
