@@ -171,15 +171,18 @@ def test_attaching_to_a_manager_of_the_same_run_name_in_another_folder_is_refuse
     """A second run reusing a run name while its first manager still runs: attaching would commit into, and plan
     restores from, the first run's folder. get_or_create names both folders; the first run keeps its manager and
     its snapshots; the same folder still attaches (also a spelled-differently relative path)."""
+    import torch
+
     from actors import CheckpointManager
-    from rl_ckpt import CheckpointError
+    from rl_ckpt import CheckpointEngine, CheckpointError
     from rl_ckpt.errors import ConfigError
 
     ray = ray_cluster
     name, base, make = run
     mgr = make()
-    group = _group(ray, base, name, mgr)
-    assert ray.get([p.save.remote(1) for p in group]) == ["step_000000001"] * 4
+    engine = CheckpointEngine(base_dir=base, run_name=name, manager=mgr, participants=["learner-0"])  # the driver
+    engine.register("policy", torch.nn.Linear(4, 4))
+    assert engine.save(1).snapshot_id == "step_000000001"
     other = tmp_path_factory.mktemp("other-run")
     with pytest.raises(ConfigError) as err:
         CheckpointManager.get_or_create(run_name=name, base_dir=str(other))
@@ -190,3 +193,4 @@ def test_attaching_to_a_manager_of_the_same_run_name_in_another_folder_is_refuse
     same = CheckpointManager.get_or_create(run_name=name, base_dir=base + "/.")
     assert ray.get(same.run_url.remote()) == ray.get(mgr.run_url.remote())
     assert ray.get(same.stats.remote())["pid"] == ray.get(mgr.stats.remote())["pid"]  # attached, not a new one
+    engine.close()
