@@ -42,7 +42,6 @@ from rl_ckpt.demo.ray_tier import (
     MEMORY_DEFAULTS,
     last_beat,
     memory_tier,
-    save_outcome,
     start_memory_tier,
     stop_memory_tier,
 )
@@ -152,6 +151,16 @@ class RolloutWorker:
         """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
         self._settle()
         (self.tier or self.engine).close()
+
+
+def _save_outcome(last) -> dict | None:
+    """How this rank's newest save ended (it is finished): its step and its error, None if it committed. The
+    crash drill logs it with the kill, so a restart point other than that step says why."""
+    if last is None:
+        return None
+    step, handle = last
+    error = handle.exception()
+    return {"step": step, "error": f"{type(error).__name__}: {error}" if error is not None else None}
 
 
 class Learner(PPOTrainer):
@@ -288,7 +297,7 @@ def learner_loop(config: dict) -> None:
             else:
                 front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
                 last_beat(engine, step)
-                _log(config, {"event": "kill", "step": step, "target": "learner", "last_save": save_outcome(last)})
+                _log(config, {"event": "kill", "step": step, "target": "learner", "last_save": _save_outcome(last)})
                 os.kill(os.getpid(), signal.SIGKILL)
         values = learner.snapshot_metrics()
         if tier is not None and tier.due(step):

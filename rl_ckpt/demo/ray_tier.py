@@ -1,5 +1,5 @@
 """What both Ray demos (PPO and sharded GRPO) share around their participants: the memory tier's handles, and the
-crash drill's last heartbeat and save outcome."""
+crash drill's last heartbeat."""
 
 from __future__ import annotations
 
@@ -13,16 +13,6 @@ def memory_tier(engine: CheckpointEngine, memory: dict | None, service: bool = T
     from rl_ckpt.integrations.memory_tier import MemoryTier
 
     return MemoryTier(engine, manager=memory["manager"], service=memory["service"] if service else None)
-
-
-def save_outcome(last) -> dict | None:
-    """How this rank's newest save ended (it is finished): its step and its error, None if it committed. The
-    crash drill logs it with the kill, so a restart point other than that step says why."""
-    if last is None:
-        return None
-    step, handle = last
-    error = handle.exception()
-    return {"step": step, "error": f"{type(error).__name__}: {error}" if error is not None else None}
 
 
 def last_beat(engine: CheckpointEngine, step: int) -> None:
