@@ -7,8 +7,8 @@ rank the same recovery plan, watches heartbeats, runs the health patrol and
 serves ``/healthz``.
 
 The actor front (this module) delegates to the commit protocol
-(``_commits.py``), the participant registry (``_participants.py``), failures
-and recovery plans (``_recovery.py``) and, after each commit, run maintenance
+(``_manager/commits.py``), the participant registry (``_manager/participants.py``),
+failures and recovery plans (``_manager/recovery.py``) and, after each commit, run maintenance
 (``rl_ckpt/_run/maintenance.py``); plans come from ``rl_ckpt/_recovery/plan.py``
 and the run's recorded history.
 
@@ -47,13 +47,13 @@ from rl_ckpt._run.maintenance import RunMaintenance
 from rl_ckpt._run.patrol import HealthPatrol
 from rl_ckpt._storage import join, open_storage
 
-from ._commits import ManagerCommits
-from ._decisions import SaveDecisions
-from ._healthz import HealthzServer
-from ._versions_health import health_sections
-from ._metrics import ManagerMetrics
-from ._participants import LivenessWatch, ParticipantRegistry
-from ._recovery import ManagerRecovery
+from ._manager.commits import ManagerCommits
+from ._manager.decisions import SaveDecisions
+from ._manager.healthz import HealthzServer
+from ._versions.health import health_sections
+from ._manager.metrics import ManagerMetrics
+from ._manager.participants import LivenessWatch, ParticipantRegistry
+from ._manager.recovery import ManagerRecovery
 
 log = logging.getLogger("rl_ckpt")
 __all__ = ["CheckpointManager", "PAUSE_DIR_ENV"]
@@ -222,7 +222,7 @@ class CheckpointManager:
         self, global_step: int, participant: str, kind: str | None, busy: bool, interval_seconds: float
     ) -> dict:
         """Under a time cadence: ``{"kind": "full" | "light" | None, "save": bool}`` for ``global_step``, by
-        this manager's clock, the same for every participant (actors/_decisions.py)."""
+        this manager's clock, the same for every participant (actors/_manager/decisions.py)."""
         with self._lock:
             self._check_participant(participant)
             return self.save_decisions.step(global_step, participant, kind, busy, interval_seconds, self._started)
@@ -277,7 +277,7 @@ class CheckpointManager:
             self.commits.reported_metrics = {"step": step, **metrics}
 
     def record_failure(self, failure: dict, dead: list[dict] | None = None) -> dict:
-        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored (actors/_recovery.py)."""
+        """Write a failure (FailureInfo JSON) into the run folder; returns it as stored (_manager/recovery.py)."""
         return self.recovery.record_failure(failure, dead)
 
     def failures(self) -> list[dict]:
@@ -285,7 +285,7 @@ class CheckpointManager:
 
     def plan(self) -> dict:
         """The recovery plan every participant follows (the same for all until something changes;
-        actors/_recovery.py)."""
+        actors/_manager/recovery.py)."""
         return self.recovery.plan()
 
     # -- liveness (_participants.py) ---------------------------------------------

@@ -33,7 +33,7 @@ from rl_ckpt._run.tiers import DURABLE, MEMORY, drop_incomplete, tier_view
 
 from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_config, memory_options
 
-from ._memory_storage import RayMemoryStorage
+from ._memory.storage import RayMemoryStorage
 
 log = logging.getLogger("rl_ckpt")
 

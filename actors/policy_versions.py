@@ -42,8 +42,8 @@ import torch
 from rl_ckpt.errors import CheckpointError, ConfigError, VersionNotFoundError
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 
-from ._memory_storage import RayMemoryStorage
-from ._versions_storage import VersionsStorage
+from ._memory.storage import RayMemoryStorage
+from ._versions.storage import VersionsStorage
 
 log = logging.getLogger("rl_ckpt")
 

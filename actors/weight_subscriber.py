@@ -37,8 +37,8 @@ from rl_ckpt._format.manifest import parse_snapshot_id
 from rl_ckpt._run.snapshot_files import read_manifest
 from rl_ckpt._sharded.weight_pull import WeightPuller, component_pieces
 
-from ._memory_storage import local_views
-from ._versions_storage import SUBSCRIBERS
+from ._memory.storage import local_views
+from ._versions.storage import SUBSCRIBERS
 from .policy_versions import COMPONENT, FAULTS, not_found, published, versions_storage
 
 log = logging.getLogger("rl_ckpt")

@@ -8,7 +8,7 @@ The public surface is this package and ``actors`` (the Ray actors)::
 
 Also public: ``rl_ckpt.config``, ``rl_ckpt.errors``, ``rl_ckpt.components``, ``rl_ckpt.data`` and the
 integrations (``rl_ckpt.integrations.ray_train``, ``.rllib``, ``.samples``, ``.memory_tier``). A module whose
-name, or whose package's, starts with an underscore (``rl_ckpt._core.engine``, ``actors._memory_store``) is
+name, or whose package's, starts with an underscore (``rl_ckpt._core.engine``, ``actors._memory.store``) is
 internal: it may change between versions.
 """
 

@@ -449,7 +449,7 @@ def test_topology_branch_finder():
 
 
 # The internal-module rule: a module is internal when a part of its dotted name starts with one underscore
-# (`rl_ckpt._core.engine`, `actors._memory_store`, `rl_ckpt.data._sampler`); everything else is the public surface,
+# (`rl_ckpt._core.engine`, `actors._memory.store`, `rl_ckpt.data._sampler`); everything else is the public surface,
 # listed here, and users are shown only that. Applications (the `rl-ckpt` commands' packages) are public as
 # commands: nothing in the library imports them (the layers check that).
 PUBLIC_MODULES = {
@@ -522,10 +522,19 @@ def test_users_are_shown_only_the_public_surface():
 
 
 def test_the_rule_sees_each_kind():
-    assert _internal("rl_ckpt._core.engine") and _internal("actors._memory_store") and _internal("rl_ckpt.data._hf")
+    assert _internal("rl_ckpt._core.engine") and _internal("actors._memory.store") and _internal("rl_ckpt.data._hf")
     assert not _internal("rl_ckpt.data") and not _internal("rl_ckpt.demo.__main__")
     assert _application("rl_ckpt.tools.bench.memory") and not _application("rl_ckpt.toolsx")
-    assert _imports_in_text("x\n    from rl_ckpt._core.engine import E\nimport actors._metrics\nimport os\n") == {
+    assert _imports_in_text("x\n    from rl_ckpt._core.engine import E\nimport actors._manager.x\nimport os\n") == {
         "rl_ckpt._core.engine",
-        "actors._metrics",
+        "actors._manager.x",
     }
+
+
+def test_actors_shows_its_subsystems():
+    """``actors/`` holds its public fronts and one internal package per subsystem (the manager, the memory tier,
+    policy versions), not a flat folder of internal modules."""
+    top = sorted(p.name for p in (ROOT / "actors").iterdir() if p.suffix == ".py" and p.name != "__init__.py")
+    assert top == sorted(f"{m.split('.')[1]}.py" for m in PUBLIC_MODULES if m.startswith("actors.")), top
+    packages = sorted(p.name for p in (ROOT / "actors").iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["_manager", "_memory", "_versions"], packages

@@ -1,5 +1,5 @@
 """One save decision per step and per snapshot for every participant of a managed run, by the manager's
-clock, kept on storage so a restarted manager answers the same (actors/_decisions.py).
+clock, kept on storage so a restarted manager answers the same (actors/_manager/decisions.py).
 
 The first tests drive the decision logic with a fake clock on a real local folder; the Ray tests run two
 ranks through a real manager, one of them with a clock that runs slow, and kill the manager between two
@@ -16,7 +16,7 @@ import pytest
 
 from helpers import wait_until
 
-from actors._decisions import FOLDER, SaveDecisions
+from actors._manager.decisions import FOLDER, SaveDecisions
 from rl_ckpt._format.manifest import MANIFEST_NAME
 from rl_ckpt._storage.local import LocalStorage
 

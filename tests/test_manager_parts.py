@@ -1,12 +1,12 @@
-"""The manager's pieces without Ray: the commit protocol (actors/_commits.py) on real storage, the
-participant registry (actors/_participants.py), and recovery planning from explicit inputs."""
+"""The manager's pieces without Ray: the commit protocol (actors/_manager/commits.py) on real storage, the
+participant registry (actors/_manager/participants.py), and recovery planning from explicit inputs."""
 
 from __future__ import annotations
 
 import pytest
 
 from rl_ckpt._commit.two_phase import CommitProtocol, Pending
-from actors._participants import ParticipantRegistry
+from actors._manager.participants import ParticipantRegistry
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt._format.manifest import FileEntry, Manifest
 from rl_ckpt.errors import SnapshotAbortedError, UnknownParticipantError

@@ -94,7 +94,7 @@ def test_create_only_and_missing_and_refusals(mem):
 
 
 def test_bad_options_are_refused():
-    from actors._memory_storage import RayMemoryStorage
+    from actors._memory.storage import RayMemoryStorage
     from rl_ckpt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="replicas"):
@@ -346,7 +346,7 @@ def test_budget_evicts_oldest_never_newest_committed(mem, tmp_path):
         assert info["evicted"] == ["step_000000001", "step_000000002", "step_000000003"]
         # One snapshot larger than the whole budget is refused, and nothing held is lost.
         state["w"] = torch.zeros(budget // 4 + 1024)
-        from actors._memory_store import MemoryBudgetError
+        from actors._memory.store import MemoryBudgetError
 
         with pytest.raises(MemoryBudgetError, match="nothing already held was lost"):
             engine.save(6)

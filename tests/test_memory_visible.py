@@ -97,7 +97,7 @@ def test_healthz_and_metrics_show_the_memory_tier(ray_cluster, tmp_path):
 
 def test_health_section_never_waits_past_its_bound(monkeypatch):
     """A service that does not answer: the request gets 'unreachable' after the bound, not a hang or an error."""
-    import actors._memory_health as mh
+    import actors._memory.health as mh
 
     release, calls = threading.Event(), []
 
@@ -126,8 +126,8 @@ def test_health_section_never_waits_past_its_bound(monkeypatch):
 
 
 def test_summary_and_prometheus_text():
-    from actors._memory_health import summarize
-    from actors._metrics import prometheus_text
+    from actors._memory.health import summarize
+    from actors._manager.metrics import prometheus_text
 
     tiers = [
         {

@@ -74,7 +74,7 @@ def versions_run(ray_cluster):
 
 
 def test_pinned_version_outlives_retention_and_the_budget_holds(versions_run):
-    from actors._memory_store import MemoryBudgetError
+    from actors._memory.store import MemoryBudgetError
     from actors.policy_versions import PolicyVersions
     from actors.weight_subscriber import WeightSubscriber
 
@@ -133,7 +133,7 @@ def test_publish_cast_to_bf16(versions_run):
 def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path):
     import ray
 
-    from actors._memory_reads import picked
+    from actors._memory.reads import picked
     from actors.policy_versions import PolicyVersions
     from actors.weight_subscriber import WeightSubscriber
 
@@ -162,7 +162,7 @@ def test_no_good_version_in_memory_falls_back_to_durable(versions_run, tmp_path)
     assert (got.source, got.version, got.fell_back_from) == ("durable", 1, 2) and bad in got.reason
     assert all(torch.equal(expected[k], v) for k, v in worker.state_dict().items())
     assert sub.status()["status"] == "degraded" and pv.status()["faults"][0]["path"] == bad
-    from actors._versions_health import lookup
+    from actors._versions.health import lookup
 
     section = lookup(versions_run)  # what the manager's /healthz shows as "policy_versions"
     assert section["status"] == "degraded" and section["faults"][0]["snapshot_id"] == "step_000000002"

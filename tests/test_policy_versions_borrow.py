@@ -156,7 +156,7 @@ def test_owned_versions_outlive_the_publisher(run, how):
 def test_publisher_killed_inside_the_ownership_window(run):
     import ray
 
-    from actors._versions_health import lookup
+    from actors._versions.health import lookup
     from actors.policy_versions import versions_status, versions_storage
     from actors.weight_subscriber import WeightSubscriber
     from rl_ckpt._run.snapshot_files import read_manifest

@@ -33,7 +33,7 @@ def test_raymem_is_served_through_its_entry_point_and_other_urls_do_not_import_r
         "print(cls.__module__, cls.__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["actors._memory_storage", "RayMemoryStorage"]
+    assert out.split() == ["actors._memory.storage", "RayMemoryStorage"]
 
 
 def test_an_entry_point_that_fails_to_load_is_a_config_error_naming_the_protocol(monkeypatch):

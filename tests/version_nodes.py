@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
-    from actors._memory_reads import picked
+    from actors._memory.reads import picked
     from actors.policy_versions import versions_status, versions_storage
     from rl_ckpt._run.snapshot_files import read_manifest
     from rl_ckpt._sharded.weight_pull import component_pieces

@@ -6,7 +6,7 @@
 ``object_store``   ``ManifestLastCommit``: data first, the manifest last as a create-only write (object stores)
 ``parts``          ``merge_parts``: several participants' manifest parts -> the one manifest committed
 ``two_phase``      ``CommitProtocol``: the coordinator of a commit with several participants (pure Python,
-                   no Ray; the ``CheckpointManager`` actor drives it through ``actors/_commits.py``)
+                   no Ray; the ``CheckpointManager`` actor drives it through ``actors/_manager/commits.py``)
 ``participant``    ``ParticipantCommit``: one participant's side of that protocol
 ``collective``     ``DistributedCommit``: ranks of a torch.distributed group, rank 0 coordinating, no manager
 ``flush``          ``flush_snapshot``: a memory-tier snapshot committed again on durable storage

@@ -1,5 +1,5 @@
 """The two-phase commit of several participants: one attempt per snapshot, committed once every participant
-reported. Pure Python, no Ray: the ``CheckpointManager`` actor drives it (``actors/_commits.py``), a test drives
+reported. Pure Python, no Ray: the ``CheckpointManager`` actor drives it (``actors/_manager/commits.py``), a test drives
 it directly.
 
 ``begin`` gives every participant the same attempt folder (laid out by the

@@ -99,7 +99,7 @@ def compare_size(nbytes: int, base: str, s3, repeat: int, cache: CacheDropper) -
     def ray_floor():  # the least a memory read costs: one call to this node's store naming the snapshot's files
         import ray  # (a view: small files inline, refs to the rest) and the mapping of what it names; no engine
 
-        from actors._memory_view import VIEW_INLINE_BYTES, VIEW_REFS
+        from actors._memory.view import VIEW_INLINE_BYTES, VIEW_REFS
 
         answer = ray.get(mem.store_of(mem.node_id).view.remote("", VIEW_INLINE_BYTES, VIEW_REFS))
         ray.get([got[0] for got in answer["data"].values() if isinstance(got, list)])

@@ -20,7 +20,7 @@ from rl_ckpt.errors import CheckpointError
 from rl_ckpt.errors import UnknownParticipantError
 from rl_ckpt._recovery.coordinator import FailureInfo
 
-from ._metrics import ManagerMetrics
+from .metrics import ManagerMetrics
 
 log = logging.getLogger("rl_ckpt")
 

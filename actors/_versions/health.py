@@ -23,7 +23,7 @@ def lookup(run_name: str) -> dict | None:
     """The section now, waiting for the stores' answers (None: the run has no version stores)."""
     import ray
 
-    from actors._memory_store import STORE_PREFIX
+    from actors._memory.store import STORE_PREFIX
     from actors.policy_versions import VERSIONS_BASE, versions_status, versions_storage
 
     prefix = f"{STORE_PREFIX}:{VERSIONS_BASE.split('://', 1)[1]}/{run_name}:"
@@ -64,6 +64,6 @@ def versions_section(run_name: str) -> dict | None:
 
 def health_sections(run_name: str) -> tuple[dict | None, dict | None]:
     """The ``memory_tier`` and ``policy_versions`` sections of the run's ``/healthz`` (each a bounded wait)."""
-    from actors._memory_health import memory_tier_section
+    from actors._memory.health import memory_tier_section
 
     return memory_tier_section(run_name), versions_section(run_name)

@@ -1,4 +1,4 @@
-"""What a :class:`~actors._memory_store.MemoryStore` adds for readers of policy versions: pins and placement.
+"""What a :class:`~actors._memory.store.MemoryStore` adds for readers of policy versions: pins and placement.
 
 - **Pins.** A reader pins the files it is about to read (a snapshot's files and the dedup objects it
   references) in every store; a pinned file is neither removed (retention, object sweeps) nor evicted
@@ -7,7 +7,7 @@
 - **Placement.** ``fetch`` copies files this store lacks from peer stores, store to store, once per file
   however many readers on the node ask at the same time; files a publisher is placing here are waited for
   rather than copied again, and a manifest is copied only once the data asked for with it is held
-  (``actors/_memory_landing.py``).
+  (``actors/_memory/landing.py``).
 
 A mixin of ``MemoryStore``: it uses the store's lock, files and ``_store``.
 """
@@ -18,7 +18,7 @@ import time
 
 from rl_ckpt._format.manifest import MANIFEST_NAME
 
-from ._memory_reads import picked
+from .reads import picked
 
 FETCH_BATCH = 16  # files moved from a peer at once (objects of up to 8 MiB each)
 

@@ -13,8 +13,8 @@ import time
 from rl_ckpt._commit.two_phase import CommitProtocol
 from rl_ckpt.errors import CheckpointError, SnapshotSkippedError
 
-from ._decisions import SaveDecisions
-from ._participants import ParticipantRegistry
+from .decisions import SaveDecisions
+from .participants import ParticipantRegistry
 
 
 class ManagerCommits:

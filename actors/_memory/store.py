@@ -36,11 +36,11 @@ from typing import Any, Iterable
 from rl_ckpt.errors import CommitConflictError, MemoryBudgetError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 
-from ._memory_borrow import StoreBorrowing
-from ._memory_landing import StoreLanding
-from ._memory_pins import PinsAndFetch
-from ._memory_reads import StoreReads, answer_of, resolved, snapshot_of
-from ._memory_replication import StoreReplication
+from .borrow import StoreBorrowing
+from .landing import StoreLanding
+from .pins import PinsAndFetch
+from .reads import StoreReads, answer_of, resolved, snapshot_of
+from .replication import StoreReplication
 
 log = logging.getLogger("rl_ckpt")
 

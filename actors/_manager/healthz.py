@@ -2,7 +2,7 @@
 
 GET /healthz returns the manager's health dict (200 when ``status`` is "ok",
 503 when degraded); GET /metrics the same facts as Prometheus text
-(``actors/_metrics.py``, always 200); anything else is 404. It runs on its own thread inside the
+(``actors/_manager/metrics.py``, always 200); anything else is 404. It runs on its own thread inside the
 manager actor, so it answers even while a commit is in progress.
 """
 
@@ -14,7 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from ._metrics import prometheus_text
+from .metrics import prometheus_text
 
 log = logging.getLogger("rl_ckpt")
 

@@ -26,8 +26,8 @@ from typing import Any, Callable
 from rl_ckpt._storage.base import Entry
 from rl_ckpt._storage.buffers import alloc_bytes, prefault
 
-from ._memory_reads import picked
-from ._memory_store import PLASMA_MIN_BYTES
+from .reads import picked
+from .store import PLASMA_MIN_BYTES
 
 COPY_STEP = 8 << 20  # bytes copied (and hashed) at a time out of the object store
 VIEW_INLINE_BYTES = 4 << 20  # small files' bytes a store puts into one view or one folder fetch
@@ -233,7 +233,7 @@ class ReadSessions:
         """Within it (on this thread), listings, stats and reads are answered from one view of the run taken at
         the first use: one listing of the cluster's stores and one call per store, instead of a call or a
         listing for each. A write or removal through this storage drops the view; the next use takes a new one
-        (see ``actors/_memory_view.py``). Nested sessions share the outer one's view."""
+        (see ``actors/_memory/view.py``). Nested sessions share the outer one's view."""
         key = threading.get_ident()
         session = self._sessions.setdefault(key, [0, None])
         session[0] += 1

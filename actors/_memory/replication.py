@@ -1,4 +1,4 @@
-"""What a :class:`~actors._memory_store.MemoryStore` does to copy files to its peers: a queue of (file, peer
+"""What a :class:`~actors._memory.store.MemoryStore` does to copy files to its peers: a queue of (file, peer
 stores) served by a thread of the store, so a writer never waits for replication. A snapshot's manifest
 follows its data to every peer that received the data. ``wait_replicated`` and ``replication_lag`` tell how
 far behind the copies are.
@@ -13,7 +13,7 @@ import time
 
 from rl_ckpt._format.manifest import MANIFEST_NAME
 
-from ._memory_reads import Slice, resolved, snapshot_of
+from .reads import Slice, resolved, snapshot_of
 
 
 class StoreReplication:

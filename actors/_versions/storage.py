@@ -10,7 +10,7 @@ from rl_ckpt.errors import CheckpointError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME
 from rl_ckpt._storage.base import check_relpath
 
-from ._memory_storage import RayMemoryStorage, copy_out, hash_in_place, local_views, spread_manifest
+from .._memory.storage import RayMemoryStorage, copy_out, hash_in_place, local_views, spread_manifest
 
 log = logging.getLogger("rl_ckpt")
 

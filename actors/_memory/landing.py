@@ -1,4 +1,4 @@
-"""What a :class:`~actors._memory_store.MemoryStore` does for a publisher that commits before its placement lands.
+"""What a :class:`~actors._memory.store.MemoryStore` does for a publisher that commits before its placement lands.
 
 A policy version is committed in the publisher's node's store first; the stores of the nodes it is *placed* on
 (``VersionsStorage.push_to``) receive its files in the background and its manifest last:

@@ -1,4 +1,4 @@
-"""What a :class:`~actors._memory_store.MemoryStore` does to take a policy version's chunks without copying them at
+"""What a :class:`~actors._memory.store.MemoryStore` does to take a policy version's chunks without copying them at
 publish: it *borrows* the publisher's object, then owns a copy of it in the background.
 
 - **Borrow** (:meth:`StoreBorrowing.borrow`). The publisher ``ray.put`` a chunk once and hands the store its
@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 
-from ._memory_reads import Slice, resolved
+from .reads import Slice, resolved
 
 log = logging.getLogger("rl_ckpt")
 

@@ -1,10 +1,10 @@
-"""What a :class:`~actors._memory_store.MemoryStore` answers readers in one call: several stats, several ranges of
+"""What a :class:`~actors._memory.store.MemoryStore` answers readers in one call: several stats, several ranges of
 one file, whether a path is held, and a reader's whole view of the run (:meth:`StoreReads.view`).
 
 ``RayMemoryStorage`` asks the stores it already knows first (as its reads do), so outside a read session a
 restore makes one call per file it reads and one per batch of stats, and lists the cluster's stores only for
 a folder listing or a path none of the known stores holds. Inside a read session
-(``RayMemoryStorage.read_session``, ``actors/_memory_view.py``) one ``view`` call per store answers every listing
+(``RayMemoryStorage.read_session``, ``actors/_memory/view.py``) one ``view`` call per store answers every listing
 and stat of the session and carries the newest committed snapshot's files.
 
 A mixin of ``MemoryStore``: it uses the store's lock, files, sizes and versions.
@@ -31,7 +31,7 @@ def under(path: str, prefix: str) -> bool:
 class Slice(NamedTuple):
     """A file held as item ``index`` of an object that holds a list of files: a publish's batch of chunks is one
     object (``ray.put`` of the list), not one per chunk, while the stores borrow it; each file is owned later as an
-    object of its own (``actors/_memory_borrow.py``)."""
+    object of its own (``actors/_memory/borrow.py``)."""
 
     ref: Any
     index: int

@@ -1,5 +1,5 @@
 """Where a ``raymem://`` storage finds the run's stores: one named ``MemoryStore`` actor per node
-(``actors/_memory_store.py``). The stores already found are kept (``known_stores``) and asked first; the cluster's
+(``actors/_memory/store.py``). The stores already found are kept (``known_stores``) and asked first; the cluster's
 named actors are listed (``stores``) for a listing of the run, or when no known store holds a file.
 
 A mixin of ``RayMemoryStorage``: it uses the storage's key, namespace, budget, replicas, node and handles, and
@@ -12,7 +12,7 @@ from typing import Any
 
 from rl_ckpt.errors import StorageError
 
-from ._memory_store import STORE_PREFIX, store_actor
+from .store import STORE_PREFIX, store_actor
 
 
 def need_ray():

@@ -19,8 +19,8 @@ from rl_ckpt._run.catalog import Catalog
 from rl_ckpt._run.retire import retire_for_plan
 from rl_ckpt._storage.base import Storage
 
-from ._decisions import SaveDecisions
-from ._participants import ParticipantRegistry
+from .decisions import SaveDecisions
+from .participants import ParticipantRegistry
 
 log = logging.getLogger("rl_ckpt")
 

@@ -33,10 +33,10 @@ from rl_ckpt._format.manifest import MANIFEST_NAME
 from rl_ckpt._storage.base import Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large
 from rl_ckpt._storage.registry import register_storage
 
-from ._memory_directory import StoreDirectory
-from ._memory_reads import picked
-from ._memory_directory import need_ray as _ray
-from ._memory_view import COPY_STEP, ReadSessions, ViewReader, copy_out, hash_in_place
+from .directory import StoreDirectory
+from .reads import picked
+from .directory import need_ray as _ray
+from .view import COPY_STEP, ReadSessions, ViewReader, copy_out, hash_in_place
 
 PROTOCOL = "raymem"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}$")
