@@ -61,3 +61,25 @@ def test_links_with_the_right_bytes_are_reported_and_skipped(tmp_path, capsys, w
     assert result.snapshot_id == "step_000000001" and expect in result.skipped["step_000000002"], result
     torch.manual_seed(0)
     assert torch.equal(model.weight, torch.nn.Linear(3, 2).weight)
+
+
+@pytest.mark.parametrize("scheme", ["local://", "simplecache::file://"])
+def test_a_local_disk_behind_fsspec_refuses_links_too(tmp_path, capsys, scheme):
+    """fsspec's local filesystem follows links: a shard linked to the right bytes outside the run passed
+    ``verify`` through a ``local://`` URL. Such URLs get the local disk's checks (every path part lstat-ed)."""
+    run = two_snapshots(tmp_path)
+    shard = run / "step_000000002" / "policy.safetensors"
+    outside = shutil.copy(shard, tmp_path / "outside.safetensors")
+    shard.unlink()
+    os.symlink(outside, shard)
+    url = f"{scheme}{tmp_path}"
+    with CheckpointEngine(base_dir=url, run_name="r") as engine:
+        report = engine.verify()
+        assert not report.ok and "is a symbolic link" in str(report), report
+        torch.manual_seed(1)
+        model = torch.nn.Linear(3, 2)
+        engine.register("policy", model)
+        result = engine.restore()
+    assert result.snapshot_id == "step_000000001" and "is a symbolic link" in result.skipped["step_000000002"]
+    code, out = cli(capsys, "verify", f"{url}/r")
+    assert code == 1 and "step_000000002" in out and "is a symbolic link" in out, out

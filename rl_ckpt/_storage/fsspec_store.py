@@ -19,6 +19,7 @@ such as s3fs's, abort their multipart upload), so no truncated object is publish
 from __future__ import annotations
 
 import logging
+import os
 from typing import BinaryIO, Iterable
 
 from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError
@@ -33,8 +34,29 @@ from rl_ckpt._storage.base import (
     unique_suffix,
 )
 from rl_ckpt._storage.fsspec_upload import stream_file
+from rl_ckpt._storage.local_io import resolve
 
 log = logging.getLogger("rl_ckpt")
+
+
+def local_root_of(fs, root: str) -> str | None:
+    """The local folder behind ``root`` when ``fs`` is the local disk (``local://``, chained ``simplecache::``,
+    ``dir::``), else None. A local disk can hold symbolic links, which fsspec follows: a snapshot file linked
+    to bytes elsewhere would pass its checksum, so such paths get LocalStorage's checks (every part lstat-ed)."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    prefix = ""
+    for _ in range(4):  # wrappers: a caching layer passes paths through, a dir:: one prefixes its own path
+        if isinstance(fs, LocalFileSystem):
+            return os.path.abspath(os.path.join(prefix, root) if prefix else root)
+        if isinstance(fs, DirFileSystem):
+            prefix = f"{fs.path.rstrip('/')}/{prefix}" if prefix else fs.path
+        inner = getattr(fs, "fs", None)
+        if inner is None or inner is fs:
+            return None
+        fs = inner
+    return None
 
 
 def client_error(exc: BaseException) -> tuple[str, int | None]:
@@ -73,6 +95,7 @@ class FsspecStorage(Storage):
         options = self._options(dict(storage_options or {}))
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.root = self.root.rstrip("/")
+        self.local_root = local_root_of(self.fs, self.root)  # links are refused on a local disk behind fsspec
 
     def _options(self, options: dict) -> dict:
         """The fsspec options to open the filesystem with (subclasses add their defaults)."""
@@ -82,7 +105,10 @@ class FsspecStorage(Storage):
     def _abs(self, path: str, *, allow_root: bool = False) -> str:
         if path == "" and allow_root:
             return self.root
-        return f"{self.root}/{check_relpath(path)}"
+        rel = check_relpath(path)
+        if self.local_root is not None:  # every part lstat-ed, as LocalStorage does: a link is never followed
+            resolve(self.local_root, rel)
+        return f"{self.root}/{rel}"
 
     def _fresh(self, full: str) -> None:
         """Drop cached listings for ``full`` and its parents (another writer may have changed them)."""
