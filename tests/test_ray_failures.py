@@ -240,3 +240,38 @@ def test_restore_without_light_reports_the_plan_it_follows(tmp_path):
     assert {a.snapshot_id for a in result.plan.actions} == {"step_000000020"}
     assert "training resumes after step 20" in str(result.plan)
     engine.close()
+
+
+@pytest.mark.ray
+def test_a_failure_request_names_no_file_and_hostile_fields_are_refused(ray_cluster, manager, tmp_path):
+    """Any driver on the cluster can call the manager (here: from the tests' namespace, the manager lives in
+    ``rl_ckpt``). Fields that could steer a path or smuggle data are refused, naming the field; nothing is
+    written for them; a plain failure still lands under ``failures/`` with a name of the manager's."""
+    import os
+
+    from rl_ckpt.errors import ConfigError
+
+    ray = ray_cluster
+    name, mgr = manager(heartbeat_interval_seconds=60)
+    run = tmp_path / name
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    hostile = [
+        ({"kind": "exception", "time": "../../escape"}, "time"),
+        ({"kind": "exception", "time": "/abs/escape"}, "time"),
+        ({"kind": "exception", "participant": "../../learner-0"}, "participant"),
+        ({"kind": "exception", "participant": "a/b"}, "participant"),
+        ({"kind": "../../x"}, "kind"),
+        ({"kind": "exception", "step": "../3"}, "step"),
+        ({"kind": "exception", "path": "../../x"}, "path"),
+        ({"kind": "exception", "name": "x.json"}, "name"),
+        (["exception"], "failure"),
+    ]
+    for body, key in hostile:
+        with pytest.raises(ConfigError) as info:
+            ray.get(mgr.record_failure.remote(body))
+        assert info.value.key == key and key in str(info.value), (body, info.value)
+    after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert after == before and not (run / "failures").exists(), after
+    stored = ray.get(mgr.record_failure.remote({"kind": "exception", "step": 3, "participant": "learner-0"}))
+    records = os.listdir(run / "failures")
+    assert stored["participant"] == "learner-0" and len(records) == 1 and records[0].endswith("-exception.json")

@@ -12,7 +12,7 @@ import threading
 from rl_ckpt._commit.two_phase import CommitProtocol
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt._recovery.coordinator import FailureInfo
-from rl_ckpt._recovery.history import load_decisions, load_failures, record_decision
+from rl_ckpt._recovery.history import failure_request, load_decisions, load_failures, record_decision
 from rl_ckpt._recovery.history import record_failure as write_failure
 from rl_ckpt._recovery.plan import build_plan, coordinator_config, probe_check
 from rl_ckpt._run.catalog import Catalog
@@ -65,7 +65,7 @@ class ManagerRecovery:
         The failed participant counts as lost (``/healthz`` degraded) until it
         registers again or beats (unless its restarted process registered already).
         """
-        info = FailureInfo.from_json(failure)
+        info = failure_request(failure)  # refused field by field before anything is written
         with self.lock:
             self.registry.blame(info, dead or [])
             self.last_failure = info.to_json()

@@ -10,9 +10,12 @@ damaged record is skipped with a warning.
 
 from __future__ import annotations
 
+import re
+
+from rl_ckpt.errors import ConfigError
 from rl_ckpt._format.manifest import now_iso
 from rl_ckpt._recovery.coordinator import Action, Decision, FailureInfo, FailureKind
-from rl_ckpt._run.layout import DECISIONS, FAILURES, timed_record_stem
+from rl_ckpt._run.layout import DECISIONS, FAILURES, is_record_time, timed_record_stem
 from rl_ckpt._run.records import RecordStore
 from rl_ckpt._storage import Storage
 
@@ -61,3 +64,44 @@ def record_failure(storage: Storage, failure: FailureInfo) -> str:
     """
     what = FailureKind(failure.kind).value
     return failure_records(storage).add_once(timed_record_stem(now_iso(), what), failure.to_json(), ending=f"-{what}")
+
+
+FAILURE_FIELDS = ("version", "kind", "step", "message", "metrics", "first_nonfinite_step", "participant", "time")
+PARTICIPANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
+MAX_MESSAGE = 8192
+
+
+def failure_request(body: object) -> FailureInfo:
+    """A failure as a caller (a participant, a callback, any driver on the cluster) reports it, checked field by
+    field before anything is written: a ConfigError names the first field that is not what a failure holds.
+
+    Nothing of a request names a file (the record's name is the recorder's clock and the kind); this also keeps
+    a record's fields plain: a participant name is a word, the time an ISO time, the steps whole numbers."""
+    if not isinstance(body, dict):
+        raise ConfigError(f"a failure is a JSON object (FailureInfo.to_json()), not {type(body).__name__}", key="failure")
+    unknown = sorted(str(k)[:80] for k in body if k not in FAILURE_FIELDS)
+    if unknown:
+        raise ConfigError(f"failure: unknown field(s) {unknown}; a failure has {list(FAILURE_FIELDS)}", key=unknown[0])
+    for key in ("step", "first_nonfinite_step"):
+        value = body.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ConfigError(f"failure: {key} must be a step (an int >= 0) or null, not {value!r:.80}", key=key)
+    participant = body.get("participant")
+    if participant is not None and not (isinstance(participant, str) and PARTICIPANT_NAME.fullmatch(participant)):
+        raise ConfigError(
+            f"failure: participant {participant!r:.80} is not a participant name (a word such as 'learner-0' or "
+            "'rollout-3': letters, digits and _ . : @ -)",
+            key="participant",
+        )
+    if "time" in body and body["time"] is not None and not is_record_time(body["time"]):
+        raise ConfigError(f"failure: time {body['time']!r:.80} is not an ISO time (e.g. {now_iso()!r})", key="time")
+    message = body.get("message", "")
+    if not isinstance(message, str):
+        raise ConfigError(f"failure: message must be text, not {type(message).__name__}", key="message")
+    if not isinstance(body.get("metrics") or {}, dict):
+        raise ConfigError("failure: metrics must be an object of name -> number", key="metrics")
+    if "kind" not in body:
+        raise ConfigError("failure: no kind; a failure names what happened (e.g. 'process_killed')", key="kind")
+    info = FailureInfo.from_json(body)
+    info.message = message[:MAX_MESSAGE]
+    return info

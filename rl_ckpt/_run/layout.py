@@ -236,6 +236,11 @@ def retired_record_path(snapshot: str, tag: str) -> str:
     return f"{RETIRED}/{snapshot}.{tag}.json"
 
 
+def is_record_time(value: object) -> bool:
+    """``value`` is an ISO time as records carry it (what a record's name may be made of)."""
+    return isinstance(value, str) and _ISO_TIME.fullmatch(value) is not None
+
+
 def timed_record_stem(time: str, what: str) -> str:
     """The file stem of a dated record (decisions, failures): the ISO time without ``:``/``+``, then ``what``.
 
