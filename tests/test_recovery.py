@@ -49,6 +49,27 @@ def test_plan_is_readable_and_has_no_side_effects(tmp_path):
     assert result.snapshot_id == "step_000000020" and result.plan is plan
 
 
+def test_a_quick_plan_says_checksums_come_next_and_the_restore_says_why_it_fell_back(tmp_path):
+    """A plan that checked sizes only chooses a snapshot whose byte was flipped: it says checksums come as it
+    loads; the plan the restore returns lists that snapshot as skipped, with the mismatch, and what was loaded."""
+    cfg, _ = _run(tmp_path, [(10, 1.0), (20, 2.0)])
+    snap = tmp_path / "run" / "step_000000020" / "policy.safetensors"
+    data = bytearray(snap.read_bytes())
+    data[-1] ^= 1  # same size: only a checksum finds it
+    snap.write_bytes(bytes(data))
+    e = PPOState().register(CheckpointEngine(**cfg))
+    plan = e.plan_recovery(deep=False)
+    text = str(plan)
+    assert plan.target == "step_000000020" and "checked as it loads" in text and "sizes checked" in text, text
+    result = e.restore(plan)
+    assert result.snapshot_id == "step_000000010"
+    after = str(result.plan)
+    row = next(line for line in after.splitlines() if "step_000000020" in line and "step 20" in line)
+    assert "skipped" in row and "checksum" in row and "policy.safetensors" in row, after
+    assert "loaded:    step_000000010" in after and "resumes after step 10" in after, after
+    assert "checked as it loads" not in after
+
+
 def test_restore_falls_back_when_the_post_load_probe_disagrees(tmp_path):
     cfg, _ = _run(tmp_path, [(10, 1.0), (20, 2.0)])
     reference = PPOState(seed=1)

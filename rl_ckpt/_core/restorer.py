@@ -107,6 +107,7 @@ class Restorer:
                 log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, error)
                 continue
             result.plan = plan
+            plan.followed(sid, skipped)
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
             if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback

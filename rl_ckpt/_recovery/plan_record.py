@@ -66,6 +66,7 @@ class RecoveryPlan:
     new_ranks: list[str] = dataclasses.field(default_factory=list)
     created_at: str = dataclasses.field(default_factory=now_iso)
     verdicts: dict[str, Verdict] = dataclasses.field(default_factory=dict)  # snapshot id -> what the plan found
+    loaded: str | None = None  # what the restore that followed the plan loaded (None: not restored yet)
 
     @property
     def fresh(self) -> bool:
@@ -75,6 +76,17 @@ class RecoveryPlan:
     def requested(self) -> bool:
         """A plan for the snapshot a caller named (``snapshot_id=``), not one recovery chose."""
         return self.action == "restore" and self.reason == "requested snapshot"
+
+    def followed(self, loaded: str, skipped: dict[str, str]) -> None:
+        """Note what the restore that followed this plan did: ``loaded`` was loaded, the snapshots in ``skipped``
+        failed while loading (checksums are checked then, before decoding), each with its reason. The plan printed
+        after a restore then says why a snapshot it had chosen was not the one loaded."""
+        self.loaded = loaded
+        for c in self.candidates:
+            if c.snapshot_id in skipped and c.status != "skipped":
+                c.status, c.reason = "skipped", f"failed while loading: {skipped[c.snapshot_id]}"
+            elif c.snapshot_id == loaded and c.status != "chosen":
+                c.status, c.reason = "loaded", f"fallback loaded ({c.reason})" if c.reason else "fallback loaded"
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -104,7 +116,15 @@ class RecoveryPlan:
         if self.action == "restore":
             lines.append(f"  target:    {self.target}" + (f" + light {self.light}" if self.light else ""))
             lines.append(f"  why:       {self.reason}")
-            lines.append(f"  continue:  training resumes after step {self.continue_from_step}")
+            if self.loaded is not None and self.loaded != self.target:
+                lines.append(f"  loaded:    {self.loaded} (the target failed while loading: see below)")
+            elif self.loaded is None and not self.deep:
+                lines.append(
+                    "  checksums: not checked by this plan; each file is checked as it loads, before it is decoded, "
+                    "and a snapshot that fails is skipped with its reason for the next fallback"
+                )
+            resumes = next((c.global_step for c in self.candidates if c.snapshot_id == self.loaded), None)
+            lines.append(f"  continue:  training resumes after step {resumes or self.continue_from_step}")
             if self.layout:
                 lines.append(f"  layout:    {self.layout}")
             lines += [f"  new ranks: {line}" for line in self.new_ranks]
