@@ -332,6 +332,7 @@ def versions_status(storage: RayMemoryStorage) -> dict:
         "fetched_bytes": {n: i.get("fetched_bytes", 0) for n, i in info.items()},
         "borrowed_bytes": {n: i.get("borrowed_bytes", 0) for n, i in info.items()},
         "lost": {n: i["lost"] for n, i in info.items() if i.get("lost")},
+        "lost_versions": {n: i["lost_versions"] for n, i in info.items() if i.get("lost_versions")},
         "pinned": {n: p for n, p in pins.items() if p},
         "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
         "status": "degraded" if faults or any(i.get("lost") for i in info.values()) else "ok",

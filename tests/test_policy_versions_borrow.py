@@ -18,6 +18,8 @@ import uuid
 import pytest
 import torch
 
+from rl_ckpt.errors import VersionNotFoundError
+
 pytestmark = pytest.mark.ray
 WIDTH = 512  # a Linear(WIDTH, WIDTH) weight: 1 MiB, above the 256 KiB under which files travel inside calls
 WEIGHT_BYTES = WIDTH * WIDTH * 4
@@ -116,6 +118,7 @@ def counters(storage) -> dict:
     keys = ("bytes_held", "borrowed_bytes", "copied_bytes", "owned_bytes")
     out = {k: sum(i[k] for i in info) for k in keys}
     out["lost"] = sorted(p for i in info for p in i["lost"])
+    out["lost_versions"] = sorted(p for i in info for p in i["lost_versions"])
     out["over_budget"] = [i["node_id"] for i in info if i["budget_bytes"] and i["bytes_held"] > i["budget_bytes"]]
     return out
 
@@ -205,7 +208,15 @@ def test_publisher_killed_inside_the_ownership_window(run):
     assert not {p for files in storage.inventory("objects").values() for p in files} & set(after["lost"])
     status = versions_status(storage)
     assert status["status"] == "degraded" and sorted(status["lost"][storage.node_id]) == after["lost"]
+    # A version whose file is lost is no longer listed: latest is the newest whole one, pulled without a fault.
+    assert after["lost_versions"] == ["step_000000002"] and status["lost_versions"] == {
+        storage.node_id: ["step_000000002"]
+    }
+    fresh = WeightSubscriber(run)
+    assert fresh.versions() == [1] and fresh.latest() == 1
     again = make_policy(seed=8)
-    got = WeightSubscriber(run).pull(again)  # the chunk is missing now: version 1 again, never a partial one
-    assert (got.version, got.fell_back_from) == (1, 2) and digest(again) == digests[1]
-    assert any(p in got.reason for p in after["lost"])
+    got = fresh.pull(again)
+    assert (got.version, got.fell_back_from, got.source) == (1, None, "memory") and digest(again) == digests[1]
+    with pytest.raises(VersionNotFoundError) as info:  # asked by name: unknown now, naming the newest whole one
+        fresh.pull(make_policy(seed=9), 2)
+    assert info.value.newest == 1 and "2" in str(info.value)

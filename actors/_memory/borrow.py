@@ -32,6 +32,9 @@ import logging
 import threading
 import time
 
+from rl_ckpt._format.manifest import MANIFEST_NAME, Manifest
+from rl_ckpt._run.dedup import manifest_objects, object_path
+
 from .reads import Slice, resolved
 
 log = logging.getLogger("rl_ckpt")
@@ -53,6 +56,7 @@ class StoreBorrowing:
         self._own_gate.set()
         self.owned_bytes = 0  # borrowed bytes this store has copied into objects it owns
         self.lost: list[str] = []  # borrowed files dropped: their publisher died before they were owned
+        self.lost_versions: list[str] = []  # manifests dropped here because a file they vouch for was lost
         self.own_errors: list[str] = []  # files left borrowed by another failure (e.g. the object store full)
         self._own_thread = threading.Thread(target=self._own_loop, name="rl_ckpt-mem-own", daemon=True)
         self._own_thread.start()
@@ -150,6 +154,27 @@ class StoreBorrowing:
                 return
             self._own_wake.wait(timeout=min(max(quiet, OWN_QUIET_SECONDS / 4), deadline - now))
 
+    def _drop_manifests_needing(self, path: str) -> None:
+        """Drop the manifest of every version held here that vouches for ``path``, just lost (under the lock): a
+        store never holds a manifest whose files it does not hold, so a version lost with its publisher stops being
+        listed (nor ``latest``) here at once, instead of every pull falling back until retention removes it."""
+        for mpath in [p for p in self._files if p.endswith("/" + MANIFEST_NAME)]:
+            sid = mpath[: -len(MANIFEST_NAME) - 1]
+            try:
+                manifest = Manifest.from_bytes(bytes(resolved(self._files[mpath])), sid)
+                needs = {f"{sid}/{e.path}" for e in manifest.files}
+                needs.update(object_path(algo, digest) for digest, (algo, _n) in manifest_objects(manifest).items())
+            except Exception as exc:  # unreadable: it vouches for nothing that can be checked, keep it as it is
+                log.warning("memory store %s: %s not checked for a lost file: %s", self.node_id[:12], mpath, exc)
+                continue
+            if path in needs:
+                self._drop(mpath)
+                self.lost_versions.append(sid)
+                del self.lost_versions[:-50]
+                log.warning(
+                    "memory store %s: %s dropped: its file %s was lost with its publisher", self.node_id[:12], sid, path
+                )
+
     def pin(self, snapshot: str, holder: str, paths: list[str], seconds: float) -> bool:
         with self._lock:
             self._last_activity = time.monotonic()
@@ -168,6 +193,7 @@ class StoreBorrowing:
                     self._drop(path)
                     self.lost.append(path)
                     del self.lost[:-50]
+                    self._drop_manifests_needing(path)
             log.warning(
                 "memory store %s: %s lost before this store owned it (%s); dropped",
                 self.node_id[:12],

@@ -322,6 +322,7 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
                 "borrowed_files": len(self._borrowed),
                 "owned_bytes": self.owned_bytes,
                 "lost": list(self.lost[-20:]),
+                "lost_versions": list(self.lost_versions[-20:]),
                 "expected_files": len(self._awaited(list(self._expected))),
                 "refused_commits": list(self.refused_commits[-5:]),
                 "replication_errors": list(self.replication_errors[-5:]),

@@ -78,7 +78,7 @@ def failure_request(body: object) -> FailureInfo:
     Nothing of a request names a file (the record's name is the recorder's clock and the kind); this also keeps
     a record's fields plain: a participant name is a word, the time an ISO time, the steps whole numbers."""
     if not isinstance(body, dict):
-        raise ConfigError(f"a failure is a JSON object (FailureInfo.to_json()), not {type(body).__name__}", key="failure")
+        raise ConfigError(f"a failure is a JSON object (FailureInfo JSON), not {type(body).__name__}", key="failure")
     unknown = sorted(str(k)[:80] for k in body if k not in FAILURE_FIELDS)
     if unknown:
         raise ConfigError(f"failure: unknown field(s) {unknown}; a failure has {list(FAILURE_FIELDS)}", key=unknown[0])
