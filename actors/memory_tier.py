@@ -33,11 +33,11 @@ from rl_ckpt._run.tiers import DURABLE, MEMORY, drop_incomplete, tier_view
 
 from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_config, memory_options
 
+from ._memory.release import MANAGER_NAMESPACE, memory_runs, release_run
 from ._memory.storage import RayMemoryStorage
 
 log = logging.getLogger("rl_ckpt")
-
-MANAGER_NAMESPACE = "rl_ckpt-mem"
+__all__ = ["MANAGER_NAMESPACE", "MemoryTierService", "memory_manager", "memory_runs", "release_run"]
 
 
 def memory_manager(config: CheckpointConfig, namespace: str = "rl_ckpt", runtime_env: dict | None = None):

@@ -25,6 +25,7 @@ from rl_ckpt.cli._commands import (
     cmd_timeline,
     cmd_verify,
 )
+from rl_ckpt.cli._memory import add_memory_parser
 from rl_ckpt.errors import CheckpointError, ConfigError, UsageError
 
 
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
+    add_memory_parser(sub)
     return p
 
 

@@ -46,17 +46,15 @@ def start_memory_tier(engine_cfg: dict) -> dict:
 
 
 def stop_memory_tier(memory: dict, engine_cfg: dict) -> dict:
-    """The service's last figures; then the memory manager, the service and the run's memory stores go."""
+    """The service's last figures; then the run's memory is released (``release_run``: the memory manager, the
+    service, the run's memory and version stores; the durable copies stay). The run is over: nothing trains, and
+    what memory holds beyond durable storage is the demo's to drop."""
     import ray
 
+    from actors.memory_tier import release_run
     from rl_ckpt.config import CheckpointConfig
-    from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_options
-    from rl_ckpt._storage import open_storage
 
     cfg = CheckpointConfig(**engine_cfg)
     status = ray.get(memory["service"].tick.remote(), timeout=120)
-    ray.get(memory["service"].stop.remote(), timeout=60)
-    for handle in (memory["service"], memory["manager"]):
-        ray.kill(handle, no_restart=True)
-    open_storage(f"{MEMORY_BASE}/{cfg.run_name}", memory_options(cfg)).destroy()
+    release_run(cfg.run_name, flush=False, force=True)
     return status
