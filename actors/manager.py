@@ -255,6 +255,19 @@ class CheckpointManager:
             del self.refused[sid]
 
     # -- catalog, failures, plans ---------------------------------------------
+    def participant_handles(self, names: list[str]) -> dict[str, Any]:
+        """The actor handles the named participants registered with (those registered from an actor): where a
+        participant replaced by a standby is reached now (a restarted learner group finds it here)."""
+        with self._lock:
+            known = self.registry.participants
+            return {n: known[n].handle for n in names if n in known and known[n].handle is not None}
+
+    def awaiting(self, participant: str) -> list[str]:
+        """Snapshot ids pending that still wait for ``participant``'s part: a participant replaced mid-run takes them
+        back up as it catches up (``actors.rollout_pool``), instead of leaving them to time out."""
+        with self._lock:
+            return self.commits.awaiting(participant)
+
     def snapshots(self) -> list[dict]:
         return [{k: v for k, v in dataclasses.asdict(i).items() if k != "manifest"} for i in self.catalog.snapshots()]
 

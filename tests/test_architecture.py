@@ -469,6 +469,7 @@ PUBLIC_MODULES = {
     "actors.memory_tier",
     "actors.policy_versions",
     "actors.weight_subscriber",
+    "actors.rollout_pool",
 }
 APPLICATIONS = ("rl_ckpt.demo", "rl_ckpt.tools")
 

@@ -201,6 +201,14 @@ class CommitProtocol:
             self.metrics.aborted()
             log.warning("manager aborted %s before it began: %s failed: %s", snapshot_id, participant, reason)
 
+    def awaiting(self, participant: str) -> list[str]:
+        """Snapshots pending that still wait for ``participant``'s part (a replaced participant completes them)."""
+        return sorted(
+            sid
+            for sid, p in self.pending.items()
+            if participant in p.expected and participant not in p.reports and p.error is None and not p.done.is_set()
+        )
+
     def abort_all(self, reason: str) -> None:
         """Abort every pending commit and forget refusals (a recovery plan starts a new timeline)."""
         for sid, pending in list(self.pending.items()):

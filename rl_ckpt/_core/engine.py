@@ -176,20 +176,15 @@ class CheckpointEngine(RunHandle):
         tags: Mapping[str, Any] | None = None,
         kind: str = "full",
     ) -> SaveHandle:
-        """Capture the state now; copy, write, verify and commit it in the background.
-
-        The snapshot holds the state as of this call, whatever training does next: guarded tensors are copied
-        after the call and the next optimizer step/forward waits for the copy if needed (``core/stage_guard.py``).
-        If a save is still in flight this first waits for it: at most one save is in flight and one staged copy
-        is in memory. Errors come back on ``handle.wait()`` and are logged.
-        """
+        """Capture the state now; copy, write, verify and commit it in the background. The snapshot holds the
+        state as of this call (guarded tensors are copied after it; the next optimizer step/forward waits for the
+        copy if needed: ``core/stage_guard.py``); one save in flight at most. Errors come back on ``handle.wait()``."""
         self._check_open()
         return self.pipeline.save_async(global_step, metrics, tags, kind)
 
     def prepare(self, kind: str = "full") -> int:
-        """Allocate (and fault in) ``save_async``'s staging buffers on a thread now, so the first save finds them
-        ready instead of allocating them; they are held from here on (one copy of the saved tensors). Returns
-        the bytes prepared."""
+        """Allocate ``save_async``'s staging buffers on a thread now (the first save finds them ready; held from here
+        on: one copy of the saved tensors); returns the bytes prepared."""
         self._check_open()
         return self.pipeline.prepare(kind)
 
@@ -258,13 +253,9 @@ class CheckpointEngine(RunHandle):
         strict: bool = True,
         light: bool = True,
     ) -> RestoreResult:
-        """Execute a recovery plan (default: newest valid snapshot) into the registered objects.
-
-        A snapshot that fails while loading (checksum, decoding, post-load
-        probe) is skipped with a logged reason and the plan's next fallback is
-        tried. With no snapshot at all, returns ``fresh == True``. If snapshots
-        exist but none is valid, raises :class:`NoValidSnapshotError`.
-        """
+        """Execute a recovery plan (default: newest valid snapshot) into the registered objects. A snapshot that
+        fails while loading (checksum, decoding, post-load probe) is skipped with a logged reason for the plan's
+        next fallback. No snapshot at all: ``fresh == True``; none valid: :class:`NoValidSnapshotError`."""
         self._check_open()
         self.wait()
         with self.storage.read_session():  # the memory tier: one view of the run for planning and loading
@@ -273,6 +264,15 @@ class CheckpointEngine(RunHandle):
             if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
                 plan = without_light(self.storage, plan)
             return self.restorer.restore(plan, strict=strict, light=light, record=self.topology.records_decisions)
+
+    def rejoin(self, *, newer_than: int | None = None) -> RestoreResult:
+        """A replaced participant takes back its own state while the others go on (scoped recovery): the newest
+        committed full snapshot holding every component it registered (after step ``newer_than``), verified, older
+        ones if it fails. No run-wide plan: no decision recorded, no pending save aborted, nothing retired."""
+        self._check_open()
+        self.wait()
+        with self.storage.read_session():
+            return self.restorer.rejoin(newer_than)
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into an ordinary ``module`` (rollout workers: no process group).

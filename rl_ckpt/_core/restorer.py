@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -33,6 +33,7 @@ from rl_ckpt._recovery.probe import compare
 from rl_ckpt._run.catalog import Catalog
 from rl_ckpt._run.retire import retire_newer
 from rl_ckpt._run.snapshot_files import read_manifest
+from rl_ckpt._format.manifest import parse_snapshot_id
 from rl_ckpt._storage import Storage
 
 log = logging.getLogger("rl_ckpt")
@@ -173,6 +174,41 @@ class Restorer:
             self.storage, plan.target, self.registry.group(), self.registry.per_rank(), self.config.new_rank_state
         )
         return plan
+
+    def holding_this_participant(self) -> Iterator[str]:
+        """Committed full snapshots holding every registered component of this process, newest first (the ones a
+        replaced participant can take its own state back from: ``CheckpointEngine.rejoin``); quarantined and
+        unreadable ones are passed over."""
+        self.catalog.refresh()
+        for info in reversed(self.catalog.snapshots("full")):
+            if info.quarantined:
+                continue
+            try:
+                manifest = read_manifest(self.storage, info.snapshot_id)
+            except CheckpointError as exc:
+                log.warning("rejoin: %s passed over: %s", info.snapshot_id, exc)
+                continue
+            if all(self.registry.stored_key(manifest, reg.name) is not None for reg in self.registry):
+                yield info.snapshot_id
+
+    def rejoin(self, newer_than: int | None = None) -> RestoreResult:
+        """``CheckpointEngine.rejoin``: the newest snapshot holding this participant (of a step after
+        ``newer_than``), loaded by a plan of its own (nothing recorded, nothing retired); older ones when it fails."""
+        skipped: dict[str, str] = {}
+        for sid in self.holding_this_participant():
+            if newer_than is not None and parse_snapshot_id(sid)[0] <= newer_than:
+                break
+            try:
+                plan = self.plan(snapshot_id=sid, deep=False, light=False)
+                result = self.restore(plan, light=False, record=False, retire=False)
+            except (StateMismatchError, RestoreError):
+                raise  # the state does not fit this process: an older snapshot would not either
+            except CheckpointError as exc:  # checksum, lost file...: the next older one
+                skipped[sid] = str(exc)
+                continue
+            result.skipped.update(skipped)
+            return result
+        return RestoreResult(None, 0, skipped=skipped, warnings=["no committed snapshot holds this participant"])
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into ``module``; returns the snapshot id loaded."""

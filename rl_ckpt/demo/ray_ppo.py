@@ -1,7 +1,7 @@
 """PPO on CartPole-v1 on Ray: TorchTrainer learner ranks + rollout-worker actors, one run, one manager.
 
-- Rollout workers (plain Ray actors) own the envs and the action-sampling RNG;
-  each is a checkpoint participant ``rollout-i`` (env state, RNG, and the copy of the
+- Rollout workers (Ray actors, ``rl_ckpt.demo.ppo_rollout``) own the envs and the action-sampling
+  RNG; each is a checkpoint participant ``rollout-i`` (env state, RNG, and the copy of the
   policy it acts with: the same bytes as the learners' policy, which dedup stores once).
 - Learner ranks (Ray Train v2 ``TorchTrainer``, gloo) send the policy weights to
   their workers, keep the rollout buffer, and run the PPO update with
@@ -15,29 +15,38 @@
   memory snapshots instead (``MemoryTier``, committed by the memory manager) and
   the ``MemoryTierService`` makes the durable copies; a restart restores the
   newest complete snapshot of either tier.
-- A failure anywhere (a killed learner rank or rollout worker) fails the
-  attempt; the ``CheckpointCallback`` records it; Ray Train restarts the
-  learners; every learner and worker restores the snapshot the coordinator
-  chose, and training continues exactly where that snapshot left it.
+- A lost rollout worker costs the learners only its batch: their ``RolloutPool``
+  (``actors.rollout_pool``) has Ray's restart of the actor, or a warm standby
+  (``standbys=``), take back the worker's newest snapshot (memory tier first) and
+  replay the collects since with the weights of their steps, then asks for the
+  missing batch again; nothing rolls back (``scoped=False``: the old way, below).
+- A lost learner rank fails the attempt; the ``CheckpointCallback`` records it;
+  Ray Train restarts the learners; every learner and worker restores the
+  snapshot the coordinator chose, and training continues exactly where that
+  snapshot left it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import signal
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 import torch
 
 from rl_ckpt import CheckpointEngine, RNGState
-from rl_ckpt.errors import CheckpointError
-from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer, EnvState
+from rl_ckpt.data import ConsumptionAuditor, replay_log
+from rl_ckpt.demo.faults import fires, log_event
+from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer
+from rl_ckpt.demo.ppo_rollout import RolloutWorker
 from rl_ckpt.demo.ray_tier import (
     MEMORY_DEFAULTS,
     last_beat,
@@ -62,97 +71,6 @@ class ObsState:
         self.obs = np.array(state["obs"], dtype=np.float32)
 
 
-class RolloutWorker:
-    """A Ray actor holding envs; collects experience with the weights it is sent."""
-
-    def __init__(
-        self, index: int, ppo: dict, engine_cfg: dict, manager, participants: list[str], memory: dict | None = None
-    ) -> None:
-        torch.set_num_threads(1)
-        torch.use_deterministic_algorithms(True)
-        cfg = PPOConfig(**ppo)
-        self.index = index
-        torch.manual_seed(cfg.seed * 1000 + 17 + index)  # this worker's action-sampling stream
-        self.envs = EnvState(cfg.num_envs, cfg.seed * 1000 + index)
-        from rl_ckpt.demo.ppo import ActorCritic
-
-        self.model = ActorCritic(tuple(cfg.hidden_sizes))
-        self.engine = CheckpointEngine(
-            **engine_cfg, manager=manager, rank=index, world_size=1, role="rollout", participants=participants
-        )
-        self.tier = memory_tier(self.engine, memory, service=False)
-        front = self.tier or self.engine
-        front.register("policy", self.model)  # the weights it acts with
-        front.register("env", self.envs)
-        front.register("rng", RNGState())
-        self.pending = None
-        self.ready = False  # set by restore(): a worker Ray restarted must not serve fresh state
-
-    def _check_ready(self) -> None:
-        if not self.ready:
-            raise CheckpointError(
-                f"rollout worker {self.index} was restarted and has not restored its state; "
-                "the learners must restore it first (the attempt fails and Ray Train recovers)"
-            )
-
-    @torch.no_grad()
-    def collect(self, weights: dict, steps: int, global_step: int) -> dict:
-        self._check_ready()
-        self.engine.beat(global_step)
-        self.model.load_state_dict(weights)
-        rows: dict[str, list] = {k: [] for k in ("obs", "actions", "logprobs", "rewards", "dones", "values")}
-        finished: list[float] = []
-        for _ in range(steps):
-            obs = self.envs.obs.copy()
-            obs_t = torch.from_numpy(obs)
-            dist = self.model.dist(obs_t)
-            action = dist.sample()
-            rows["obs"].append(obs)
-            rows["actions"].append(action.numpy())
-            rows["logprobs"].append(dist.log_prob(action).numpy())
-            rows["values"].append(self.model.get_value(obs_t).numpy())
-            rewards, dones, done_returns = self.envs.step(action.numpy())
-            rows["rewards"].append(rewards)
-            rows["dones"].append(dones)
-            finished += done_returns
-        out = {k: np.stack(v) for k, v in rows.items()}
-        out["next_obs"] = self.envs.obs.copy()
-        out["finished"] = finished
-        return out
-
-    def save(self, step: int, kind: str = "full") -> None:
-        """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
-        self._check_ready()
-        self._settle()  # one in flight
-        self.pending = self.tier.save(step) if self.tier is not None else self.engine.save_async(step, kind=kind)
-
-    def _settle(self) -> None:
-        """Wait for the save in flight. Its failure is the snapshot's (the manager aborted it for every
-        participant and the learners' schedulers report it): logged here, it must not stop later saves."""
-        if self.pending is not None:
-            try:
-                self.pending.wait()
-            except CheckpointError as exc:
-                log.warning("rollout worker %d: save failed: %s", self.index, exc)
-            self.pending = None
-
-    def restore(self, light: bool = False) -> tuple:
-        self.pending = None
-        result = self.tier.restore() if self.tier is not None else self.engine.restore(light=light)
-        self.ready = True
-        return result.snapshot_id, result.global_step
-
-    def die(self, step: int) -> None:
-        """The crash drill: SIGKILL this worker at ``step`` (the manager knows the step first)."""
-        last_beat(self.engine, step)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def close(self) -> None:
-        """A clean end: the manager forgets this participant (its silence is no lost heartbeat)."""
-        self._settle()
-        (self.tier or self.engine).close()
-
-
 def _save_outcome(last) -> dict | None:
     """How this rank's newest save ended (it is finished): its step and its error, None if it committed. The
     crash drill logs it with the kill, so a restart point other than that step says why."""
@@ -164,12 +82,15 @@ def _save_outcome(last) -> dict | None:
 
 
 class Learner(PPOTrainer):
-    """A PPOTrainer whose experience comes from rollout workers and whose gradients are all-reduced."""
+    """A PPOTrainer whose experience comes from rollout workers (through a ``RolloutPool``: a lost worker is
+    recovered alone, or with ``attempts=0`` fails the attempt as before) and whose gradients are all-reduced."""
 
-    def __init__(self, cfg: PPOConfig, workers: list, worker_names: list[str]) -> None:
+    def __init__(self, cfg: PPOConfig, pool, audit_log: str | None = None) -> None:
         super().__init__(cfg)
-        self.workers = workers
-        self.worker_names = worker_names
+        self.pool = pool
+        # What the updates trained on: batch j of each of this rank's workers exactly once (epoch = the batch's
+        # number at its worker, prompt = the worker): a lost or replayed batch shows as skipped or duplicated.
+        self.auditor = ConsumptionAuditor(len(pool), log_path=audit_log)
         self.env_state = ObsState(cfg.num_envs)  # replaces the local envs: the workers own them
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -182,40 +103,18 @@ class Learner(PPOTrainer):
             for p in self.model.parameters():
                 p.register_post_accumulate_grad_hook(average)
 
-    def call_workers(self, refs: list, step: int) -> list:
-        """``ray.get`` on calls to this learner's workers; a dead worker fails the attempt naming it and the
-        last step it completed (the manager may already see its restarted process)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        from rl_ckpt.integrations.ray_train import ParticipantFailedError, dead_pid
-
-        try:
-            return ray.get(refs)
-        except RayActorError as exc:
-            ids = [w._actor_id.hex() for w in self.workers]
-            name = self.worker_names[ids.index(exc.actor_id)] if exc.actor_id in ids else "a rollout worker"
-            raise ParticipantFailedError(
-                f"{name} died after step {step}: {type(exc).__name__}: {exc}",
-                participant=name,
-                step=step,
-                kind="process_killed",
-                actor_id=exc.actor_id,
-                pid=dead_pid(exc),
-            ) from exc
-
     def components(self) -> dict[str, Any]:
         parts = super().components()
         parts["env"] = self.env_state
+        parts["auditor"] = self.auditor
         return parts
 
     def _collect(self) -> None:
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
-        step = self.progress.global_step
-        batches = self.call_workers(
-            [w.collect.remote(weights, self.cfg.steps_per_train_step, step) for w in self.workers], step
-        )
-        for t in range(self.cfg.steps_per_train_step):
+        step = self.progress.global_step + 1  # the step this experience trains
+        n = self.cfg.steps_per_train_step
+        batches = self.pool.call("collect", [(weights, n, step - 1)] * len(self.pool), step=step)
+        for t in range(n):
             self.buffer.add(
                 **{
                     k: np.concatenate([b[k][t] for b in batches])
@@ -226,7 +125,31 @@ class Learner(PPOTrainer):
             for ret in b["finished"]:
                 self.progress.record_episode(ret)
         self.env_state.obs = np.concatenate([b["next_obs"] for b in batches])
-        self.progress.env_steps += self.cfg.steps_per_train_step * self.buffer.num_envs
+        self.progress.env_steps += n * self.buffer.num_envs
+        self.auditor.record(step, [(b["collect"], j) for j, b in enumerate(batches)])
+
+
+def worker_pool(config: dict, rank: int, on_recovery) -> Any:
+    """This learner rank's rollout workers as a ``RolloutPool``: the handles the run's manager knows for them now
+    (a standby that replaced one registered itself under its name), scoped recovery unless ``scoped`` is off."""
+    import ray
+
+    from actors.rollout_pool import RolloutPool
+
+    k = config["workers_per_learner"]
+    names = [f"rollout-{i}" for i in range(rank * k, (rank + 1) * k)]
+    given = dict(zip(names, config["workers"][rank * k : (rank + 1) * k]))
+    known = ray.get(config["manager"].participant_handles.remote(names), timeout=60)
+    memory = config.get("memory")
+    return RolloutPool(
+        [known.get(n, given[n]) for n in names],
+        names,
+        managers=[config["manager"], memory["manager"] if memory else None],
+        standbys=config.get("standbys", {}).get(rank, []),
+        standby_factory=config.get("standby_factory"),
+        attempts=3 if config.get("scoped", True) else 0,
+        on_recovery=on_recovery,
+    )
 
 
 def learner_loop(config: dict) -> None:
@@ -238,11 +161,10 @@ def learner_loop(config: dict) -> None:
 
     phases = {"began": time.time()}  # when this attempt reached each phase: where kill-to-first-step goes
     rank = ray.train.get_context().get_world_rank()
-    world = ray.train.get_context().get_world_size()
     k = config["workers_per_learner"]
-    workers = config["workers"][rank * k : (rank + 1) * k]
     ppo = PPOConfig(**{**config["ppo"], "num_envs": config["ppo"]["num_envs"] * k})
-    learner = Learner(ppo, workers, [f"rollout-{i}" for i in range(rank * k, (rank + 1) * k)])
+    pool = worker_pool(config, rank, lambda event: _log(config, {"event": "scoped_recovery", **event.to_json()}))
+    learner = Learner(ppo, pool, audit_log=f"{config['log'][: -len('.log.jsonl')]}.audit-{rank}.jsonl")
     engine = CheckpointEngine(
         **config["engine"],
         manager=config["manager"],
@@ -261,7 +183,7 @@ def learner_loop(config: dict) -> None:
     result = tier.restore() if tier is not None else engine.restore(light=use_light)
     restore_seconds = time.monotonic() - started
     phases["restored"] = time.time()
-    worker_restores = ray.get([w.restore.remote(use_light) for w in workers])
+    worker_restores = ray.get([w.restore.remote(use_light) for w in pool.workers])
     phases["workers_restored"] = time.time()
     start = result.global_step
     if rank == 0:
@@ -281,32 +203,24 @@ def learner_loop(config: dict) -> None:
             },
         )
     scheduler = engine.scheduler(start_step=start) if tier is None else None  # with the tier: memory saves only
-    crash = config.get("crash")
     last = None  # (step, handle) of this rank's newest save
     while learner.progress.global_step < config["steps"]:
         metrics = learner.train_step()
         step = learner.progress.global_step
-        crasher = 0 if crash and crash["target"] == "rollout" else world - 1
-        if crash and rank == crasher and step == crash["step"] and not os.path.exists(crash["marker"]):
-            open(crash["marker"], "w").close()  # once per run: the restarted attempt goes on
-            if crash["target"] == "rollout":
-                # Wait for the kill to land (the actor may first finish a queued save): the call fails with
-                # the actor's death here, at this step, and Ray Train restarts the attempt.
-                _log(config, {"event": "kill", "step": step, "target": "rollout"})
-                learner.call_workers([workers[0].die.remote(step)], step)
-            else:
-                front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
-                last_beat(engine, step)
-                _log(config, {"event": "kill", "step": step, "target": "learner", "last_save": _save_outcome(last)})
-                os.kill(os.getpid(), signal.SIGKILL)
+        if fires(config.get("faults"), f"learner-{rank}", step) is not None:
+            front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
+            last_beat(engine, step)
+            _log(config, {"event": "kill", "step": step, "target": f"learner-{rank}", "last_save": _save_outcome(last)})
+            os.kill(os.getpid(), signal.SIGKILL)
         values = learner.snapshot_metrics()
         if tier is not None and tier.due(step):
             tier.wait()  # every due memory snapshot is taken (none skipped because the previous one still runs)
         handle = scheduler.step(step, metrics=values) if tier is None else tier.maybe_save(step, values)
+        if last is not None and tier is None and last[1].done() and last[1].exception() is None:
+            pool.truncate(last[0])  # a durable snapshot holding every worker: no worker rejoins from before it
         if handle is not None:  # the workers join the same snapshot: same step, same kind
             last = (step, handle)
-            for w in workers:
-                w.save.remote(step, handle.kind)
+            pool.cast("save", [(step, handle.kind)] * len(pool), step=step, save=True)
         if rank == 0:
             _log(
                 config,
@@ -329,7 +243,45 @@ def learner_loop(config: dict) -> None:
                 "avg_reward": learner.progress.avg_reward,
             },
         )
+    done = learner.progress.global_step  # every batch 0 .. done-1 of every worker of this rank trained once
+    replayed = replay_log(learner.auditor.log_path, len(pool)).report(complete_below=done)
+    _log(
+        config,
+        {
+            "event": "audit",
+            "rank": rank,
+            **learner.auditor.report(complete_below=done).to_json(),
+            "replayed": replayed.to_json(),
+        },
+    )
     front.close()
+
+
+STANDBY_PREFIX = "rl_ckpt-standby:"
+
+
+def start_standby(run_name: str, args: tuple) -> Any:
+    """A warm standby rollout worker (detached: a learner that made it may die, the worker it becomes must not)."""
+    import ray
+
+    cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(RolloutWorker)
+    name = f"{STANDBY_PREFIX}{run_name}:{uuid.uuid4().hex[:8]}"
+    return cls.options(name=name, lifetime="detached").remote(None, *args)
+
+
+def _standbys(run_name: str) -> list:
+    """The run's standby workers still alive (used or not)."""
+    import ray
+
+    prefix = f"{STANDBY_PREFIX}{run_name}:"
+    out = []
+    for item in ray.util.list_named_actors(all_namespaces=True):
+        if item["name"].startswith(prefix):
+            try:
+                out.append(ray.get_actor(item["name"], namespace=item["namespace"]))
+            except ValueError:
+                continue
+    return out
 
 
 def _num(x: float) -> float | str:
@@ -337,8 +289,7 @@ def _num(x: float) -> float | str:
 
 
 def _log(config: dict, msg: dict) -> None:
-    with open(config["log"], "a") as f:
-        f.write(json.dumps({**msg, "t": time.time()}) + "\n")
+    log_event(config["log"], msg)
 
 
 @dataclasses.dataclass
@@ -376,12 +327,18 @@ def run(
     log_dir: str | None = None,
     max_failures: int = 2,
     memory_tier: bool = False,
+    faults: list[dict] | None = None,
+    scoped: bool = True,
+    standbys: int = 0,
 ) -> RunResult:
     """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle.
 
     ``memory_tier``: memory snapshots (``MEMORY_DEFAULTS`` unless ``engine_cfg`` sets the ``memory_*`` keys)
     instead of durable saves by the trainer; the run's memory manager, service and stores are removed at the
-    end (the durable copies stay)."""
+    end (the durable copies stay). ``crash_at`` / ``crash_target``: one SIGKILL (a learner rank after that step,
+    or ``rollout-0`` in the middle of that step's collect), or ``faults`` (``rl_ckpt.demo.faults``) for several.
+    ``scoped``: a lost rollout worker is recovered alone (False: it fails the attempt, a group restart);
+    ``standbys``: warm standby workers per learner rank (else Ray's restart of the actor replaces it)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -417,16 +374,21 @@ def run(
     n_workers = learners * workers_per_learner
     participants = [f"learner-{r}" for r in range(learners)] + [f"rollout-{i}" for i in range(n_workers)]
     memory = start_memory_tier(engine_cfg) if memory_tier else None
-    worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
-    workers = [
-        worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True).remote(
-            i, ppo, engine_cfg, manager, participants, memory
-        )
-        for i in range(n_workers)
-    ]
     log_dir = log_dir or base_dir
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"{run_name}.log.jsonl")
+    if faults is None and crash_at is not None:
+        target = f"learner-{learners - 1}" if crash_target == "learner" else "rollout-0"
+        moment = None if crash_target == "learner" else ppo["steps_per_train_step"] // 2  # mid-rollout
+        faults = [{"id": 0, "target": target, "step": crash_at, "moment": moment}]
+    faults = [{**f, "marker": os.path.join(log_dir, f"{run_name}.fault-{f['id']}")} for f in faults or ()]
+    args = (ppo, engine_cfg, manager, participants, memory, faults, log_path)
+    worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
+    workers = [
+        worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True).remote(i, *args)
+        for i in range(n_workers)
+    ]
+    factory = functools.partial(start_standby, run_name, args)
     config = {
         "engine": engine_cfg,
         "ppo": ppo,
@@ -437,13 +399,11 @@ def run(
         "steps": steps,
         "log": log_path,
         "memory": memory,
+        "faults": faults,
+        "scoped": scoped,
+        "standbys": {r: [factory() for _ in range(standbys)] for r in range(learners)},
+        "standby_factory": factory if standbys else None,
     }
-    if crash_at is not None:
-        config["crash"] = {
-            "step": crash_at,
-            "target": crash_target,
-            "marker": os.path.join(log_dir, f"{run_name}.crashed"),
-        }
     trainer = TorchTrainer(
         learner_loop,
         train_loop_config=config,
@@ -457,9 +417,12 @@ def run(
         ),
     )
     trainer.fit()
-    ray.get([w.close.remote() for w in workers])  # finished, not lost
-    for w in workers:
-        ray.kill(w)
+    names = [f"rollout-{i}" for i in range(n_workers)]
+    now = ray.get(manager.participant_handles.remote(names), timeout=60)  # standbys may have replaced some
+    current = [now.get(n, w) for n, w in zip(names, workers)]
+    ray.get([w.close.remote() for w in current])  # finished, not lost
+    for w in {*current, *workers, *_standbys(run_name)}:
+        ray.kill(w, no_restart=True)
     status = stop_memory_tier(memory, engine_cfg) if memory is not None else None
     with open(log_path) as f:
         log = [json.loads(line) for line in f]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from rl_ckpt.demo.grpo import GRPOConfig, Progress, make_policy, update
+from rl_ckpt.demo.faults import log_event
 from rl_ckpt.demo.grpo_rollout import memory_source, start_actors
 
 ENGINE_DEFAULTS = {"keep_latest": 4, "keep_best": 0, "commit_timeout_seconds": 60.0}
@@ -63,16 +64,6 @@ def actors_of(rank: int, world: int, n_actors: int) -> list[int]:
 
 def _split(items: list[int], parts: int) -> list[list[int]]:
     return [items[i * len(items) // parts : (i + 1) * len(items) // parts] for i in range(parts)]
-
-
-def log_event(path: str, msg: dict) -> None:
-    """Append one JSON line (with a wall-clock time): a single write, so concurrent ranks never interleave."""
-    line = (json.dumps({**msg, "t": time.time()}) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 def learner_loop(config: dict) -> None:

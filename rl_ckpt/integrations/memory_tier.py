@@ -33,7 +33,7 @@ from rl_ckpt._recovery.tiers import TieredPlan, plan_across_tiers
 from rl_ckpt._run.delete import delete_snapshot
 from rl_ckpt._run.retention import KeepLatest
 from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
-from rl_ckpt._run.tiers import MEMORY
+from rl_ckpt._run.tiers import DURABLE, MEMORY
 from rl_ckpt._storage import open_storage
 
 log = logging.getLogger("rl_ckpt")
@@ -189,6 +189,23 @@ class MemoryTier:
         return result
 
     tier_restored: str | None = None
+
+    def rejoin(self) -> RestoreResult:
+        """A replaced participant takes back its own state (``CheckpointEngine.rejoin``) from the newest committed
+        snapshot holding it across both tiers, memory first on a tie (it loads fastest); a memory snapshot that
+        fails (its store lost, a checksum) falls back to older ones, then to durable storage. Nothing run-wide
+        happens: no plan, no decision, nothing retired; the other participants go on."""
+        with self.memory.storage.read_session():
+            newest_durable = next(self.durable.restorer.holding_this_participant(), None)
+            floor = parse_snapshot_id(newest_durable)[0] - 1 if newest_durable else None
+            result = self.memory.rejoin(newer_than=floor)  # a memory snapshot as new as durable's newest, or newer
+            self.tier_restored = MEMORY if result.snapshot_id is not None else None
+            if result.snapshot_id is None:
+                skipped = result.skipped
+                result = self.durable.rejoin()
+                result.skipped.update(skipped)
+                self.tier_restored = DURABLE if result.snapshot_id is not None else None
+        return result
 
     def _record_restore(self, tiered: TieredPlan, result: RestoreResult) -> None:
         decision = tiered.durable.decision if tiered.durable is not None else None
