@@ -296,10 +296,11 @@ class CheckpointManager:
     def failures(self) -> list[dict]:
         return self.recovery.failures()
 
-    def plan(self) -> dict:
+    def plan(self, light: bool = True) -> dict:
         """The recovery plan every participant follows (the same for all until something changes;
-        actors/_manager/recovery.py)."""
-        return self.recovery.plan()
+        actors/_manager/recovery.py); ``light=False``: participants that apply no light layer (none is chosen, and
+        light layers newer than the target are retired with the rest of the failed timeline)."""
+        return self.recovery.plan(light)
 
     # -- liveness (_participants.py) ---------------------------------------------
     def register(self, participant: str, meta: dict, handle: Any = None) -> None:

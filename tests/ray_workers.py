@@ -66,18 +66,18 @@ class Participant:
         self.engine.register("env", self.env)
         self.engine.register("rng", RNGState())
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, kind: str = "full") -> str:
         self.env.set_step(step)
         with torch.no_grad():
             self.model.weight.fill_(float(step))
-        return self.engine.save(step, metrics={"avg_reward": float(step)}).snapshot_id
+        return self.engine.save(step, metrics={"avg_reward": float(step)}, kind=kind).snapshot_id
 
     def save_async(self, step: int):
         self.env.set_step(step)
         return self.engine.save_async(step, metrics={"avg_reward": float(step)})
 
-    def restore(self) -> tuple:
-        r = self.engine.restore()
+    def restore(self, light: bool = True) -> tuple:
+        r = self.engine.restore(light=light)
         return r.snapshot_id, r.global_step, self.env.step, float(self.model.weight[0, 0])
 
     def beat(self, step: int) -> None:

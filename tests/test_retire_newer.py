@@ -280,3 +280,34 @@ def test_the_manager_retires_once_for_every_participant(ray_cluster, tmp_path):
         assert list(_records(run)) == [S(2)]  # retired once
     finally:
         ray.kill(mgr)
+
+
+def test_participants_without_light_layers_get_a_plan_that_retires_the_newer_light(ray_cluster, tmp_path):
+    """Participants that apply no light layer (``restore(light=False)``) ask the manager for such a plan: its target
+    is the full snapshot and the light layer built on it, newer, is retired with the failed timeline; the new
+    timeline saves that light step again instead of colliding with it."""
+    import uuid
+
+    from actors import CheckpointManager
+    from ray_workers import Participant
+
+    ray = ray_cluster
+    name = f"nolight-{uuid.uuid4().hex[:8]}"
+    base = str(tmp_path)
+    mgr = CheckpointManager.get_or_create(run_name=name, base_dir=base, keep_latest=10, healthz_port=None)
+    parts = ["learner-0", "learner-1"]
+    actor = ray.remote(num_cpus=0)(Participant)
+    try:
+        group = [actor.remote(base, name, mgr, rank, 2, "learner", parts) for rank in (0, 1)]
+        assert ray.get([p.save.remote(10) for p in group]) == [S(10)] * 2
+        light = S(15) + ".light"
+        assert ray.get([p.save.remote(15, "light") for p in group]) == [light] * 2
+        ray.get(mgr.record_failure.remote({"kind": "process_killed", "step": 17, "participant": "learner-1"}))
+        restored = ray.get([p.restore.remote(False) for p in group])
+        assert [r[:2] for r in restored] == [(S(10), 10)] * 2
+        plan = ray.get(mgr.plan.remote(False))
+        assert (plan["target"], plan["light"], plan["continue_from_step"]) == (S(10), None, 10)
+        assert plan["retired"] == [light] and light in _records(Path(base) / name)
+        assert ray.get([p.save.remote(15, "light") for p in group]) == [light] * 2  # saved again, no collision
+    finally:
+        ray.kill(mgr)

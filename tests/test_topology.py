@@ -53,8 +53,8 @@ class FakeClient:
         self.calls.append(("decide_step", global_step, kind, busy, interval))
         return "full", True
 
-    def recovery_plan(self, failure):
-        self.calls.append(("plan", failure))
+    def recovery_plan(self, failure, light=True):
+        self.calls.append(("plan", failure) if light else ("plan", failure, "no light"))
         return RecoveryPlan("mem://run", "start_fresh", "the manager's plan", retired=["step_000000009"]).to_json()
 
     def unregister(self) -> None:

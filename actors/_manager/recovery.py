@@ -84,7 +84,7 @@ class ManagerRecovery:
         recorded = self.failures()
         return recorded[-1] if recorded else None
 
-    def plan(self) -> dict:
+    def plan(self, light: bool = True) -> dict:
         """The recovery plan every participant follows (the same for all until something changes).
 
         The newest failure not yet answered by a decision goes to the coordinator;
@@ -96,8 +96,8 @@ class ManagerRecovery:
             failures = self.failures()
             answered = {d.failure.time for d in decisions}
             open_failures = [f for f in failures if f.get("time") not in answered]
-            key = plan_key(failures, decisions, self.catalog)
-            if self.plan_cache is not None and self.plan_cache[0][0] == key[0] and self.plan_cache[0][2] == key[2]:
+            key = (*plan_key(failures, decisions, self.catalog), light)
+            if self.plan_cache is not None and self.plan_cache[0][0] == key[0] and self.plan_cache[0][2:] == key[2:]:
                 return self.plan_cache[1]
             # Saves still pending belong to the timeline being recovered from: finishing one with the
             # restarted participants' reports would mix two timelines in one snapshot.
@@ -115,11 +115,12 @@ class ManagerRecovery:
                 failure=failure,
                 deep=True,
                 probes=probe_check(self.config),
+                light=light,
             )
             if plan.decision is not None:
                 record_decision(self.storage, plan.decision)
             if plan.action == "restore":  # the failed timeline's newer snapshots, once for all (retire_for_plan)
                 plan.retired = retire_for_plan(self.storage, self.catalog, plan, by="manager")
             body = plan.to_json()
-            self.plan_cache = (plan_key(failures, decisions, self.catalog), body)  # as the next caller sees the run
+            self.plan_cache = ((*plan_key(failures, decisions, self.catalog), light), body)  # as the next caller sees
             return body

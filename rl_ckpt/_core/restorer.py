@@ -168,7 +168,9 @@ class Restorer:
 
         # The topology's plan: this process's own, or with a manager one plan for all, made (and recorded) by it.
         topology = self.registry.topology
-        plan = topology.recovery_plan(failure, snapshot_id, self.storage, self.registry.restart_mesh(), build)
+        plan = topology.recovery_plan(
+            failure, snapshot_id, self.storage, self.registry.restart_mesh(), build, light=light
+        )
         # The restoring group is this process's to know.
         plan.new_ranks = new_rank_lines(
             self.storage, plan.target, self.registry.group(), self.registry.per_rank(), self.config.new_rank_state

@@ -141,6 +141,7 @@ class Topology:
         storage: Storage,
         restart_mesh: dict | None,
         build: Callable[[], RecoveryPlan],
+        light: bool = True,
     ) -> RecoveryPlan:
         """The plan this process restores by: its own (``build()``)."""
         return build()
@@ -306,11 +307,13 @@ class Managed(_Participants):
         storage: Storage,
         restart_mesh: dict | None,
         build: Callable[[], RecoveryPlan],
+        light: bool = True,
     ) -> RecoveryPlan:
-        """One plan for all, made (and recorded) by the manager; a named snapshot is this process's own plan."""
+        """One plan for all, made (and recorded) by the manager; a named snapshot is this process's own plan.
+        ``light``: whether the participants apply light layers (the manager retires what the plan will not load)."""
         if snapshot_id is not None:
             return build()
-        plan = RecoveryPlan.from_json(self.client.recovery_plan(failure.to_json() if failure else None))
+        plan = RecoveryPlan.from_json(self.client.recovery_plan(failure.to_json() if failure else None, light))
         plan.layout = layout_line(storage, plan.target, restart_mesh)  # not the manager's to know
         return plan
 

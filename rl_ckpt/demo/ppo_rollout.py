@@ -127,7 +127,7 @@ class RolloutWorker(ScopedWorker):
         return out
 
     def _die(self, fault: dict, global_step: int) -> None:
-        """The fault: SIGKILL this worker in the middle of the collect for step ``global_step + 1``."""
+        """The fault: SIGKILL this worker during step ``global_step + 1`` (its collect, or its save)."""
         last_beat(self.engine, global_step)  # the manager knows how far it got (a group restart names the step)
         if self.log_path:
             log_event(self.log_path, {"event": "kill", "step": global_step + 1, "target": self.name, "fault": fault})
@@ -137,6 +137,9 @@ class RolloutWorker(ScopedWorker):
         """Stage now (the state as of this call), persist in the background; same step and kind as the learners."""
         self._check_ready()
         self._settle()  # one in flight
+        fault = fires(self.faults, self.name, step, "save")
+        if fault is not None:  # before its part of the snapshot: the run's manager waits for it
+            self._die(fault, step - 1)
         self.pending = self.tier.save(step) if self.tier is not None else self.engine.save_async(step, kind=kind)
 
     def _settle(self) -> None:

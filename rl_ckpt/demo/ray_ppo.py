@@ -203,7 +203,7 @@ def learner_loop(config: dict) -> None:
             },
         )
     scheduler = engine.scheduler(start_step=start) if tier is None else None  # with the tier: memory saves only
-    last = None  # (step, handle) of this rank's newest save
+    last = full = None  # (step, handle) of this rank's newest save, and of its newest full durable one
     while learner.progress.global_step < config["steps"]:
         metrics = learner.train_step()
         step = learner.progress.global_step
@@ -216,10 +216,12 @@ def learner_loop(config: dict) -> None:
         if tier is not None and tier.due(step):
             tier.wait()  # every due memory snapshot is taken (none skipped because the previous one still runs)
         handle = scheduler.step(step, metrics=values) if tier is None else tier.maybe_save(step, values)
-        if last is not None and tier is None and last[1].done() and last[1].exception() is None:
-            pool.truncate(last[0])  # a durable snapshot holding every worker: no worker rejoins from before it
+        if full is not None and full[1].done() and full[1].exception() is None:
+            pool.truncate(full[0])  # a full durable snapshot holding every worker: none rejoins from before it
+            full = None
         if handle is not None:  # the workers join the same snapshot: same step, same kind
             last = (step, handle)
+            full = last if tier is None and handle.kind == "full" else full
             pool.cast("save", [(step, handle.kind)] * len(pool), step=step, save=True)
         if rank == 0:
             _log(

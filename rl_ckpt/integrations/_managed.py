@@ -102,11 +102,12 @@ class ManagerClient:
         )
         return got["kind"], got["save"]
 
-    def recovery_plan(self, failure: dict | None) -> dict:
-        """The manager's one recovery plan for every participant (JSON), after recording ``failure`` if given."""
+    def recovery_plan(self, failure: dict | None, light: bool = True) -> dict:
+        """The manager's one recovery plan for every participant (JSON), after recording ``failure`` if given;
+        ``light``: with the newest light layer on its target (the participants apply light layers)."""
         if failure is not None:
             _ray_get(self.manager.record_failure.remote(failure), timeout=60, name=self.name)
-        return _ray_get(self.manager.plan.remote(), timeout=self.commit_timeout, name=self.name)
+        return _ray_get(self.manager.plan.remote(light), timeout=self.commit_timeout, name=self.name)
 
     def unregister(self) -> None:
         """A clean exit, not a lost heartbeat (fire and forget)."""
