@@ -58,6 +58,7 @@ class Recovery:
     restored: str | None  # the snapshot it took its state back from (None: none held it yet)
     restored_step: int | None
     tier: str | None  # "memory" / "durable" when the worker says
+    skipped: dict  # snapshots its rejoin passed over (damaged, lost), with why
     replayed_steps: list[int]
     saves_completed: list[int]  # steps of pending snapshots its replay reported
     seconds: float  # failure seen -> the call's result in hand
@@ -72,6 +73,8 @@ class Recovery:
         source = f"{self.restored} ({self.tier})" if self.restored else "its initial state (no snapshot held it)"
         steps = f"steps {self.replayed_steps[0]}-{self.replayed_steps[-1]}" if self.replayed_steps else "nothing"
         saves = f"; completed the pending save of step {self.saves_completed}" if self.saves_completed else ""
+        if self.skipped:
+            saves += f"; passed over {', '.join(self.skipped)} (damaged or lost)"
         return (
             f"{self.participant} lost at step {self.step} ({self.cause[:120]}): {self.replacement} in "
             f"{self.replace_seconds:.2f} s, state from {source}, replayed {steps}{saves}; the {self.method} of step "
@@ -282,6 +285,7 @@ class RolloutPool:
             restored=back.get("snapshot_id"),
             restored_step=restored_step,
             tier=back.get("tier"),
+            skipped=dict(back.get("skipped") or {}),
             replayed_steps=sorted({e.step for e in calls if not e.save}),
             saves_completed=sorted({e.step for e in calls if e.save}),
             seconds=0.0,

@@ -11,6 +11,11 @@ snapshots every 2 steps, durable copies made from memory) and both are printed
 side by side; ``--no-memory-tier`` skips it. ``--sharded`` does the same with
 FSDP2 learners restarted on fewer ranks; ``--rllib`` runs RLlib's PPO with rl_ckpt's
 ``CheckpointCallback`` next to RLlib's own checkpoints (an EnvRunner and the driver killed).
+
+``--crash-target rollout`` kills a rollout worker mid-rollout instead, and prints the old recovery (a group
+restart) beside the scoped one (the worker recovered alone, by Ray's restart of it and by a warm standby).
+``--chaos`` runs many faults in one run (rollout workers mostly, learner ranks, the manager, a memory store, a
+damaged chunk) and prints how each was recovered, then the verdict.
 """
 
 from __future__ import annotations
@@ -119,6 +124,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="training steps (default 50; --sharded: 40)")
     p.add_argument("--crash-at", type=int, help="SIGKILL at this step (default 27; --sharded: 18)")
     p.add_argument("--crash-target", choices=["learner", "rollout"], default="learner")
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="many faults in one run (default 20 over 200 steps), each recovered by the smallest exact rung; "
+        "a table of them and the verdict (bitwise equal to an uninterrupted run, auditors 0/0)",
+    )
+    p.add_argument("--faults", type=int, default=20, help="--chaos: how many faults (default 20)")
+    p.add_argument("--standby", action="store_true", help="--chaos: a warm standby rollout worker per learner")
     p.add_argument("--base-dir", help="where to write snapshots (default: a fresh temp folder)")
     p.add_argument("--address", help="attach to this Ray cluster instead of starting a local one")
     p.add_argument("--seed", type=int, default=0)
@@ -148,7 +161,7 @@ def main(argv=None) -> int:
     if args.local and args.memory_tier:
         p.error("--memory-tier needs Ray (the memory stores are Ray actors): leave out --local, or --memory-tier")
     args.memory_tier = not args.local if args.memory_tier is None else args.memory_tier
-    args.steps = args.steps or (40 if args.sharded else 50)
+    args.steps = args.steps or (200 if args.chaos else 40 if args.sharded else 50)
     args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
@@ -223,6 +236,16 @@ def main(argv=None) -> int:
         print(report.text)
         ray.shutdown()
         return 0 if report.ok else 1
+    if args.chaos or args.crash_target == "rollout":
+        from rl_ckpt.demo.scoped_drill import chaos_drill, rollout_drill
+
+        if args.chaos:
+            text, ok = chaos_drill(base, args.steps, args.faults, seed=args.seed, standby=args.standby)
+        else:
+            text, ok = rollout_drill(base, args.steps, args.crash_at, seed=args.seed, memory_tier=args.memory_tier)
+        print(text)
+        ray.shutdown()
+        return 0 if ok else 1
     engine_cfg = {
         "save_interval_steps": 10,
         "light_interval_steps": 5,

@@ -110,3 +110,66 @@ def memory_comparison(
     if durable_exact is not None or memory_exact is not None:
         rows.append(row("exact restart", "YES" if durable_exact else "NO", "YES" if memory_exact else "NO"))
     return "\n".join(rows)
+
+
+def scoped_figures(run) -> dict[str, Any]:
+    """What a lost rollout worker cost ``run``: recovered alone (``RolloutPool``) or by a group restart, whichever
+    the log shows after the first ``kill`` of a rollout worker."""
+    kill = next((m for m in run.log if m["event"] == "kill" and str(m.get("target", "")).startswith("rollout")), None)
+    if kill is None:
+        return {}
+    t = kill["t"]
+    scoped = next((m for m in run.log if m["event"] == "scoped_recovery" and m["t"] > t), None)
+    restart = next((m for m in run.log if m["event"] == "attempt" and m["t"] > t), None)
+    if scoped is not None and (restart is None or scoped["t"] < restart["t"]):
+        nxt = next((m for m in run.log if m["event"] == "step" and m["t"] > t and m["step"] >= kill["step"]), None)
+        ours = scoped["rejoin_seconds"] + scoped["replay_seconds"]
+        return {
+            "how": f"alone: {'warm standby' if scoped['replacement'] == 'standby' else 'Ray actor restart'}",
+            "restored": f"{scoped['restored'] or '-'} ({scoped['tier'] or 'initial state'})",
+            "undone": 0,
+            "redone": f"{len(scoped['replayed_steps'])} collect(s) replayed + the lost one",
+            "to_step": (nxt["t"] - t) if nxt else math.nan,
+            "ray": scoped["replace_seconds"],
+            "ours": ours,
+        }
+    if restart is None:
+        return {}
+    fig = crash_figures(run, {"decisions": [], "failures": []}, kill["step"])
+    first = next((m for m in run.log if m["event"] == "step" and m["t"] > restart["t"]), None)
+    began = (restart.get("phases") or {}).get("began")
+    return {
+        "how": "group restart (Ray Train)",
+        "restored": f"{restart['restored']} ({restart.get('tier') or 'durable'})",
+        "undone": kill["step"] - restart["step"],
+        "redone": f"{kill['step'] - restart['step']} step(s) of every participant",
+        "to_step": (first["t"] - t) if first else math.nan,
+        "ray": (began - t) if began else math.nan,
+        "ours": fig["resume_seconds"],
+    }
+
+
+def rollout_comparison(columns: list[tuple[str, dict, bool]]) -> str:
+    """A lost rollout worker, side by side: ``(title, scoped_figures(run), exact)`` per run (the lines
+    ``tests/test_demo_ray.py`` parses)."""
+
+    def row(name: str, values: list[str]) -> str:
+        return f"  {name:<22}" + "".join(f"{v:<30}" for v in values)
+
+    def secs(x: float) -> str:
+        return "-" if x != x else f"{x:.2f} s"
+
+    figs = [f for _t, f, _e in columns]
+    return "\n".join(
+        [
+            row("", [t for t, _f, _e in columns]),
+            row("recovered", [f.get("how", "-") for f in figs]),
+            row("state from", [f.get("restored", "-") for f in figs]),
+            row("learner steps undone", [str(f.get("undone", "-")) for f in figs]),
+            row("rollout work redone", [f.get("redone", "-") for f in figs]),
+            row("kill to next step", [secs(f.get("to_step", math.nan)) for f in figs]),
+            row("  of which Ray", [secs(f.get("ray", math.nan)) for f in figs]),
+            row("  of which rl_ckpt", [secs(f.get("ours", math.nan)) for f in figs]),
+            row("exact", ["YES" if e else "NO" for _t, _f, e in columns]),
+        ]
+    )

@@ -170,6 +170,7 @@ class RolloutWorker(ScopedWorker):
             "snapshot_id": result.snapshot_id,
             "step": result.global_step if result.snapshot_id else None,
             "tier": tier,
+            "skipped": {sid: why[:300] for sid, why in result.skipped.items()},
             "seconds": time.monotonic() - started,
         }
 

@@ -44,6 +44,7 @@ import torch
 
 from rl_ckpt import CheckpointEngine, RNGState
 from rl_ckpt.data import ConsumptionAuditor, replay_log
+from rl_ckpt.demo.chaos import strike
 from rl_ckpt.demo.faults import fires, log_event
 from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer
 from rl_ckpt.demo.ppo_rollout import RolloutWorker
@@ -198,6 +199,7 @@ def learner_loop(config: dict) -> None:
                 "workers": worker_restores,
                 "tier": tier_name,
                 "restore_seconds": restore_seconds,
+                "skipped": {sid: why[:300] for sid, why in result.skipped.items()},
                 "phases": phases,
                 "plan": str(result.plan) if result.plan is not None else "",
             },
@@ -207,10 +209,12 @@ def learner_loop(config: dict) -> None:
     while learner.progress.global_step < config["steps"]:
         metrics = learner.train_step()
         step = learner.progress.global_step
-        if fires(config.get("faults"), f"learner-{rank}", step) is not None:
+        fault = fires(config.get("faults"), f"learner-{rank}", step)
+        if fault is not None:
             front.wait()  # the snapshot in flight commits first: what a restart finds does not depend on load
             last_beat(engine, step)
-            _log(config, {"event": "kill", "step": step, "target": f"learner-{rank}", "last_save": _save_outcome(last)})
+            killed = {"step": step, "target": f"learner-{rank}", "last_save": _save_outcome(last), "fault": fault}
+            _log(config, {"event": "kill", **killed})
             os.kill(os.getpid(), signal.SIGKILL)
         values = learner.snapshot_metrics()
         if tier is not None and tier.due(step):
@@ -223,6 +227,8 @@ def learner_loop(config: dict) -> None:
             last = (step, handle)
             full = last if tier is None and handle.kind == "full" else full
             pool.cast("save", [(step, handle.kind)] * len(pool), step=step, save=True)
+        if rank == 0 and config.get("faults"):
+            strike(config, step, tier)  # the chaos drill's faults that are not a participant's own death
         if rank == 0:
             _log(
                 config,
@@ -384,6 +390,7 @@ def run(
         moment = None if crash_target == "learner" else ppo["steps_per_train_step"] // 2  # mid-rollout
         faults = [{"id": 0, "target": target, "step": crash_at, "moment": moment}]
     faults = [{**f, "marker": os.path.join(log_dir, f"{run_name}.fault-{f['id']}")} for f in faults or ()]
+    max_failures = max(max_failures, 1 + sum(f["target"].startswith("learner") for f in faults))  # one restart each
     args = (ppo, engine_cfg, manager, participants, memory, faults, log_path)
     worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
     workers = [
