@@ -250,3 +250,26 @@ def test_lost_rollout_workers_cost_the_learners_nothing(ray_cluster, reference):
     assert "process_killed" not in kinds, kinds  # nothing went up to Ray Train
     assert not (run_dir / "decisions").exists() or not list((run_dir / "decisions").iterdir())
     assert ray_cluster.get(result.manager.stats.remote())["aborted"] == 0
+
+
+def test_rollout_workers_lost_with_their_node_are_recovered_alone(reference, tmp_path):
+    """Both rollout workers on the worker node of a 2-node cluster, which is removed mid-run: their memory snapshots
+    go with the node's store; each is restarted on the head node, takes back its newest durable snapshot and replays
+    the collects since, while the learners wait for the missing batches only; the run ends bitwise equal."""
+    from node_cluster import run_node_script
+
+    _base, ref = reference
+    out = run_node_script("scoped_nodes.py", str(tmp_path), str(STEPS), "24", lines=1)[0]
+    log = out["log"]
+    assert out["error"] is None and out["removed_at"] is not None, out
+    steps = [m["step"] for m in log if m["event"] == "step"]
+    assert steps == list(range(1, STEPS + 1)) and len([m for m in log if m["event"] == "attempt"]) == 1, steps
+    recovered = {m["participant"]: m for m in log if m["event"] == "scoped_recovery"}
+    assert set(recovered) == {"rollout-0", "rollout-1"}, recovered
+    for r in recovered.values():  # the memory copies left with the node: the durable snapshot, then the journal
+        assert r["tier"] == "durable" and r["restored_step"] in (10, 20) and r["replacement"] == "restart", r
+        assert r["replayed_steps"] == list(range(r["restored_step"] + 1, r["step"])), r
+    done = next(m for m in log if m["event"] == "done")
+    assert done["digest"] == ref.done["digest"]
+    audits = [m for m in log if m["event"] == "audit"]
+    assert len(audits) == 2 and all(a["skipped"] == a["duplicated"] == 0 for a in audits), audits

@@ -39,7 +39,11 @@ def matches(ref, run, crash_at: int) -> tuple[bool, bool]:
 
 # Kill to first step, split: Ray's part (the death noticed, a new worker group up to the train function) and
 # the run's own (from the train function's first line to its first step: set up, plan, restore, workers).
-SPLIT = (("ray_restart_seconds", "  of which Ray"), ("resume_seconds", "  of which resume"))
+SPLIT = (
+    ("ray_restart_seconds", "  of which Ray"),
+    ("resume_seconds", "  of which resume"),
+    ("product_seconds", "    rl_ckpt's share"),
+)
 
 
 def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
@@ -53,7 +57,12 @@ def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
     restored_step = resumed["step"] if resumed else 0
     kill = next((m for m in run.log if m["event"] == "kill"), None)
     back = min((m["t"] for m in run.log if m["event"] == "step" and resumed and m["t"] > resumed["t"]), default=None)
-    began = (resumed.get("phases") or {}).get("began") if resumed else None
+    phases = (resumed.get("phases") or {}) if resumed else {}
+    began = phases.get("began")
+    # rl_ckpt's own share of the restart: the workers' pool, the engines, the plan and restore, the workers told
+    # (not the train function's model and optimizer, nor the first training step).
+    parts = [("began", "pool"), ("learner", "workers_restored")]
+    product = sum(phases[b] - phases[a] for a, b in parts) if all(k in phases for p in parts for k in p) else math.nan
     return {
         "failure": failure,
         "decision": decision,
@@ -69,6 +78,7 @@ def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
         # the run's own restart (engine and tiers set up, restore, rollout workers restored, the first step).
         "ray_restart_seconds": (began - kill["t"]) if (kill and began) else math.nan,
         "resume_seconds": (back - began) if (back and began) else math.nan,
+        "product_seconds": product,
     }
 
 
@@ -114,7 +124,9 @@ def memory_comparison(
 
 def scoped_figures(run) -> dict[str, Any]:
     """What a lost rollout worker cost ``run``: recovered alone (``RolloutPool``) or by a group restart, whichever
-    the log shows after the first ``kill`` of a rollout worker."""
+    the log shows after the first ``kill`` of a rollout worker. Seconds from the kill: until the learners saw the
+    failure, the replacement was up, rl_ckpt's own share (rejoin + replay; or engines, plan, restore, workers told),
+    until the lost work was back in the learners' hands, and until the next training step was done."""
     kill = next((m for m in run.log if m["event"] == "kill" and str(m.get("target", "")).startswith("rollout")), None)
     if kill is None:
         return {}
@@ -123,15 +135,17 @@ def scoped_figures(run) -> dict[str, Any]:
     restart = next((m for m in run.log if m["event"] == "attempt" and m["t"] > t), None)
     if scoped is not None and (restart is None or scoped["t"] < restart["t"]):
         nxt = next((m for m in run.log if m["event"] == "step" and m["t"] > t and m["step"] >= kill["step"]), None)
-        ours = scoped["rejoin_seconds"] + scoped["replay_seconds"]
+        seen = scoped["t"] - scoped["seconds"] - t  # the event is logged as the batch comes back
         return {
-            "how": f"alone: {'warm standby' if scoped['replacement'] == 'standby' else 'Ray actor restart'}",
+            "how": "alone: " + ("warm standby" if scoped["replacement"] == "standby" else "Ray actor restart"),
             "restored": f"{scoped['restored'] or '-'} ({scoped['tier'] or 'initial state'})",
             "undone": 0,
-            "redone": f"{len(scoped['replayed_steps'])} collect(s) replayed + the lost one",
+            "redone": f"{len(scoped['replayed_steps'])} collects replayed + 1",
+            "seen": seen,
+            "replace": scoped["replace_seconds"],
+            "ours": scoped["rejoin_seconds"] + scoped["replay_seconds"],
+            "waited": scoped["t"] - t,
             "to_step": (nxt["t"] - t) if nxt else math.nan,
-            "ray": scoped["replace_seconds"],
-            "ours": ours,
         }
     if restart is None:
         return {}
@@ -142,10 +156,12 @@ def scoped_figures(run) -> dict[str, Any]:
         "how": "group restart (Ray Train)",
         "restored": f"{restart['restored']} ({restart.get('tier') or 'durable'})",
         "undone": kill["step"] - restart["step"],
-        "redone": f"{kill['step'] - restart['step']} step(s) of every participant",
+        "redone": f"{kill['step'] - restart['step']} steps, everyone",
+        "seen": math.nan,
+        "replace": (began - t) if began else math.nan,
+        "ours": fig["product_seconds"],
+        "waited": (first["t"] - t) if first else math.nan,
         "to_step": (first["t"] - t) if first else math.nan,
-        "ray": (began - t) if began else math.nan,
-        "ours": fig["resume_seconds"],
     }
 
 
@@ -154,7 +170,7 @@ def rollout_comparison(columns: list[tuple[str, dict, bool]]) -> str:
     ``tests/test_demo_ray.py`` parses)."""
 
     def row(name: str, values: list[str]) -> str:
-        return f"  {name:<22}" + "".join(f"{v:<30}" for v in values)
+        return f"  {name:<24}" + "".join(f"{v:<31}" for v in values)
 
     def secs(x: float) -> str:
         return "-" if x != x else f"{x:.2f} s"
@@ -167,9 +183,11 @@ def rollout_comparison(columns: list[tuple[str, dict, bool]]) -> str:
             row("state from", [f.get("restored", "-") for f in figs]),
             row("learner steps undone", [str(f.get("undone", "-")) for f in figs]),
             row("rollout work redone", [f.get("redone", "-") for f in figs]),
-            row("kill to next step", [secs(f.get("to_step", math.nan)) for f in figs]),
-            row("  of which Ray", [secs(f.get("ray", math.nan)) for f in figs]),
-            row("  of which rl_ckpt", [secs(f.get("ours", math.nan)) for f in figs]),
+            row("kill: failure seen", [secs(f.get("seen", math.nan)) for f in figs]),
+            row("kill: replacement up", [secs(f.get("replace", math.nan)) for f in figs]),
+            row("rl_ckpt's share", [secs(f.get("ours", math.nan)) for f in figs]),
+            row("kill: lost work back", [secs(f.get("waited", math.nan)) for f in figs]),
+            row("kill: next step done", [secs(f.get("to_step", math.nan)) for f in figs]),
             row("exact", ["YES" if e else "NO" for _t, _f, e in columns]),
         ]
     )

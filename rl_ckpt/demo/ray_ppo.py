@@ -165,7 +165,9 @@ def learner_loop(config: dict) -> None:
     k = config["workers_per_learner"]
     ppo = PPOConfig(**{**config["ppo"], "num_envs": config["ppo"]["num_envs"] * k})
     pool = worker_pool(config, rank, lambda event: _log(config, {"event": "scoped_recovery", **event.to_json()}))
+    phases["pool"] = time.time()
     learner = Learner(ppo, pool, audit_log=f"{config['log'][: -len('.log.jsonl')]}.audit-{rank}.jsonl")
+    phases["learner"] = time.time()  # the user's side: model, optimizer (its first one imports torch._dynamo)
     engine = CheckpointEngine(
         **config["engine"],
         manager=config["manager"],
@@ -338,6 +340,7 @@ def run(
     faults: list[dict] | None = None,
     scoped: bool = True,
     standbys: int = 0,
+    worker_node: str | None = None,
 ) -> RunResult:
     """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle.
 
@@ -346,7 +349,8 @@ def run(
     end (the durable copies stay). ``crash_at`` / ``crash_target``: one SIGKILL (a learner rank after that step,
     or ``rollout-0`` in the middle of that step's collect), or ``faults`` (``rl_ckpt.demo.faults``) for several.
     ``scoped``: a lost rollout worker is recovered alone (False: it fails the attempt, a group restart);
-    ``standbys``: warm standby workers per learner rank (else Ray's restart of the actor replaces it)."""
+    ``standbys``: warm standby workers per learner rank (else Ray's restart of the actor replaces it);
+    ``worker_node``: the node id the rollout workers start on (a soft preference: restarted elsewhere if it goes)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -393,6 +397,10 @@ def run(
     max_failures = max(max_failures, 1 + sum(f["target"].startswith("learner") for f in faults))  # one restart each
     args = (ppo, engine_cfg, manager, participants, memory, faults, log_path)
     worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
+    if worker_node is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        worker_cls = worker_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker_node, soft=True))
     workers = [
         worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True).remote(i, *args)
         for i in range(n_workers)
