@@ -61,6 +61,11 @@ def main() -> None:
                     done = [json.loads(line) for line in f if '"event": "step"' in line]
                 if done and done[-1]["step"] >= remove_at:
                     removed_at = done[-1]["step"]
+                    from ray.util.state import list_actors
+
+                    out["placed"] = {
+                        a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name
+                    }
                     log_event(log, {"event": "fault", "step": removed_at, "target": "node", "fault": {"id": -1}})
                     cluster.remove_node(worker)
                     break
@@ -73,6 +78,7 @@ def main() -> None:
                     "error": out.get("error"),
                     "node": node_id,
                     "removed_at": removed_at,
+                    "placed": out.get("placed"),
                     "log": result.log if result else [],
                 }
             ),

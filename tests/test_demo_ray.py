@@ -264,10 +264,12 @@ def test_rollout_workers_lost_with_their_node_are_recovered_alone(reference, tmp
     assert out["error"] is None and out["removed_at"] is not None, out
     steps = [m["step"] for m in log if m["event"] == "step"]
     assert steps == list(range(1, STEPS + 1)) and len([m for m in log if m["event"] == "attempt"]) == 1, steps
+    on_node = sorted(f"rollout-{n[-1]}" for n, node in out["placed"].items() if "rollout" in n and node == out["node"])
+    assert on_node == ["rollout-0", "rollout-1"], out["placed"]  # both started on the node removed
     recovered = {m["participant"]: m for m in log if m["event"] == "scoped_recovery"}
     assert set(recovered) == {"rollout-0", "rollout-1"}, recovered
     for r in recovered.values():  # the memory copies left with the node: the durable snapshot, then the journal
-        assert r["tier"] == "durable" and r["restored_step"] in (10, 20) and r["replacement"] == "restart", r
+        assert r["tier"] == "durable" and r["restored_step"] < 24 and r["replacement"] == "restart", r
         assert r["replayed_steps"] == list(range(r["restored_step"] + 1, r["step"])), r
     done = next(m for m in log if m["event"] == "done")
     assert done["digest"] == ref.done["digest"]

@@ -397,13 +397,16 @@ def run(
     max_failures = max(max_failures, 1 + sum(f["target"].startswith("learner") for f in faults))  # one restart each
     args = (ppo, engine_cfg, manager, participants, memory, faults, log_path)
     worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
-    if worker_node is not None:
+    placed: dict = {"get_if_exists": True}
+    if worker_node is not None:  # (Ray 2.60 ignores a scheduling strategy given with get_if_exists)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        worker_cls = worker_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker_node, soft=True))
+        # Soft: restarted elsewhere once the node is gone; but not spilled elsewhere while the node is there and
+        # busy starting workers (Ray's private switch for that: without it some workers start on another node).
+        strategy = NodeAffinitySchedulingStrategy(worker_node, soft=True, _spill_on_unavailable=False)
+        placed = {"scheduling_strategy": strategy}
     workers = [
-        worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", get_if_exists=True).remote(i, *args)
-        for i in range(n_workers)
+        worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", **placed).remote(i, *args) for i in range(n_workers)
     ]
     factory = functools.partial(start_standby, run_name, args)
     config = {
