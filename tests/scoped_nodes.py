@@ -1,8 +1,9 @@
 """A rollout worker's node removed mid-run, on a Ray cluster of two nodes on this machine
 (``ray.cluster_utils.Cluster``): the Ray PPO demo with the memory tier, its learners on the head node, its rollout
 workers on the worker node. Once the learners pass step ``remove_at`` the worker node is removed: both rollout
-workers die with it, and so does their node's memory store (their memory snapshots). Each is recovered alone,
-restarted on the head node, from its newest durable snapshot, replaying the collects since.
+workers die with it, and so does their node's memory store (their memory snapshots); a new worker node joins (as
+an autoscaler would bring one). Each worker is recovered alone, restarted by Ray on the new node, from its newest
+durable snapshot, replaying the collects since.
 
 Run by test_demo_ray.py in a process of its own (a process joins one Ray cluster only):
 ``python scoped_nodes.py <base_dir> <steps> <remove_at>`` prints one JSON line.
@@ -32,6 +33,9 @@ def main() -> None:
         "dedup_min_tensor_bytes": 4096,
     }
     with node_cluster("scoped-nodes", head_resources=4) as (ray, cluster):
+        import ray_train_cleaner
+
+        ray_train_cleaner.install()  # as the session's cluster: a loaded GCS is no dead controller
         worker = cluster.add_node(num_cpus=0, resources={"worker": 4})
         cluster.wait_for_nodes()
         node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "worker" in n["Resources"])
@@ -46,7 +50,7 @@ def main() -> None:
                     steps=steps,
                     engine_cfg=engine,
                     memory_tier=True,
-                    worker_node=node_id,
+                    worker_options={"resources": {"worker": 1}},
                 )
             except BaseException as exc:  # the main thread reports it
                 out["error"] = f"{type(exc).__name__}: {exc}"
@@ -68,6 +72,7 @@ def main() -> None:
                     }
                     log_event(log, {"event": "fault", "step": removed_at, "target": "node", "fault": {"id": -1}})
                     cluster.remove_node(worker)
+                    cluster.add_node(num_cpus=0, resources={"worker": 4})  # a new node joins, as an autoscaler's
                     break
             stop.wait(0.05)
         thread.join()

@@ -275,3 +275,35 @@ def test_rollout_workers_lost_with_their_node_are_recovered_alone(reference, tmp
     assert done["digest"] == ref.done["digest"]
     audits = [m for m in log if m["event"] == "audit"]
     assert len(audits) == 2 and all(a["skipped"] == a["duplicated"] == 0 for a in audits), audits
+
+
+def test_chaos_drill_every_fault_recovered_exactly(ray_cluster, reference):
+    """The chaos drill on the demo with the memory tier: seeded faults of every kind in one run (rollout workers
+    mid-collect or in their save, a damaged memory chunk then its worker, a learner rank, the manager, the memory
+    store), each recovered by the smallest rung that stays exact; bitwise equal to the uninterrupted run."""
+    from rl_ckpt.demo.chaos import chaos_report, chaos_table, plan_faults
+    from rl_ckpt.demo.ray_ppo import run
+
+    base, ref = reference
+    faults = plan_faults(seed=3, steps=STEPS, count=6, learners=2, workers=2, env_steps=16)
+    assert {f["kind"] for f in faults} == {"rollout", "chunk", "learner", "manager", "memory_store"}
+    assert len(faults) >= 7  # the chunk fault brings its worker's kill
+    result = run(base_dir=str(base), run_name="chaos", steps=STEPS, engine_cfg=ENGINE, memory_tier=True, faults=faults)
+    text, ok = chaos_report(ref.done["digest"], result, faults)
+    assert ok, text + "\n" + _why(base / "chaos", result)
+    rows = {r["id"]: r for r in chaos_table(result.log, faults)}
+    for f in faults:
+        r = rows[f["id"]]
+        if f["kind"] == "rollout":
+            assert r["recovery"].startswith("scoped") and r["undone"] == 0, (r, text)
+            if f.get("after_chunk"):
+                assert "fallback" in r["recovery"], (r, text)  # its newest memory snapshot was the damaged one
+        elif f["kind"] == "learner":
+            assert r["recovery"].startswith("group restart"), (r, text)
+        else:
+            assert r["recovery"] != "did not strike", (r, text)
+    assert "verdict: EXACT" in text
+    steps = [m["step"] for m in result.log if m["event"] == "step"]
+    restarts = [m for m in result.log if m["event"] == "attempt"][1:]
+    assert len(restarts) == 1  # the learner kill alone restarted the group
+    assert steps[-1] == STEPS and all(b == a + 1 for a, b in zip(steps, steps[1:]) if b > a), steps

@@ -340,7 +340,7 @@ def run(
     faults: list[dict] | None = None,
     scoped: bool = True,
     standbys: int = 0,
-    worker_node: str | None = None,
+    worker_options: dict | None = None,
 ) -> RunResult:
     """Run one PPO job on the connected Ray cluster; returns its step log and the manager handle.
 
@@ -350,7 +350,7 @@ def run(
     or ``rollout-0`` in the middle of that step's collect), or ``faults`` (``rl_ckpt.demo.faults``) for several.
     ``scoped``: a lost rollout worker is recovered alone (False: it fails the attempt, a group restart);
     ``standbys``: warm standby workers per learner rank (else Ray's restart of the actor replaces it);
-    ``worker_node``: the node id the rollout workers start on (a soft preference: restarted elsewhere if it goes)."""
+    ``worker_options``: Ray actor options of the rollout workers (e.g. ``resources`` placing them on some nodes)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -397,14 +397,8 @@ def run(
     max_failures = max(max_failures, 1 + sum(f["target"].startswith("learner") for f in faults))  # one restart each
     args = (ppo, engine_cfg, manager, participants, memory, faults, log_path)
     worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutWorker)
-    placed: dict = {"get_if_exists": True}
-    if worker_node is not None:  # (Ray 2.60 ignores a scheduling strategy given with get_if_exists)
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # Soft: restarted elsewhere once the node is gone; but not spilled elsewhere while the node is there and
-        # busy starting workers (Ray's private switch for that: without it some workers start on another node).
-        strategy = NodeAffinitySchedulingStrategy(worker_node, soft=True, _spill_on_unavailable=False)
-        placed = {"scheduling_strategy": strategy}
+    # (Ray 2.60 ignores a scheduling strategy or resources given with get_if_exists: only without options)
+    placed = dict(worker_options) if worker_options else {"get_if_exists": True}
     workers = [
         worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", **placed).remote(i, *args) for i in range(n_workers)
     ]
