@@ -47,6 +47,54 @@ def test_prompt_sampler_resumes_mid_epoch_and_at_the_epoch_boundary(tmp_path, cu
     assert head + resumed.take(30 - cut) == reference
 
 
+@pytest.mark.parametrize("save", ["last_index", "after_loop"])
+def test_prompt_sampler_registered_itself_in_a_plain_epoch_loop_resumes_at_the_epoch_end(tmp_path, save):
+    """``for epoch in range(start, 2): for idx in sampler``, a snapshot at epoch 0's last index (the epoch in
+    progress, 0, is saved) or after its loop (the next, 1): the resumed run is the uninterrupted one."""
+    from rl_ckpt import TrainingProgress
+
+    def run(stop: bool) -> list:
+        sampler, progress = PromptSampler(10, seed=3), TrainingProgress()
+        engine = CheckpointEngine(base_dir=str(tmp_path), run_name="loop")
+        engine.register("sampler", sampler)
+        engine.register("progress", progress)
+        engine.restore()
+        out = []
+        try:
+            for epoch in range(progress.epoch, 2):
+                progress.epoch = epoch
+                for idx in sampler:
+                    out.append((epoch, idx))
+                    if stop and save == "last_index" and len(out) == 10:
+                        engine.save(1)
+                        return out
+                progress.epoch = epoch + 1
+                if stop and save == "after_loop":
+                    engine.save(1)
+                    return out
+            return out
+        finally:
+            engine.close()
+
+    reference = PromptSampler(10, seed=3)
+    assert run(stop=True) + run(stop=False) == [(e, int(i)) for e in range(2) for i in reference.order(e)]
+
+
+def test_prompt_sampler_iteration_state_must_fit_the_sampler_state():
+    sampler = PromptSampler(10, seed=3)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "position": 0})
+    ended = iter(sampler)
+    ended.load_state_dict({"epoch": 1})  # epoch 1's iteration had ended (the sampler moved on): nothing left
+    assert list(ended) == [] and (sampler.epoch, sampler.position) == (2, 0)
+    assert len(list(iter(sampler))) == 10 and sampler.epoch == 3  # a new iteration: the next epoch, whole
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "position": 10})  # all handed out, not ended
+    assert list(iter(sampler)) == [] and (sampler.epoch, sampler.position) == (3, 0)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "position": 4})
+    for bad in ({"epoch": 0}, {"epoch": 1}, {"epoch": 3}, {"epoch": -1}, {"epoch": "2"}):
+        with pytest.raises(DataPositionError, match="PromptSampler"):
+            iter(sampler).load_state_dict(bad)
+
+
 def test_prompt_sampler_as_a_torch_sampler_in_a_stateful_dataloader(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
