@@ -286,6 +286,49 @@ def test_inflight_rollouts_resume_with_the_same_next_tokens(tmp_path):
         assert fresh.rollouts[k].tokens == ref.rollouts[k].tokens
 
 
+def test_inflight_log_probs_come_back_bit_for_bit_in_the_dtype_they_were_given(tmp_path):
+    given = {  # per rollout (prompt id): its log-probs, and the dtype they are kept in
+        1: ([-1.0986122886681098, torch.tensor(-0.1, dtype=torch.float64), 0], torch.float64),
+        2: ([torch.tensor(-1.0986122886681098), np.float32(-2.5e-8)], torch.float32),
+        3: ([torch.tensor(-1.0986, dtype=torch.bfloat16)], torch.bfloat16),
+        4: ([torch.tensor(-0.3, dtype=torch.float16), torch.tensor(-0.7, dtype=torch.bfloat16)], torch.float32),
+        5: ([torch.tensor(-0.3, dtype=torch.float32), -0.3], torch.float64),  # each held exactly by float64
+        6: ([], None),
+    }
+    worker = InflightRollouts()
+    for p, (logps, _) in given.items():
+        r = worker.begin(p, 0, seed=p)
+        for i, lp in enumerate(logps):
+            worker.extend(r.key, i, lp)
+    fresh = _roundtrip(tmp_path, "inflight", worker, InflightRollouts())
+    again = _roundtrip(tmp_path / "again", "inflight", fresh, InflightRollouts())  # saved again after a restore
+    for p, (logps, dtype) in given.items():
+        exact = [float(lp) for lp in logps]  # what the worker holds: every kept dtype fits a float exactly
+        assert worker.rollouts[f"0:{p}"].logps == exact
+        for restored in (fresh, again):
+            r = restored.rollouts[f"0:{p}"]
+            assert r.logps == exact, (p, r.logps)
+            assert r.logp_dtype == dtype, (p, r.logp_dtype)
+    assert fresh.rollouts["0:1"].logps[0] == -1.0986122886681098  # not -1.0986123085021973 (a float32's)
+    r = worker.begin(9, 0, seed=9)
+    for bad in (
+        complex(-1.0, 0.5),
+        torch.tensor([-1.0, -2.0]),
+        torch.tensor(-1, dtype=torch.int64),
+        np.longdouble(-1.25),
+        "-1.0",
+        True,
+        2**60,
+    ):
+        with pytest.raises(TypeError, match=r"rollout '0:9'.*no stored dtype keeps exactly"):
+            worker.extend(r.key, 0, bad)
+    assert r.tokens == [] and r.logps == []  # a refused log-prob adds nothing
+    r.logps.append(-1.0986122886681098)  # by hand, into a rollout kept in float32: refused at save, not rounded
+    r.logp_dtype = torch.float32
+    with pytest.raises(DataPositionError, match=r"rollout '0:9'.*does not fit its dtype torch.float32"):
+        worker.state_dict()
+
+
 def test_auditor_counts_skips_and_duplicates_and_its_log_agrees_after_a_rollback(tmp_path):
     log = str(tmp_path / "audit.jsonl")
     audit = ConsumptionAuditor(4, log_path=log)
