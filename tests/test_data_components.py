@@ -109,6 +109,9 @@ def test_prompt_sampler_as_a_torch_sampler_in_a_stateful_dataloader(tmp_path):
         dl = loader(workers)
         it = iter(dl)
         got = [next(it).tolist() for _ in range(2)]
+        other = StatefulDataLoader(data, batch_size=3, sampler=PromptSampler(10, seed=2), num_workers=workers)
+        with pytest.raises(DataPositionError, match="seed=1.*seed=2"):  # at restore, not at the next batch
+            DataLoaderPosition(other).load_state_dict(DataLoaderPosition(dl).state_dict())
         fresh = _roundtrip(tmp_path / str(workers), "data", DataLoaderPosition(dl), DataLoaderPosition(loader(workers)))
         got += [b.tolist() for b in fresh.loader]  # the rest of epoch 0
         got += [b.tolist() for b in fresh.loader]  # epoch 1, not skipped

@@ -165,7 +165,8 @@ class PromptSampler(torch.utils.data.Sampler[int]):
             "position": self.position,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> tuple[int, int]:
+        """The saved ``(epoch, position)``, if ``state`` fits this sampler's data; else a ``DataPositionError``."""
         hint = "Restore with the same dataset and seed, or start a new run for new data."
         require_same(self.name, "dataset_size", state.get("dataset_size"), self.dataset_size, hint)
         require_same(self.name, "seed", state.get("seed"), self.seed, hint)
@@ -174,4 +175,7 @@ class PromptSampler(torch.utils.data.Sampler[int]):
         position = state_int(self.name, state, "position")
         if position > self.dataset_size:
             require_same(self.name, "position <= dataset_size", position, self.dataset_size, hint)
-        self.epoch, self.position = epoch, position
+        return epoch, position
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = self.check_state(state)
