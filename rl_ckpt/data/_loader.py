@@ -68,7 +68,9 @@ class DataLoaderPosition:
     Saved with the loader's state: the dataset length (when it has one), the
     batch size and the seed of the loader's generator (when given one), each
     checked at restore, so a snapshot restored onto other data fails with both
-    values named rather than restarting at an arbitrary place.
+    values named rather than restarting at an arbitrary place. A sampler with a
+    ``check_state`` (``PromptSampler``) checks its saved state at restore too,
+    rather than when the loader applies it at its next ``iter``.
 
     Example::
 
