@@ -47,6 +47,54 @@ def test_prompt_sampler_resumes_mid_epoch_and_at_the_epoch_boundary(tmp_path, cu
     assert head + resumed.take(30 - cut) == reference
 
 
+@pytest.mark.parametrize("save", ["last_index", "after_loop"])
+def test_prompt_sampler_registered_itself_in_a_plain_epoch_loop_resumes_at_the_epoch_end(tmp_path, save):
+    """``for epoch in range(start, 2): for idx in sampler``, a snapshot at epoch 0's last index (the epoch in
+    progress, 0, is saved) or after its loop (the next, 1): the resumed run is the uninterrupted one."""
+    from rl_ckpt import TrainingProgress
+
+    def run(stop: bool) -> list:
+        sampler, progress = PromptSampler(10, seed=3), TrainingProgress()
+        engine = CheckpointEngine(base_dir=str(tmp_path), run_name="loop")
+        engine.register("sampler", sampler)
+        engine.register("progress", progress)
+        engine.restore()
+        out = []
+        try:
+            for epoch in range(progress.epoch, 2):
+                progress.epoch = epoch
+                for idx in sampler:
+                    out.append((epoch, idx))
+                    if stop and save == "last_index" and len(out) == 10:
+                        engine.save(1)
+                        return out
+                progress.epoch = epoch + 1
+                if stop and save == "after_loop":
+                    engine.save(1)
+                    return out
+            return out
+        finally:
+            engine.close()
+
+    reference = PromptSampler(10, seed=3)
+    assert run(stop=True) + run(stop=False) == [(e, int(i)) for e in range(2) for i in reference.order(e)]
+
+
+def test_prompt_sampler_iteration_state_must_fit_the_sampler_state():
+    sampler = PromptSampler(10, seed=3)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "position": 0})
+    ended = iter(sampler)
+    ended.load_state_dict({"epoch": 1})  # epoch 1's iteration had ended (the sampler moved on): nothing left
+    assert list(ended) == [] and (sampler.epoch, sampler.position) == (2, 0)
+    assert len(list(iter(sampler))) == 10 and sampler.epoch == 3  # a new iteration: the next epoch, whole
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "position": 10})  # all handed out, not ended
+    assert list(iter(sampler)) == [] and (sampler.epoch, sampler.position) == (3, 0)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "position": 4})
+    for bad in ({"epoch": 0}, {"epoch": 1}, {"epoch": 3}, {"epoch": -1}, {"epoch": "2"}):
+        with pytest.raises(DataPositionError, match="PromptSampler"):
+            iter(sampler).load_state_dict(bad)
+
+
 def test_prompt_sampler_as_a_torch_sampler_in_a_stateful_dataloader(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -61,6 +109,9 @@ def test_prompt_sampler_as_a_torch_sampler_in_a_stateful_dataloader(tmp_path):
         dl = loader(workers)
         it = iter(dl)
         got = [next(it).tolist() for _ in range(2)]
+        other = StatefulDataLoader(data, batch_size=3, sampler=PromptSampler(10, seed=2), num_workers=workers)
+        with pytest.raises(DataPositionError, match="seed=1.*seed=2"):  # at restore, not at the next batch
+            DataLoaderPosition(other).load_state_dict(DataLoaderPosition(dl).state_dict())
         fresh = _roundtrip(tmp_path / str(workers), "data", DataLoaderPosition(dl), DataLoaderPosition(loader(workers)))
         got += [b.tolist() for b in fresh.loader]  # the rest of epoch 0
         got += [b.tolist() for b in fresh.loader]  # epoch 1, not skipped
@@ -236,6 +287,49 @@ def test_inflight_rollouts_resume_with_the_same_next_tokens(tmp_path):
     assert fresh.tokens_after_resume == 8  # only the missing tokens were generated
     for k in keys:
         assert fresh.rollouts[k].tokens == ref.rollouts[k].tokens
+
+
+def test_inflight_log_probs_come_back_bit_for_bit_in_the_dtype_they_were_given(tmp_path):
+    given = {  # per rollout (prompt id): its log-probs, and the dtype they are kept in
+        1: ([-1.0986122886681098, torch.tensor(-0.1, dtype=torch.float64), 0], torch.float64),
+        2: ([torch.tensor(-1.0986122886681098), np.float32(-2.5e-8)], torch.float32),
+        3: ([torch.tensor(-1.0986, dtype=torch.bfloat16)], torch.bfloat16),
+        4: ([torch.tensor(-0.3, dtype=torch.float16), torch.tensor(-0.7, dtype=torch.bfloat16)], torch.float32),
+        5: ([torch.tensor(-0.3, dtype=torch.float32), -0.3], torch.float64),  # each held exactly by float64
+        6: ([], None),
+    }
+    worker = InflightRollouts()
+    for p, (logps, _) in given.items():
+        r = worker.begin(p, 0, seed=p)
+        for i, lp in enumerate(logps):
+            worker.extend(r.key, i, lp)
+    fresh = _roundtrip(tmp_path, "inflight", worker, InflightRollouts())
+    again = _roundtrip(tmp_path / "again", "inflight", fresh, InflightRollouts())  # saved again after a restore
+    for p, (logps, dtype) in given.items():
+        exact = [float(lp) for lp in logps]  # what the worker holds: every kept dtype fits a float exactly
+        assert worker.rollouts[f"0:{p}"].logps == exact
+        for restored in (fresh, again):
+            r = restored.rollouts[f"0:{p}"]
+            assert r.logps == exact, (p, r.logps)
+            assert r.logp_dtype == dtype, (p, r.logp_dtype)
+    assert fresh.rollouts["0:1"].logps[0] == -1.0986122886681098  # not -1.0986123085021973 (a float32's)
+    r = worker.begin(9, 0, seed=9)
+    for bad in (
+        complex(-1.0, 0.5),
+        torch.tensor([-1.0, -2.0]),
+        torch.tensor(-1, dtype=torch.int64),
+        np.longdouble(-1.25),
+        "-1.0",
+        True,
+        2**60,
+    ):
+        with pytest.raises(TypeError, match=r"rollout '0:9'.*no stored dtype keeps exactly"):
+            worker.extend(r.key, 0, bad)
+    assert r.tokens == [] and r.logps == []  # a refused log-prob adds nothing
+    r.logps.append(-1.0986122886681098)  # by hand, into a rollout kept in float32: refused at save, not rounded
+    r.logp_dtype = torch.float32
+    with pytest.raises(DataPositionError, match=r"rollout '0:9'.*does not fit its dtype torch.float32"):
+        worker.state_dict()
 
 
 def test_auditor_counts_skips_and_duplicates_and_its_log_agrees_after_a_rollback(tmp_path):

@@ -42,6 +42,21 @@ def refuse_pickles(component: str, value: Any, path: str = "") -> None:
             refuse_pickles(component, v, f"{path}[{i}]")
 
 
+def saved_sampler_states(loader_state: dict) -> list[dict]:
+    """The sampler states in a torchdata loader state: at its top with 0 workers, in its main snapshot with workers;
+    the sampler's own (``batch_size=None``) and the one the batch sampler's iterator saved. A layout this does not
+    know yields nothing: the loader still checks them when it applies the state, at its next ``iter``."""
+    snapshot = loader_state.get("_snapshot")
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else loader_state
+    if not isinstance(main, dict):
+        return []
+    found = [main.get("_index_sampler_state")]
+    batches = main.get("_sampler_iter_state")
+    if isinstance(batches, dict):
+        found.append(batches.get("sampler_state"))
+    return [s for s in found if isinstance(s, dict)]
+
+
 def _generator_seed(loader) -> int | None:
     gen = getattr(loader, "generator", None)
     return int(gen.initial_seed()) if isinstance(gen, torch.Generator) else None
@@ -53,7 +68,9 @@ class DataLoaderPosition:
     Saved with the loader's state: the dataset length (when it has one), the
     batch size and the seed of the loader's generator (when given one), each
     checked at restore, so a snapshot restored onto other data fails with both
-    values named rather than restarting at an arbitrary place.
+    values named rather than restarting at an arbitrary place. A sampler with a
+    ``check_state`` (``PromptSampler``) checks its saved state at restore too,
+    rather than when the loader applies it at its next ``iter``.
 
     Example::
 
@@ -103,6 +120,10 @@ class DataLoaderPosition:
                 saved=None,
                 given=None,
             )
+        check = getattr(self.loader.sampler, "check_state", None)  # a PromptSampler: checked now, not at the next iter
+        if callable(check):
+            for saved in saved_sampler_states(state["loader"]):
+                check(saved)
         gen = getattr(self.loader, "generator", None)
         if isinstance(gen, torch.Generator) and state.get("generator") is not None:
             gen.set_state(torch.as_tensor(state["generator"]).to(torch.uint8))

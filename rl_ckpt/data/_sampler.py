@@ -6,6 +6,16 @@ restarted; the state is ``(epoch, position)`` plus what identifies the data
 (length, seed, shuffle), checked at restore. ``take(k)`` crosses epoch
 boundaries inside one call, so a resume at the boundary neither skips the next
 epoch nor replays the last.
+
+As a torch ``Sampler``, ``iter`` is one iteration over the rest of the current
+epoch, an object with its own state (the epoch it iterates) that a torchdata
+``StatefulDataLoader`` saves beside the sampler's, as it does for its own
+samplers' iterators. An epoch ends when its iteration ends (``StopIteration``),
+not when its last index is handed out: a loader restored from a snapshot taken
+at an epoch's last batch resumes that epoch's iteration, which has nothing
+left, instead of yielding the next epoch under the loop's old epoch; and a
+loader restored as finished (saved after an epoch's loop) draws nothing from
+the next epoch before torchdata drops its iterator and starts a fresh one.
 """
 
 from __future__ import annotations
@@ -15,18 +25,77 @@ from collections.abc import Iterator
 import torch
 
 from rl_ckpt.data._checks import require_same, state_int
+from rl_ckpt.errors import DataPositionError
 
 _EPOCH_MUL = 1_000_003
+
+
+class _EpochIteration(Iterator[int]):
+    """One iteration of a ``PromptSampler``: the rest of one epoch (the sampler's position is shared).
+
+    Bound at its first draw to the epoch the sampler is in; yields from the sampler's position until the epoch
+    is handed out, then ends it (the sampler moves to the next epoch) and stops. It stops too when the sampler
+    has moved past its epoch (another iteration or ``take`` ended it). Its state is that epoch: torchdata saves
+    it as the sampler iterator's state, and restores it into a new iteration after the sampler's own state.
+    """
+
+    def __init__(self, sampler: PromptSampler) -> None:
+        self.sampler = sampler
+        self.epoch: int | None = None  # bound at the first draw, or by load_state_dict
+
+    def __iter__(self) -> _EpochIteration:
+        return self
+
+    def __next__(self) -> int:
+        s = self.sampler
+        if self.epoch is None:
+            self.epoch = s.epoch
+        if s.epoch != self.epoch:
+            raise StopIteration
+        if s.position >= s.dataset_size:
+            s.end_epoch(self.epoch)
+            raise StopIteration
+        s.position += 1
+        return int(s.order(self.epoch)[s.position - 1])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the saved iteration (after the sampler's state was loaded, as torchdata does)."""
+        s = self.sampler
+        epoch = state.get("epoch")
+        if epoch is None:  # saved before its first draw: it binds at its first draw, as a new one does
+            self.epoch = None
+            return
+        epoch = state_int(s.name, state, "epoch")
+        # The iteration is the sampler's epoch, or the one just before when that ended and the sampler moved on.
+        if not (epoch == s.epoch or (epoch == s.epoch - 1 and s.position == 0)):
+            raise DataPositionError(
+                f"{s.name}: the saved iteration is over epoch {epoch}, but the saved sampler is at epoch {s.epoch} "
+                f"position {s.position}; the loader state is inconsistent. Restore an intact snapshot.",
+                component=s.name,
+                field="iteration epoch",
+                saved=epoch,
+                given=(s.epoch, s.position),
+            )
+        self.epoch = epoch
 
 
 class PromptSampler(torch.utils.data.Sampler[int]):
     """Prompt indices ``0 .. dataset_size-1`` in a per-epoch order, with its position as checkpoint state.
 
-    Usable as a torch ``Sampler`` (``iter`` yields the rest of the current
-    epoch, then moves to the next one) or directly by an RL loop
-    (``take(k)``: the next ``k`` ``(epoch, index)`` pairs). Register it like
-    any component; with several learner ranks that draw the same global batch,
-    register it ``replicated=True``.
+    Usable as a torch ``Sampler`` (``iter`` is one iteration over the rest of
+    the current epoch, see below) or directly by an RL loop (``take(k)``: the
+    next ``k`` ``(epoch, index)`` pairs). Register it like any component; with
+    several learner ranks that draw the same global batch, register it
+    ``replicated=True``. In a torchdata ``StatefulDataLoader``, register only
+    the loader (``DataLoaderPosition``).
+
+    An iteration yields the current epoch's remaining indices and then ends the
+    epoch (the next iteration begins the next one); an iteration begun when all
+    of the epoch was handed out but its iteration had not ended (a snapshot
+    taken at the epoch's last index) yields nothing and ends it.
 
     Example::
 
@@ -64,6 +133,11 @@ class PromptSampler(torch.utils.data.Sampler[int]):
         if self.position >= self.dataset_size:
             self.epoch, self.position = self.epoch + 1, 0
 
+    def end_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch``'s iteration ended: move to the next epoch if this one was all handed out."""
+        if self.epoch == epoch:
+            self._roll()
+
     def take(self, k: int) -> list[tuple[int, int]]:
         """The next ``k`` ``(epoch, index)`` pairs, crossing into the next epoch when this one ends."""
         out: list[tuple[int, int]] = []
@@ -77,12 +151,7 @@ class PromptSampler(torch.utils.data.Sampler[int]):
         return out
 
     def __iter__(self) -> Iterator[int]:
-        self._roll()
-        epoch, order = self.epoch, self.order(self.epoch)
-        while self.epoch == epoch and self.position < self.dataset_size:
-            self.position += 1
-            yield int(order[self.position - 1])
-        self._roll()
+        return _EpochIteration(self)
 
     def __len__(self) -> int:
         return self.dataset_size
@@ -96,7 +165,8 @@ class PromptSampler(torch.utils.data.Sampler[int]):
             "position": self.position,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> tuple[int, int]:
+        """The saved ``(epoch, position)``, if ``state`` fits this sampler's data; else a ``DataPositionError``."""
         hint = "Restore with the same dataset and seed, or start a new run for new data."
         require_same(self.name, "dataset_size", state.get("dataset_size"), self.dataset_size, hint)
         require_same(self.name, "seed", state.get("seed"), self.seed, hint)
@@ -105,4 +175,7 @@ class PromptSampler(torch.utils.data.Sampler[int]):
         position = state_int(self.name, state, "position")
         if position > self.dataset_size:
             require_same(self.name, "position <= dataset_size", position, self.dataset_size, hint)
-        self.epoch, self.position = epoch, position
+        return epoch, position
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = self.check_state(state)
