@@ -11,8 +11,9 @@ r"""PPO on CartPole-v1 on Ray, checkpointed by rl_ckpt, with an optional crash d
     (`ray start --head` prints the dashboard's HOST:PORT; so does `ray.init(address="auto").dashboard_url`.)
 
 Learners are Ray Train TorchTrainer ranks (gloo); rollout workers are Ray actors; all of them
-checkpoint one run through the detached CheckpointManager. After a crash, Ray Train restarts
-the learners and everyone restores the snapshot the RecoveryCoordinator chose.
+checkpoint one run through the detached CheckpointManager. A lost rollout worker is recovered alone
+(its newest snapshot, then the collects since replayed: docs/recovery.md); after a learner crash Ray
+Train restarts the learners and everyone restores the snapshot the RecoveryCoordinator chose.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
                 "storage": storage,
                 "attempts": len(result.attempts),
                 "restored": [a["restored"] for a in result.attempts],
+                "recovered_alone": [
+                    f"{m['participant']} at step {m['step']}" for m in result.log if m["event"] == "scoped_recovery"
+                ],
                 "final_step": done.get("step"),
                 "avg_reward": done.get("avg_reward"),
                 "param_digest": done.get("digest"),
