@@ -125,16 +125,6 @@ def sample(
     return {"seqs": seqs, "logps": logps, "rewards": rewards}
 
 
-def batch_digest(batch: dict[str, torch.Tensor]) -> bytes:
-    """A bitwise digest of a rollout batch (sequences, log-probs, rewards): equal digests, equal rollouts."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for key in ("seqs", "logps", "rewards"):
-        h.update(batch[key].contiguous().numpy().tobytes())
-    return h.digest()
-
-
 def advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Group-relative advantages: (r - group mean) / (group std + 1e-4)."""
     r = rewards.view(-1, group_size)

@@ -342,6 +342,7 @@ def scoped_summary(
     rollouts = {e["step"]: e.get("rollouts") for e in of(events, "step")}
     ref_rollouts = {e["step"]: e.get("rollouts") for e in of(ref, "step")}
     differ = sorted(s for s in ref_rollouts if rollouts.get(s) != ref_rollouts[s])
+    worlds = "/".join(str(e["world"]) for e in of(events, "attempt")) or "-"
     undone = sum(a - b + 1 for a, b in zip(logged, logged[1:]) if b <= a)  # steps logged again after going back
     figures = {
         "attempts": len(of(events, "attempt")),
@@ -350,8 +351,12 @@ def scoped_summary(
         "kills": [(e["target"], e["step"], e.get("moment")) for e in kills],
         "recoveries": [
             {
-                k: r.get(k)
-                for k in ("participant", "step", "replacement", "seconds", "replace_seconds", "restored", "task")
+                **{
+                    k: r.get(k)
+                    for k in ("participant", "step", "replacement", "seconds", "replace_seconds", "restored", "task")
+                },
+                "kill_to_result": r["t"]
+                - next((k["t"] for k in kills if (k["target"], k["step"]) == (r["participant"], r["step"])), r["t"]),
             }
             for r in recoveries
         ],
@@ -396,20 +401,29 @@ def scoped_summary(
     lines = [
         "rl_ckpt demo --sharded --crash-target rollout: GRPO on a tiny GPT-2, FSDP2 learners on Ray Train, rollout "
         "actors SIGKILLed mid-rollout and recovered alone",
+        f"  run                {steps} steps on {worlds} learner(s), compared with an uninterrupted run of the same "
+        "config",
     ]
+    replacements = {"restart": "Ray's restart of the actor", "standby": "a warm standby taking its place"}
     for r in recoveries:
         task = r.get("task") or {}
         prompts = task.get("prompts") or []
-        epochs = sorted({p[0] for p in prompts})
+        epochs = ", ".join(str(e) for e in sorted({p[0] for p in prompts})) or "-"
         kill = next((k for k in kills if (k["target"], k["step"]) == (r["participant"], r["step"])), {})
         moment = kill.get("moment")
-        where = f"token {moment} of {grpo.gen_len}" if isinstance(moment, int) else f"{moment or '-'}"
-        lines.append(
-            f"  lost               {r['participant']} at step {r['step']} ({where}): {r['replacement']} in "
-            f"{r['replace_seconds']:.2f} s; its task issued again ({len(prompts)} prompts of epoch(s) "
-            f"{', '.join(map(str, epochs)) or '-'}, policy of {task.get('snapshot', '-')}); the learners waited "
-            f"{r['seconds']:.2f} s for it"
+        where = {"pull": "before it got the step's weights", None: "in its rollout"}.get(
+            moment, f"mid-generation (before answer token {moment} of {grpo.gen_len})"
         )
+        lines += [
+            f"  lost               {r['participant']} at step {r['step']}, {where}",
+            f"    replacement      {replacements.get(r['replacement'], r['replacement'])}",
+            f"    task redone      step {task.get('step', '-')}, {len(prompts)} prompts of epoch {epochs}, the policy "
+            f"of {task.get('snapshot', '-')}: issued again whole",
+            f"    learners waited  {r['t'] - kill.get('t', float('nan')):.2f} s from the kill for that part: the loss",
+            f"                     seen after {r['t'] - r['seconds'] - kill.get('t', float('nan')):.2f} s, the "
+            f"replacement up {r['replace_seconds']:.2f} s later, then {r['seconds'] - r['replace_seconds']:.2f} s to "
+            "get the weights and sample",
+        ]
     lines += [
         f"  learner steps      {logged[0] if logged else '-'}..{logged[-1] if logged else '-'} in order, "
         f"{figures['attempts']} attempt(s): {figures['steps_undone']} step(s) undone",

@@ -14,6 +14,11 @@
 - Prompts: rows of a Hugging Face dataset; every rank draws the step's global
   batch of ids from the same ``PromptSampler`` and a ``ConsumptionAuditor``
   records what each update trained on, both in the snapshot (replicated).
+- A lost rollout actor costs the learners only the wait for its part: each rank
+  calls its actors through a ``RolloutPool``; the actor is replaced (Ray's
+  restart, or a warm standby: ``Run.fit(standbys=)``) and its task, a function
+  of its arguments (step, prompts, snapshot), issued again whole; nothing rolls
+  back. Faults: ``Run.fit(faults=)`` (``rl_ckpt.demo.faults``).
 - Rank ``r`` of ``n`` learns on its slice of every step's global batch, so the
   data, and the mean of the gradients FSDP reduces, do not depend on ``n``: a
   run restored on fewer learners goes on with the same math.
@@ -38,7 +43,8 @@ from typing import Any
 
 import torch
 
-from rl_ckpt.demo.grpo import GRPOConfig, Progress, batch_digest, make_policy, update
+from rl_ckpt.demo.digests import batch_digest, gathered, weights_digest
+from rl_ckpt.demo.grpo import GRPOConfig, Progress, make_policy, update
 from rl_ckpt.demo.faults import fires, log_event
 from rl_ckpt.demo.grpo_rollout import (
     current_actors,
@@ -71,29 +77,6 @@ def actors_of(rank: int, world: int, n_actors: int) -> list[int]:
 
 def _split(items: list, parts: int) -> list[list]:
     return [items[i * len(items) // parts : (i + 1) * len(items) // parts] for i in range(parts)]
-
-
-def gathered(digest: bytes, world: int) -> list[str]:
-    """Every rank's ``digest`` (its rollouts of a step), in rank order (a collective: every rank calls it)."""
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    out = [torch.empty_like(mine) for _ in range(world)]
-    torch.distributed.all_gather(out, mine)
-    return [bytes(t.tolist()).hex()[:16] for t in out]
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """A bitwise digest of the whole policy, gathered from the shards (a collective: every rank calls it); the same
-    weights give the same digest on any number of ranks."""
-    import hashlib
-
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.sha256()
-    for key, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        h.update(key.encode())
-        h.update(full.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def learner_loop(config: dict) -> None:
