@@ -21,7 +21,7 @@ import torch
 
 from actors.rollout_pool import ScopedWorker
 from rl_ckpt.demo.faults import fires, kill_self, log_event
-from rl_ckpt.demo.grpo import GRPOConfig, make_policy, sample
+from rl_ckpt.demo.grpo import GRPOConfig, make_policy, prompt_dataset, sample
 
 log = logging.getLogger("rl_ckpt")
 
@@ -38,6 +38,7 @@ class RolloutActor(ScopedWorker):
         self.index = index
         self.cfg = GRPOConfig(**grpo)
         self.model = make_policy(self.cfg).eval()  # its weights all come from the snapshot
+        prompt_dataset(self.cfg.seed, self.cfg.dataset_size)  # loaded now: a standby is warm when it takes over
         self.engines: dict[str, Any] = {}
         self.loaded: str | None = None
         self.loads = 0

@@ -313,14 +313,22 @@ def scoped_drill(
         if not 0 < crash_at <= steps:
             raise ValueError(f"crash_at={crash_at} must be a step of the run (1..{steps})")
         faults = [{"id": 0, "target": "rollout-1", "step": crash_at, "moment": grpo.gen_len // 2}]
+    import ray
+
     events, stats = {}, []
-    for name, fit in ((f"{run_name}_reference", {}), (run_name, {"faults": faults, "standbys": standbys})):
-        run = Run.start(base_dir, name, grpo, n_actors=n_actors)
-        try:
-            run.fit(learners, steps, save_every=save_every, **fit)
-            events[name], stats = run.events(), run.rollout_stats()
-        finally:
-            run.close()
+    actors = start_actors(grpo, n_actors)  # one set for both runs (stateless: each call names its weights)
+    try:
+        for name, fit in ((f"{run_name}_reference", {}), (run_name, {"faults": faults, "standbys": standbys})):
+            run = Run.start(base_dir, name, grpo, actors=actors)
+            try:
+                run.fit(learners, steps, save_every=save_every, **fit)
+                events[name], stats = run.events(), run.rollout_stats()
+            finally:
+                actors = run.actors  # a standby that took over stands in for the actor it replaced
+                run.close()
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
     report = scoped_summary(events[f"{run_name}_reference"], events[run_name], faults, steps, grpo)
     report.figures["rollout_stats"] = stats  # the faulted run's actors (a replacement counts from its start)
     return report

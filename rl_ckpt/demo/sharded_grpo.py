@@ -456,7 +456,9 @@ class Run:
         return ray.get(self.memory["service"].tick.remote(), timeout=300)
 
     def close(self) -> None:
-        """Kill the rollout actors this run started; stop its memory tier (service, manager, stores)."""
+        """Kill the rollout actors this run started and its standbys; stop its memory tier (service, manager,
+        stores). Actors it was given stay up, a standby that took the place of one of them too (``self.actors``
+        names them: the caller's to kill)."""
         import ray
 
         if self.memory is not None:
@@ -468,8 +470,9 @@ class Run:
             from actors.policy_versions import versions_storage
 
             versions_storage(self.run_name).destroy()
-        for standby in standbys_of(self.run_name):  # used or spare: the run's own
-            ray.kill(standby, no_restart=True)
+        for standby in standbys_of(self.run_name):  # spare or used: the run's own, unless serving shared actors
+            if self.owns_actors or standby not in self.actors:
+                ray.kill(standby, no_restart=True)
         if self.owns_actors:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
