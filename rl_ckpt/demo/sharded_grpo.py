@@ -185,8 +185,7 @@ def learner_loop(config: dict) -> None:
         if (step == crash.get("step") and rank == world - 1) or fires(faults, f"learner-{rank}", step):
             last_beat(engine, step - 1)  # the failure the manager records names the last step done
             log_event(
-                config["log"],
-                {"event": "kill", "step": step, "last_done": step - 1, "rank": rank, "world": world},
+                config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank, "world": world}
             )
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye
         pairs = sampler.take(cfg.prompts_per_step)  # (epoch, prompt id): the global batch, on every rank
@@ -377,8 +376,7 @@ class Run:
         weights, or an answer token's index: mid-generation), ``learner-<r>`` killed at the start of ``step``.
         A lost rollout actor is recovered alone: Ray's restart of it, or with ``standbys`` (warm spare actors per
         learner rank, or ``{rank: n}``; one made again after each use) a standby, and its task issued again, no
-        learner step undone
-        (``scoped=False``: it fails the attempt instead, a group restart as for a learner)."""
+        learner step undone (``scoped=False``: it fails the attempt instead, a group restart as for a learner)."""
         import functools
 
         from ray.train import FailureConfig, RunConfig, ScalingConfig
