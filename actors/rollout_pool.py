@@ -29,8 +29,11 @@ ladder to a group restart, as without a pool.
 
 What it asks of a worker (``ScopedWorker`` gives ``replay`` and ``ping``): its results and state after a call are a
 function of its state before and the call's arguments (seeded RNG streams in its snapshot, no wall clock, an env that
-is deterministic given its seed); ``rejoin()`` restores its registered state and returns the step; a standby also has
-``assume(index)``. What it redid is in ``pool.recoveries`` (``Recovery``) and the log.
+is deterministic given its seed); ``rejoin()`` restores its registered state and returns the step (a stateless worker,
+whose calls carry all they need, returns ``{"snapshot_id": None, "step": None}`` and its calls go unjournaled,
+``record=False``: the lost call is simply issued again); a standby also has ``assume(index)``, ``index`` being the
+number ending the lost worker's name (``rollout-3``: 3). What it redid is in ``pool.recoveries`` (``Recovery``) and the
+log.
 """
 
 from __future__ import annotations
@@ -75,11 +78,21 @@ class Recovery:
         saves = f"; completed the pending save of step {self.saves_completed}" if self.saves_completed else ""
         if self.skipped:
             saves += f"; passed over {', '.join(self.skipped)} (damaged or lost)"
+        redo = f"state from {source}, replayed {steps}{saves}"
+        if not (self.restored or self.replayed_steps or self.saves_completed):
+            redo = "nothing to restore or replay"  # e.g. a stateless worker: its calls carry all it needs
         return (
             f"{self.participant} lost at step {self.step} ({self.cause[:120]}): {self.replacement} in "
-            f"{self.replace_seconds:.2f} s, state from {source}, replayed {steps}{saves}; the {self.method} of step "
+            f"{self.replace_seconds:.2f} s, {redo}; the {self.method} of step "
             f"{self.step} issued again: {self.seconds:.2f} s in all, no learner step undone"
         )
+
+
+def _index(name: str, position: int) -> int:
+    """What a standby's ``assume`` is given for the worker named ``name``: the number its name ends with
+    (``rollout-3``: 3, whichever position it has in its pool), else its ``position``."""
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else position
 
 
 class ScopedWorker:
@@ -274,7 +287,8 @@ class RolloutPool:
             for e in self.journal[i]
             if (restored_step is None or e.step > restored_step) and (not e.save or e.step in awaited)
         ]
-        ray.get(self.workers[i].replay.remote([e.call() for e in calls]), timeout=self.timeout)
+        if calls:  # nothing journaled since (e.g. calls with record=False): no round trip
+            ray.get(self.workers[i].replay.remote([e.call() for e in calls]), timeout=self.timeout)
         replayed = time.monotonic()
         event = Recovery(
             participant=name,
@@ -326,7 +340,7 @@ class RolloutPool:
         except Exception:  # already gone for good
             pass
         standby = self.standbys.pop(0)
-        ray.get(standby.assume.remote(i), timeout=self.timeout)
+        ray.get(standby.assume.remote(_index(self.names[i], i)), timeout=self.timeout)
         self.workers[i] = standby
         if self.standby_factory is not None:
             self.standbys.append(self.standby_factory())  # warmed in the background for the next loss

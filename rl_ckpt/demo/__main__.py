@@ -9,7 +9,9 @@ that never crashed, bit for bit. Exit 0 only if recovery was exact.
 On Ray (the default) the same crash is then run with the memory tier (memory
 snapshots every 2 steps, durable copies made from memory) and both are printed
 side by side; ``--no-memory-tier`` skips it. ``--sharded`` does the same with
-FSDP2 learners restarted on fewer ranks; ``--rllib`` runs RLlib's PPO with rl_ckpt's
+FSDP2 learners restarted on fewer ranks (``--sharded --crash-target rollout``: a
+rollout actor SIGKILLed mid-generation instead, recovered alone, checked bitwise
+against an uninterrupted run); ``--rllib`` runs RLlib's PPO with rl_ckpt's
 ``CheckpointCallback`` next to RLlib's own checkpoints (an EnvRunner and the driver killed).
 
 ``--crash-target rollout`` kills a rollout worker mid-rollout instead, and prints the old recovery (a group
@@ -215,8 +217,20 @@ def main(argv=None) -> int:
 
         # not the local `crash_drill`: --local uses that one
         from rl_ckpt.demo.sharded_drill import crash_drill as sharded_drill
-        from rl_ckpt.demo.sharded_drill import side_by_side
+        from rl_ckpt.demo.sharded_drill import scoped_drill, side_by_side
 
+        if args.crash_target == "rollout":  # a rollout actor lost mid-rollout: recovered alone, nothing restarts
+            print(
+                f"GRPO on {args.learners} FSDP2 learners: an uninterrupted run, then one with a rollout actor "
+                f"SIGKILLed mid-generation at step {args.crash_at} ...",
+                file=sys.stderr,
+            )
+            report = scoped_drill(
+                base, steps=args.steps, crash_at=args.crash_at, learners=args.learners, grpo=GRPOConfig(seed=args.seed)
+            )
+            print(report.text)
+            ray.shutdown()
+            return 0 if report.ok else 1
         runs = "durable-only, then with the memory tier" if args.memory_tier else "durable-only"
         print(
             f"GRPO on {args.learners} FSDP2 learners, SIGKILL of one at step {args.crash_at}, restart on "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -95,8 +95,15 @@ def _noise(cfg: GRPOConfig, step: int, index: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, cfg: GRPOConfig, step: int, indices: list[int]) -> dict[str, torch.Tensor]:
-    """``group_size`` answers to each prompt ``indices`` (dataset ids) at ``step``: sequences, log-probs, rewards."""
+def sample(
+    model: torch.nn.Module,
+    cfg: GRPOConfig,
+    step: int,
+    indices: list[int],
+    on_token: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``group_size`` answers to each prompt ``indices`` (dataset ids) at ``step``: sequences, log-probs, rewards.
+    ``on_token(t)`` is called before answer token ``t`` is generated (a fault injection point: mid-generation)."""
     digits = prompt_digits(cfg, indices)
     n = len(indices) * cfg.group_size
     seqs = torch.empty(n, PROMPT_LEN + cfg.gen_len, dtype=torch.long)
@@ -104,6 +111,8 @@ def sample(model: torch.nn.Module, cfg: GRPOConfig, step: int, indices: list[int
     noise = torch.cat([_noise(cfg, step, i) for i in indices])
     logps = torch.empty(n, cfg.gen_len)
     for t in range(cfg.gen_len):
+        if on_token is not None:
+            on_token(t)
         pos = PROMPT_LEN + t
         logits = model(seqs[:, :pos]).logits[:, -1].double()
         probs = torch.softmax(logits, -1)

@@ -4,30 +4,41 @@ committed snapshot (``rl_ckpt.demo.sharded_grpo`` has the learners and the run).
 Before a rollout an actor gets the snapshot's whole policy into an ordinary ``nn.Module``: one
 ``engine.load_full_weights`` call (the snapshot durable or in memory, ``source`` says where), or, when the
 learners publish policy versions, a pull of only the chunks that changed since the version it holds.
+
+An actor holds no state a rollout depends on: ``rollout(source, snapshot_id, step, prompts)`` is a function of
+its arguments (the weights of that snapshot, the step's seeded noise per prompt), so a task lost with its actor is
+issued again, whole, to Ray's restart of the actor or to a warm standby, and comes back bitwise the same (the
+learners' :class:`~actors.rollout_pool.RolloutPool` does it; ``rejoin`` has nothing to take back).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import torch
 
-from rl_ckpt.demo.grpo import GRPOConfig, make_policy, sample
+from actors.rollout_pool import ScopedWorker
+from rl_ckpt.demo.faults import fires, kill_self, log_event
+from rl_ckpt.demo.grpo import GRPOConfig, make_policy, prompt_dataset, sample
 
 log = logging.getLogger("rl_ckpt")
 
 
-class RolloutActor:
+class RolloutActor(ScopedWorker):
     """A Ray actor sampling answers with the policy of a committed snapshot (full weights, no process group).
 
     Each call names where the snapshot lives (``source``: base_dir, run_name, storage_options: a durable run
-    folder or a run's ``raymem://`` memory tier), so one set of actors can serve several runs and both tiers."""
+    folder or a run's ``raymem://`` memory tier), so one set of actors can serve several runs and both tiers.
+    ``index``: it is ``rollout-<index>`` (what faults target); None: a warm standby until ``assume(index)``."""
 
-    def __init__(self, grpo: dict) -> None:
+    def __init__(self, grpo: dict, index: int | None = None) -> None:
         torch.set_num_threads(1)
+        self.index = index
         self.cfg = GRPOConfig(**grpo)
         self.model = make_policy(self.cfg).eval()  # its weights all come from the snapshot
+        prompt_dataset(self.cfg.seed, self.cfg.dataset_size)  # loaded now: a standby is warm when it takes over
         self.engines: dict[str, Any] = {}
         self.loaded: str | None = None
         self.loads = 0
@@ -48,8 +59,26 @@ class RolloutActor:
             )
         return self.engines[key]
 
-    def rollout(self, source: dict, snapshot_id: str, step: int, indices: list[int]) -> dict:
-        """Answers to prompts ``indices`` of ``step``, sampled with the policy of ``snapshot_id`` in ``source``."""
+    @property
+    def name(self) -> str:
+        return f"rollout-{self.index}"
+
+    def rollout(
+        self,
+        source: dict,
+        snapshot_id: str,
+        step: int,
+        indices: list[int],
+        faults: list[dict] | None = None,
+        log_path: str | None = None,
+    ) -> dict:
+        """Answers to prompts ``indices`` of ``step``, sampled with the policy of ``snapshot_id`` in ``source``.
+
+        ``faults`` (``rl_ckpt.demo.faults``) aimed at this actor and ``step`` strike at their ``moment``: ``"pull"``,
+        before it gets the snapshot's weights, or a token index, mid-generation (before that answer token; a fault
+        without a moment strikes at the first of these); the kill is logged to ``log_path`` first."""
+        if faults:
+            self._strike(faults, step, "pull", log_path)
         key = f"{source['base_dir'].rstrip('/')}/{source['run_name']}/{snapshot_id}"
         if key != self.loaded:
             if source.get("versions") and self._pull(source["versions"], snapshot_id):
@@ -58,8 +87,35 @@ class RolloutActor:
                 self._engine(source).load_full_weights("policy", self.model, snapshot_id)
             self.loaded = key
             self.loads += 1
-        out = {k: v.numpy() for k, v in sample(self.model, self.cfg, step, indices).items()}
+        on_token = (lambda t: self._strike(faults, step, t, log_path)) if faults else None
+        out = {k: v.numpy() for k, v in sample(self.model, self.cfg, step, indices, on_token).items()}
         return {**out, "snapshot": snapshot_id}
+
+    def _strike(self, faults: list[dict], step: int, moment: object, log_path: str | None) -> None:
+        fault = fires(faults, self.name, step, moment)
+        if fault is None:
+            return
+        if log_path:
+            log_event(log_path, {"event": "kill", "step": step, "target": self.name, "moment": moment, "fault": fault})
+        kill_self()  # mid-rollout: no cleanup, no goodbye
+
+    def rejoin(self) -> dict:
+        """A replacement (Ray's restart of this actor, or a standby that ``assume``d it) has no state to take back:
+        the weights a rollout uses come with each call. The learners' pool then issues the lost call again."""
+        return {"snapshot_id": None, "step": None, "tier": None}
+
+    def assume(self, index: int) -> str:
+        """A standby becomes ``rollout-<index>`` (the faults aimed at it, ``identity``)."""
+        from rl_ckpt.errors import CheckpointError
+
+        if self.index is not None:
+            raise CheckpointError(f"{self.name} is not a standby: it cannot become rollout-{index}")
+        self.index = index
+        return self.name
+
+    def identity(self) -> int | None:
+        """The index of the actor it is (None: a standby not used yet)."""
+        return self.index
 
     def _pull(self, run: str, snapshot_id: str) -> bool:
         """The policy version of ``snapshot_id``'s step (the learners publish one per snapshot): only the chunks
@@ -71,11 +127,21 @@ class RolloutActor:
 
         sub = self.subs.get(run) or self.subs.setdefault(run, WeightSubscriber(run))
         first = sub.version is None
+        version = parse_snapshot_id(snapshot_id)[0]
         try:
-            got = sub.pull(self.model, parse_snapshot_id(snapshot_id)[0])
+            got = sub.pull(self.model, version)
         except CheckpointError as exc:  # e.g. every copy lost with a node: the snapshot itself is still there
             log.warning("rollout actor: policy version of %s not pulled (%s); loading the snapshot", snapshot_id, exc)
             self.subs.pop(run, None)
+            return False
+        if got.version != version:  # a bad chunk made it take an older version: not the weights asked for
+            log.warning(
+                "rollout actor: the pull of version %d gave version %d (%s); loading the snapshot",
+                version,
+                got.version,
+                got.reason,
+            )
+            self.subs.pop(run, None)  # the module no longer holds what the subscriber thinks: the next pull is whole
             return False
         self.moved["full" if first else "delta"] += got.bytes_moved
         self.moved["pulls"] += 1
@@ -100,8 +166,86 @@ def memory_source(config) -> dict:
 
 
 def start_actors(grpo: GRPOConfig, n_actors: int, actor_options: dict | None = None) -> list:
-    """``n_actors`` rollout actors (``num_cpus=0``; ``actor_options``: e.g. resources pinning them)."""
+    """``n_actors`` rollout actors ``rollout-0`` ... (``num_cpus=0``; ``actor_options``: e.g. resources pinning
+    them). Ray restarts an actor that dies (``max_restarts=-1``) and never runs a lost call again by itself
+    (``max_task_retries=0``): the learners' pool issues it again, and logs it."""
     import ray
 
-    actor_cls = ray.remote(num_cpus=0)(RolloutActor)
-    return [actor_cls.options(**(actor_options or {})).remote(grpo.to_json()) for _ in range(n_actors)]
+    actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(RolloutActor)
+    return [actor_cls.options(**(actor_options or {})).remote(grpo.to_json(), j) for j in range(n_actors)]
+
+
+STANDBY_PREFIX = "rl_ckpt-grpo-standby:"
+
+
+def start_standby(run_name: str, grpo: dict) -> Any:
+    """A warm standby rollout actor of run ``run_name``: detached (the learner that asks for one may die, the actor
+    it replaces must not) and named, so the run finds the standbys that took over (``current_actors``)."""
+    import ray
+
+    cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(RolloutActor)
+    name = f"{STANDBY_PREFIX}{run_name}:{uuid.uuid4().hex[:8]}"
+    return cls.options(name=name, lifetime="detached").remote(grpo, None)
+
+
+def standbys_of(run_name: str) -> list:
+    """Run ``run_name``'s standby actors alive now (used or not)."""
+    import ray
+
+    prefix = f"{STANDBY_PREFIX}{run_name}:"
+    out = []
+    for item in ray.util.list_named_actors(all_namespaces=True):
+        if item["name"].startswith(prefix):
+            try:
+                out.append(ray.get_actor(item["name"], namespace=item["namespace"]))
+            except ValueError:  # gone meanwhile
+                continue
+    return out
+
+
+def current_actors(actors: list, run_name: str) -> list:
+    """``actors`` with each one a standby replaced (killed for good) swapped for the standby now in its place."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    out = list(actors)
+    for standby in standbys_of(run_name):
+        try:
+            index = ray.get(standby.identity.remote(), timeout=60)
+        except RayActorError:  # a standby that took over and was lost since
+            continue
+        if index is not None and 0 <= index < len(out):
+            out[index] = standby
+    return out
+
+
+def rollout_pool(config: dict, rank: int, actors: list, names: list[str], tasks: dict) -> Any:
+    """Learner rank ``rank``'s rollout actors as a ``RolloutPool``: an actor lost during a rollout is replaced (Ray's
+    restart, or one of the rank's spare standbys, ``config["standbys"][rank]``) and its task issued again, the other
+    actors and the learners going on; each recovery is logged as a ``scoped_recovery`` event with the task redone
+    (``tasks[name]``: step, snapshot, (epoch, prompt id) pairs). ``config["scoped"]`` False: a lost actor fails
+    the attempt instead (a group restart)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from actors.rollout_pool import RolloutPool
+
+    def on_recovery(event) -> None:
+        task = tasks.get(event.participant)
+        log_event(config["log"], {"event": "scoped_recovery", "rank": rank, **event.to_json(), "task": task})
+
+    spare = []
+    for standby in (config.get("standbys") or {}).get(rank, []):
+        try:
+            if ray.get(standby.identity.remote(), timeout=60) is None:  # one a former attempt used is no spare
+                spare.append(standby)
+        except RayActorError:
+            continue
+    return RolloutPool(
+        actors,
+        names,
+        standbys=spare,
+        standby_factory=config.get("standby_factory"),
+        attempts=3 if config.get("scoped", True) else 0,
+        on_recovery=on_recovery,
+    )

@@ -14,6 +14,11 @@
 - Prompts: rows of a Hugging Face dataset; every rank draws the step's global
   batch of ids from the same ``PromptSampler`` and a ``ConsumptionAuditor``
   records what each update trained on, both in the snapshot (replicated).
+- A lost rollout actor costs the learners only the wait for its part: each rank
+  calls its actors through a ``RolloutPool``; the actor is replaced (Ray's
+  restart, or a warm standby: ``Run.fit(standbys=)``) and its task, a function
+  of its arguments (step, prompts, snapshot), issued again whole; nothing rolls
+  back. Faults: ``Run.fit(faults=)`` (``rl_ckpt.demo.faults``).
 - Rank ``r`` of ``n`` learns on its slice of every step's global batch, so the
   data, and the mean of the gradients FSDP reduces, do not depend on ``n``: a
   run restored on fewer learners goes on with the same math.
@@ -38,9 +43,17 @@ from typing import Any
 
 import torch
 
+from rl_ckpt.demo.digests import batch_digest, gathered, weights_digest
 from rl_ckpt.demo.grpo import GRPOConfig, Progress, make_policy, update
-from rl_ckpt.demo.faults import log_event
-from rl_ckpt.demo.grpo_rollout import memory_source, start_actors
+from rl_ckpt.demo.faults import fires, log_event
+from rl_ckpt.demo.grpo_rollout import (
+    current_actors,
+    memory_source,
+    rollout_pool,
+    standbys_of,
+    start_actors,
+    start_standby,
+)
 
 ENGINE_DEFAULTS = {"keep_latest": 4, "keep_best": 0, "commit_timeout_seconds": 60.0}
 
@@ -62,7 +75,7 @@ def actors_of(rank: int, world: int, n_actors: int) -> list[int]:
     return [j for j in range(n_actors) if j % world == rank] or [rank % n_actors]
 
 
-def _split(items: list[int], parts: int) -> list[list[int]]:
+def _split(items: list, parts: int) -> list[list]:
     return [items[i * len(items) // parts : (i + 1) * len(items) // parts] for i in range(parts)]
 
 
@@ -162,22 +175,30 @@ def learner_loop(config: dict) -> None:
                 "layout": plan.layout if plan else "",
             },
         )
-    actors = config["actors"]
+    actors = current_actors(config["actors"], config["run_name"]) if config.get("standbys") else config["actors"]
     ids = actors_of(rank, world, len(actors))
+    tasks: dict[str, dict] = {}  # rollout-<j> -> its task of the step in progress (what a recovery redid)
+    pool = rollout_pool(config, rank, [actors[j] for j in ids], [f"rollout-{j}" for j in ids], tasks)
     crash = config.get("crash") or {}
+    faults = config.get("faults")
     for step in range(start + 1, config["steps"] + 1):
-        if step == crash.get("step") and rank == world - 1:
+        if (step == crash.get("step") and rank == world - 1) or fires(faults, f"learner-{rank}", step):
             last_beat(engine, step - 1)  # the failure the manager records names the last step done
             log_event(
                 config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank, "world": world}
             )
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye
         pairs = sampler.take(cfg.prompts_per_step)  # (epoch, prompt id): the global batch, on every rank
-        mine = [p for _, p in pairs][rank * cfg.prompts_per_step // world : (rank + 1) * cfg.prompts_per_step // world]
-        parts = ray.get(
-            [actors[j].rollout.remote(source, newest, step, idx) for j, idx in zip(ids, _split(mine, len(ids)))]
-        )
+        mine = pairs[rank * cfg.prompts_per_step // world : (rank + 1) * cfg.prompts_per_step // world]
+        calls = []
+        for j, part in zip(ids, _split(mine, len(ids))):  # one task per actor: the unit issued again if it is lost
+            name = f"rollout-{j}"
+            tasks[name] = {"step": step, "snapshot": newest, "prompts": [list(p) for p in part]}
+            aimed = [f for f in faults or () if f["target"] == name and f["step"] == step]
+            calls.append((source, newest, step, [p for _, p in part], aimed, config["log"]))
+        parts = pool.call("rollout", calls, step=step, record=False)  # stateless calls: nothing to journal
         batch = {k: torch.from_numpy(np.concatenate([p[k] for p in parts])) for k in ("seqs", "logps", "rewards")}
+        rollouts = gathered(batch_digest(batch), world)  # every rank's rollouts of this step, bitwise
         loss = update(model, optim, batch, cfg)
         reward = batch["rewards"].mean().reshape(1)
         torch.distributed.all_reduce(reward)  # equal slices: the mean of the ranks' means is the global mean
@@ -201,9 +222,11 @@ def learner_loop(config: dict) -> None:
                     "reward": progress.rewards[-1],
                     "loss": loss,
                     "rollout_snapshot": parts[0]["snapshot"],
+                    "rollouts": rollouts,
                     "saved": saved,
                 },
             )
+    digest = weights_digest(model)  # a collective: every rank takes part
     if rank == 0:
         from rl_ckpt.data import replay_log
 
@@ -214,6 +237,7 @@ def learner_loop(config: dict) -> None:
                 "step": progress.global_step,
                 "world": world,
                 "reward": progress.rewards[-1] if progress.rewards else None,
+                "digest": digest,
             },
         )
         log_event(
@@ -340,13 +364,31 @@ class Run:
         max_failures: int = 0,
         resize_interval_s: float = 60.0,
         resources_per_worker: dict | None = None,
+        faults: list[dict] | None = None,
+        standbys: int | dict[int, int] = 0,
+        scoped: bool = True,
     ) -> Any:
         """One ``TorchTrainer.fit`` on ``learners`` workers (a ``(min, max)`` pair: Ray Train's elastic mode,
-        which restarts the group on as many workers as the cluster then holds)."""
+        which restarts the group on as many workers as the cluster then holds).
+
+        ``faults`` (``rl_ckpt.demo.faults``; ``marker`` defaults to a file beside the log, so each fires once per
+        run): ``rollout-<j>`` killed in its rollout of ``step`` at ``moment`` (``"pull"``, before it gets the
+        weights, or an answer token's index: mid-generation), ``learner-<r>`` killed at the start of ``step``.
+        A lost rollout actor is recovered alone: Ray's restart of it, or with ``standbys`` (warm spare actors per
+        learner rank, or ``{rank: n}``; one made again after each use) a standby, and its task issued again, no
+        learner step undone (``scoped=False``: it fails the attempt instead, a group restart as for a learner)."""
+        import functools
+
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         from rl_ckpt.integrations.ray_train import CheckpointCallback
+
+        log_dir = os.path.dirname(self.log)
+        faults = [{"marker": os.path.join(log_dir, f"{self.run_name}.fault-{f['id']}"), **f} for f in faults or ()]
+        n_ranks = learners if isinstance(learners, int) else learners[1]
+        spares = standbys if isinstance(standbys, dict) else {r: standbys for r in range(n_ranks)}
+        factory = functools.partial(start_standby, self.run_name, self.grpo.to_json()) if any(spares.values()) else None
 
         config = {
             "base_dir": self.base_dir,
@@ -361,6 +403,10 @@ class Run:
             "crash": {"step": crash_at} if crash_at else None,
             "memory": self.memory,
             "versions": self.versions,
+            "faults": faults,
+            "scoped": scoped,
+            "standbys": {r: [factory() for _ in range(n)] for r, n in spares.items()} if factory else None,
+            "standby_factory": factory,
         }
         self.fits += 1
         scaling = ScalingConfig(
@@ -381,13 +427,17 @@ class Run:
                 callbacks=[CheckpointCallback(run_name=self.run_name)],
             ),
         )
-        return trainer.fit()
+        try:
+            return trainer.fit()
+        finally:
+            self.actors = current_actors(self.actors, self.run_name)  # standbys that took over, in their places
 
     def events(self) -> list[dict]:
         with open(self.log) as f:
             return [json.loads(line) for line in f]
 
     def rollout_stats(self) -> list[dict]:
+        """Each rollout actor's loads and bytes pulled (an actor Ray restarted counts since its restart)."""
         import ray
 
         return ray.get([a.stats.remote() for a in self.actors])
@@ -404,7 +454,9 @@ class Run:
         return ray.get(self.memory["service"].tick.remote(), timeout=300)
 
     def close(self) -> None:
-        """Kill the rollout actors this run started; stop its memory tier (service, manager, stores)."""
+        """Kill the rollout actors this run started and its standbys; stop its memory tier (service, manager,
+        stores). Actors it was given stay up, a standby that took the place of one of them too (``self.actors``
+        names them: the caller's to kill)."""
         import ray
 
         if self.memory is not None:
@@ -416,6 +468,9 @@ class Run:
             from actors.policy_versions import versions_storage
 
             versions_storage(self.run_name).destroy()
+        for standby in standbys_of(self.run_name):  # spare or used: the run's own, unless serving shared actors
+            if self.owns_actors or standby not in self.actors:
+                ray.kill(standby, no_restart=True)
         if self.owns_actors:
             for a in self.actors:
-                ray.kill(a)
+                ray.kill(a, no_restart=True)
