@@ -14,7 +14,6 @@ learners' :class:`~actors.rollout_pool.RolloutPool` does it; ``rejoin`` has noth
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from actors.rollout_pool import ScopedWorker
 from rl_ckpt.demo.faults import fires, kill_self, log_event
 from rl_ckpt.demo.grpo import GRPOConfig, make_policy, prompt_dataset, sample
+from rl_ckpt.demo.ray_tier import spare, standbys_of
 
 log = logging.getLogger("rl_ckpt")
 
@@ -175,34 +175,6 @@ def start_actors(grpo: GRPOConfig, n_actors: int, actor_options: dict | None = N
     return [actor_cls.options(**(actor_options or {})).remote(grpo.to_json(), j) for j in range(n_actors)]
 
 
-STANDBY_PREFIX = "rl_ckpt-grpo-standby:"
-
-
-def start_standby(run_name: str, grpo: dict) -> Any:
-    """A warm standby rollout actor of run ``run_name``: detached (the learner that asks for one may die, the actor
-    it replaces must not) and named, so the run finds the standbys that took over (``current_actors``)."""
-    import ray
-
-    cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(RolloutActor)
-    name = f"{STANDBY_PREFIX}{run_name}:{uuid.uuid4().hex[:8]}"
-    return cls.options(name=name, lifetime="detached").remote(grpo, None)
-
-
-def standbys_of(run_name: str) -> list:
-    """Run ``run_name``'s standby actors alive now (used or not)."""
-    import ray
-
-    prefix = f"{STANDBY_PREFIX}{run_name}:"
-    out = []
-    for item in ray.util.list_named_actors(all_namespaces=True):
-        if item["name"].startswith(prefix):
-            try:
-                out.append(ray.get_actor(item["name"], namespace=item["namespace"]))
-            except ValueError:  # gone meanwhile
-                continue
-    return out
-
-
 def current_actors(actors: list, run_name: str) -> list:
     """``actors`` with each one a standby replaced (killed for good) swapped for the standby now in its place."""
     import ray
@@ -225,8 +197,6 @@ def rollout_pool(config: dict, rank: int, actors: list, names: list[str], tasks:
     actors and the learners going on; each recovery is logged as a ``scoped_recovery`` event with the task redone
     (``tasks[name]``: step, snapshot, (epoch, prompt id) pairs). ``config["scoped"]`` False: a lost actor fails
     the attempt instead (a group restart)."""
-    import ray
-    from ray.exceptions import RayActorError
 
     from actors.rollout_pool import RolloutPool
 
@@ -234,17 +204,10 @@ def rollout_pool(config: dict, rank: int, actors: list, names: list[str], tasks:
         task = tasks.get(event.participant)
         log_event(config["log"], {"event": "scoped_recovery", "rank": rank, **event.to_json(), "task": task})
 
-    spare = []
-    for standby in (config.get("standbys") or {}).get(rank, []):
-        try:
-            if ray.get(standby.identity.remote(), timeout=60) is None:  # one a former attempt used is no spare
-                spare.append(standby)
-        except RayActorError:
-            continue
     return RolloutPool(
         actors,
         names,
-        standbys=spare,
+        standbys=spare((config.get("standbys") or {}).get(rank, [])),
         standby_factory=config.get("standby_factory"),
         attempts=3 if config.get("scoped", True) else 0,
         on_recovery=on_recovery,

@@ -78,6 +78,10 @@ class RolloutWorker(ScopedWorker):
         front.register("rng", RNGState())
         front.register("collects", self.collects, replicated=False)
 
+    def identity(self) -> int | None:
+        """The index of the worker it is (None: a standby not used yet)."""
+        return self.index
+
     @property
     def name(self) -> str:
         return f"rollout-{self.index}"

@@ -36,7 +36,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -52,7 +51,10 @@ from rl_ckpt.demo.ray_tier import (
     MEMORY_DEFAULTS,
     last_beat,
     memory_tier,
+    spare,
+    standbys_of,
     start_memory_tier,
+    start_standby,
     stop_memory_tier,
 )
 
@@ -146,7 +148,7 @@ def worker_pool(config: dict, rank: int, on_recovery) -> Any:
         [known.get(n, given[n]) for n in names],
         names,
         managers=[config["manager"], memory["manager"] if memory else None],
-        standbys=config.get("standbys", {}).get(rank, []),
+        standbys=spare(config.get("standbys", {}).get(rank, [])),
         standby_factory=config.get("standby_factory"),
         attempts=3 if config.get("scoped", True) else 0,
         on_recovery=on_recovery,
@@ -267,33 +269,6 @@ def learner_loop(config: dict) -> None:
     front.close()
 
 
-STANDBY_PREFIX = "rl_ckpt-standby:"
-
-
-def start_standby(run_name: str, args: tuple) -> Any:
-    """A warm standby rollout worker (detached: a learner that made it may die, the worker it becomes must not)."""
-    import ray
-
-    cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(RolloutWorker)
-    name = f"{STANDBY_PREFIX}{run_name}:{uuid.uuid4().hex[:8]}"
-    return cls.options(name=name, lifetime="detached").remote(None, *args)
-
-
-def _standbys(run_name: str) -> list:
-    """The run's standby workers still alive (used or not)."""
-    import ray
-
-    prefix = f"{STANDBY_PREFIX}{run_name}:"
-    out = []
-    for item in ray.util.list_named_actors(all_namespaces=True):
-        if item["name"].startswith(prefix):
-            try:
-                out.append(ray.get_actor(item["name"], namespace=item["namespace"]))
-            except ValueError:
-                continue
-    return out
-
-
 def _num(x: float) -> float | str:
     return x if x == x else "nan"
 
@@ -402,7 +377,7 @@ def run(
     workers = [
         worker_cls.options(name=f"rl_ckpt-rollout:{run_name}:{i}", **placed).remote(i, *args) for i in range(n_workers)
     ]
-    factory = functools.partial(start_standby, run_name, args)
+    factory = functools.partial(start_standby, RolloutWorker, run_name, None, *args)
     config = {
         "engine": engine_cfg,
         "ppo": ppo,
@@ -435,7 +410,7 @@ def run(
     now = ray.get(manager.participant_handles.remote(names), timeout=60)  # standbys may have replaced some
     current = [now.get(n, w) for n, w in zip(names, workers)]
     ray.get([w.close.remote() for w in current])  # finished, not lost
-    for w in {*current, *workers, *_standbys(run_name)}:
+    for w in {*current, *workers, *standbys_of(run_name)}:
         ray.kill(w, no_restart=True)
     status = stop_memory_tier(memory, engine_cfg) if memory is not None else None
     with open(log_path) as f:

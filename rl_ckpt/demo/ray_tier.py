@@ -1,7 +1,10 @@
-"""What both Ray demos (PPO and sharded GRPO) share around their participants: the memory tier's handles, and the
-crash drill's last heartbeat."""
+"""What both Ray demos (PPO and sharded GRPO) share around their participants: the memory tier's handles, the
+crash drill's last heartbeat, and warm standby rollout workers."""
 
 from __future__ import annotations
+
+import uuid
+from typing import Any
 
 from rl_ckpt import CheckpointEngine
 
@@ -58,3 +61,47 @@ def stop_memory_tier(memory: dict, engine_cfg: dict) -> dict:
     status = ray.get(memory["service"].tick.remote(), timeout=120)
     release_run(cfg.run_name, flush=False, force=True)
     return status
+
+
+STANDBY_PREFIX = "rl_ckpt-standby:"
+
+
+def start_standby(cls: type, run_name: str, *args: Any) -> Any:
+    """A warm standby rollout worker of run ``run_name`` (``cls(*args)``, built with no identity): detached (the
+    learner that asks for one may die, the worker it becomes must not) and named, so the run finds the standbys
+    that took over (``standbys_of``)."""
+    import ray
+
+    remote = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(cls)
+    return remote.options(name=f"{STANDBY_PREFIX}{run_name}:{uuid.uuid4().hex[:8]}", lifetime="detached").remote(*args)
+
+
+def standbys_of(run_name: str) -> list:
+    """Run ``run_name``'s standby workers alive now (used or not)."""
+    import ray
+
+    prefix = f"{STANDBY_PREFIX}{run_name}:"
+    out = []
+    for item in ray.util.list_named_actors(all_namespaces=True):
+        if item["name"].startswith(prefix):
+            try:
+                out.append(ray.get_actor(item["name"], namespace=item["namespace"]))
+            except ValueError:  # gone meanwhile
+                continue
+    return out
+
+
+def spare(standbys: list) -> list:
+    """Those of ``standbys`` not used yet (``identity()`` None): a standby an earlier attempt used serves a worker
+    now, and one lost since is gone."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    out = []
+    for standby in standbys:
+        try:
+            if ray.get(standby.identity.remote(), timeout=60) is None:
+                out.append(standby)
+        except RayActorError:
+            continue
+    return out

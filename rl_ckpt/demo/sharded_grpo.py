@@ -49,11 +49,11 @@ from rl_ckpt.demo.faults import fires, log_event
 from rl_ckpt.demo.grpo_rollout import (
     current_actors,
     memory_source,
+    RolloutActor,
     rollout_pool,
-    standbys_of,
     start_actors,
-    start_standby,
 )
+from rl_ckpt.demo.ray_tier import standbys_of, start_standby
 
 ENGINE_DEFAULTS = {"keep_latest": 4, "keep_best": 0, "commit_timeout_seconds": 60.0}
 
@@ -388,7 +388,11 @@ class Run:
         faults = [{"marker": os.path.join(log_dir, f"{self.run_name}.fault-{f['id']}"), **f} for f in faults or ()]
         n_ranks = learners if isinstance(learners, int) else learners[1]
         spares = standbys if isinstance(standbys, dict) else {r: standbys for r in range(n_ranks)}
-        factory = functools.partial(start_standby, self.run_name, self.grpo.to_json()) if any(spares.values()) else None
+        factory = (
+            functools.partial(start_standby, RolloutActor, self.run_name, self.grpo.to_json(), None)
+            if any(spares.values())
+            else None
+        )
 
         config = {
             "base_dir": self.base_dir,
