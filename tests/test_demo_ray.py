@@ -289,7 +289,7 @@ def test_chaos_drill_every_fault_recovered_exactly(ray_cluster, reference):
     assert {f["kind"] for f in faults} == {"rollout", "chunk", "learner", "manager", "memory_store"}
     assert len(faults) >= 7  # the chunk fault brings its worker's kill
     result = run(base_dir=str(base), run_name="chaos", steps=STEPS, engine_cfg=ENGINE, memory_tier=True, faults=faults)
-    text, ok = chaos_report(ref.done["digest"], result, faults)
+    text, ok = chaos_report(ref.done["digest"], result.log, faults)
     assert ok, text + "\n" + _why(base / "chaos", result)
     rows = {r["id"]: r for r in chaos_table(result.log, faults)}
     for f in faults:

@@ -123,7 +123,7 @@ def ray_summary(ref, run, base: str, steps: int, crash_at: int, png: str | None)
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rl-ckpt demo", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, help="training steps (default 50; --sharded: 40)")
+    p.add_argument("--steps", type=int, help="training steps (default 50; --sharded: 40; --chaos: 200, 60 sharded)")
     p.add_argument("--crash-at", type=int, help="SIGKILL at this step (default 27; --sharded: 18)")
     p.add_argument("--crash-target", choices=["learner", "rollout"], default="learner")
     p.add_argument(
@@ -163,7 +163,8 @@ def main(argv=None) -> int:
     if args.local and args.memory_tier:
         p.error("--memory-tier needs Ray (the memory stores are Ray actors): leave out --local, or --memory-tier")
     args.memory_tier = not args.local if args.memory_tier is None else args.memory_tier
-    args.steps = args.steps or (200 if args.chaos else 40 if args.sharded else 50)
+    default_steps = (60 if args.sharded else 200) if args.chaos else 40 if args.sharded else 50
+    args.steps = args.steps or default_steps
     args.crash_at = args.crash_at or (18 if args.sharded else 27)
     if not 0 < args.crash_at < args.steps:
         p.error("--crash-at must be between 0 and --steps")
@@ -212,6 +213,15 @@ def main(argv=None) -> int:
             logging_level="ERROR",
             log_to_driver=False,
         )
+    if args.chaos and args.sharded:
+        from rl_ckpt.demo.scoped_drill import sharded_chaos_drill
+
+        text, ok = sharded_chaos_drill(
+            base, args.steps, args.faults, seed=args.seed, standby=args.standby, memory_tier=args.memory_tier
+        )
+        print(text)
+        ray.shutdown()
+        return 0 if ok else 1
     if args.sharded:
         from rl_ckpt.demo.grpo import GRPOConfig
 

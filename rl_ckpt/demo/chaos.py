@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import Any, Callable
 
 from rl_ckpt.demo.faults import fires, log_event
 
@@ -38,17 +38,25 @@ def plan_faults(
     count: int,
     learners: int,
     workers: int,
-    env_steps: int,
+    env_steps: int = 0,
+    moments: list | None = None,
     memory_interval: int = 2,
+    save_moment: bool = True,
+    chunk_kill: bool = True,
+    kinds: tuple = KINDS,
     first: int = 3,
 ) -> list[dict]:
-    """``count`` faults at distinct, seeded random steps in ``[first, steps - 2]``, each kind at least once when
-    ``count`` allows, the rest drawn by ``WEIGHTS`` (mostly rollout workers). A ``chunk`` fault takes two steps:
-    the damage, then the kill of the same worker."""
+    """``count`` faults at distinct, seeded random steps in ``[first, steps - 2]``, each of ``kinds`` at least once
+    when ``count`` allows, the rest drawn by ``WEIGHTS`` (mostly rollout workers). A rollout worker strikes at one of
+    ``moments`` (default: an env step below ``env_steps``), or in its save at a memory snapshot's step
+    (``save_moment``). With ``chunk_kill`` a ``chunk`` fault takes two steps: the damage, then the kill of the worker
+    whose file was damaged (without: the damage alone, met by whoever reads it next)."""
     rng = random.Random(seed)
-    kinds = list(KINDS[: min(count, len(KINDS))])
+    moments = list(moments) if moments is not None else list(range(env_steps))
+    weights = {k: w for k, w in WEIGHTS.items() if k in kinds}
+    kinds = list(kinds[: min(count, len(kinds))])
     while len(kinds) < count:
-        kinds.append(rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0])
+        kinds.append(rng.choices(list(weights), weights=list(weights.values()))[0])
     rng.shuffle(kinds)
     free = list(range(first, steps - 1))
     if len(free) < 2 * count:
@@ -59,12 +67,14 @@ def plan_faults(
         free = [s for s in free if abs(s - step) > 1]  # one fault per step, and a step between them
         worker = f"rollout-{rng.randrange(workers)}"
         if kind == "rollout":
-            at_save = step % memory_interval == 0 and rng.random() < 0.3
-            moment = "save" if at_save else rng.randrange(env_steps)
+            at_save = save_moment and step % memory_interval == 0 and rng.random() < 0.3
+            moment = "save" if at_save else rng.choice(moments)
             faults.append({"kind": kind, "target": worker, "step": step, "moment": moment})
         elif kind == "chunk":
             faults.append({"kind": kind, "target": "chunk", "step": step, "victim": worker})
-            faults.append({"kind": "rollout", "target": worker, "step": step + 1, "moment": 0, "after_chunk": True})
+            if chunk_kill:
+                kill = {"kind": "rollout", "target": worker, "step": step + 1, "moment": moments[0]}
+                faults.append({**kill, "after_chunk": True})
         elif kind == "learner":
             faults.append({"kind": kind, "target": f"learner-{rng.randrange(learners)}", "step": step})
         else:
@@ -73,33 +83,35 @@ def plan_faults(
     return [{"id": i, **f} for i, f in enumerate(faults)]
 
 
-def strike(config: dict, step: int, tier: Any) -> None:
+def strike(
+    faults: list[dict] | None,
+    log: str,
+    step: int,
+    *,
+    manager: Any = None,
+    memory: Any = None,
+    damage: Callable[[dict], str | None] | None = None,
+) -> None:
     """The faults that are not a participant's own death, due after ``step`` (learner rank 0 calls this once the
-    step's snapshots are handed out): the manager or the memory store killed, a memory snapshot damaged."""
+    step's snapshots are handed out): ``manager`` killed (Ray restarts it), the stores of ``memory`` (a run's
+    ``raymem://`` storage) killed, ``damage(fault)`` (a byte flipped somewhere a recovery or a pull will read)."""
     import ray
 
-    faults, run = config.get("faults"), config["engine"]["run_name"]
     fault = fires(faults, "manager", step)
-    if fault is not None:
-        log_event(config["log"], {"event": "fault", "step": step, "target": "manager", "fault": fault})
-        ray.kill(config["manager"], no_restart=False)  # Ray restarts it; it finds the run again on storage
+    if fault is not None and manager is not None:
+        log_event(log, {"event": "fault", "step": step, "target": "manager", "fault": fault})
+        ray.kill(manager, no_restart=False)  # Ray restarts it; it finds the run again on storage
     fault = fires(faults, "memory_store", step)
-    if fault is not None and tier is not None:
-        stores = tier.memory.storage.stores()
+    if fault is not None and memory is not None:
+        stores = memory.stores()
         log_event(
-            config["log"],
-            {"event": "fault", "step": step, "target": "memory_store", "fault": fault, "stores": len(stores)},
+            log, {"event": "fault", "step": step, "target": "memory_store", "fault": fault, "stores": len(stores)}
         )
         for handle in stores.values():
             ray.kill(handle, no_restart=True)  # a store is never restarted: its memory snapshots are gone
     fault = fires(faults, "chunk", step)
-    if fault is not None and tier is not None:
-        tier.wait()  # this step's memory snapshot committed first: the damage is to the newest one
-        damaged = damage_newest(tier.memory.storage, fault["victim"])
-        log_event(
-            config["log"],
-            {"event": "fault", "step": step, "target": "chunk", "fault": fault, "damaged": damaged, "run": run},
-        )
+    if fault is not None and damage is not None:
+        log_event(log, {"event": "fault", "step": step, "target": "chunk", "fault": fault, "damaged": damage(fault)})
 
 
 def damage_newest(storage: Any, participant: str) -> str | None:
@@ -127,6 +139,32 @@ def damage_newest(storage: Any, participant: str) -> str | None:
                 ray.get(handle.put.remote(path, bytes(data)))
         return path
     return None
+
+
+def damage_version(run_name: str) -> str | None:
+    """Flip one byte of the largest chunk of run ``run_name``'s newest policy version, in every store holding it
+    (same size: only its checksum can tell); returns the path damaged (None: no version yet)."""
+    import ray
+
+    from actors.policy_versions import published, versions_storage
+    from rl_ckpt._run.snapshot_files import read_manifest
+    from rl_ckpt._sharded.weight_pull import component_pieces
+
+    storage = versions_storage(run_name)
+    versions = published(storage)
+    if not versions:
+        return None
+    sid = versions[max(versions)]
+    paths = [p for p in component_pieces(read_manifest(storage, sid), "policy").paths() if p.startswith("objects/")]
+    if not paths:
+        return None
+    path = max(paths, key=lambda p: storage.stat(p).size)
+    data = bytearray(storage.read(path))
+    data[len(data) // 2] ^= 0xFF
+    for handle in storage.stores().values():
+        if path in ray.get(handle.inventory.remote("objects")):
+            ray.get(handle.put.remote(path, bytes(data)))
+    return path
 
 
 def _after(log: list[dict], t: float, event: str) -> list[dict]:
@@ -186,9 +224,10 @@ def _row(fault: dict) -> dict:
     }
 
 
-def chaos_report(ref_digest: str, run, faults: list[dict]) -> tuple[str, bool]:
-    """The table, then the verdict: bitwise equal to the uninterrupted run, every auditor 0/0, every fault struck."""
-    rows = chaos_table(run.log, faults)
+def chaos_report(ref_digest: str, log: list[dict], faults: list[dict]) -> tuple[str, bool]:
+    """The table of a run's event ``log``, then the verdict: bitwise equal to the uninterrupted run (``ref_digest``),
+    every auditor 0/0, every fault struck."""
+    rows = chaos_table(log, faults)
     lines = [
         f"  {'#':>2}  {'step':>4}  {'fault':<13} {'target':<10} {'moment':<12} {'recovery':<44} "
         f"{'undone':>6} {'redone':>6} {'to next step':>12}"
@@ -198,8 +237,9 @@ def chaos_report(ref_digest: str, run, faults: list[dict]) -> tuple[str, bool]:
             f"  {r['id']:>2}  {r['step']:>4}  {r['kind']:<13} {r['target']:<10} {r['moment']:<12} "
             f"{r['recovery'][:44]:<44} {r['undone']:>6} {r['redone']:>6} {r['seconds']:>10.2f} s"
         )
-    audits = [m for m in run.log if m["event"] == "audit"]
-    exact = bool(run.done) and run.done["digest"] == ref_digest
+    audits = [m for m in log if m["event"] == "audit"]
+    done = next((m for m in reversed(log) if m["event"] == "done"), None)
+    exact = done is not None and done["digest"] == ref_digest
     audit_ok = bool(audits) and all(a["skipped"] == 0 and a["duplicated"] == 0 for a in audits)
     audit_ok = audit_ok and all(a["replayed"]["skipped"] == a["replayed"]["duplicated"] == 0 for a in audits)
     struck = all(r["recovery"] != "did not strike" for r in rows)

@@ -43,7 +43,7 @@ import torch
 
 from rl_ckpt import CheckpointEngine, RNGState
 from rl_ckpt.data import ConsumptionAuditor, replay_log
-from rl_ckpt.demo.chaos import strike
+from rl_ckpt.demo.chaos import damage_newest, strike
 from rl_ckpt.demo.faults import fires, log_event
 from rl_ckpt.demo.ppo import PPOConfig, PPOTrainer
 from rl_ckpt.demo.ppo_rollout import RolloutWorker
@@ -210,6 +210,13 @@ def learner_loop(config: dict) -> None:
         )
     scheduler = engine.scheduler(start_step=start) if tier is None else None  # with the tier: memory saves only
     last = full = None  # (step, handle) of this rank's newest save, and of its newest full durable one
+
+    def damage(fault: dict) -> str | None:  # the chaos drill: a rollout worker's newest memory snapshot
+        if tier is None:
+            return None
+        tier.wait()  # this step's memory snapshot committed first: the damage is to the newest one
+        return damage_newest(tier.memory.storage, fault["victim"])
+
     while learner.progress.global_step < config["steps"]:
         metrics = learner.train_step()
         step = learner.progress.global_step
@@ -231,8 +238,9 @@ def learner_loop(config: dict) -> None:
             last = (step, handle)
             full = last if tier is None and handle.kind == "full" else full
             pool.cast("save", [(step, handle.kind)] * len(pool), step=step, save=True)
-        if rank == 0 and config.get("faults"):
-            strike(config, step, tier)  # the chaos drill's faults that are not a participant's own death
+        if rank == 0 and config.get("faults"):  # the chaos drill's faults that are not a participant's own death
+            memory = tier.memory.storage if tier is not None else None
+            strike(config["faults"], config["log"], step, manager=config["manager"], memory=memory, damage=damage)
         if rank == 0:
             _log(
                 config,

@@ -74,9 +74,68 @@ def chaos_drill(base: str, steps: int, count: int, *, seed: int = 0, standby: bo
         faults=faults,
         standbys=1 if standby else 0,
     )
-    text, ok = chaos_report(ref.done["digest"] if ref.done else "", chaos, faults)
+    text, ok = chaos_report(ref.done["digest"] if ref.done else "", chaos.log, faults)
     head = (
         f"rl_ckpt demo --chaos: PPO on CartPole-v1 on Ray (2 learner ranks + 2 rollout workers, memory tier"
         f"{', warm standbys' if standby else ''}), {len(faults)} faults over {steps} steps (seed {seed})"
+    )
+    return f"{head}\n{text}", ok
+
+
+def sharded_chaos_drill(
+    base: str, steps: int, count: int, *, seed: int = 0, standby: bool = False, memory_tier: bool = True
+) -> tuple[str, bool]:
+    """``rl-ckpt demo --chaos --sharded``: the sharded GRPO demo (2 FSDP2 learners, 2 rollout actors pulling policy
+    versions) with ``count`` seeded faults: rollout actors mid-generation or before their pull, learner ranks, the
+    manager, the memory store, a damaged policy-version chunk (the pulls that meet it load the same snapshot)."""
+    import ray
+
+    from rl_ckpt.demo.chaos import KINDS
+    from rl_ckpt.demo.grpo import GRPOConfig
+    from rl_ckpt.demo.grpo_rollout import start_actors
+    from rl_ckpt.demo.sharded_grpo import MEMORY_DEFAULTS, Run
+
+    grpo = GRPOConfig(seed=seed)
+    kinds = KINDS if memory_tier else tuple(k for k in KINDS if k != "memory_store")
+    moments = [*range(grpo.gen_len), "pull"]
+    faults = plan_faults(
+        seed=seed,
+        steps=steps,
+        count=count,
+        learners=2,
+        workers=2,
+        moments=moments,
+        save_moment=False,
+        chunk_kill=False,
+        kinds=kinds,
+    )
+    learner_faults = sum(f["kind"] == "learner" for f in faults)
+    logs = {}
+    actors = start_actors(grpo, 2)  # stateless: one set serves both runs
+    try:
+        for name, fit, tier in (
+            ("grpo_reference", {}, None),
+            (
+                "grpo_chaos",
+                {"faults": faults, "max_failures": learner_faults + 1, "standbys": int(standby)},
+                MEMORY_DEFAULTS if memory_tier else None,
+            ),
+        ):
+            print(f"{name}: {steps} steps" + (f", {len(faults)} faults (seed {seed})" if fit else ""), file=sys.stderr)
+            run = Run.start(base, name, grpo, actors=actors, memory_tier=tier)
+            try:
+                run.fit(2, steps, **fit)
+                logs[name] = run.events()
+            finally:
+                actors = run.actors
+                run.close()
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+    done = next((m for m in reversed(logs["grpo_reference"]) if m["event"] == "done"), {})
+    text, ok = chaos_report(done.get("digest", ""), logs["grpo_chaos"], faults)
+    head = (
+        f"rl_ckpt demo --chaos --sharded: GRPO on a tiny GPT-2 (2 FSDP2 learners, 2 rollout actors pulling policy "
+        f"versions{', memory tier' if memory_tier else ''}), {len(faults)} faults over {steps} steps (seed {seed})"
     )
     return f"{head}\n{text}", ok

@@ -45,6 +45,7 @@ import torch
 
 from rl_ckpt.demo.digests import batch_digest, gathered, weights_digest
 from rl_ckpt.demo.grpo import GRPOConfig, Progress, make_policy, update
+from rl_ckpt.demo.chaos import damage_version, strike
 from rl_ckpt.demo.faults import fires, log_event
 from rl_ckpt.demo.grpo_rollout import (
     current_actors,
@@ -182,11 +183,11 @@ def learner_loop(config: dict) -> None:
     crash = config.get("crash") or {}
     faults = config.get("faults")
     for step in range(start + 1, config["steps"] + 1):
-        if (step == crash.get("step") and rank == world - 1) or fires(faults, f"learner-{rank}", step):
+        fault = fires(faults, f"learner-{rank}", step)
+        if (step == crash.get("step") and rank == world - 1) or fault is not None:
             last_beat(engine, step - 1)  # the failure the manager records names the last step done
-            log_event(
-                config["log"], {"event": "kill", "step": step, "last_done": step - 1, "rank": rank, "world": world}
-            )
+            killed = {"step": step, "last_done": step - 1, "rank": rank, "world": world, "fault": fault}
+            log_event(config["log"], {"event": "kill", "target": f"learner-{rank}", **killed})
             os.kill(os.getpid(), signal.SIGKILL)  # a lost learner: no cleanup, no goodbye
         pairs = sampler.take(cfg.prompts_per_step)  # (epoch, prompt id): the global batch, on every rank
         mine = pairs[rank * cfg.prompts_per_step // world : (rank + 1) * cfg.prompts_per_step // world]
@@ -212,6 +213,10 @@ def learner_loop(config: dict) -> None:
             if versions is not None:
                 versions.publish(step)
                 source = {**source, "versions": config["run_name"]}
+        if rank == 0 and faults:  # the chaos drill's faults that are not a participant's own death
+            memory_storage = tier.memory.storage if tier is not None else None
+            damage = (lambda f: damage_version(config["run_name"])) if versions is not None else None
+            strike(faults, config["log"], step, manager=config["manager"], memory=memory_storage, damage=damage)
         if rank == 0:
             log_event(
                 config["log"],
