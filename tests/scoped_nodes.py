@@ -6,7 +6,7 @@ an autoscaler would bring one). Each worker is recovered alone, restarted by Ray
 durable snapshot, replaying the collects since.
 
 Run by test_demo_ray.py in a process of its own (a process joins one Ray cluster only):
-``python scoped_nodes.py <base_dir> <steps> <remove_at>`` prints one JSON line.
+``python scoped_nodes.py <base_dir> <steps> <remove_at> <engine config JSON>`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -23,15 +23,7 @@ def main() -> None:
     from rl_ckpt.demo.faults import log_event
     from rl_ckpt.demo.ray_ppo import run
 
-    base, steps, remove_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    engine = {
-        "save_interval_steps": 10,
-        "light_interval_steps": 5,
-        "keep_latest": 2,
-        "keep_best": 1,
-        "dedup": True,
-        "dedup_min_tensor_bytes": 4096,
-    }
+    base, steps, remove_at, engine = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     with node_cluster("scoped-nodes", head_resources=4) as (ray, cluster):
         import ray_train_cleaner
 

@@ -259,7 +259,7 @@ def test_rollout_workers_lost_with_their_node_are_recovered_alone(reference, tmp
     from node_cluster import run_node_script
 
     _base, ref = reference
-    out = run_node_script("scoped_nodes.py", str(tmp_path), str(STEPS), "24", lines=1)[0]
+    out = run_node_script("scoped_nodes.py", str(tmp_path), str(STEPS), "24", json.dumps(ENGINE), lines=1)[0]
     log = out["log"]
     assert out["error"] is None and out["removed_at"] is not None, out
     steps = [m["step"] for m in log if m["event"] == "step"]
