@@ -252,7 +252,7 @@ def chaos_report(ref_digest: str, log: list[dict], faults: list[dict]) -> tuple[
         f"  final weights bitwise equal to the uninterrupted run: {'YES' if exact else 'NO'}",
         "  auditor: "
         + (
-            "; ".join(f"rank {a['rank']}: {a['skipped']} skipped / {a['duplicated']} duplicated" for a in audits)
+            "; ".join(f"rank {a.get('rank', 0)}: {a['skipped']} skipped / {a['duplicated']} duplicated" for a in audits)
             or "none reported"
         ),
         f"  verdict: {'EXACT' if exact and audit_ok and struck else 'NOT EXACT'}",
