@@ -44,13 +44,15 @@ def plan_faults(
     save_moment: bool = True,
     chunk_kill: bool = True,
     kinds: tuple = KINDS,
+    unit: str = "env step",
     first: int = 3,
 ) -> list[dict]:
     """``count`` faults at distinct, seeded random steps in ``[first, steps - 2]``, each of ``kinds`` at least once
     when ``count`` allows, the rest drawn by ``WEIGHTS`` (mostly rollout workers). A rollout worker strikes at one of
     ``moments`` (default: an env step below ``env_steps``), or in its save at a memory snapshot's step
     (``save_moment``). With ``chunk_kill`` a ``chunk`` fault takes two steps: the damage, then the kill of the worker
-    whose file was damaged (without: the damage alone, met by whoever reads it next)."""
+    whose file was damaged (without: the damage alone, met by whoever reads it next). ``unit`` names a numbered
+    moment in the table (``env step``, ``token``)."""
     rng = random.Random(seed)
     moments = list(moments) if moments is not None else list(range(env_steps))
     weights = {k: w for k, w in WEIGHTS.items() if k in kinds}
@@ -69,11 +71,12 @@ def plan_faults(
         if kind == "rollout":
             at_save = save_moment and step % memory_interval == 0 and rng.random() < 0.3
             moment = "save" if at_save else rng.choice(moments)
-            faults.append({"kind": kind, "target": worker, "step": step, "moment": moment})
+            at = f"{unit} {moment}" if isinstance(moment, int) else moment
+            faults.append({"kind": kind, "target": worker, "step": step, "moment": moment, "at": at})
         elif kind == "chunk":
             faults.append({"kind": kind, "target": "chunk", "step": step, "victim": worker})
             if chunk_kill:
-                kill = {"kind": "rollout", "target": worker, "step": step + 1, "moment": moments[0]}
+                kill = {"kind": "rollout", "target": worker, "step": step + 1, "moment": moments[0], "at": "start"}
                 faults.append({**kill, "after_chunk": True})
         elif kind == "learner":
             faults.append({"kind": kind, "target": f"learner-{rng.randrange(learners)}", "step": step})
@@ -214,13 +217,13 @@ def chaos_table(log: list[dict], faults: list[dict]) -> list[dict]:
 
 
 def _row(fault: dict) -> dict:
-    moment = fault.get("moment")
+    moment = fault.get("at", fault.get("moment"))
     return {
         "id": fault["id"],
         "kind": fault["kind"],
         "step": fault["step"],
         "target": fault["target"],
-        "moment": "" if moment is None else (f"env step {moment}" if isinstance(moment, int) else str(moment)),
+        "moment": "" if moment is None else str(moment),
     }
 
 

@@ -108,6 +108,7 @@ def sharded_chaos_drill(
         save_moment=False,
         chunk_kill=False,
         kinds=kinds,
+        unit="token",
     )
     learner_faults = sum(f["kind"] == "learner" for f in faults)
     logs = {}
