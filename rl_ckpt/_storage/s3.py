@@ -26,28 +26,33 @@
 - ``remove_tree`` lists the keys under ``<path>/`` and deletes them with
   ``DeleteObjects`` (1000 per call, per-key errors raised).
 - ``makedirs`` is a no-op (S3 has no folders; s3fs would even create the bucket).
-- ``write`` of ``PARALLEL_UPLOAD_BYTES`` and more is one multipart upload with
-  ``UPLOAD_CONCURRENCY`` parts in flight; smaller writes stream through
-  ``open("wb")`` (multipart in ``block_size`` parts above one block). A failed
-  upload is aborted, and ``abort_incomplete_uploads`` (``rl-ckpt gc``) aborts
-  those a killed writer left.
-- ``read_range`` is one ranged GET; ``read(max_bytes=)`` HEADs first and never
-  GETs more than the cap.
+- Transfers (``rl_ckpt._storage.s3_transfer``): ``write`` streams the chunks as parts of
+  ``default_block_size`` bytes (8 MiB unless set) while they are produced, ``max_concurrency``
+  parts in flight (16 unless set), without a joined copy; a write shorter than one part is one
+  PUT. A failed upload is aborted, and ``abort_incomplete_uploads`` (``rl-ckpt gc``) aborts those
+  a killed writer left. ``read``, ``read_ranges``, large ``read_range`` and the stream of
+  ``open_read`` are ranged GETs of at most one part each, ``max_concurrency`` in flight, landing
+  straight in the buffer returned (no HEAD: the first answer's ``Content-Range`` tells the size).
+  ``read(max_bytes=N)`` asks for the first N bytes only and refuses a larger object from the size
+  S3 states, so no more than the cap is ever read.
+- The client skips botocore's SHA-256 of every request body over plain-HTTP endpoints
+  (``payload_signing_enabled=False``, what it does over HTTPS); with the default
+  ``request_checksum_calculation`` every upload still carries a CRC32 of its body, computed here
+  from the caller's memory, that S3 checks. Verify-after-write reads the object back.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
-from rl_ckpt.errors import StorageError
-from rl_ckpt._storage.base import check_range, range_past_end
-from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists, log
+from rl_ckpt.errors import ConfigError, StorageError
+from rl_ckpt._storage.base import check_max_bytes, check_range, range_past_end, too_large
+from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists
+from rl_ckpt._storage.s3_reads import ReadAhead, read_object, read_ranges_into
+from rl_ckpt._storage.s3_transfer import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES, Transfer, TransferError
 
-PARALLEL_UPLOAD_BYTES = 64 * 1024 * 1024  # larger S3 writes go as one multipart upload with parallel parts
-PART_BYTES = 16 * 1024 * 1024
-UPLOAD_CONCURRENCY = 8
 _TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
 _CONFLICT_RETRIES = 8
 _DELETE_BATCH = 1000
@@ -72,79 +77,52 @@ class S3Storage(FsspecStorage):
 
     def _options(self, options: dict) -> dict:
         options.setdefault("use_listings_cache", False)
+        options.setdefault("default_block_size", DEFAULT_PART_BYTES)
+        options.setdefault("max_concurrency", DEFAULT_CONCURRENCY)
+        for key in ("default_block_size", "max_concurrency"):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"storage option {key!r}: got {value!r}; allowed: an integer >= 1", key=key, allowed="int >= 1"
+                )
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"mode": "standard", "max_attempts": 5})
+        s3_config = dict(config.get("s3") or {})
+        s3_config.setdefault("payload_signing_enabled", False)
+        config["s3"] = s3_config
         options["config_kwargs"] = config
         return options
 
+    def _transfer(self, full: str) -> Transfer:
+        bucket, key, _ = self.fs.split_path(full)
+        crc32 = getattr(self.fs.s3.meta.config, "request_checksum_calculation", None)
+        return Transfer(
+            self.fs,
+            bucket,
+            key,
+            part_bytes=int(self.fs.default_block_size),
+            concurrency=int(self.fs.max_concurrency),
+            crc32=crc32 != "when_required",
+        )
+
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
+        """Write ``chunks`` as one object: parts stream out while the chunks are produced. The chunks are sent
+        from the caller's memory: it must not change them until this returns."""
         if create_only:
             return super().write(path, chunks, create_only=True, durable=durable)
         full = self._abs(path)
-        views = [memoryview(c).cast("B") for c in chunks]  # zero-copy; errors of the producer propagate
-        total = sum(v.nbytes for v in views)
-        if total >= PARALLEL_UPLOAD_BYTES:
-            self._parallel_upload(full, path, views)
-            return total
-        return super().write(path, views, durable=durable)
-
-    def _parallel_upload(self, full: str, path: str, views: list) -> None:
-        """One multipart upload with up to ``UPLOAD_CONCURRENCY`` parts in flight; aborted on any failure."""
-        import asyncio
-
-        from fsspec.asyn import sync
-
-        parts: list[bytes] = []
-        pending: list[memoryview] = []
-        size = 0
-        for view in views:
-            while view.nbytes:
-                take = min(view.nbytes, PART_BYTES - size)
-                pending.append(view[:take])
-                size += take
-                view = view[take:]
-                if size == PART_BYTES:
-                    parts.append(b"".join(pending))
-                    pending, size = [], 0
-        if pending:
-            parts.append(b"".join(pending))
-        bucket, key, _ = self.fs.split_path(full)
-        fs = self.fs
-
-        async def upload() -> None:
-            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-            upload_id = mpu["UploadId"]
-            gate = asyncio.Semaphore(UPLOAD_CONCURRENCY)
-
-            async def put(number: int, body: bytes) -> dict:
-                async with gate:
-                    out = await fs._call_s3(
-                        "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
-                    )
-                    return {"PartNumber": number, "ETag": out["ETag"]}
-
-            try:
-                done = await asyncio.gather(*(put(i + 1, body) for i, body in enumerate(parts)))
-                await fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": list(done)},
-                )
-            except BaseException:
-                try:  # nothing half-written may be published; gc aborts what this could not
-                    await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-                except Exception as abort_error:
-                    log.warning("could not abort multipart upload of %s: %s", full, abort_error)
-                raise
-
         try:
-            sync(self.fs.loop, upload)
-        except Exception as exc:
-            raise self._error(exc, "cannot upload", path) from exc
-        self.fs.invalidate_cache(full)
+            return self._transfer(full).upload(chunks)  # errors of the producer propagate unchanged
+        except TransferError as exc:
+            raise self._error(exc.__cause__ or exc, "cannot upload", path) from exc.__cause__
+        finally:
+            self._fresh(full)
+
+    def write_atomic(self, path: str, data, *, create_only: bool = False) -> None:
+        if create_only:
+            return super().write_atomic(path, data, create_only=True)
+        self.write(path, [data])  # one PUT: the object appears whole or not at all
 
     def abort_incomplete_uploads(self, older_than_seconds: float) -> list[str]:
         """Abort multipart uploads under this root started more than ``older_than_seconds`` ago."""
@@ -234,10 +212,42 @@ class S3Storage(FsspecStorage):
         return (head.get("Metadata") or {}).get(_TOKEN_META) == token, ""
 
     # -- reads -------------------------------------------------------------
+    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
+        """Parallel ranged GETs into one fresh buffer, ``on_chunk`` fed in file order as the pieces land.
+
+        No HEAD: the first GET (of the first piece, or of the whole object when ``max_bytes`` fits in one part)
+        tells the size, and an object larger than ``max_bytes`` is refused then, before the buffer is allocated
+        and before anything reaches ``on_chunk``."""
+        check_max_bytes(max_bytes)
+        full = self._abs(path)
+        self._fresh(full)
+        try:
+            if max_bytes == 0:
+                size, data = self._file_size(full), b""
+            else:
+                data, size = read_object(self._transfer(full), max_bytes, on_chunk)
+                if size is None:  # S3 refused even the first byte (416): empty, or a folder marker
+                    size = self._file_size(full)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, "cannot read", path) from exc
+        if max_bytes is not None and size > max_bytes:
+            raise too_large(path, size, max_bytes)
+        if len(data) != size:
+            raise StorageError(
+                f"short read of {path}: {len(data)} of {size} bytes (object changed while reading?)", path=path
+            )
+        if size == 0 and on_chunk is not None:
+            on_chunk(memoryview(b""))
+        return data if size else bytearray()
+
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        """One ranged GET (the server sends no more than the object has); only a short or refused answer
-        costs a HEAD, to tell a range past the end from an object replaced meanwhile."""
+        """One ranged GET (parallel pieces above one part; the server sends no more than the object has); only a
+        short or refused answer costs a HEAD, to tell a range past the end from an object replaced meanwhile."""
         check_range(start, length)
+        if length > self._transfer_part():
+            return self.read_ranges(path, [(start, length)])[0]
         full = self._abs(path)
         self._fresh(full)
         data = b""
@@ -258,6 +268,61 @@ class S3Storage(FsspecStorage):
         if length:  # inside the file yet short: the object changed between the two calls
             raise range_past_end(path, start, length, start + len(data))
         return b""
+
+    def read_ranges(self, path: str, ranges) -> list[bytearray]:
+        """Every range of one object at once: their pieces are ranged GETs in parallel, each straight into its
+        range's buffer."""
+        for start, length in ranges:
+            check_range(start, length)
+        if sum(length for _start, length in ranges) > self._transfer_part():  # size first: allocate only what is there
+            full = self._abs(path)
+            try:
+                size = self._file_size(full)
+            except Exception as exc:
+                raise self._error(exc, "cannot read", path) from exc
+            for start, length in ranges:
+                if start + length > size:
+                    raise range_past_end(path, start, length, size)
+        out = [bytearray(length) for _start, length in ranges]
+        self.read_ranges_into(path, [(start, memoryview(buf)) for (start, _n), buf in zip(ranges, out)])
+        return out
+
+    def read_ranges_into(self, path: str, ranges) -> None:
+        full = self._abs(path)
+        self._fresh(full)
+        views = [(start, memoryview(dest).cast("B")) for start, dest in ranges]
+        for start, view in views:
+            check_range(start, view.nbytes)
+        try:
+            got = read_ranges_into(self._transfer(full), views)
+        except Exception as exc:
+            raise self._error(exc, "cannot read", path) from exc
+        for (start, view), n in zip(views, got):
+            if n != view.nbytes:
+                try:
+                    size = self._file_size(full)
+                except Exception as exc:
+                    raise self._error(exc, "cannot read", path) from exc
+                raise range_past_end(path, start, view.nbytes, min(size, start + n))
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A stream with ``max_concurrency`` ranged GETs of one part each in flight ahead of the reader."""
+        full = self._abs(path)
+        self._fresh(full)
+        stream = ReadAhead(
+            self._transfer(full),
+            lambda: self._file_size(full),
+            lambda exc: exc if isinstance(exc, StorageError) else self._error(exc, "cannot read", path),
+        )
+        try:
+            stream.prime()  # a missing object fails here
+        except Exception:
+            stream.close()
+            raise
+        return stream  # type: ignore[return-value]
+
+    def _transfer_part(self) -> int:
+        return int(self.fs.default_block_size)
 
     # -- namespace ---------------------------------------------------------
     def _remove_tree_contents(self, full: str) -> None:
