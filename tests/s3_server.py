@@ -19,6 +19,8 @@ import dataclasses
 from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options, start_moto
 from rl_ckpt.tools.s3_proxy import LatencyProxy
 
+__all__ = ["LOOPBACK", "LatencyProxy", "S3Server", "start_proxy", "start_s3_server"]
+
 
 @dataclasses.dataclass
 class S3Server:

@@ -29,13 +29,20 @@ _READ = 256 * 1024
 
 @dataclasses.dataclass
 class Fault:
-    """Cut the connection after ``after_bytes`` of the response to a request ``match`` accepts (``times``
-    requests; None: all)."""
+    """What to do to the requests ``match`` accepts (``times`` of them; None: all): cut the connection after
+    ``after_bytes`` of the response, or (``hold``) keep the request until :meth:`release` (or for ever: a
+    client killed meanwhile never gets an answer). ``reached`` is set when a request first matched."""
 
     match: Callable[[str, str, dict], bool]  # (method, path, lower-cased headers) -> bool
     after_bytes: int = 1024
     times: int | None = 1
+    hold: bool = False
     hits: int = 0
+    reached: threading.Event = dataclasses.field(default_factory=threading.Event)
+    released: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        self.released.set()
 
 
 class LatencyProxy:
@@ -96,8 +103,17 @@ class LatencyProxy:
             self._faults.append(fault)
         return fault
 
+    def hold(self, match: Callable[[str, str, dict], bool], *, times: int | None = 1) -> Fault:
+        """Keep the next ``times`` requests ``match`` accepts from the server until ``fault.release()``."""
+        fault = Fault(match, times=times, hold=True)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
     def clear(self) -> None:
         with self._lock:
+            for fault in self._faults:
+                fault.release()
             self._faults.clear()
             self.log.clear()
             self.requests = self.max_in_flight = 0
@@ -114,6 +130,7 @@ class LatencyProxy:
             for fault in self._faults:
                 if (fault.times is None or fault.hits < fault.times) and fault.match(method, path, headers):
                     fault.hits += 1
+                    fault.reached.set()
                     return fault
         return None
 
@@ -150,7 +167,9 @@ class LatencyProxy:
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
             if self.latency:
                 await asyncio.sleep(self.latency)
-            pending.put_nowait((method, fault))
+            while fault is not None and fault.hold and not fault.released.is_set():
+                await asyncio.sleep(0.01)
+            pending.put_nowait((method, None if fault is not None and fault.hold else fault))
             await sink.write(head)
             await _body(reader, sink, headers, None)
 
@@ -161,13 +180,17 @@ class LatencyProxy:
                 head = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                 return
-            method, fault = await pending.get()
-            sink = _Sink(writer, self.rate, budget=fault.after_bytes if fault is not None else None)
             _version, status_text, headers = _parse_head(head)
             status = int(status_text) if status_text.isdigit() else 0
+            if 100 <= status < 200:  # "100 Continue" before the body of an upload: not the answer yet
+                writer.write(head)
+                await writer.drain()
+                continue
+            method, fault = await pending.get()
+            sink = _Sink(writer, self.rate, budget=fault.after_bytes if fault is not None else None)
             try:
                 await sink.write(head)
-                no_body = method == "HEAD" or status in (204, 304) or 100 <= status < 200
+                no_body = method == "HEAD" or status in (204, 304)
                 await _body(reader, sink, headers, 0 if no_body else -1)
             except _Cut:
                 writer.transport.abort()  # the client sees the connection reset mid-response
