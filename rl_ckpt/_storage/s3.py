@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import BinaryIO, Iterable
+from typing import Iterable
 
 from rl_ckpt.errors import ConfigError, StorageError
-from rl_ckpt._storage.base import check_max_bytes, check_range, range_past_end, too_large
 from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists
-from rl_ckpt._storage.s3_reads import ReadAhead, read_object, read_ranges_into
-from rl_ckpt._storage.s3_transfer import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES, Transfer, TransferError
+from rl_ckpt._storage.s3_reads import S3Reads
+from rl_ckpt._storage.s3_view import ReadSessions, S3Views
+from rl_ckpt._storage.s3_transfer import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES, Transfer
 
 _TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
 _CONFLICT_RETRIES = 8
@@ -64,12 +64,13 @@ def _is_busy(exc: BaseException) -> bool:
     return code == "ConditionalRequestConflict"
 
 
-class S3Storage(FsspecStorage):
+class S3Storage(S3Views, S3Reads, FsspecStorage):
     """``s3://`` and ``s3a://`` run folders (AWS S3 and compatible servers, via s3fs)."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url, storage_options)
         self._conditional_put: bool | None = None
+        self._reads = ReadSessions()
 
     def write_stream_atomic(self, path: str, chunks) -> int:
         # An object appears only when its (multipart) upload completes; an abandoned upload is aborted.
@@ -109,19 +110,29 @@ class S3Storage(FsspecStorage):
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
         """Write ``chunks`` as one object: parts stream out while the chunks are produced. The chunks are sent
         from the caller's memory: it must not change them until this returns."""
+        self._reads.changed()
         if create_only:
-            return super().write(path, chunks, create_only=True, durable=durable)
+            try:
+                return super().write(path, chunks, create_only=True, durable=durable)
+            finally:
+                self._reads.changed()
         full = self._abs(path)
         try:
-            return self._transfer(full).upload(chunks)  # errors of the producer propagate unchanged
-        except TransferError as exc:
-            raise self._error(exc.__cause__ or exc, "cannot upload", path) from exc.__cause__
+            # errors of the producer propagate unchanged; a request's become a StorageError naming the path
+            return self._transfer(full).upload(chunks, lambda exc: self._error(exc, "cannot upload", path))
+        except StorageError:
+            raise
         finally:
             self._fresh(full)
+            self._reads.changed()
 
     def write_atomic(self, path: str, data, *, create_only: bool = False) -> None:
         if create_only:
-            return super().write_atomic(path, data, create_only=True)
+            self._reads.changed()
+            try:
+                return super().write_atomic(path, data, create_only=True)
+            finally:
+                self._reads.changed()
         self.write(path, [data])  # one PUT: the object appears whole or not at all
 
     def abort_incomplete_uploads(self, older_than_seconds: float) -> list[str]:
@@ -210,119 +221,6 @@ class S3Storage(FsspecStorage):
         except Exception as exc:  # noqa: BLE001 - any failure of the check means "unknown"; it is reported, not lost
             return None, f"{type(exc).__name__}: {exc}"
         return (head.get("Metadata") or {}).get(_TOKEN_META) == token, ""
-
-    # -- reads -------------------------------------------------------------
-    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
-        """Parallel ranged GETs into one fresh buffer, ``on_chunk`` fed in file order as the pieces land.
-
-        No HEAD: the first GET (of the first piece, or of the whole object when ``max_bytes`` fits in one part)
-        tells the size, and an object larger than ``max_bytes`` is refused then, before the buffer is allocated
-        and before anything reaches ``on_chunk``."""
-        check_max_bytes(max_bytes)
-        full = self._abs(path)
-        self._fresh(full)
-        try:
-            if max_bytes == 0:
-                size, data = self._file_size(full), b""
-            else:
-                data, size = read_object(self._transfer(full), max_bytes, on_chunk)
-                if size is None:  # S3 refused even the first byte (416): empty, or a folder marker
-                    size = self._file_size(full)
-        except StorageError:
-            raise
-        except Exception as exc:
-            raise self._error(exc, "cannot read", path) from exc
-        if max_bytes is not None and size > max_bytes:
-            raise too_large(path, size, max_bytes)
-        if len(data) != size:
-            raise StorageError(
-                f"short read of {path}: {len(data)} of {size} bytes (object changed while reading?)", path=path
-            )
-        if size == 0 and on_chunk is not None:
-            on_chunk(memoryview(b""))
-        return data if size else bytearray()
-
-    def read_range(self, path: str, start: int, length: int) -> bytes:
-        """One ranged GET (parallel pieces above one part; the server sends no more than the object has); only a
-        short or refused answer costs a HEAD, to tell a range past the end from an object replaced meanwhile."""
-        check_range(start, length)
-        if length > self._transfer_part():
-            return self.read_ranges(path, [(start, length)])[0]
-        full = self._abs(path)
-        self._fresh(full)
-        data = b""
-        try:
-            data = self.fs.cat_file(full, start=start, end=start + length) if length else b""
-            if len(data) == length and length:
-                return bytes(data)
-            size = self._file_size(full)  # short, or empty: is the range inside the file?
-        except Exception as exc:
-            if client_error(exc)[0] != "InvalidRange":  # S3 416: the range starts past the end
-                raise self._error(exc, "cannot read", path) from exc
-            try:
-                size = self._file_size(full)
-            except Exception as exc2:
-                raise self._error(exc2, "cannot read", path) from exc2
-        if start + length > size:
-            raise range_past_end(path, start, length, size)
-        if length:  # inside the file yet short: the object changed between the two calls
-            raise range_past_end(path, start, length, start + len(data))
-        return b""
-
-    def read_ranges(self, path: str, ranges) -> list[bytearray]:
-        """Every range of one object at once: their pieces are ranged GETs in parallel, each straight into its
-        range's buffer."""
-        for start, length in ranges:
-            check_range(start, length)
-        if sum(length for _start, length in ranges) > self._transfer_part():  # size first: allocate only what is there
-            full = self._abs(path)
-            try:
-                size = self._file_size(full)
-            except Exception as exc:
-                raise self._error(exc, "cannot read", path) from exc
-            for start, length in ranges:
-                if start + length > size:
-                    raise range_past_end(path, start, length, size)
-        out = [bytearray(length) for _start, length in ranges]
-        self.read_ranges_into(path, [(start, memoryview(buf)) for (start, _n), buf in zip(ranges, out)])
-        return out
-
-    def read_ranges_into(self, path: str, ranges) -> None:
-        full = self._abs(path)
-        self._fresh(full)
-        views = [(start, memoryview(dest).cast("B")) for start, dest in ranges]
-        for start, view in views:
-            check_range(start, view.nbytes)
-        try:
-            got = read_ranges_into(self._transfer(full), views)
-        except Exception as exc:
-            raise self._error(exc, "cannot read", path) from exc
-        for (start, view), n in zip(views, got):
-            if n != view.nbytes:
-                try:
-                    size = self._file_size(full)
-                except Exception as exc:
-                    raise self._error(exc, "cannot read", path) from exc
-                raise range_past_end(path, start, view.nbytes, min(size, start + n))
-
-    def open_read(self, path: str) -> BinaryIO:
-        """A stream with ``max_concurrency`` ranged GETs of one part each in flight ahead of the reader."""
-        full = self._abs(path)
-        self._fresh(full)
-        stream = ReadAhead(
-            self._transfer(full),
-            lambda: self._file_size(full),
-            lambda exc: exc if isinstance(exc, StorageError) else self._error(exc, "cannot read", path),
-        )
-        try:
-            stream.prime()  # a missing object fails here
-        except Exception:
-            stream.close()
-            raise
-        return stream  # type: ignore[return-value]
-
-    def _transfer_part(self) -> int:
-        return int(self.fs.default_block_size)
 
     # -- namespace ---------------------------------------------------------
     def _remove_tree_contents(self, full: str) -> None:

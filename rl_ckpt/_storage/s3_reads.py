@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-from typing import Callable
+from typing import BinaryIO, Callable
 
+from rl_ckpt.errors import StorageError
+from rl_ckpt._storage.base import check_max_bytes, check_range, range_past_end, too_large
 from rl_ckpt._storage.buffers import alloc_bytes
+from rl_ckpt._storage.fsspec_store import client_error
 from rl_ckpt._storage.s3_transfer import Transfer
 
 _FIRST_PIECE = 1024 * 1024  # what a read of unknown size asks for first (it learns the size from the answer)
@@ -131,7 +134,7 @@ class ReadAhead(io.RawIOBase):
 
     def _submit(self, start: int, n: int) -> None:
         buf = bytearray(n)
-        coro = self.t._get_piece(start, memoryview(buf), self.state)
+        coro = self.t.get_piece(start, memoryview(buf), self.state)
         self.ahead.append((start, buf, asyncio.run_coroutine_threadsafe(coro, self.t.fs.loop)))
         self.next = start + n
 
@@ -180,3 +183,119 @@ class ReadAhead(io.RawIOBase):
     def close(self) -> None:
         self._drop()
         super().close()
+
+
+class S3Reads:
+    """``S3Storage``'s reads (a mixin over ``FsspecStorage``): parallel ranged GETs, no HEAD before a read."""
+
+    def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
+        """Parallel ranged GETs into one fresh buffer, ``on_chunk`` fed in file order as the pieces land.
+
+        No HEAD: the first GET (of the first piece, or of the whole object when ``max_bytes`` fits in one part)
+        tells the size, and an object larger than ``max_bytes`` is refused then, before the buffer is allocated
+        and before anything reaches ``on_chunk``."""
+        check_max_bytes(max_bytes)
+        full = self._abs(path)
+        self._fresh(full)
+        try:
+            if max_bytes == 0:
+                size, data = self._file_size(full), b""
+            else:
+                data, size = read_object(self._transfer(full), max_bytes, on_chunk)
+                if size is None:  # S3 refused even the first byte (416): empty, or a folder marker
+                    size = self._file_size(full)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, "cannot read", path) from exc
+        if max_bytes is not None and size > max_bytes:
+            raise too_large(path, size, max_bytes)
+        if len(data) != size:
+            raise StorageError(
+                f"short read of {path}: {len(data)} of {size} bytes (object changed while reading?)", path=path
+            )
+        if size == 0 and on_chunk is not None:
+            on_chunk(memoryview(b""))
+        return data if size else bytearray()
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """One ranged GET (parallel pieces above one part; the server sends no more than the object has); only a
+        short or refused answer costs a HEAD, to tell a range past the end from an object replaced meanwhile."""
+        check_range(start, length)
+        if length > self._transfer_part():
+            return self.read_ranges(path, [(start, length)])[0]
+        full = self._abs(path)
+        self._fresh(full)
+        data = b""
+        try:
+            data = self.fs.cat_file(full, start=start, end=start + length) if length else b""
+            if len(data) == length and length:
+                return bytes(data)
+            size = self._file_size(full)  # short, or empty: is the range inside the file?
+        except Exception as exc:
+            if client_error(exc)[0] != "InvalidRange":  # S3 416: the range starts past the end
+                raise self._error(exc, "cannot read", path) from exc
+            try:
+                size = self._file_size(full)
+            except Exception as exc2:
+                raise self._error(exc2, "cannot read", path) from exc2
+        if start + length > size:
+            raise range_past_end(path, start, length, size)
+        if length:  # inside the file yet short: the object changed between the two calls
+            raise range_past_end(path, start, length, start + len(data))
+        return b""
+
+    def read_ranges(self, path: str, ranges) -> list[bytearray]:
+        """Every range of one object at once: their pieces are ranged GETs in parallel, each straight into its
+        range's buffer."""
+        for start, length in ranges:
+            check_range(start, length)
+        if sum(length for _start, length in ranges) > self._transfer_part():  # size first: allocate only what is there
+            full = self._abs(path)
+            try:
+                size = self._file_size(full)
+            except Exception as exc:
+                raise self._error(exc, "cannot read", path) from exc
+            for start, length in ranges:
+                if start + length > size:
+                    raise range_past_end(path, start, length, size)
+        out = [bytearray(length) for _start, length in ranges]
+        self.read_ranges_into(path, [(start, memoryview(buf)) for (start, _n), buf in zip(ranges, out)])
+        return out
+
+    def read_ranges_into(self, path: str, ranges) -> None:
+        full = self._abs(path)
+        self._fresh(full)
+        views = [(start, memoryview(dest).cast("B")) for start, dest in ranges]
+        for start, view in views:
+            check_range(start, view.nbytes)
+        try:
+            got = read_ranges_into(self._transfer(full), views)
+        except Exception as exc:
+            raise self._error(exc, "cannot read", path) from exc
+        for (start, view), n in zip(views, got):
+            if n != view.nbytes:
+                try:
+                    size = self._file_size(full)
+                except Exception as exc:
+                    raise self._error(exc, "cannot read", path) from exc
+                raise range_past_end(path, start, view.nbytes, min(size, start + n))
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A stream with ``max_concurrency`` ranged GETs of one part each in flight ahead of the reader."""
+        full = self._abs(path)
+        self._fresh(full)
+        stream = ReadAhead(
+            self._transfer(full),
+            lambda: self._file_size(full),
+            lambda exc: exc if isinstance(exc, StorageError) else self._error(exc, "cannot read", path),
+        )
+        try:
+            stream.prime()  # a missing object fails here
+        except Exception:
+            stream.close()
+            raise
+        return stream  # type: ignore[return-value]
+
+    def _transfer_part(self) -> int:
+        return int(self.fs.default_block_size)

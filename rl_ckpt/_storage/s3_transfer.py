@@ -24,8 +24,11 @@ import asyncio
 import base64
 import queue
 import threading
+import weakref
 import zlib
 from typing import Callable, Iterable, Sequence
+
+from rl_ckpt.errors import StorageError
 
 DEFAULT_PART_BYTES = 8 * 1024 * 1024
 DEFAULT_CONCURRENCY = 16
@@ -94,14 +97,17 @@ def _before_call(params, context, **_kw) -> None:
         params["body"] = body
 
 
+_ZERO_COPY: weakref.WeakSet = weakref.WeakSet()  # clients whose handlers are registered
+
+
 def zero_copy(client) -> None:
     """Let ``client`` (an aiobotocore S3 client) take a :class:`Body` for ``PutObject``/``UploadPart`` (once)."""
-    if getattr(client, "_rl_ckpt_zero_copy", False):
+    if client in _ZERO_COPY:
         return
     for op in ("PutObject", "UploadPart"):
         client.meta.events.register(f"before-parameter-build.s3.{op}", _before_build)
         client.meta.events.register(f"before-call.s3.{op}", _before_call)
-    client._rl_ckpt_zero_copy = True
+    _ZERO_COPY.add(client)
 
 
 def crc32_b64(views: Sequence[memoryview]) -> str:
@@ -147,11 +153,18 @@ class Transfer:
         zero_copy(await self.fs.get_s3(self.bucket))
 
     # -- uploads -------------------------------------------------------------------------------------
-    def upload(self, chunks: Iterable) -> int:
+    def upload(self, chunks: Iterable, error: Callable[[Exception], Exception]) -> int:
         """Write ``chunks`` (bytes-like, unchanged until this returns) as the object; returns its size.
 
         An error of the producer (the chunk iterator) propagates unchanged; one of a request is raised as
-        :class:`TransferError` (its cause is the client's error)."""
+        ``error(exc)`` (the caller's StorageError)."""
+
+        def _request(fn):
+            try:
+                return fn()
+            except Exception as exc:
+                raise error(exc) from exc
+
         _request(lambda: self._run(self._client()).result())
         pending: list[memoryview] = []
         filled = 0
@@ -218,7 +231,7 @@ class Transfer:
 
         async def one(i: int, start: int, view: memoryview) -> None:
             async with gate:
-                state["got"][i] = await self._get_piece(start, view, state)
+                state["got"][i] = await self.get_piece(start, view, state)
             landed.put(i)
 
         tasks = [asyncio.ensure_future(one(i, s, v)) for i, (s, v) in enumerate(pieces)]
@@ -230,7 +243,9 @@ class Transfer:
             landed.put(None)
             raise
 
-    async def _get_piece(self, start: int, view: memoryview, state: dict) -> int:
+    async def get_piece(self, start: int, view: memoryview, state: dict) -> int:
+        """Fill ``view`` from object offset ``start`` (one ranged GET, fetched again if the body breaks); returns
+        the bytes received (0 past the end). ``state`` holds the size and ETag the answers name."""
         n = view.nbytes
         if n == 0:
             return 0
@@ -256,7 +271,7 @@ class Transfer:
                         raise ConnectionError(f"short body: {got} of {want} bytes")
                     got += k
                 return got
-            except ObjectChanged:
+            except StorageError:  # the object changed: fetching again cannot help
                 body.close()
                 raise
             except Exception as exc:  # the connection broke mid-body: fetch the piece again
@@ -268,31 +283,16 @@ class Transfer:
         ) from error
 
 
-class ObjectChanged(Exception):
-    """Two pieces of one read came from different versions of the object (it was replaced meanwhile)."""
-
-
 def _same_version(state: dict, resp: dict, transfer: Transfer) -> None:
     etag = resp.get("ETag")
     if state["etag"] is None:
         state["etag"] = etag
     elif etag != state["etag"]:
-        raise ObjectChanged(
-            f"s3://{transfer.bucket}/{transfer.key} was replaced while it was read (ETag {state['etag']} then {etag})"
+        raise StorageError(
+            f"s3://{transfer.bucket}/{transfer.key} was replaced while it was read (ETag {state['etag']} then "
+            f"{etag}); read it again",
+            path=transfer.key,
         )
-
-
-class TransferError(Exception):
-    """A request of a transfer failed (``__cause__`` is the client's error)."""
-
-
-def _request(fn):
-    try:
-        return fn()
-    except TransferError:
-        raise
-    except Exception as exc:
-        raise TransferError(f"{type(exc).__name__}: {exc}") from exc
 
 
 class _Parts:

@@ -128,6 +128,7 @@ def _read_exactly(f, n: int) -> bytes:
 
 
 _lazy = threading.local()
+_RANGES_PATCHED = False
 
 
 class _StoredRange:
@@ -153,7 +154,8 @@ def serve_ranges_from_storage() -> None:
     from moto.s3.models import FakeKey
     from moto.s3.responses import S3Response
 
-    if getattr(S3Response, "_rl_ckpt_ranges", False):
+    global _RANGES_PATCHED
+    if _RANGES_PATCHED:
         return
     whole = FakeKey.value
 
@@ -175,7 +177,7 @@ def serve_ranges_from_storage() -> None:
         return status, out_headers, body
 
     S3Response.key_response = ranged_key_response
-    S3Response._rl_ckpt_ranges = True
+    _RANGES_PATCHED = True
 
 
 def behave_as_s3(server) -> None:
