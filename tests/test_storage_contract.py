@@ -1299,12 +1299,40 @@ def test_s3_create_only_refused_without_if_none_match_support(s3_url, monkeypatc
     assert not store.exists("n/meta.json")
 
 
+def test_s3_test_server_keeps_a_body_whose_checksum_is_wrong(s3_url):
+    """Why verify-after-write reads the object back on S3 instead of trusting per-part checksums: the test
+    server (moto) stores a body whose ``x-amz-checksum-sha256`` is wrong, where S3 answers ``BadDigest``. A
+    verify that rested on the server's check would prove nothing against it. Should moto start checking, this
+    fails, and the choice in docs/storage.md can be revisited."""
+    import base64
+    import hashlib
+
+    url, options = s3_url
+    store = S3Storage(url, {**options, "skip_instance_cache": True})
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    wrong = base64.b64encode(hashlib.sha256(b"other bytes").digest()).decode()
+    store.fs.call_s3(
+        "put_object",
+        Bucket=bucket,
+        Key=f"{prefix}/c.bin",
+        Body=b"payload",
+        ChecksumSHA256=wrong,
+        ChecksumAlgorithm="SHA256",
+    )
+    assert bytes(store.read("c.bin")) == b"payload"  # accepted and stored
+
+
 def test_s3_client_defaults(s3_url):
     url, options = s3_url
     store = S3Storage(url, {**options, "skip_instance_cache": True})
     assert store.fs.dircache.use_listings_cache is False  # no listing cache to go stale
     assert store.fs.s3.meta.config.retries["mode"] == "standard"
     assert store.fs.s3.meta.config.s3["addressing_style"] == "path"  # caller's config_kwargs kept
+    assert store.fs.s3.meta.config.s3["payload_signing_enabled"] is False  # as over HTTPS: no SHA-256 of each body
+    assert (store.fs.default_block_size, store.fs.max_concurrency) == (8 * 2**20, 16)  # part size, parts in flight
+    for bad in ({"max_concurrency": 0}, {"default_block_size": "8MiB"}, {"max_concurrency": True}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            S3Storage(url, {**options, "skip_instance_cache": True, **bad})
     store._check_conditional_put()
     assert store._conditional_put is True  # this botocore can send If-None-Match on PutObject
     mine = S3Storage(

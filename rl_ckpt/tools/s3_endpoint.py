@@ -1,9 +1,10 @@
 """What every local S3 test endpoint shares (moto's server on 127.0.0.1): the test suite's
 ``tests/s3_server.py``, the fault suite and ``rl-ckpt bench s3`` build theirs with :func:`start_moto`.
 
-    python -m rl_ckpt.tools.s3_endpoint [--port 0]
+    python -m rl_ckpt.tools.s3_endpoint [--port 0] [--in-memory]
 
-serves one on 127.0.0.1 (printing ``listening 127.0.0.1:PORT``) until killed.
+serves one on 127.0.0.1 (printing ``listening 127.0.0.1:PORT``) until killed (``--in-memory``: objects are
+never spooled to temporary files, :func:`keep_objects_in_memory`).
 
 Plain moto differs from S3 in ways that would make the tests and figures about moto, not about our
 code. :func:`behave_as_s3` makes the server, in its own process, do what S3 does:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 import threading
 
@@ -226,10 +228,22 @@ def client_options(endpoint_url: str) -> dict:
     }
 
 
+def keep_objects_in_memory() -> None:
+    """Keep every object's bytes in this process's memory, as a store that is not this machine's disk would.
+
+    moto spools an object larger than 5 MiB to a temporary file on the local disk (and copies a completed
+    multipart upload's parts into another): measured through it, a large transfer times this machine's disk
+    and page cache, not the protocol. Set before the first object is stored."""
+    os.environ["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(1 << 40)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl_ckpt.tools.s3_endpoint", description="moto's S3 on 127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="port to bind (default: a free one)")
+    p.add_argument("--in-memory", action="store_true", help="keep objects in memory, never in temporary files")
     args = p.parse_args(argv)
+    if args.in_memory:
+        keep_objects_in_memory()
     _server, port = start_moto(args.port)
     print(f"listening {LOOPBACK}:{port}", flush=True)
     try:

@@ -9,6 +9,7 @@ a process of its own, on 127.0.0.1 only. Then, round-robin over ``--repeat`` rou
 
     rl_save          ``engine.save`` of a model + Adam state of ``--size`` (defaults: verify-after-write on)
     rl_restore       ``engine.restore()`` of it into the live objects (plan, verified load, probe)
+    rl_save_noverify ``engine.save`` with ``verify_after_write=False`` (what the object read-back costs)
     s3t_upload       boto3 ``TransferManager.upload_file`` (default ``TransferConfig``: 8 MiB parts, 10
                      threads) of a local file holding the same tensor bytes
     s3t_download     ``TransferManager.download_file`` of that object to a local file
@@ -39,7 +40,7 @@ import uuid
 from rl_ckpt.tools.bench.common import MIB, loadavg, parse_size
 from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options
 
-KEYS = ("rl_save", "rl_restore", "s3t_upload", "s3t_download", "one_upload", "one_download")
+KEYS = ("rl_save", "rl_restore", "rl_save_noverify", "s3t_upload", "s3t_download", "one_upload", "one_download")
 
 
 def _serve(args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -58,7 +59,7 @@ class Endpoint:
     def __init__(self, latency_ms: float, mbps: float) -> None:
         os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
         os.environ["NO_PROXY"] = os.environ["no_proxy"] = LOOPBACK
-        self.moto, moto_port = _serve(["rl_ckpt.tools.s3_endpoint"])
+        self.moto, moto_port = _serve(["rl_ckpt.tools.s3_endpoint", "--in-memory"])
         self.procs = [self.moto]
         port = moto_port
         if latency_ms or mbps:
@@ -154,12 +155,19 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
     engine = CheckpointEngine(**cfg)
     engine.register("model", model)
     engine.register("optim", opt)
+    quick = CheckpointEngine(**{**cfg, "run_name": "noverify"}, verify_after_write=False)
+    quick.register("model", model)
+    quick.register("optim", opt)
     steps = iter(range(1, 10**6))
     saved = {"step": None}
 
     def rl_save() -> None:
         saved["step"] = next(steps)
         engine.save(saved["step"])
+
+    def rl_save_noverify() -> None:
+        saved["quick"] = next(steps)
+        quick.save(saved["quick"])
 
     def rl_restore() -> None:
         other = CheckpointEngine(**cfg)
@@ -180,20 +188,25 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
     methods = {
         "rl_save": rl_save,
         "rl_restore": rl_restore,
+        "rl_save_noverify": rl_save_noverify,
         "s3t_upload": transfer(True, True),
         "s3t_download": transfer(True, False),
         "one_upload": transfer(False, True),
         "one_download": transfer(False, False),
     }
     samples: dict[str, list[tuple[float, int]]] = {k: [] for k in methods}
-    pairs = [("rl_save", "rl_restore"), ("s3t_upload", "s3t_download"), ("one_upload", "one_download")]
+    groups = [("rl_save", "rl_restore", "rl_save_noverify"), ("s3t_upload", "s3t_download"), ("one_upload", "one_download")]
     for r in range(repeat):
-        order = pairs[r % len(pairs) :] + pairs[: r % len(pairs)]
-        for up, down in order:  # a download reads what its upload just wrote
-            for name in (up, down):
+        order = groups[r % len(groups) :] + groups[: r % len(groups)]
+        for group in order:  # a download reads what its upload just wrote
+            for name in group:
                 samples[name].append(timed(methods[name]))
-                log(f"  round {r + 1}: {name:<13} {samples[name][-1][0]:7.2f} s  (load {loadavg()})")
+                log(f"  round {r + 1}: {name:<16} {samples[name][-1][0]:7.2f} s  (load {loadavg()})")
+            if group[0] == "rl_save":  # the server holds objects in memory: drop this round's snapshots (not timed)
+                engine.storage.remove_tree(f"step_{saved['step']:09d}")
+                quick.storage.remove_tree(f"step_{saved['quick']:09d}")
     engine.close()
+    quick.close()
     for path in (src, dst):
         if os.path.exists(path):
             os.remove(path)
@@ -313,6 +326,7 @@ def report(out: dict) -> str:
         "| peak RSS over the state, rl_ckpt / s3transfer |",
         "|---|---|---|---|---|---|---|",
         row("save (verify on)", "rl_save", "s3t_upload", "one_upload"),
+        row("save (verify off)", "rl_save_noverify", "s3t_upload", "one_upload"),
         row("restore", "rl_restore", "s3t_download", "one_download"),
     ]
     if out.get("ranks"):
