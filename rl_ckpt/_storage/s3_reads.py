@@ -13,7 +13,7 @@ from typing import BinaryIO, Callable
 
 from rl_ckpt.errors import StorageError
 from rl_ckpt._storage.base import check_max_bytes, check_range, range_past_end, too_large
-from rl_ckpt._storage.buffers import alloc_bytes
+from rl_ckpt._storage.buffers import alloc_bytes, prefault
 from rl_ckpt._storage.fsspec_store import client_error
 from rl_ckpt._storage.s3_transfer import Transfer
 
@@ -60,13 +60,17 @@ def read_object(t: Transfer, cap: int | None, on_chunk: Callable | None) -> tupl
             on_chunk(memoryview(head)[:got])
         return head[:got], size
     buf = alloc_bytes(size)
+    stop = prefault(buf)  # page faults on a helper thread, not in the event loop's copies
     view = memoryview(buf).cast("B")
     view[:got] = memoryview(head).cast("B")[:got]
     del head
     if on_chunk is not None:
         on_chunk(view[:got])
     pieces = pieces_of(got, view[got:], t.part_bytes)
-    state = t.fetch(pieces, on_piece=InOrder(pieces, on_chunk))
+    try:
+        state = t.fetch(pieces, on_piece=InOrder(pieces, on_chunk))
+    finally:
+        stop()
     if sum(state["got"]) != size - got:  # the object shrank meanwhile (a replaced one fails on its ETag)
         return buf[: got + sum(state["got"])], size
     return buf, size

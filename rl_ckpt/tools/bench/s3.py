@@ -195,16 +195,15 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
         "one_download": transfer(False, False),
     }
     samples: dict[str, list[tuple[float, int]]] = {k: [] for k in methods}
-    groups = [("rl_save", "rl_restore", "rl_save_noverify"), ("s3t_upload", "s3t_download"), ("one_upload", "one_download")]
+    ups = ["rl_save", "s3t_upload", "one_upload"]
+    downs = {"rl_save": "rl_restore", "s3t_upload": "s3t_download", "one_upload": "one_download"}
     for r in range(repeat):
-        order = groups[r % len(groups) :] + groups[: r % len(groups)]
-        for group in order:  # a download reads what its upload just wrote
-            for name in group:
-                samples[name].append(timed(methods[name]))
-                log(f"  round {r + 1}: {name:<16} {samples[name][-1][0]:7.2f} s  (load {loadavg()})")
-            if group[0] == "rl_save":  # the server holds objects in memory: drop this round's snapshots (not timed)
-                engine.storage.remove_tree(f"step_{saved['step']:09d}")
-                quick.storage.remove_tree(f"step_{saved['quick']:09d}")
+        order = ups[r % 3 :] + ups[: r % 3]  # the uploads, then the downloads, side by side; rotated per round
+        for name in [*order, *(downs[u] for u in order), "rl_save_noverify"]:
+            samples[name].append(timed(methods[name]))
+            log(f"  round {r + 1}: {name:<16} {samples[name][-1][0]:7.2f} s  (load {loadavg()})")
+        engine.storage.remove_tree(f"step_{saved['step']:09d}")  # the server holds objects in memory (not timed)
+        quick.storage.remove_tree(f"step_{saved['quick']:09d}")
     engine.close()
     quick.close()
     for path in (src, dst):
