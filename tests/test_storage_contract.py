@@ -1329,6 +1329,8 @@ def test_s3_client_defaults(s3_url):
     assert store.fs.s3.meta.config.retries["mode"] == "standard"
     assert store.fs.s3.meta.config.s3["addressing_style"] == "path"  # caller's config_kwargs kept
     assert store.fs.s3.meta.config.s3["payload_signing_enabled"] is False  # as over HTTPS: no SHA-256 of each body
+    assert store.fs.s3.meta.config.request_checksum_calculation == "when_required"  # verify-after-write re-reads
+    assert store.fs.s3.meta.config.read_timeout == 60  # botocore's, not s3fs's 15 s: parts in flight take time
     assert (store.fs.default_block_size, store.fs.max_concurrency) == (8 * 2**20, 16)  # part size, parts in flight
     for bad in ({"max_concurrency": 0}, {"default_block_size": "8MiB"}, {"max_concurrency": True}):
         with pytest.raises(ConfigError, match=next(iter(bad))):

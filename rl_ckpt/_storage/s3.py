@@ -93,6 +93,9 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
         # core, and what it checks (the bytes arrived as sent) verify-after-write checks end to end, and TLS in
         # transit. "when_supported" has it back (then each part and PUT carries its CRC32, which S3 checks).
         config.setdefault("request_checksum_calculation", "when_required")
+        # botocore's 60 s rather than s3fs's 15 s to wait for an answer: with parts in flight on a slow or busy
+        # link, 15 s makes parts time out and be sent again while the first copy is still on its way.
+        config.setdefault("read_timeout", 60)
         s3_config = dict(config.get("s3") or {})
         s3_config.setdefault("payload_signing_enabled", False)
         config["s3"] = s3_config
