@@ -216,13 +216,17 @@ class Transfer:
         state = {"size": None, "etag": None, "got": [0] * len(pieces)}
         future = self._run(self._fetch_all(pieces, state, landed))
         done = 0
-        while done < len(pieces):
-            item = landed.get()
-            if item is None:  # the fetch failed: its exception is in the future
-                break
-            done += 1
-            if on_piece is not None:
-                on_piece(item, state["got"][item])
+        try:
+            while done < len(pieces):
+                item = landed.get()
+                if item is None:  # the fetch failed: its exception is in the future
+                    break
+                done += 1
+                if on_piece is not None:
+                    on_piece(item, state["got"][item])
+        except BaseException:
+            future.cancel()  # no GET goes on writing into a buffer its reader gave up
+            raise
         future.result()
         return state
 
