@@ -8,6 +8,12 @@
 ready for ``open_storage(url, storage_options)``. The bucket is emptied and
 deleted afterwards.
 
+``s3_proxy`` (session): the latency proxy (``rl_ckpt.tools.s3_proxy``: 30 ms per
+request, 40 MB/s per connection) in front of that server, as a remote object store
+behaves. ``s3_proxy_url`` (function): like ``s3_url``, with options that go through
+it (and 5 MiB parts, 4 in flight, so a few MiB make several parts); yields
+``(url, storage_options, proxy)``; the proxy's faults and counters are cleared.
+
 ``ray_cluster`` (session): one local Ray cluster for every Ray test.
 
 The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in
@@ -77,6 +83,31 @@ def s3_url(s3_endpoint):
             fs.call_s3("delete_bucket", Bucket=bucket)
         except Exception:  # cleanup is best effort; the server dies with the session
             pass
+
+
+@pytest.fixture(scope="session")
+def s3_proxy(s3_endpoint):
+    from urllib.parse import urlparse
+
+    from s3_server import LatencyProxy
+
+    where = urlparse(s3_endpoint["endpoint_url"])
+    proxy = LatencyProxy((where.hostname, where.port), latency=0.03, rate=40e6)
+    proxy.start()
+    yield proxy
+    proxy.stop()
+
+
+S3_TEST_PART = 5 * 1024 * 1024  # S3's smallest part: a few MiB make several
+
+
+@pytest.fixture
+def s3_proxy_url(s3_url, s3_proxy):
+    url, options = s3_url
+    s3_proxy.clear()
+    through = {**options, "endpoint_url": s3_proxy.endpoint_url, "default_block_size": S3_TEST_PART}
+    yield url, {**through, "max_concurrency": 4}, s3_proxy
+    s3_proxy.clear()
 
 
 def _marks(path) -> tuple[bool, bool]:

@@ -1,20 +1,25 @@
-"""An in-process S3 endpoint for tests: moto's ThreadedMotoServer on 127.0.0.1.
+"""An in-process S3 endpoint for tests: moto's ThreadedMotoServer on 127.0.0.1, optionally behind a latency
+proxy.
 
 ``start_s3_server()`` binds an OS-chosen free port (``port=0``) on the loopback
 address only, so tests need no server running beforehand and never touch a
-real AWS endpoint or any other address.
+real AWS endpoint or any other address. The server behaves as S3 does where
+plain moto does not (atomic conditional writes, keep-alive connections, ranged
+GETs that read only their range: ``rl_ckpt.tools.s3_endpoint`` says why).
 
-Requests carrying ``If-None-Match`` run one at a time, as on real S3
-(``rl_ckpt.tools.s3_endpoint`` says why).
+``start_proxy(server)`` puts ``rl_ckpt.tools.s3_proxy.LatencyProxy`` in front of
+it: per-request latency and a per-connection bandwidth cap, as a remote object
+store has, and responses it can cut short on purpose.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import threading
 
-from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options, serialize_conditional_writes
+from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options, start_moto
+from rl_ckpt.tools.s3_proxy import LatencyProxy
+
+__all__ = ["LOOPBACK", "LatencyProxy", "S3Server", "start_proxy", "start_s3_server"]
 
 
 @dataclasses.dataclass
@@ -37,22 +42,12 @@ class S3Server:
 
 def start_s3_server(timeout: float = 30.0) -> S3Server:
     """Start moto's S3 server on 127.0.0.1 with a free port and return where it listens."""
-    from moto.server import ThreadedMotoServer
+    server, port = start_moto(timeout=timeout)
+    return S3Server(server, LOOPBACK, port)
 
-    # werkzeug logs every request at INFO through its own stderr handler; keep warnings only.
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
-    # ThreadedMotoServer.start() waits without a timeout for its thread to bind;
-    # if binding failed it would hang forever, so start it from a helper thread.
-    starter = threading.Thread(target=server.start, daemon=True, name="moto-start")
-    starter.start()
-    starter.join(timeout)
-    if starter.is_alive():
-        raise RuntimeError(f"moto S3 server did not start on {LOOPBACK} within {timeout:.0f}s")
-    # port=0 lets the OS pick; the werkzeug server knows the bound port.
-    host, port = server.get_host_and_port()
-    if host != LOOPBACK or not port:
-        server.stop()
-        raise RuntimeError(f"moto S3 server bound to {host}:{port}, expected {LOOPBACK}:<free port>")
-    serialize_conditional_writes(server)
-    return S3Server(server, host, int(port))
+
+def start_proxy(server: S3Server, *, latency: float = 0.03, rate: float | None = 40e6) -> LatencyProxy:
+    """A started :class:`LatencyProxy` in front of ``server`` (``proxy.endpoint_url`` is where to connect)."""
+    proxy = LatencyProxy((server.host, server.port), latency=latency, rate=rate)
+    proxy.start()
+    return proxy

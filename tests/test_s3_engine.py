@@ -82,11 +82,9 @@ def test_dedup_retention_and_corruption_on_s3(s3_url):
 def test_large_shard_parallel_multipart_and_abort(s3_url, monkeypatch):
     import s3fs
 
-    from rl_ckpt._storage import s3 as s3_storage
-
-    monkeypatch.setattr(s3_storage, "PARALLEL_UPLOAD_BYTES", 8 * 1024 * 1024)
-    monkeypatch.setattr(s3_storage, "PART_BYTES", 5 * 1024 * 1024)  # S3's minimum part size
-    cfg = _cfg(s3_url, verify_after_write=True)
+    url, options = s3_url
+    part = 5 * 1024 * 1024  # S3's minimum part size
+    cfg = _cfg((url, {**options, "default_block_size": part}), verify_after_write=True)
     big = torch.nn.Linear(2048, 2048)  # 16 MiB of weights: several parts in flight
     e = CheckpointEngine(**cfg)
     e.register("policy", big)

@@ -225,6 +225,15 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def size(self, path: str) -> int: ...
 
+    def read_ranges_into(self, path: str, ranges: Sequence[tuple[int, Any]]) -> None:
+        """Fill each ``(start, destination)`` (a writable bytes-like object as long as the range) with that range of
+        one file, checked as by ``read_range``: the reader hands over where the bytes go (a tensor's memory, a
+        staging buffer) and nothing else is allocated for them where the backend can (S3: parallel ranged GETs
+        straight into the destinations). This default copies what ``read_ranges`` returns."""
+        views = [(start, memoryview(dest).cast("B")) for start, dest in ranges]
+        for (_start, view), data in zip(views, self.read_ranges(path, [(s, v.nbytes) for s, v in views])):
+            view[:] = memoryview(data).cast("B")
+
     def stat(self, path: str) -> Entry | None:
         """One file's entry, or None if it does not exist; ``version`` lets callers cache what they parsed."""
         if not self.exists(path):

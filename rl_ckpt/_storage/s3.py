@@ -26,13 +26,20 @@
 - ``remove_tree`` lists the keys under ``<path>/`` and deletes them with
   ``DeleteObjects`` (1000 per call, per-key errors raised).
 - ``makedirs`` is a no-op (S3 has no folders; s3fs would even create the bucket).
-- ``write`` of ``PARALLEL_UPLOAD_BYTES`` and more is one multipart upload with
-  ``UPLOAD_CONCURRENCY`` parts in flight; smaller writes stream through
-  ``open("wb")`` (multipart in ``block_size`` parts above one block). A failed
-  upload is aborted, and ``abort_incomplete_uploads`` (``rl-ckpt gc``) aborts
-  those a killed writer left.
-- ``read_range`` is one ranged GET; ``read(max_bytes=)`` HEADs first and never
-  GETs more than the cap.
+- Transfers (``rl_ckpt._storage.s3_transfer``): ``write`` streams the chunks as parts of
+  ``default_block_size`` bytes (8 MiB unless set) while they are produced, ``max_concurrency``
+  parts in flight (16 unless set), without a joined copy; a write shorter than one part is one
+  PUT. A failed upload is aborted, and ``abort_incomplete_uploads`` (``rl-ckpt gc``) aborts those
+  a killed writer left. ``read``, ``read_ranges``, large ``read_range`` and the stream of
+  ``open_read`` are ranged GETs of at most one part each, ``max_concurrency`` in flight, landing
+  straight in the buffer returned (no HEAD: the first answer's ``Content-Range`` tells the size).
+  ``read(max_bytes=N)`` asks for the first N bytes only and refuses a larger object from the size
+  S3 states, so no more than the cap is ever read.
+- The client skips botocore's SHA-256 of every request body over plain-HTTP endpoints
+  (``payload_signing_enabled=False``, what it does over HTTPS) and its CRC32 of every body
+  (``request_checksum_calculation="when_required"``): verify-after-write reads the object back
+  and re-hashes it, which checks what both would, end to end. A caller's ``config_kwargs`` win
+  (with ``"when_supported"``, each part and PUT carries the CRC32 of its body, computed here).
 """
 
 from __future__ import annotations
@@ -41,13 +48,12 @@ import time
 import uuid
 from typing import Iterable
 
-from rl_ckpt.errors import StorageError
-from rl_ckpt._storage.base import check_range, range_past_end
-from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists, log
+from rl_ckpt.errors import ConfigError, StorageError
+from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists
+from rl_ckpt._storage.s3_reads import S3Reads
+from rl_ckpt._storage.s3_view import ReadSessions, S3Views
+from rl_ckpt._storage.s3_transfer import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES, Transfer
 
-PARALLEL_UPLOAD_BYTES = 64 * 1024 * 1024  # larger S3 writes go as one multipart upload with parallel parts
-PART_BYTES = 16 * 1024 * 1024
-UPLOAD_CONCURRENCY = 8
 _TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
 _CONFLICT_RETRIES = 8
 _DELETE_BATCH = 1000
@@ -59,12 +65,13 @@ def _is_busy(exc: BaseException) -> bool:
     return code == "ConditionalRequestConflict"
 
 
-class S3Storage(FsspecStorage):
+class S3Storage(S3Views, S3Reads, FsspecStorage):
     """``s3://`` and ``s3a://`` run folders (AWS S3 and compatible servers, via s3fs)."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url, storage_options)
         self._conditional_put: bool | None = None
+        self._reads = ReadSessions()
 
     def write_stream_atomic(self, path: str, chunks) -> int:
         # An object appears only when its (multipart) upload completes; an abandoned upload is aborted.
@@ -72,79 +79,69 @@ class S3Storage(FsspecStorage):
 
     def _options(self, options: dict) -> dict:
         options.setdefault("use_listings_cache", False)
+        options.setdefault("default_block_size", DEFAULT_PART_BYTES)
+        options.setdefault("max_concurrency", DEFAULT_CONCURRENCY)
+        for key in ("default_block_size", "max_concurrency"):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"storage option {key!r}: got {value!r}; allowed: an integer >= 1", key=key, allowed="int >= 1"
+                )
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"mode": "standard", "max_attempts": 5})
+        # No CRC32 of every body by default: computed from the caller's memory it held a save to ~250 MB/s on one
+        # core, and what it checks (the bytes arrived as sent) verify-after-write checks end to end, and TLS in
+        # transit. "when_supported" has it back (then each part and PUT carries its CRC32, which S3 checks).
+        config.setdefault("request_checksum_calculation", "when_required")
+        # botocore's 60 s rather than s3fs's 15 s to wait for an answer: with parts in flight on a slow or busy
+        # link, 15 s makes parts time out and be sent again while the first copy is still on its way.
+        config.setdefault("read_timeout", 60)
+        s3_config = dict(config.get("s3") or {})
+        s3_config.setdefault("payload_signing_enabled", False)
+        config["s3"] = s3_config
         options["config_kwargs"] = config
         return options
 
+    def _transfer(self, full: str) -> Transfer:
+        bucket, key, _ = self.fs.split_path(full)
+        crc32 = getattr(self.fs.s3.meta.config, "request_checksum_calculation", None)
+        return Transfer(
+            self.fs,
+            bucket,
+            key,
+            part_bytes=int(self.fs.default_block_size),
+            concurrency=int(self.fs.max_concurrency),
+            crc32=crc32 != "when_required",
+        )
+
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
+        """Write ``chunks`` as one object: parts stream out while the chunks are produced. The chunks are sent
+        from the caller's memory: it must not change them until this returns."""
+        self._reads.changed()
         if create_only:
-            return super().write(path, chunks, create_only=True, durable=durable)
-        full = self._abs(path)
-        views = [memoryview(c).cast("B") for c in chunks]  # zero-copy; errors of the producer propagate
-        total = sum(v.nbytes for v in views)
-        if total >= PARALLEL_UPLOAD_BYTES:
-            self._parallel_upload(full, path, views)
-            return total
-        return super().write(path, views, durable=durable)
-
-    def _parallel_upload(self, full: str, path: str, views: list) -> None:
-        """One multipart upload with up to ``UPLOAD_CONCURRENCY`` parts in flight; aborted on any failure."""
-        import asyncio
-
-        from fsspec.asyn import sync
-
-        parts: list[bytes] = []
-        pending: list[memoryview] = []
-        size = 0
-        for view in views:
-            while view.nbytes:
-                take = min(view.nbytes, PART_BYTES - size)
-                pending.append(view[:take])
-                size += take
-                view = view[take:]
-                if size == PART_BYTES:
-                    parts.append(b"".join(pending))
-                    pending, size = [], 0
-        if pending:
-            parts.append(b"".join(pending))
-        bucket, key, _ = self.fs.split_path(full)
-        fs = self.fs
-
-        async def upload() -> None:
-            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-            upload_id = mpu["UploadId"]
-            gate = asyncio.Semaphore(UPLOAD_CONCURRENCY)
-
-            async def put(number: int, body: bytes) -> dict:
-                async with gate:
-                    out = await fs._call_s3(
-                        "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
-                    )
-                    return {"PartNumber": number, "ETag": out["ETag"]}
-
             try:
-                done = await asyncio.gather(*(put(i + 1, body) for i, body in enumerate(parts)))
-                await fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": list(done)},
-                )
-            except BaseException:
-                try:  # nothing half-written may be published; gc aborts what this could not
-                    await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-                except Exception as abort_error:
-                    log.warning("could not abort multipart upload of %s: %s", full, abort_error)
-                raise
-
+                return super().write(path, chunks, create_only=True, durable=durable)
+            finally:
+                self._reads.changed()
+        full = self._abs(path)
         try:
-            sync(self.fs.loop, upload)
-        except Exception as exc:
-            raise self._error(exc, "cannot upload", path) from exc
-        self.fs.invalidate_cache(full)
+            # errors of the producer propagate unchanged; a request's become a StorageError naming the path
+            return self._transfer(full).upload(chunks, lambda exc: self._error(exc, "cannot upload", path))
+        except StorageError:
+            raise
+        finally:
+            self._fresh(full)
+            self._reads.changed()
+
+    def write_atomic(self, path: str, data, *, create_only: bool = False) -> None:
+        if create_only:
+            self._reads.changed()
+            try:
+                return super().write_atomic(path, data, create_only=True)
+            finally:
+                self._reads.changed()
+        self.write(path, [data])  # one PUT: the object appears whole or not at all
 
     def abort_incomplete_uploads(self, older_than_seconds: float) -> list[str]:
         """Abort multipart uploads under this root started more than ``older_than_seconds`` ago."""
@@ -232,32 +229,6 @@ class S3Storage(FsspecStorage):
         except Exception as exc:  # noqa: BLE001 - any failure of the check means "unknown"; it is reported, not lost
             return None, f"{type(exc).__name__}: {exc}"
         return (head.get("Metadata") or {}).get(_TOKEN_META) == token, ""
-
-    # -- reads -------------------------------------------------------------
-    def read_range(self, path: str, start: int, length: int) -> bytes:
-        """One ranged GET (the server sends no more than the object has); only a short or refused answer
-        costs a HEAD, to tell a range past the end from an object replaced meanwhile."""
-        check_range(start, length)
-        full = self._abs(path)
-        self._fresh(full)
-        data = b""
-        try:
-            data = self.fs.cat_file(full, start=start, end=start + length) if length else b""
-            if len(data) == length and length:
-                return bytes(data)
-            size = self._file_size(full)  # short, or empty: is the range inside the file?
-        except Exception as exc:
-            if client_error(exc)[0] != "InvalidRange":  # S3 416: the range starts past the end
-                raise self._error(exc, "cannot read", path) from exc
-            try:
-                size = self._file_size(full)
-            except Exception as exc2:
-                raise self._error(exc2, "cannot read", path) from exc2
-        if start + length > size:
-            raise range_past_end(path, start, length, size)
-        if length:  # inside the file yet short: the object changed between the two calls
-            raise range_past_end(path, start, length, start + len(data))
-        return b""
 
     # -- namespace ---------------------------------------------------------
     def _remove_tree_contents(self, full: str) -> None:

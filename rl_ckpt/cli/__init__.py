@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
         description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
-        "`rl-ckpt bench weights --help`: policy versions to rollout actors",
+        "`rl-ckpt bench weights --help`: policy versions to rollout actors; "
+        "`rl-ckpt bench s3 --help`: S3 through real latency, next to boto3's s3transfer",
     )
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
@@ -142,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rl_ckpt.tools.bench.weights import main as weights_main
 
         return weights_main(argv[2:])
+    if argv[:2] == ["bench", "s3"]:  # S3 through a latency proxy, next to s3transfer; servers of its own
+        from rl_ckpt.tools.bench.s3 import main as s3_main
+
+        return s3_main(argv[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
