@@ -119,6 +119,8 @@ class SnapshotLoader:
                 self.registry.get(name).obj.load_state_dict(state)
             except StateMismatchError as exc:  # the state does not fit (e.g. a data position, other data): say where
                 raise exc.reworded(f"{sid}: component {name!r}: {exc}", snapshot_id=sid) from exc
+            except CorruptSnapshotError as exc:  # the component found its stored state bad: fall back, as for a file
+                raise exc.reworded(f"{sid}: {exc}", snapshot_id=sid) from exc
             except Exception as exc:  # a user object's own error: name the component and snapshot
                 raise RestoreError(
                     f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",

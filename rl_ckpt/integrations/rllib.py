@@ -13,30 +13,33 @@
 (the learner's optimizer state), ``learner`` (weights sequence number,
 trainable policies, the learner's metrics), ``algorithm`` (env-runner
 connector states such as ``MeanStdFilter``, sampled-steps counters, the
-algorithm's metrics), ``progress`` (the training iteration) and ``rng`` (the
-driver's random streams: the local learner shuffles minibatches with them).
-Arrays go to safetensors, the rest to JSON; nothing is pickled. A value the
-state codec cannot store is refused at save, naming the component and key.
-Two explicit conversion rules (``to_storable`` / ``from_stored``): a ``None``
-dict key (RLlib's single-agent id, e.g. in ``MeanStdFilter``'s state) is stored
-as the key ``"rl_ckpt:None"`` and turned back on load; a ``set`` of trainable
-policy ids is stored as a sorted list (RLlib accepts either).
+algorithm's metrics), ``progress`` (the training iteration), ``env_runners``
+(what the EnvRunners hold between two iterations: environments, ongoing
+episodes, random streams; ``_rllib_runners.py``) and ``rng`` (the driver's
+random streams: the local learner shuffles minibatches with them). Arrays go
+to safetensors, the rest to JSON; nothing is pickled, and nothing RLlib would
+unpickle is stored or handed back to it (``_rllib_state.py``: arrays RLlib
+keeps as ``.npy`` text are stored as arrays). A value the state codec cannot
+store is refused at save, naming the component and key.
 
 Each part is restored through RLlib's ``set_state`` (the learner group's for
-the learner's parts, the Algorithm's for the rest, which syncs the restored
-connector states to the EnvRunners as RLlib does for its own checkpoints);
-``restore_algorithm`` then sends the restored weights to every EnvRunner once
-(``push_weights``), as RLlib's ``restore_from_path`` does.
+the learner's parts, the Algorithm's for the rest: its metrics first, then the
+EnvRunner connector states, which RLlib syncs to the EnvRunners with the
+restored sampled-steps counter, as ``restore_from_path`` does);
+``restore_algorithm`` then sends every EnvRunner the restored weights and its
+own sampling state in one call (``push_weights``).
 
-What no RLlib checkpoint holds (RLlib's own or this one): the environments'
-in-flight episodes and the EnvRunner processes' random streams. A resumed run
-samples fresh episodes, so it equals an uninterrupted run right after the
-restore, not after further iterations (docs/rllib.md).
+With the EnvRunners' sampling state (gymnasium classic control, or an env with
+``state_dict()``/``load_state_dict()``, on RLlib's single-agent EnvRunner) a
+resumed run samples what the uninterrupted one would: bitwise the same run.
+Otherwise the restored EnvRunners reset their environments and the plan says
+why the run is not exact (docs/rllib.md).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import re
@@ -46,7 +49,18 @@ from typing import Any, Callable, Mapping
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from rl_ckpt.components import RNGState
-from rl_ckpt.errors import ConfigError, SerializationError
+from rl_ckpt.errors import ConfigError
+from rl_ckpt.integrations._rllib_runners import gather, take_restored
+from rl_ckpt.integrations._rllib_state import (  # noqa: F401 - NONE_KEY .. optimizer_state are public here
+    NONE_KEY,
+    NPY_KEY,
+    from_stored,
+    learner_value,
+    module_weights,
+    optimizer_state,
+    plain_arrays,
+    to_storable,
+)
 
 log = logging.getLogger("rl_ckpt")
 
@@ -58,7 +72,9 @@ LEARNER_GROUP, LEARNER, RL_MODULE, OPTIMIZER, METRICS = (
     "metrics_logger",
 )
 TRAINING_ITERATION, WEIGHTS_SEQ_NO = "training_iteration", "weights_seq_no"
-NONE_KEY = "rl_ckpt:None"
+ENV_RUNNERS = "env_runners"
+RESTORE_TAG = "rl_ckpt_restore"
+EXTRAS = "rl_ckpt:extras"  # learner state RLlib's get_state leaves out (learner_extras)
 BEST_METRIC = "env_runners/episode_return_mean"
 DEFAULT_METRICS = (BEST_METRIC, "env_runners/num_env_steps_sampled_lifetime", "env_runners/episode_len_mean")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -72,18 +88,26 @@ class AlgorithmPart:
     """
 
     def __init__(
-        self, algo: Any, kind: str, get: Callable[[Any], dict], put: Callable[[Any, dict], None], what: str
+        self,
+        algo: Any,
+        kind: str,
+        get: Callable[[Any], dict],
+        put: Callable[[Any, dict], None],
+        what: str,
+        name: str | None = None,
     ) -> None:
         self.algo = algo
         self.checkpoint_kind = kind
         self._get, self._put = get, put
         self.what = what
+        self.name = name  # the component name, for errors
 
     def state_dict(self) -> dict:
-        return to_storable(self._get(self.algo))
+        return to_storable(self._get(self.algo), component=self.name)
 
     def load_state_dict(self, state: dict) -> None:
-        self._put(self.algo, from_stored(state))
+        # Every value is converted and checked before RLlib sees any (CorruptSnapshotError: the restore falls back).
+        self._put(self.algo, from_stored(state, component=self.name))
 
     def __repr__(self) -> str:
         return f"AlgorithmPart({self.what})"
@@ -125,71 +149,40 @@ def _module_part(algo: Any, mid: str) -> AlgorithmPart:
     return AlgorithmPart(algo, "module", get, put, f"RLModule {mid!r}")
 
 
+def _algorithm_put(a: Any, state: dict) -> None:
+    """The metrics first: ``Algorithm.set_state`` syncs the EnvRunners' sampled-steps counter from the
+    Algorithm's metrics before it restores them (one call would hand them the fresh Algorithm's 0)."""
+    if METRICS in state:
+        a.set_state({METRICS: state[METRICS]})
+    a.set_state({k: v for k, v in state.items() if k != METRICS})
+
+
+class RunnersPart:
+    """The ``env_runners`` component: every EnvRunner's sampling state (``_rllib_runners.py``). Its restored
+    state waits in ``pending`` for :func:`restore_algorithm`, which sends it with the weights in one call."""
+
+    checkpoint_kind = "other"
+
+    def __init__(self, algo: Any) -> None:
+        self.algo = algo
+        self.pending: dict | None = None
+
+    def state_dict(self) -> dict:
+        return to_storable(gather(self.algo), component=ENV_RUNNERS)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = from_stored(state, component=ENV_RUNNERS)
+
+    def __repr__(self) -> str:
+        return "RunnersPart(EnvRunner environments, episodes, random streams)"
+
+
 def local_learner(algo: Any) -> Any:
     """The Learner itself when it runs in this process (RLlib's default ``num_learners=0``), else None."""
     group = algo.learner_group
     if not group.is_local:
         return None
     return next(iter(group.foreach_learner(lambda learner: learner))).get()
-
-
-def plain_arrays(tree: Any) -> Any:
-    """RLlib's ``convert_to_numpy`` without its copy: the same values (0-d tensors as Python numbers, other
-    floats as float32 and the integers it narrows as int32, converted as it converts them), but an array
-    already of that dtype is a view of the live tensor, not a copy. For a caller that copies what it keeps
-    (staging, ``ray.put``) before training changes the tensors again."""
-    import numpy as np
-    import torch
-    import tree as dm_tree
-
-    def leaf(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            item = item.cpu().item() if item.dim() == 0 else item.detach().cpu().numpy()
-        if isinstance(item, np.ndarray):
-            if np.issubdtype(item.dtype, np.floating):
-                return item if item.dtype == np.float32 else item.astype(np.float32)
-            if np.issubdtype(item.dtype, int):
-                return item if item.dtype == np.int32 else item.astype(np.int32)
-        return item
-
-    return dm_tree.map_structure(leaf, tree)
-
-
-def module_weights(learner: Any, mid: str, *, inference_only: bool = False) -> dict:
-    """What ``learner.module[mid].get_state(inference_only=...)`` returns, as views of the live weights
-    (:func:`plain_arrays`) for a torch RLModule that keeps RLlib's ``get_state``; any other module's own."""
-    from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
-    from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
-
-    module = learner.module[mid]
-    if type(module).get_state is not TorchRLModule.get_state:
-        return module.get_state(inference_only=inference_only)
-    state = module.state_dict()
-    if inference_only and not module.inference_only and isinstance(module, InferenceOnlyAPI):
-        drop = module.get_non_inference_attributes()
-        state = {
-            k: v
-            for k, v in state.items()
-            if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in drop)
-        }
-    return plain_arrays(state)
-
-
-def optimizer_state(learner: Any) -> dict | None:
-    """The learner's optimizer state as ``get_state`` gives it (``{<module id>_<name>: {"module_id", "state"}}``),
-    as views of the live moments (:func:`plain_arrays`); None for a Learner that is not RLlib's torch one with
-    its own ``get_state`` (its state then comes from ``get_state``)."""
-    from ray.rllib.core import ALL_MODULES
-    from ray.rllib.core.learner.learner import Learner
-    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
-
-    if not isinstance(learner, TorchLearner) or type(learner).get_state is not Learner.get_state:
-        return None
-    out = {}
-    for mid in [*learner.module.keys(), ALL_MODULES]:
-        for name, optim in learner.get_optimizers_for_module(mid):
-            out[f"{mid}_{name}"] = {"module_id": mid, "state": plain_arrays(optim.state_dict())}
-    return out
 
 
 def _optimizer_get(a: Any) -> dict:
@@ -202,67 +195,84 @@ def _optimizer_get(a: Any) -> dict:
 
 def _learner_get(a: Any) -> dict:
     state = a.learner_group.get_state(components=f"{LEARNER}/{METRICS}")[LEARNER]
-    return {k: learner_value(k, v) for k, v in state.items()}
+    out = {k: learner_value(k, v) for k, v in state.items()}
+    extras = _first(a.learner_group.foreach_learner(learner_extras))
+    if extras:
+        out[EXTRAS] = {**extras, "timestep": _lifetime_steps(a)}
+    return out
 
 
-def learner_value(key: str, value: Any) -> Any:
-    """Trainable policy ids given as a set are stored as a sorted list (RLlib's ``policies_to_train`` takes either)."""
-    if key == "should_module_be_updated" and isinstance(value, (set, frozenset)):
-        return sorted(value, key=str)
-    return value
+def _learner_put(a: Any, state: dict) -> None:
+    extras = state.pop(EXTRAS, None)
+    a.learner_group.set_state({LEARNER: state})
+    if extras:
+        a.learner_group.foreach_learner(functools.partial(load_learner_extras, extras))
 
 
-def to_storable(tree: Any, path: str = "") -> Any:
-    """``tree`` with every ``None`` dict key renamed ``NONE_KEY`` (the state codec stores str and int keys only).
-
-    Raises:
-        SerializationError: a dict holds both ``None`` and ``NONE_KEY`` as keys (naming the key path).
-    """
-    if isinstance(tree, dict):
-        if None in tree and NONE_KEY in tree:
-            raise SerializationError(
-                f"RLlib state key {path or '<root>'!r} holds both None and {NONE_KEY!r} as "
-                "keys: rl_ckpt stores a None key under that name; rename the other",
-                key=path or "<root>",
-            )
-        return {NONE_KEY if k is None else k: to_storable(v, f"{path}/{k}") for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [to_storable(v, f"{path}/{i}") for i, v in enumerate(tree)]
-    return tree
+def _first(results: Any) -> Any:
+    """The first learner's answer of ``foreach_learner`` (a local learner's comes wrapped)."""
+    first = next(iter(results), None)
+    return first.get() if hasattr(first, "get") else first
 
 
-def from_stored(tree: Any) -> Any:
-    """The inverse of :func:`to_storable`."""
-    if isinstance(tree, dict):
-        return {None if k == NONE_KEY else k: from_stored(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [from_stored(v) for v in tree]
-    return tree
+def _lifetime_steps(a: Any) -> int:
+    from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+    return int(a.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0) or 0)
+
+
+def learner_extras(learner: Any) -> dict:
+    """Learner state RLlib's ``get_state`` leaves out: PPO's adaptive KL coefficients (one per module; the KL term
+    of every later loss), without which a restored run's first update differs from the uninterrupted one's."""
+    coeffs = getattr(learner, "curr_kl_coeffs_per_module", None)
+    if not isinstance(coeffs, dict) or not coeffs:
+        return {}
+    return {"curr_kl_coeffs": {str(mid): v.detach().clone() for mid, v in coeffs.items()}}
+
+
+def load_learner_extras(extras: dict, learner: Any) -> None:
+    """Put :func:`learner_extras` back, and bring PPO's entropy-coefficient schedules to the saved timestep (their
+    value is updated after each update, from the sampled-steps counter, and read by the next one)."""
+    import torch
+
+    coeffs = getattr(learner, "curr_kl_coeffs_per_module", None)
+    for mid, value in (extras.get("curr_kl_coeffs") or {}).items():
+        if coeffs is not None:
+            coeffs[mid].data.copy_(torch.as_tensor(value))  # (a default dict: made for the module if missing)
+    schedules = getattr(learner, "entropy_coeff_schedulers_per_module", None)
+    if schedules is not None:
+        for mid in learner.module.keys():
+            schedules[mid].update(timestep=int(extras.get("timestep", 0)))
 
 
 def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
     """Component name -> part, covering everything ``algo.get_state()`` holds."""
     parts = {name: _module_part(algo, mid) for mid, name in component_names(module_ids(algo)).items()}
+    for name, part in parts.items():
+        part.name = name
     parts[OPTIMIZER] = AlgorithmPart(
         algo,
         "optimizer",
         _optimizer_get,
         lambda a, s: a.learner_group.set_state({LEARNER: {OPTIMIZER: s}}),
         "learner optimizer state",
+        OPTIMIZER,
     )
     parts[LEARNER] = AlgorithmPart(
         algo,
         "other",
         _learner_get,
-        lambda a, s: a.learner_group.set_state({LEARNER: s}),
+        _learner_put,
         "learner counters and metrics",
+        LEARNER,
     )
     parts["algorithm"] = AlgorithmPart(
         algo,
         "other",
         lambda a: {k: v for k, v in a.get_state(not_components=[LEARNER_GROUP]).items() if k != TRAINING_ITERATION},
-        lambda a, s: a.set_state(s),
+        _algorithm_put,
         "env-runner connector states, counters, metrics",
+        "algorithm",
     )
     parts["progress"] = AlgorithmPart(
         algo,
@@ -270,12 +280,14 @@ def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
         lambda a: {TRAINING_ITERATION: int(a.training_iteration)},
         lambda a, s: a.set_state({TRAINING_ITERATION: int(s[TRAINING_ITERATION])}),
         "training iteration",
+        "progress",
     )
     return parts
 
 
-def register_algorithm(engine: Any, algo: Any, *, rng: bool = True) -> dict[str, AlgorithmPart]:
-    """Register every part of ``algo``'s state with ``engine`` (plus the driver's ``RNGState`` when ``rng``)."""
+def register_algorithm(engine: Any, algo: Any, *, rng: bool = True, env_runners: bool = True) -> dict[str, Any]:
+    """Register every part of ``algo``'s state with ``engine`` (plus the driver's ``RNGState`` when ``rng``, and
+    the EnvRunners' sampling state, ``env_runners``, when ``env_runners``)."""
     if not getattr(algo.config, "enable_env_runner_and_connector_v2", False):
         raise ConfigError(
             "rl_ckpt saves RLlib's new API stack (Algorithm.get_state); this Algorithm runs the old "
@@ -283,7 +295,9 @@ def register_algorithm(engine: Any, algo: Any, *, rng: bool = True) -> dict[str,
             "enable_env_runner_and_connector_v2=True)",
             key="api_stack",
         )
-    parts = algorithm_parts(algo)
+    parts: dict[str, Any] = dict(algorithm_parts(algo))
+    if env_runners:
+        parts[ENV_RUNNERS] = RunnersPart(algo)
     for name, part in parts.items():
         engine.register(name, part, kind=part.checkpoint_kind)
     if rng:
@@ -313,21 +327,58 @@ def restore_algorithm(
     """Restore the snapshot the coordinator chooses into ``algo`` (built from the same config); prints the plan.
 
     Returns the ``RestoreResult`` (``fresh`` when the run has no snapshot). A snapshot that fails on load
-    (checksum, decoding) is skipped for the plan's next fallback; ``result.skipped`` says why.
+    (checksum, decoding, a value RLlib would unpickle) is skipped for the plan's next fallback; ``result.skipped``
+    says why. Whether the EnvRunners resume exactly is in ``result.warnings`` when they do not (and printed).
     """
     plan = engine.plan_recovery(failure, deep=deep)
     if out is not None:
         out(str(plan))
+    runners = engine.components.get(ENV_RUNNERS)
+    if isinstance(runners, RunnersPart):
+        runners.pending = None
     before = learner_seq(algo)
-    result = engine.restore(plan)
+    result = engine.restore(plan, strict=not _saved_without_runners(engine, plan, runners))
     if not result.fresh:
-        push_weights(algo, rolled_back=before > learner_seq(algo))
+        pending = runners.pending if isinstance(runners, RunnersPart) else None
+        note = runners_note(algo, pending)
+        push_weights(algo, rolled_back=before > learner_seq(algo), runners=None if note else pending["runners"])
+        if note:
+            result.warnings.append(note)
     if out is not None:
         for sid, why in result.skipped.items():
             out(f"  fell back: {sid} not used: {why}")
         if not result.fresh:
             out(f"  restored {result.snapshot_id}: continuing after iteration {result.global_step}")
+            out("  " + (note or "EnvRunners: environments, episodes and random streams restored (an exact resume)"))
     return result
+
+
+def _saved_without_runners(engine: Any, plan: Any, runners: Any) -> bool:
+    """The plan's target was saved without the ``env_runners`` component (by an rl_ckpt before it, or with
+    ``env_runners=False``): restore the rest (the EnvRunners start fresh, and the restore says so)."""
+    if runners is None or plan.target is None:
+        return False
+    info = engine.catalog.get(plan.target)
+    manifest = info.manifest if info is not None else None
+    return manifest is not None and ENV_RUNNERS not in manifest.components
+
+
+def runners_note(algo: Any, pending: dict | None) -> str | None:
+    """Why the EnvRunners do not resume exactly from the restored state (None when they do)."""
+    if pending is None:
+        return "EnvRunners not exact: the snapshot holds no EnvRunner state; they reset their environments"
+    if not pending.get("exact"):
+        return f"EnvRunners not exact: {pending.get('why')}; they reset their environments"
+    group = algo.env_runner_group
+    ids = sorted(group.healthy_env_runner_ids()) if group.num_remote_env_runners() else [0]
+    saved = sorted(int(k) for k in pending["runners"])
+    if ids != saved:
+        return f"EnvRunners not exact: the snapshot holds EnvRunners {saved}, this Algorithm has {ids}"
+    per_runner = algo.config.num_envs_per_env_runner
+    wrong = [k for k, s in pending["runners"].items() if len(s["envs"]) != per_runner]
+    if wrong:
+        return f"EnvRunners not exact: EnvRunner {wrong[0]} held another number of environments than {per_runner}"
+    return None
 
 
 def learner_seq(algo: Any) -> int:
@@ -336,19 +387,19 @@ def learner_seq(algo: Any) -> int:
     return int(state[LEARNER].get(WEIGHTS_SEQ_NO, 0) or 0)
 
 
-def push_weights(algo: Any, *, rolled_back: bool = False) -> None:
-    """Send every EnvRunner the learner's (restored) weights and sequence number, once.
+def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None = None) -> None:
+    """Send every EnvRunner the learner's (restored) weights and sequence number, and its own sampling state
+    (``runners``: worker index -> state, from the ``env_runners`` component), in one call each.
 
     An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
     the ``module-*`` parts load into the learner only and the ``learner`` part restores the sequence number, so
     the weights go out here, once every part is loaded, with the learner's number (ahead of a fresh EnvRunner's
-    0). As RLlib's own ``restore_from_path`` does, the send is not awaited (``sync_weights``' call and tag; sent
-    and awaited when an EnvRunner still has a call in flight, which RLlib would drop): an actor runs one
-    caller's calls in order, so every EnvRunner holds the weights before it runs anything the
-    driver asks next (the first ``train()``'s sampling, a ``get_state``); the driver's own EnvRunner has them
-    on return. The weights are views of the learner's (one copy, into the object store), not ``get_state``'s
-    copy. ``rolled_back`` (the learner was ahead of the snapshot): first without a number, which every
-    EnvRunner takes, then with it, waiting for both (two calls; RLlib allows one in flight per EnvRunner).
+    0). As RLlib's own ``restore_from_path`` does, the call is not awaited (sent and awaited when an EnvRunner
+    still has a call in flight, which RLlib would drop): an actor runs one caller's calls in order, so every
+    EnvRunner holds the weights and its state before it runs anything the driver asks next (the first
+    ``train()``'s sampling); the driver's own EnvRunner has them on return. The weights are views of the
+    learner's (one copy, into the object store), not ``get_state``'s copy. ``rolled_back`` (the learner was
+    ahead of the snapshot): first without a number, which every EnvRunner takes, then with it, awaited.
     """
     import ray
 
@@ -360,27 +411,24 @@ def push_weights(algo: Any, *, rolled_back: bool = False) -> None:
         state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}", inference_only=True)[LEARNER]
         weights, seq = state[RL_MODULE], state.get(WEIGHTS_SEQ_NO, 0)
     state = {RL_MODULE: weights, WEIGHTS_SEQ_NO: seq}
-    ref = ray.put(state)
-
-    def take(runner: Any) -> None:
-        sent = ray.get(ref)
-        runner.set_state({RL_MODULE: sent[RL_MODULE]})
-        runner.set_state(sent)
-
-    for group in (algo.env_runner_group, getattr(algo, "eval_env_runner_group", None)):
+    training = algo.env_runner_group
+    for group in (training, getattr(algo, "eval_env_runner_group", None)):
         if group is None:
             continue
-        if rolled_back:
-            group.foreach_env_runner(take, local_env_runner=True)
-            continue
-        group.fetch_ready_async_reqs(tags="set_state", timeout_seconds=0)  # the slots of calls already done
-        sent = group.foreach_env_runner_async("set_state", "set_state", kwargs={"state": ref})
-        if sent < group.num_healthy_remote_workers():
-            # An EnvRunner still runs an earlier call (RLlib allows one in flight and drops the next): this
-            # one is not sent to it, so send it to every EnvRunner and wait.
-            group.foreach_env_runner(lambda runner: runner.set_state(ray.get(ref)), local_env_runner=False)
+        mine = runners if group is training else None  # the evaluation EnvRunners' indices are their own
+        payload = {"weights": state, "unnumbered": rolled_back, "runners": mine}
+        if group.num_remote_env_runners():
+            take = functools.partial(take_restored, ray.put(payload))
+            if rolled_back:
+                group.foreach_env_runner(take, local_env_runner=False)
+            else:
+                group.fetch_ready_async_reqs(tags=RESTORE_TAG, timeout_seconds=0)  # the slots of calls already done
+                if group.foreach_env_runner_async(take, RESTORE_TAG) < group.num_healthy_remote_workers():
+                    # An EnvRunner still runs an earlier call (RLlib allows one in flight and drops the next): this
+                    # one is not sent to it, so send it to every EnvRunner and wait (taking it twice is harmless).
+                    group.foreach_env_runner(take, local_env_runner=False)
         if group.local_env_runner is not None:
-            group.local_env_runner.set_state(state)
+            take_restored(payload, group.local_env_runner)
 
 
 class CheckpointCallback(RLlibCallback):
@@ -406,7 +454,7 @@ class CheckpointCallback(RLlibCallback):
 
         s = self.settings
         self.engine = CheckpointEngine(dict(s["config"]), train_config=recorded_config(algorithm))
-        register_algorithm(self.engine, algorithm, rng=s.get("rng", True))
+        register_algorithm(self.engine, algorithm, rng=s.get("rng", True), env_runners=s.get("env_runners", True))
         if s.get("resume", True):
             started = time.perf_counter()
             self.restored = restore_algorithm(algorithm, self.engine, out=print if s.get("verbose", True) else None)
@@ -433,6 +481,7 @@ def checkpoint_callback(
     *,
     resume: bool = True,
     rng: bool = True,
+    env_runners: bool = True,
     verbose: bool = True,
     metrics: tuple[str, ...] = DEFAULT_METRICS,
     **config: Any,
@@ -442,6 +491,8 @@ def checkpoint_callback(
     Args:
         resume: restore the chosen snapshot when the Algorithm is built (a re-run script resumes).
         rng: also save the driver's random streams.
+        env_runners: also save the EnvRunners' sampling state (environments, episodes, random streams) for an
+            exact resume; where it cannot be captured the snapshot says why.
         verbose: print the recovery plan.
         metrics: result keys recorded with each snapshot (keep-best ranks by ``best_metric``).
         **config: rl_ckpt config keys (``base_dir``, ``run_name``, ``save_interval_steps`` in training
@@ -453,7 +504,14 @@ def checkpoint_callback(
     from rl_ckpt.config import CheckpointConfig
 
     CheckpointConfig.from_dict(config)  # refuse a bad key here, not in the middle of building the Algorithm
-    settings = {"config": dict(config), "resume": resume, "rng": rng, "verbose": verbose, "metrics": tuple(metrics)}
+    settings = {
+        "config": dict(config),
+        "resume": resume,
+        "rng": rng,
+        "env_runners": env_runners,
+        "verbose": verbose,
+        "metrics": tuple(metrics),
+    }
     return type("CheckpointCallback", (CheckpointCallback,), {"settings": settings, "__module__": __name__})
 
 
