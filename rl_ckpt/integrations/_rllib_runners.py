@@ -29,6 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, SerializationError
+
+COMPONENT = "env_runners"
+
 # Sub-environment state of gymnasium's classic-control envs, by class: every attribute a step reads and writes
 # (the rest of each class is constants and rendering).
 CLASSIC_CONTROL = {
@@ -48,7 +52,8 @@ BIT_GENERATORS = {name: getattr(np.random, name) for name in ("PCG64", "PCG64DXS
 
 
 def capture(runner: Any) -> dict:
-    """This EnvRunner's sampling state (run in its process); ``{"exact": False, "why": ...}`` when not capturable."""
+    """This EnvRunner's sampling state (run in its process), encoded here (:func:`pack`): the driver receives two
+    values it stores as they are. ``{"exact": False, "why": ...}`` when it cannot be captured."""
     index = int(runner.worker_index or 0)
     why = _not_capturable(runner)
     if why:
@@ -56,14 +61,10 @@ def capture(runner: Any) -> dict:
     from rl_ckpt.components import RNGState
 
     vector = _vector_env(runner.env)
-    try:
-        envs = [env_state(e) for e in vector.envs]
-    except ValueError as exc:
-        return {"worker_index": index, "exact": False, "why": str(exc)}
+    rng = RNGState().state_dict()
+    rng["python"]["internal"] = np.array(rng["python"]["internal"], dtype=np.uint64)  # one array, not 625 numbers
     state = {
-        "worker_index": index,
-        "exact": True,
-        "envs": envs,
+        "envs": [env_state(e) for e in vector.envs],
         "autoreset": np.array(vector._autoreset_envs, dtype=np.bool_),
         "needs_initial_reset": bool(runner._needs_initial_reset),
         "episodes": [None if e is None else episode_state(e) for e in runner._ongoing_episodes],
@@ -73,35 +74,79 @@ def capture(runner: Any) -> dict:
         "done_episodes": [episode_state(e) for e in runner._done_episodes_for_metrics],
         "cached_to_module": runner._cached_to_module,
         "shared_data": runner._shared_data,
-        "rng": RNGState().state_dict(),
+        "rng": rng,
     }
-    bad = unstorable(state)
-    if bad:
-        return {"worker_index": index, "exact": False, "why": bad}
-    return state
+    try:
+        packed = pack(state)
+    except CheckpointError as exc:  # a value the snapshot cannot hold (e.g. an object in an episode's custom_data)
+        return {"worker_index": index, "exact": False, "why": str(exc)}
+    return {"worker_index": index, "exact": True, "num_envs": len(vector.envs), **packed}
 
 
-def apply(runner: Any, state: dict) -> None:
-    """Put ``state`` (from :func:`capture` of the EnvRunner of the same worker index) into ``runner``."""
+def pack(state: dict) -> dict:
+    """``state`` as rl_ckpt encodes any state (``_format/state_codec.py``): its JSON tree as text and its arrays
+    as one safetensors buffer (uint8). SerializationError for a value it cannot hold."""
+    import json
+
+    from rl_ckpt._format import safetensors_io
+    from rl_ckpt._format.state_codec import encode_state
+    from rl_ckpt.integrations._rllib_state import to_storable
+
+    encoded = encode_state(COMPONENT, to_storable(state, component=COMPONENT))
+    if encoded.tables:
+        raise SerializationError(f"component {COMPONENT!r}: a table in an EnvRunner's state", component=COMPONENT)
+    chunks, _ = safetensors_io.encode(encoded.arrays)
+    blob = b"".join(bytes(c) for c in chunks)
+    return {"tree": json.dumps(encoded.tree, separators=(",", ":")), "arrays": np.frombuffer(blob, dtype=np.uint8)}
+
+
+def unpack(packed: dict, where: str) -> dict:
+    """The inverse of :func:`pack`, reading its input as hostile (rl_ckpt's own decoders, nothing unpickled);
+    CorruptSnapshotError naming ``where``."""
+    from rl_ckpt._format import safetensors_io
+    from rl_ckpt._format.state_decode import decode_state
+    from rl_ckpt._format.untrusted import parse_json
+    from rl_ckpt.integrations._rllib_state import from_stored
+
+    blob = packed.get("arrays") if isinstance(packed, dict) else None
+    if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or not isinstance(packed.get("tree"), str):
+        raise CorruptSnapshotError(f"{where}: an EnvRunner's state must hold tree (text) and arrays (uint8)")
+    arrays = {
+        name: np.array(safetensors_io.to_numpy(code, shape, view))  # a copy: RLlib writes into episode arrays
+        for name, (code, shape, view) in safetensors_io.decode(blob.tobytes(), where=where).items()
+    }
+    tree = parse_json(packed["tree"].encode(), where, error=CorruptSnapshotError)
+    return from_stored(decode_state(tree, arrays, {}, where=where), component=COMPONENT)
+
+
+def apply(runner: Any, packed: dict) -> None:
+    """Put ``packed`` (from :func:`capture` of the EnvRunner of the same worker index) into ``runner``: everything
+    is decoded and checked before anything is set."""
     from collections import defaultdict
 
     from rl_ckpt.components import RNGState
 
+    state = unpack(packed, f"{COMPONENT}/{runner.worker_index}")
     vector = _vector_env(runner.env)
-    if len(state["envs"]) != len(vector.envs):
-        raise ValueError(f"the snapshot holds {len(state['envs'])} environments, this EnvRunner has {len(vector.envs)}")
+    if vector is None or len(state["envs"]) != len(vector.envs):
+        raise ValueError(f"the snapshot holds {len(state['envs'])} environments; this EnvRunner has others")
+    for env, saved in zip(vector.envs, state["envs"]):
+        check_env_state(env, saved)
+    episodes = [None if s is None else _episode(runner, s) for s in state["episodes"]]
+    chunks = {eid: [_episode(runner, s) for s in saved] for eid, saved in state["metric_chunks"]}
+    done = [_episode(runner, s) for s in state["done_episodes"]]
+    rng = state["rng"]
+    rng["python"]["internal"] = [int(v) for v in rng["python"]["internal"]]
     for env, saved in zip(vector.envs, state["envs"]):
         load_env_state(env, saved)
     vector._autoreset_envs = np.array(state["autoreset"], dtype=np.bool_)
     runner._needs_initial_reset = bool(state["needs_initial_reset"])
-    runner._ongoing_episodes = [None if s is None else _episode(runner, s) for s in state["episodes"]]
-    runner._ongoing_episodes_for_metrics = defaultdict(
-        list, {eid: [_episode(runner, s) for s in chunks] for eid, chunks in state["metric_chunks"]}
-    )
-    runner._done_episodes_for_metrics = [_episode(runner, s) for s in state["done_episodes"]]
+    runner._ongoing_episodes = episodes
+    runner._ongoing_episodes_for_metrics = defaultdict(list, chunks)
+    runner._done_episodes_for_metrics = done
     runner._cached_to_module = state["cached_to_module"]
     runner._shared_data = state["shared_data"]
-    RNGState().load_state_dict(state["rng"])  # last: nothing above draws a random number
+    RNGState().load_state_dict(rng)  # last: nothing above draws a random number
 
 
 def _not_capturable(runner: Any) -> str | None:
@@ -184,7 +229,8 @@ def env_state(env: Any) -> dict:
     }
 
 
-def load_env_state(env: Any, state: dict) -> None:
+def check_env_state(env: Any, state: dict) -> None:
+    """ValueError unless ``state`` was captured from an env of this class, in these wrappers."""
     chain = _chain(env)
     inner = chain[-1]
     if type(inner).__name__ != state["class"]:
@@ -194,6 +240,20 @@ def load_env_state(env: Any, state: dict) -> None:
     names = [type(w).__name__ for w in chain[:-1]]
     if names != [name for name, _ in state["wrappers"]]:
         raise ValueError(f"the snapshot's env wrappers {[n for n, _ in state['wrappers']]} are not these: {names}")
+    for name, values in state["wrappers"]:
+        if set(values) != set(WRAPPERS[name]):
+            raise ValueError(f"the snapshot's {name} holds {sorted(values)}, not {list(WRAPPERS[name])}")
+    saved = state["np_random"]
+    if saved is not None and (not isinstance(saved, dict) or saved.get("bit_generator") not in BIT_GENERATORS):
+        raise ValueError("the snapshot's env random generator is not one of NumPy's bit generators")
+    if "hook" not in state["env"] and set(state["env"]) != set(CLASSIC_CONTROL.get(state["class"], ())):
+        raise ValueError(f"the snapshot's {state['class']} state holds {sorted(state['env'])}")
+
+
+def load_env_state(env: Any, state: dict) -> None:
+    """Put ``state`` (checked by :func:`check_env_state`) into ``env``."""
+    chain = _chain(env)
+    inner = chain[-1]
     for wrapper, (_name, values) in zip(chain[:-1], state["wrappers"]):
         for attr, value in values.items():
             setattr(wrapper, attr, value)
@@ -228,6 +288,13 @@ def episode_state(episode: Any) -> dict:
 def _episode(runner: Any, state: dict) -> Any:
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
+    # The spaces come from this EnvRunner's env, never from the snapshot: RLlib decodes a stored space's bounds
+    # with np.load(allow_pickle=True).
+    state = dict(state, _observation_space=None, _action_space=None)
+    for key in ("observations", "actions", "rewards", "infos"):
+        state[key] = dict(state[key], space=None)
+    if state["extra_model_outputs"]:
+        state["extra_model_outputs"] = {k: dict(v, space=None) for k, v in state["extra_model_outputs"].items()}
     episode = SingleAgentEpisode.from_state(state)
     episode.observation_space = runner.env.single_observation_space
     episode.action_space = runner.env.single_action_space
@@ -238,55 +305,11 @@ def _copy(value: Any) -> Any:
     return value.copy() if isinstance(value, np.ndarray) else value
 
 
-def unstorable(tree: Any, path: str = "") -> str | None:
-    """Where ``tree`` holds a value the snapshot cannot store (the first one, with its type), else None."""
-    import torch
-
-    stack = [(tree, path)]
-    while stack:
-        node, where = stack.pop()
-        if node is None or isinstance(node, (bool, int, float, str, np.generic, torch.Tensor)):
-            continue
-        if isinstance(node, np.ndarray):
-            if node.dtype.hasobject or node.dtype.kind in "USV":
-                return f"{where.lstrip('/')}: a {node.dtype} array cannot be stored"
-            continue
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if not (k is None or isinstance(k, (str, int))):
-                    return f"{where.lstrip('/')}: a {type(k).__name__} dict key cannot be stored"
-                stack.append((v, f"{where}/{k}"))
-            continue
-        if isinstance(node, (list, tuple)):
-            stack.extend((v, f"{where}/{i}") for i, v in enumerate(node))
-            continue
-        return f"{where.lstrip('/')}: a {type(node).__name__} cannot be stored"
-    return None
-
-
-def gather(algo: Any) -> dict:
-    """Every training EnvRunner's :func:`capture` (the remote ones, or the driver's own when there are none), by
-    worker index; ``exact`` False with why when any cannot be captured (then none is kept)."""
-    group = algo.env_runner_group
-    expected = group.num_remote_env_runners()
-    if expected:
-        states = group.foreach_env_runner(capture, local_env_runner=False)
-    else:
-        states = [capture(algo.env_runner)] if algo.env_runner is not None else []
-    whys = [f"EnvRunner {s['worker_index']}: {s['why']}" for s in states if not s["exact"]]
-    if expected and len(states) < expected:
-        whys.append(f"{expected - len(states)} of {expected} EnvRunners did not answer (unhealthy)")
-    if not states:
-        whys.append("no EnvRunner samples")
-    if whys:
-        return {"exact": False, "why": "; ".join(whys), "runners": {}}
-    return {"exact": True, "why": None, "runners": {str(s["worker_index"]): s for s in states}}
-
-
-def take_restored(sent: Any, runner: Any) -> None:
+def take_restored(sent: Any, runner: Any) -> str | None:
     """Run in an EnvRunner after a restore: the learner's weights (``sent["weights"]``: one ``set_state``, or two
     for a rollback: first without the sequence number, which any EnvRunner takes), then its own sampling state
-    (``sent["runners"]`` by worker index). ``sent``: that dict, or an ObjectRef of it."""
+    (``sent["runners"]`` by worker index). ``sent``: that dict, or an ObjectRef of it. Returns why the sampling
+    state was not taken (nothing of it is then set), else None."""
     import ray
 
     if isinstance(sent, ray.ObjectRef):
@@ -295,5 +318,10 @@ def take_restored(sent: Any, runner: Any) -> None:
         runner.set_state({k: v for k, v in sent["weights"].items() if k != "weights_seq_no"})
     runner.set_state(sent["weights"])
     own = (sent.get("runners") or {}).get(str(int(runner.worker_index or 0)))
-    if own is not None:
+    if own is None:
+        return None
+    try:
         apply(runner, own)
+    except Exception as exc:  # noqa: BLE001 - reported to the driver; this EnvRunner then samples as restored by RLlib
+        return f"EnvRunner {runner.worker_index} did not take its sampling state: {type(exc).__name__}: {exc}"
+    return None
