@@ -35,7 +35,75 @@ def test_none_keys_round_trip_and_a_clash_is_refused():
     assert list(back["MeanStdFilter"]) == [None] and back["lst"] == [{None: 1}]
     with pytest.raises(SerializationError, match="a/b") as err:
         to_storable({"a": {"b": {None: 1, NONE_KEY: 2}}})
-    assert err.value.key == "/a/b"
+    assert err.value.key == "a/b"
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _text(array_bytes: bytes) -> str:
+    import base64
+    import zlib
+
+    return base64.b64encode(zlib.compress(array_bytes)).decode("ascii")
+
+
+def _npy(array, allow_pickle=False) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=allow_pickle)
+    return buf.getvalue()
+
+
+def test_arrays_rllib_keeps_as_text_are_stored_as_arrays_and_what_would_unpickle_is_refused(tmp_path):
+    """MeanStdFilter's arrays are base64/zlib .npy text in RLlib's state: stored as plain arrays, given back as text
+    encoded from them; text NumPy's loader would unpickle is refused at save and at restore, naming the key."""
+    from ray.rllib.utils.serialization import _deserialize_ndarray, _serialize_ndarray
+
+    from rl_ckpt.errors import CorruptSnapshotError
+    from rl_ckpt.integrations.rllib import NPY_KEY
+
+    mean = np.arange(4, dtype=np.float32)
+    state = {"MeanStdFilter": {None: {"running_stats": [{"mean_array": _serialize_ndarray(mean), "n": 3}]}}}
+    stored = to_storable(state, component="algorithm")
+    leaf = stored["MeanStdFilter"][NONE_KEY]["running_stats"][0]["mean_array"]
+    assert list(leaf) == [NPY_KEY] and leaf[NPY_KEY].tobytes() == mean.tobytes()
+    back = from_stored(stored)["MeanStdFilter"][None]["running_stats"][0]
+    assert _deserialize_ndarray(back["mean_array"]).tobytes() == mean.tobytes() and back["n"] == 3
+    # text RLlib's decoder reads leniently (it drops characters outside base64's alphabet): so does the check
+    marker = tmp_path / "ran"
+    hostile = [
+        _text(_npy(np.array([_Payload(str(marker))], dtype=object), allow_pickle=True)),
+        _text(__import__("pickle").dumps(_Payload(str(marker)))),
+    ]
+    hostile.append("!" + hostile[0][:9] + "\n" + hostile[0][9:])
+    for text in hostile:
+        with pytest.raises(SerializationError, match="unpickle") as err:
+            to_storable({"f": {"mean_array": text}}, component="algorithm")
+        assert (err.value.component, err.value.key) == ("algorithm", "f/mean_array")
+        with pytest.raises(CorruptSnapshotError, match="f/mean_array"):
+            from_stored({"f": {"mean_array": text}}, component="algorithm")
+        with pytest.raises(CorruptSnapshotError, match="f/mean_array"):
+            from_stored({"f": {"mean_array": {NPY_KEY: text}}}, component="algorithm")
+    assert not marker.exists()
+    with pytest.raises(SerializationError, match=NPY_KEY):
+        to_storable({"x": {NPY_KEY: 1}})
+    assert to_storable({"name": "mean", "n": "not base64 at all"}) == {"name": "mean", "n": "not base64 at all"}
+
+
+def test_verify_names_text_that_would_unpickle_and_leaves_rl_ckpt_bytes_alone():
+    from rl_ckpt._format.npy_payload import unsafe_strings
+
+    evil = _text(_npy(np.array([{"a": 1}], dtype=object), allow_pickle=True))
+    plain = _text(_npy(np.arange(3.0)))
+    found = unsafe_strings({"a": [plain, {"$bytes": evil}, evil], "b": _text(__import__("pickle").dumps(1))})
+    assert [key for key, _ in found] == ["a/2", "b"]
 
 
 def test_explicit_rules_names_and_metrics():
