@@ -1,6 +1,7 @@
 """RLlib (new API stack) through rl_ckpt: a real PPO on CartPole-v1 with 2 EnvRunners, an EnvRunner and then the
-driver SIGKILLed, the run rebuilt and restored from the snapshot the coordinator chose, RLlib's own restore
-checked the same way, a flipped byte making the restore fall back; plus the state conversion rules alone.
+driver SIGKILLed, the run rebuilt and restored from the snapshot the coordinator chose (exactly: the next iteration
+is bitwise the killed run's), RLlib's own restore checked the same way, a flipped byte making the restore fall
+back; plus the state conversion rules alone.
 
 The drill's drivers start their own local Ray (``ray.init(address="local", num_cpus=2)``) in subprocesses that
 are SIGKILLed, so this file does not use the session's cluster and runs beside it."""
@@ -179,10 +180,15 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     # bitwise, what the killed driver held at iteration 4; so does RLlib's own restore_from_path of iteration 4.
     assert built["learner"] == iters[4]["learner"] and built["connectors"] == iters[4]["connectors"]
     assert built["runner_weights"] == [True, True]  # the EnvRunners sample with the restored weights
-    ours = next(e for e in second if e["event"] == "rllib_restored")
-    assert ours["learner"] == iters[4]["learner"] and ours["connectors"] == iters[4]["connectors"]
+    # The sampled-steps counter: the saved one on the Algorithm, its EnvRunner and both remote ones.
+    assert built["lifetimes"] == iters[4]["lifetimes"] == [4 * 256.0] * 4
+    assert not built["warnings"], built["warnings"]  # the EnvRunners' sampling state came back: an exact resume
     after = {e["iteration"]: e for e in second if e["event"] == "iter"}
     assert sorted(after) == [5, 6, 7, 8]
+    # Exact: iteration 5 of the resumed run is bitwise the killed run's iteration 5.
+    assert after[5]["learner"] == iters[5]["learner"] and after[5]["connectors"] == iters[5]["connectors"]
+    theirs = next(e for e in second if e["event"] == "rllib_restored")  # RLlib's restore_from_path of iteration 4
+    assert theirs["learner"] == iters[4]["learner"] and theirs["connectors"] == iters[4]["connectors"]
 
     # A flipped byte in the newest snapshot (8): the plan says why it is skipped, the restore falls back to 6
     # (a rollback of the live Algorithm).
@@ -192,6 +198,7 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     assert fb["runner_weights"] == [True, True]  # rolled back from 8: the EnvRunners got iteration 6's weights
     line = next(ln for ln in fb["plan"].splitlines() if "step_000000008" in ln and "step 8" in ln)
     assert "checksum" in line, fb["plan"]
+    assert fb["resumed_iteration"] == 7 and fb["resumed"] == after[7]["learner"]  # the rollback resumes exactly
 
     # The same flipped byte in RLlib's checkpoint of iteration 8: RLlib has no checksum, it raises or loads
     # other numbers than it saved (the figure docs/rllib.md shows); it never falls back.
