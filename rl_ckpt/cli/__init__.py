@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
         description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
-        "`rl-ckpt bench weights --help`: policy versions to rollout actors",
+        "`rl-ckpt bench weights --help`: policy versions to rollout actors; `rl-ckpt bench rllib --help`: RLlib's "
+        "save_to_path and restore_from_path next to rl_ckpt's",
     )
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
@@ -140,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rl_ckpt.tools.bench.weights import main as weights_main
 
         return weights_main(argv[2:])
+    if argv[:2] == ["bench", "rllib"]:  # RLlib's save_to_path / restore_from_path next to ours, on a Ray of its own
+        from rl_ckpt.tools.bench.rllib import main as rllib_main
+
+        return rllib_main(argv[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ import logging
 import re
 from typing import Any, Callable
 
-from rl_ckpt.integrations._rllib_runners import capture, take_restored
+from rl_ckpt.integrations._rllib_runners import arm, capture, take_restored
 from rl_ckpt.integrations._rllib_state import from_stored, learner_value, module_weights, optimizer_state, to_storable
 
 log = logging.getLogger("rl_ckpt")
@@ -254,6 +254,13 @@ class RunnersPart:
         return group.num_in_flight_async_reqs() - sum(
             group.num_in_flight_async_reqs(tag) for tag in (SYNC_TAG, RESTORE_TAG, CAPTURE_TAG)
         )
+
+    def arm(self) -> None:
+        """The next iteration saves: every remote EnvRunner takes its state at the end of its sampling and encodes
+        it while the driver learns (``_rllib_runners.sample_ended``; sent, not awaited)."""
+        group = self.algo.env_runner_group
+        if group.num_remote_env_runners():
+            group.foreach_env_runner(arm, local_env_runner=False, timeout_seconds=0.0)
 
     def discard(self) -> None:
         """Collect (and drop) what :meth:`prefetch` asked for when no save used it."""

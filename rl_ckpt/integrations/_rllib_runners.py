@@ -25,6 +25,9 @@ async vector env, an env or wrapper whose state is unknown, a value of a type th
 
 from __future__ import annotations
 
+import copy
+import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,10 @@ import numpy as np
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, SerializationError
 
 COMPONENT = "env_runners"
+log = logging.getLogger("rl_ckpt")
+_ARMED: set[int] = set()  # EnvRunners (by id) that take their state at the end of their next sample()
+_SAMPLED: dict[int, int] = {}  # sample() calls each EnvRunner made (counted in on_sample_end)
+_AHEAD: dict[int, dict] = {}  # the state taken at the end of a sample(), encoded in a thread
 
 # Sub-environment state of gymnasium's classic-control envs, by class: every attribute a step reads and writes
 # (the rest of each class is constants and rendering).
@@ -53,34 +60,106 @@ BIT_GENERATORS = {name: getattr(np.random, name) for name in ("PCG64", "PCG64DXS
 
 def capture(runner: Any) -> dict:
     """This EnvRunner's sampling state (run in its process), encoded here (:func:`pack`): the driver receives two
-    values it stores as they are. ``{"exact": False, "why": ...}`` when it cannot be captured."""
-    index = int(runner.worker_index or 0)
+    values it stores as they are. ``{"exact": False, "why": ...}`` when it cannot be captured.
+
+    When the driver armed this EnvRunner (:func:`arm`), the state was taken at the end of its last ``sample()``
+    and encoded in a thread while the driver learned (:func:`sample_ended`): that one is returned, if nothing it
+    holds has changed since (else the state is taken now)."""
+    key = id(runner)
+    ahead = _AHEAD.pop(key, None)
+    if ahead is not None and ahead["sampled"] == _SAMPLED.get(key) and _unchanged(runner, ahead):
+        ahead["thread"].join()
+        if "result" in ahead:
+            return ahead["result"]
     why = _not_capturable(runner)
     if why:
-        return {"worker_index": index, "exact": False, "why": why}
+        return {"worker_index": int(runner.worker_index or 0), "exact": False, "why": why}
+    chunks = list(runner._ongoing_episodes_for_metrics.items())
+    done = list(runner._done_episodes_for_metrics)
+    return _encoded(runner.worker_index, _taken(runner, chunks, done))
+
+
+def arm(runner: Any) -> None:
+    """Take the state at the end of this EnvRunner's next ``sample()`` (a save is due after it): sent by the
+    driver, not awaited, before the iteration samples."""
+    _ARMED.add(id(runner))
+
+
+def sample_ended(runner: Any) -> None:
+    """``on_sample_end`` in the EnvRunner: when armed, take everything the next calls may change now (a few
+    small copies) and encode it in a thread, while the driver learns from the samples.
+
+    RLlib calls ``get_metrics()`` right after ``sample()`` (in the same remote call): it drops the metric chunks
+    of the episodes that ended and forgets them; the state taken here is the one after it."""
+    key = id(runner)
+    _SAMPLED[key] = _SAMPLED.get(key, 0) + 1
+    if key not in _ARMED:
+        return
+    _ARMED.discard(key)
+    if _not_capturable(runner):
+        return
+    ended = {e.id_ for e in runner._done_episodes_for_metrics}
+    chunks = [(eid, list(c)) for eid, c in runner._ongoing_episodes_for_metrics.items() if eid not in ended]
+    state = _taken(runner, [], [])
+    ahead: dict = {"sampled": _SAMPLED[key], "chunk_ids": [eid for eid, _ in chunks], "rng": state["rng"]}
+
+    def encode() -> None:
+        try:
+            state["metric_chunks"] = [[eid, [episode_state(c) for c in saved]] for eid, saved in chunks]
+            ahead["result"] = _encoded(runner.worker_index, state)
+        except Exception:  # noqa: BLE001 - capture() then takes the state itself, and reports what fails
+            log.debug("EnvRunner state taken ahead could not be encoded", exc_info=True)
+
+    ahead["thread"] = threading.Thread(target=encode, name="rl_ckpt-envrunner-state", daemon=True)
+    ahead["thread"].start()
+    _AHEAD[key] = ahead
+
+
+def _unchanged(runner: Any, ahead: dict) -> bool:
+    """Whether what the state taken ahead holds is still this EnvRunner's (``get_metrics`` ran as RLlib runs it,
+    and nothing drew from the random streams)."""
+    from rl_ckpt.components import RNGState
+
+    if runner._done_episodes_for_metrics or list(runner._ongoing_episodes_for_metrics) != ahead["chunk_ids"]:
+        return False
+    now, then = RNGState().state_dict(), ahead["rng"]
+    return (
+        list(now["python"]["internal"]) == [int(v) for v in then["python"]["internal"]]
+        and np.array_equal(now["numpy"]["keys"], then["numpy"]["keys"])
+        and now["numpy"]["pos"] == then["numpy"]["pos"]
+        and bool(now["torch_cpu"].equal(then["torch_cpu"]))
+    )
+
+
+def _taken(runner: Any, chunks: list, done: list) -> dict:
+    """The state, not yet encoded: copies of what changes as the EnvRunner samples."""
     from rl_ckpt.components import RNGState
 
     vector = _vector_env(runner.env)
     rng = RNGState().state_dict()
     rng["python"]["internal"] = np.array(rng["python"]["internal"], dtype=np.uint64)  # one array, not 625 numbers
-    state = {
+    return {
         "envs": [env_state(e) for e in vector.envs],
         "autoreset": np.array(vector._autoreset_envs, dtype=np.bool_),
         "needs_initial_reset": bool(runner._needs_initial_reset),
         "episodes": [None if e is None else episode_state(e) for e in runner._ongoing_episodes],
-        "metric_chunks": [
-            [eid, [episode_state(c) for c in chunks]] for eid, chunks in runner._ongoing_episodes_for_metrics.items()
-        ],
-        "done_episodes": [episode_state(e) for e in runner._done_episodes_for_metrics],
+        "metric_chunks": [[eid, [episode_state(c) for c in saved]] for eid, saved in chunks],
+        "done_episodes": [episode_state(e) for e in done],
         "cached_to_module": runner._cached_to_module,
-        "shared_data": runner._shared_data,
+        "shared_data": copy.deepcopy(runner._shared_data),
         "rng": rng,
+        "num_envs": len(vector.envs),
     }
+
+
+def _encoded(worker_index: Any, state: dict) -> dict:
+    index = int(worker_index or 0)
+    num_envs = state.pop("num_envs")
     try:
         packed = pack(state)
     except CheckpointError as exc:  # a value the snapshot cannot hold (e.g. an object in an episode's custom_data)
         return {"worker_index": index, "exact": False, "why": str(exc)}
-    return {"worker_index": index, "exact": True, "num_envs": len(vector.envs), **packed}
+    return {"worker_index": index, "exact": True, "num_envs": num_envs, **packed}
 
 
 def pack(state: dict) -> dict:

@@ -68,6 +68,7 @@ from rl_ckpt.integrations._rllib_parts import (  # noqa: F401 - the names below 
     push_weights,
     runners_note,
 )
+from rl_ckpt.integrations._rllib_runners import sample_ended
 from rl_ckpt.integrations._rllib_state import (  # noqa: F401
     NONE_KEY,
     NPY_KEY,
@@ -184,6 +185,7 @@ class CheckpointCallback(RLlibCallback):
         self.restored = None
         self.restore_seconds: float | None = None
         self.blocked: list[float] = []  # seconds train() was held by each save started (staging)
+        self._arming = 0.0  # seconds spent arming the EnvRunners for the next save (counted in its blocked)
         self.metric_keys: tuple[str, ...] = tuple(self.settings.get("metrics", DEFAULT_METRICS))
 
     def on_algorithm_init(self, *, algorithm: Any, **kwargs: Any) -> None:
@@ -197,6 +199,8 @@ class CheckpointCallback(RLlibCallback):
             self.restored = restore_algorithm(algorithm, self.engine, out=print if s.get("verbose", True) else None)
             self.restore_seconds = time.perf_counter() - started
         self.scheduler = self.engine.scheduler(start_step=int(algorithm.training_iteration))
+        runners = self.engine.components.get(ENV_RUNNERS)
+        self._arm(runners if isinstance(runners, RunnersPart) else None, int(algorithm.training_iteration) + 1)
         atexit.register(self.close)  # a save in flight finishes before a normal exit
 
     def on_train_result(self, *, algorithm: Any, result: dict, **kwargs: Any) -> None:
@@ -205,13 +209,29 @@ class CheckpointCallback(RLlibCallback):
         started = time.perf_counter()
         step = int(algorithm.training_iteration)
         runners = self.engine.components.get(ENV_RUNNERS)
-        if isinstance(runners, RunnersPart) and self.scheduler.due(step):
-            runners.prefetch()  # the EnvRunners capture their state while the driver takes the rest
+        runners = runners if isinstance(runners, RunnersPart) else None
+        if runners is not None and self.scheduler.due(step):
+            runners.prefetch()  # the EnvRunners send their state while the driver takes the rest
         handle = self.scheduler.step(step, train_metrics(result, self.metric_keys))
-        if isinstance(runners, RunnersPart):
+        if runners is not None:
             runners.discard()  # asked for, but no save took it (e.g. the previous save still running)
         if handle is not None:
-            self.blocked.append(time.perf_counter() - started)
+            self.blocked.append(time.perf_counter() - started + self._arming)
+            self._arming = 0.0
+        self._arm(runners, step + 1)
+
+    def _arm(self, runners: Any, step: int) -> None:
+        """When ``step`` will save, have the EnvRunners take their state as they finish sampling it (its cost
+        counts in the next save's ``blocked``)."""
+        if runners is not None and self.scheduler.due(step):
+            started = time.perf_counter()
+            runners.arm()
+            self._arming += time.perf_counter() - started
+
+    def on_sample_end(self, *, env_runner: Any = None, **kwargs: Any) -> None:
+        """In each remote EnvRunner: take its state now if the driver armed it (``_rllib_runners.sample_ended``)."""
+        if env_runner is not None and env_runner.worker_index:
+            sample_ended(env_runner)
 
     def close(self) -> None:
         """Wait for the save in flight (its error is reported through the scheduler) and close the engine."""
