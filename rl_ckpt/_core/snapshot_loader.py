@@ -243,7 +243,10 @@ class SnapshotLoader:
 
 
 def copies_on_load(obj: Any) -> bool:
-    """Whether ``obj.load_state_dict`` copies the tensors it is given (``torch.nn.Module``'s own does)."""
+    """Whether ``obj.load_state_dict`` copies the tensors it is given (``torch.nn.Module``'s own does; another
+    object says so with ``copies_on_load = True``, e.g. the RLlib integration's module parts)."""
+    if getattr(obj, "copies_on_load", None) is True:
+        return True
     return isinstance(obj, torch.nn.Module) and type(obj).load_state_dict is torch.nn.Module.load_state_dict
 
 

@@ -13,6 +13,9 @@ import logging
 import re
 from typing import Any, Callable
 
+import numpy as np
+
+from rl_ckpt.components import RNGState
 from rl_ckpt.integrations._rllib_runners import arm, capture, take_restored
 from rl_ckpt.integrations._rllib_state import from_stored, learner_value, module_weights, optimizer_state, to_storable
 
@@ -99,7 +102,11 @@ def _module_part(algo: Any, mid: str) -> AlgorithmPart:
         # sends them once, after every part is loaded.
         a.learner_group.set_state({LEARNER: {RL_MODULE: {mid: weights}}})
 
-    return AlgorithmPart(algo, "module", get, put, f"RLModule {mid!r}")
+    part = AlgorithmPart(algo, "module", get, put, f"RLModule {mid!r}")
+    # RLlib's module set_state copies every weight into the module's parameters (torch's load_state_dict): the
+    # reader may hand it views of the bytes it read, without a copy of its own.
+    part.copies_on_load = True
+    return part
 
 
 def _algorithm_put(a: Any, state: dict) -> None:
@@ -216,6 +223,22 @@ def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
         "progress",
     )
     return parts
+
+
+class DriverRNG(RNGState):
+    """The driver's random streams (``RNGState``), Python's as one array: its 625 numbers are 625 JSON nodes to
+    encode at every save and decode at every restore. A snapshot holding them as a list loads too."""
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["python"]["internal"] = np.array(state["python"]["internal"], dtype=np.uint64)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        internal = state["python"]["internal"]
+        if isinstance(internal, np.ndarray):
+            state = {**state, "python": {**state["python"], "internal": internal.tolist()}}
+        super().load_state_dict(state)
 
 
 class RunnersPart:

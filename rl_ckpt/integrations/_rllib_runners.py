@@ -18,9 +18,16 @@ captured, this module captures, inside each EnvRunner process (:func:`capture`, 
   computed once, when the observation arrives, and updates ``MeanStdFilter``), the connectors' shared data;
 - the process's random streams (Python, NumPy, torch: the policy samples its actions from torch's).
 
-:func:`apply` puts it back into a freshly built (or live) EnvRunner of the same worker index. What cannot be
-captured is said, not guessed: :func:`capture` returns ``exact: False`` and why (another EnvRunner class, an
-async vector env, an env or wrapper whose state is unknown, a value of a type the snapshot cannot hold).
+The EnvRunner encodes it itself (:func:`pack`: rl_ckpt's state codec, arrays as one safetensors buffer, the
+tree as JSON text), so the driver stores two values as they are. Armed by the driver the iteration before a save
+(:func:`arm`), it takes the state at the end of its sampling (:func:`sample_ended`, RLlib's ``on_sample_end``)
+and encodes it in a thread while the driver learns; the save then only fetches it (:func:`capture`).
+
+:func:`apply` puts it back into a freshly built (or live) EnvRunner of the same worker index, after decoding and
+checking all of it (rl_ckpt's own decoders; the spaces come from the EnvRunner's env, never from the snapshot).
+What cannot be captured is said, not guessed: :func:`capture` returns ``exact: False`` and why (another
+EnvRunner class, an async vector env, an env or wrapper whose state is unknown, a value of a type the snapshot
+cannot hold).
 """
 
 from __future__ import annotations
@@ -223,7 +230,7 @@ def apply(runner: Any, packed: dict) -> None:
     runner._ongoing_episodes = episodes
     runner._ongoing_episodes_for_metrics = defaultdict(list, chunks)
     runner._done_episodes_for_metrics = done
-    runner._cached_to_module = state["cached_to_module"]
+    runner._cached_to_module = _on_device(state["cached_to_module"], runner.module)
     runner._shared_data = state["shared_data"]
     RNGState().load_state_dict(rng)  # last: nothing above draws a random number
 
@@ -378,6 +385,18 @@ def _episode(runner: Any, state: dict) -> Any:
     episode.observation_space = runner.env.single_observation_space
     episode.action_space = runner.env.single_action_space
     return episode
+
+
+def _on_device(tree: Any, module: Any) -> Any:
+    """``tree``'s tensors on the device of ``module``'s parameters (they are decoded on the CPU)."""
+    import torch
+    import tree as dm_tree
+
+    params = module.parameters() if isinstance(module, torch.nn.Module) else iter(())
+    device = next(params, torch.empty(0)).device
+    if device.type == "cpu":
+        return tree
+    return dm_tree.map_structure(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _copy(value: Any) -> Any:

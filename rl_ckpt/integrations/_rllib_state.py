@@ -24,6 +24,17 @@ NONE_KEY = "rl_ckpt:None"
 NPY_KEY = "rl_ckpt:npy"
 
 
+def _leaf_types() -> frozenset:
+    """Types that hold no key, no text and nothing to walk: returned as they are (the walks skip them fast)."""
+    import torch
+
+    numpy_scalars = {np.dtype(c).type for c in "?bhilqBHILQefdgFD"}
+    return frozenset({int, float, bool, complex, bytes, type(None), np.ndarray, torch.Tensor, *numpy_scalars})
+
+
+_LEAVES = _leaf_types()
+
+
 def to_storable(tree: Any, path: str = "", *, component: str | None = None) -> Any:
     """``tree`` with every ``None`` dict key renamed ``NONE_KEY`` (the state codec stores str and int keys only)
     and every array RLlib keeps as ``.npy`` text replaced by ``{NPY_KEY: the plain array}``.
@@ -32,6 +43,8 @@ def to_storable(tree: Any, path: str = "", *, component: str | None = None) -> A
         SerializationError: a dict holds both ``None`` and ``NONE_KEY`` as keys, a dict is ``{NPY_KEY: ...}``
             itself, or a text value hides what ``np.load`` would unpickle (naming the key path).
     """
+    if type(tree) in _LEAVES:
+        return tree
     if isinstance(tree, dict):
         if None in tree and NONE_KEY in tree:
             raise _refused(
@@ -42,12 +55,16 @@ def to_storable(tree: Any, path: str = "", *, component: str | None = None) -> A
             )
         if len(tree) == 1 and NPY_KEY in tree:
             raise _refused(path, component, f"is a dict of the one key {NPY_KEY!r}, rl_ckpt's mark for an array")
-        items = [
-            (NONE_KEY if k is None else k, to_storable(v, f"{path}/{k}", component=component)) for k, v in tree.items()
-        ]
-        return dict(items)
+        return {
+            NONE_KEY if k is None else k: v
+            if type(v) in _LEAVES
+            else to_storable(v, f"{path}/{k}", component=component)
+            for k, v in tree.items()
+        }
     if isinstance(tree, (list, tuple)):
-        out = [to_storable(v, f"{path}/{i}", component=component) for i, v in enumerate(tree)]
+        out = [
+            v if type(v) in _LEAVES else to_storable(v, f"{path}/{i}", component=component) for i, v in enumerate(tree)
+        ]
         return out if isinstance(tree, list) else tuple(out)
     if isinstance(tree, str):
         try:
@@ -67,18 +84,24 @@ def from_stored(tree: Any, path: str = "", *, component: str | None = None) -> A
         CorruptSnapshotError: a mark holding no plain numeric array, or text hiding what ``np.load`` would
             unpickle (an object dtype, a pickle stream); naming the key path. Nothing is handed to RLlib.
     """
+    if type(tree) in _LEAVES:
+        return tree
     if isinstance(tree, dict):
         if len(tree) == 1 and NPY_KEY in tree:
             array = tree[NPY_KEY]
             if not isinstance(array, np.ndarray) or array.dtype.hasobject:
                 raise _corrupt(path, component, f"{NPY_KEY!r} holds a {type(array).__name__}, not a numeric array")
             return encode_npy(array)
-        items = [
-            (None if k == NONE_KEY else k, from_stored(v, f"{path}/{k}", component=component)) for k, v in tree.items()
-        ]
-        return dict(items)
+        return {
+            None if k == NONE_KEY else k: v
+            if type(v) in _LEAVES
+            else from_stored(v, f"{path}/{k}", component=component)
+            for k, v in tree.items()
+        }
     if isinstance(tree, (list, tuple)):
-        out = [from_stored(v, f"{path}/{i}", component=component) for i, v in enumerate(tree)]
+        out = [
+            v if type(v) in _LEAVES else from_stored(v, f"{path}/{i}", component=component) for i, v in enumerate(tree)
+        ]
         return out if isinstance(tree, list) else tuple(out)
     if isinstance(tree, str):
         try:

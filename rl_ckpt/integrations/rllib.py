@@ -46,7 +46,6 @@ from typing import Any, Callable, Mapping
 
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
-from rl_ckpt.components import RNGState
 from rl_ckpt.errors import ConfigError
 from rl_ckpt.integrations._rllib_parts import (  # noqa: F401 - the names below are public here too
     ENV_RUNNERS,
@@ -58,6 +57,7 @@ from rl_ckpt.integrations._rllib_parts import (  # noqa: F401 - the names below 
     TRAINING_ITERATION,
     WEIGHTS_SEQ_NO,
     AlgorithmPart,
+    DriverRNG,
     RunnersPart,
     algorithm_parts,
     component_names,
@@ -102,7 +102,7 @@ def register_algorithm(engine: Any, algo: Any, *, rng: bool = True, env_runners:
     for name, part in parts.items():
         engine.register(name, part, kind=part.checkpoint_kind)
     if rng:
-        engine.register("rng", RNGState())
+        engine.register("rng", DriverRNG())
     return parts
 
 

@@ -15,7 +15,8 @@ every round a pair measured back to back:
   read, every part set through RLlib, the weights and each EnvRunner's sampling state sent, not awaited), and
   RLlib's ``restore_from_path`` of its checkpoint of the same iteration (unpickling, the same ``set_state``
   calls, its weight sync, not awaited). Before each timed restore the EnvRunners have answered a no-op call:
-  what the previous one sent them is done, on both sides.
+  what the previous one sent them is done, on both sides. Also the CPU time of this process for each (less
+  sensitive to the machine's load than the wall-clock time).
 
 The figures are the medians of the rounds' ratios (and their range); wall-clock time on this machine as it is
 (``loadavg`` says how loaded it was).
@@ -60,20 +61,27 @@ def measure(size: str, rounds: int, base: str) -> dict:
             algo.save_to_path(os.path.join(rllib_dir, "latest"))
             saves.append((blocked, time.perf_counter() - started))
         cp.engine.wait()
-        restores = []
+        restores, cpu = [], []
         for _ in range(rounds):
             _idle(algo)
-            started = time.perf_counter()
+            started, cpu0 = time.perf_counter(), time.process_time()
             restore_algorithm(algo, cp.engine, out=None)
-            ours = time.perf_counter() - started
+            ours, ours_cpu = time.perf_counter() - started, time.process_time() - cpu0
             _idle(algo)
-            started = time.perf_counter()
+            started, cpu0 = time.perf_counter(), time.process_time()
             algo.restore_from_path(os.path.join(rllib_dir, "latest"))
             restores.append((ours, time.perf_counter() - started))
+            cpu.append((ours_cpu, time.process_time() - cpu0))
         cp.close()
     finally:
         algo.stop()
-    return {"size": size, "rounds": rounds, "save": _figures(saves), "restore": _figures(restores)}
+    return {
+        "size": size,
+        "rounds": rounds,
+        "save": _figures(saves),
+        "restore": _figures(restores),
+        "restore_cpu": _figures(cpu),
+    }
 
 
 def _figures(pairs: list[tuple[float, float]]) -> dict:
@@ -101,6 +109,7 @@ def table(r: dict) -> str:
             f"  {'':<34} {'rl_ckpt':>11}   {'RLlib':<22} {'':>11}   rl_ckpt / RLlib",
             row("train() blocked by a save", r["save"], "save_to_path"),
             row("restore alone (live Algorithm)", r["restore"], "restore_from_path"),
+            row("  its CPU time (this process)", r["restore_cpu"], "restore_from_path"),
         ]
     )
 
