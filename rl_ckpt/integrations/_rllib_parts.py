@@ -265,9 +265,11 @@ class RunnersPart:
         group = self.algo.env_runner_group
         if self._asked or not group.num_remote_env_runners():
             return
-        self.collect_restore_replies(timeout=0)
-        # RLlib's own broadcast of the connector states, if done, frees its slot (one request in flight per EnvRunner)
-        group.fetch_ready_async_reqs(tags=SYNC_TAG, timeout_seconds=0)
+        if group.num_in_flight_async_reqs(RESTORE_TAG):
+            self.collect_restore_replies(timeout=0)
+        if group.num_in_flight_async_reqs(SYNC_TAG):
+            # RLlib's broadcast of the connector states, if done, frees its slot (one request in flight per EnvRunner)
+            group.fetch_ready_async_reqs(tags=SYNC_TAG, timeout_seconds=0)
         if not self._others_in_flight():
             self._asked = group.foreach_env_runner_async(capture, CAPTURE_TAG)
 
