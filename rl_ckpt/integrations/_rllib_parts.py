@@ -30,7 +30,7 @@ LEARNER_GROUP, LEARNER, RL_MODULE, OPTIMIZER, METRICS = (
 )
 TRAINING_ITERATION, WEIGHTS_SEQ_NO = "training_iteration", "weights_seq_no"
 ENV_RUNNERS = "env_runners"
-RESTORE_TAG, CAPTURE_TAG = "rl_ckpt_restore", "rl_ckpt_capture"  # our EnvRunner calls, fetched by tag
+CAPTURE_TAG = "rl_ckpt_capture"  # our request for the EnvRunners' state, fetched by tag
 SYNC_TAG = "set_state"  # RLlib's broadcast of the connector states after each iteration
 EXTRAS = "rl_ckpt:extras"  # learner state RLlib's get_state leaves out (learner_extras)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -256,7 +256,6 @@ class RunnersPart:
     def __init__(self, algo: Any) -> None:
         self.algo = algo
         self.pending: dict | None = None
-        self.notes: list[str] = []  # EnvRunners that did not take their restored state, and why
         self._asked = 0
 
     def prefetch(self) -> None:
@@ -265,8 +264,6 @@ class RunnersPart:
         group = self.algo.env_runner_group
         if self._asked or not group.num_remote_env_runners():
             return
-        if group.num_in_flight_async_reqs(RESTORE_TAG):
-            self.collect_restore_replies(timeout=0)
         if group.num_in_flight_async_reqs(SYNC_TAG):
             # RLlib's broadcast of the connector states, if done, frees its slot (one request in flight per EnvRunner)
             group.fetch_ready_async_reqs(tags=SYNC_TAG, timeout_seconds=0)
@@ -277,7 +274,7 @@ class RunnersPart:
         """Requests in flight to the EnvRunners other than RLlib's connector broadcast and ours (sampling)."""
         group = self.algo.env_runner_group
         return group.num_in_flight_async_reqs() - sum(
-            group.num_in_flight_async_reqs(tag) for tag in (SYNC_TAG, RESTORE_TAG, CAPTURE_TAG)
+            group.num_in_flight_async_reqs(tag) for tag in (SYNC_TAG, CAPTURE_TAG)
         )
 
     def arm(self) -> None:
@@ -292,15 +289,6 @@ class RunnersPart:
         if self._asked:
             self.algo.env_runner_group.fetch_ready_async_reqs(tags=CAPTURE_TAG, timeout_seconds=None)
             self._asked = 0
-
-    def collect_restore_replies(self, timeout: float | None = 0) -> list[str]:
-        """The answers of the restore's calls that have arrived: why an EnvRunner did not take its state."""
-        replies = self.algo.env_runner_group.fetch_ready_async_reqs(tags=RESTORE_TAG, timeout_seconds=timeout)
-        notes = [note for _, note in replies if note]
-        for note in notes:
-            log.warning("RLlib restore: %s; the resumed run is not exact", note)
-        self.notes += notes
-        return notes
 
     def state_dict(self) -> dict:
         return to_storable(self.gather(), component=ENV_RUNNERS)
@@ -367,14 +355,15 @@ def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None =
     An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
     the ``module-*`` parts load into the learner only and the ``learner`` part restores the sequence number, so
     the weights go out here, once every part is loaded, with the learner's number (ahead of a fresh EnvRunner's
-    0). As RLlib's own ``restore_from_path`` does, the call is not awaited (sent and awaited when an EnvRunner
-    still has a call in flight, which RLlib would drop): an actor runs one caller's calls in order, so every
-    EnvRunner holds the weights and its state before it runs anything the driver asks next (the first
-    ``train()``'s sampling); the driver's own EnvRunner has them on return. The weights are views of the
-    learner's (one copy, into the object store), not ``get_state``'s copy. ``rolled_back`` (the learner was
-    ahead of the snapshot): first without a number, which every EnvRunner takes, then with it, awaited.
-    Returns why an EnvRunner did not take its sampling state, from the calls that were awaited (the others'
-    answers are collected by ``RunnersPart.collect_restore_replies``).
+    0). As RLlib's own weight sync (``restore_from_path``'s too), the call is sent and not awaited, outside the
+    one-request-in-flight slots RLlib keeps per EnvRunner (its connector broadcast, which the restore started,
+    may still hold them): an actor runs one caller's calls in order, so every EnvRunner holds the weights and
+    its state before it runs anything the driver asks next (the first ``train()``'s sampling); the driver's own
+    EnvRunner has them on return. An EnvRunner that cannot take its sampling state keeps none of it and logs
+    why. The weights are views of the learner's (one copy, into the object store), not ``get_state``'s copy.
+    ``rolled_back`` (the learner was ahead of the snapshot): first without a number, which every EnvRunner
+    takes, then with it, awaited. Returns why an EnvRunner did not take its sampling state, from the calls that
+    were awaited.
     """
     import ray
 
@@ -394,14 +383,9 @@ def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None =
         payload = {"weights": state, "unnumbered": rolled_back, "runners": mine}
         if group.num_remote_env_runners():
             take = functools.partial(take_restored, ray.put(payload))
-            if rolled_back:
-                notes += group.foreach_env_runner(take, local_env_runner=False)
-            else:
-                group.fetch_ready_async_reqs(tags=RESTORE_TAG, timeout_seconds=0)  # the slots of calls already done
-                if group.foreach_env_runner_async(take, RESTORE_TAG) < group.num_healthy_remote_workers():
-                    # An EnvRunner still runs an earlier call (RLlib allows one in flight and drops the next): this
-                    # one is not sent to it, so send it to every EnvRunner and wait (taking it twice is harmless).
-                    notes += group.foreach_env_runner(take, local_env_runner=False)
+            notes += group.foreach_env_runner(
+                take, local_env_runner=False, timeout_seconds=None if rolled_back else 0.0
+            )
         if group.local_env_runner is not None:
             notes.append(take_restored(payload, group.local_env_runner))
     return [note for note in notes if note]

@@ -420,6 +420,8 @@ def take_restored(sent: Any, runner: Any) -> str | None:
         return None
     try:
         apply(runner, own)
-    except Exception as exc:  # noqa: BLE001 - reported to the driver; this EnvRunner then samples as restored by RLlib
-        return f"EnvRunner {runner.worker_index} did not take its sampling state: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported; this EnvRunner then samples as restored by RLlib
+        note = f"EnvRunner {runner.worker_index} did not take its sampling state: {type(exc).__name__}: {exc}"
+        log.warning("RLlib restore: %s; the resumed run is not exact", note)
+        return note
     return None

@@ -180,6 +180,10 @@ class CheckpointCallback(RLlibCallback):
 
     def __init__(self) -> None:
         super().__init__()
+        # RLlib makes one in each EnvRunner too: its decoders are imported now, not during the first restore.
+        import rl_ckpt._format.safetensors_io  # noqa: F401
+        import rl_ckpt._format.state_codec  # noqa: F401
+
         self.engine = None
         self.scheduler = None
         self.restored = None
