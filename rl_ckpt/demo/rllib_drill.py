@@ -58,6 +58,7 @@ def ppo_config(cfg: dict):
                 keep_latest=cfg.get("keep_latest", 5),
                 keep_best=1,
                 resume=cfg.get("resume", True),
+                env_runners=cfg.get("env_runners", True),
             )
         )
     return config

@@ -1,6 +1,6 @@
 """``rl-ckpt bench rllib``: rl_ckpt's RLlib restore and save next to RLlib's own, in paired rounds of one run.
 
-    rl-ckpt bench rllib [--size default|large] [--rounds 9] [--json FILE]
+    rl-ckpt bench rllib [--size default|large] [--rounds 9] [--no-env-runners] [--json FILE]
 
 One PPO Algorithm (CartPole-v1, 2 EnvRunners with a ``MeanStdFilter``, CPU, 256 env steps per iteration; the
 crash drill's config, ``rl_ckpt/demo/rllib_drill.py``) with rl_ckpt's ``CheckpointCallback`` saving after every
@@ -17,6 +17,9 @@ every round a pair measured back to back:
   calls, its weight sync, not awaited). Before each timed restore the EnvRunners have answered a no-op call:
   what the previous one sent them is done, on both sides. Also the CPU time of this process for each (less
   sensitive to the machine's load than the wall-clock time).
+
+``--no-env-runners``: without the EnvRunners' sampling state (``checkpoint_callback(env_runners=False)``: the
+resumed run is then not exact), to see what taking it costs.
 
 The figures are the medians of the rounds' ratios (and their range); wall-clock time on this machine as it is
 (``loadavg`` says how loaded it was).
@@ -41,11 +44,12 @@ def _idle(algo) -> None:
     algo.env_runner_group.foreach_env_runner(lambda runner: None, local_env_runner=False)
 
 
-def measure(size: str, rounds: int, base: str) -> dict:
+def measure(size: str, rounds: int, base: str, env_runners: bool = True) -> dict:
     from rl_ckpt.demo.rllib_drill import ppo_config
     from rl_ckpt.integrations.rllib import checkpointing, restore_algorithm
 
     cfg = dict(base_dir=base, run_name=f"ppo_{size}", every=1, hidden=SIZES[size], keep_latest=3, resume=False)
+    cfg["env_runners"] = env_runners
     rllib_dir = os.path.join(base, f"rllib_{size}")
     algo = ppo_config(cfg).build_algo()
     try:
@@ -77,6 +81,7 @@ def measure(size: str, rounds: int, base: str) -> dict:
         algo.stop()
     return {
         "size": size,
+        "env_runners": env_runners,
         "rounds": rounds,
         "save": _figures(saves),
         "restore": _figures(restores),
@@ -105,7 +110,8 @@ def table(r: dict) -> str:
 
     return "\n".join(
         [
-            f"RLlib PPO, size {r['size']}, {r['rounds']} paired rounds (medians; load average {r['loadavg']})",
+            f"RLlib PPO, size {r['size']}, {r['rounds']} paired rounds (medians; load average {r['loadavg']})"
+            + ("" if r["env_runners"] else "; without the EnvRunners' sampling state"),
             f"  {'':<34} {'rl_ckpt':>11}   {'RLlib':<22} {'':>11}   rl_ckpt / RLlib",
             row("train() blocked by a save", r["save"], "save_to_path"),
             row("restore alone (live Algorithm)", r["restore"], "restore_from_path"),
@@ -119,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="default")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--dir", default=None, help="parent of the temporary run folder")
+    p.add_argument(
+        "--no-env-runners", action="store_true", help="save without the EnvRunners' sampling state (not exact)"
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         log(f"RLlib PPO ({args.size}): {args.rounds} rounds of save and of restore ...")
-        result = measure(args.size, args.rounds, base)
+        result = measure(args.size, args.rounds, base, env_runners=not args.no_env_runners)
     finally:
         ray.shutdown()
         rmtree(base)
