@@ -8,8 +8,10 @@
 ``checkpoint_callback(...)`` is an ``RLlibCallback`` class: ``on_algorithm_init`` restores the snapshot the
 coordinator chooses (printing the plan), ``on_train_result`` saves every ``--save-every`` iterations in the
 background (``train()`` waits only while the state is staged), keeping the newest 3 and the best by
-``env_runners/episode_return_mean``. ``--crash-drill`` is ``rl-ckpt demo --rllib``: a side-by-side summary
-with RLlib's own ``save_to_path``.
+``env_runners/episode_return_mean``. The snapshot also holds what RLlib's own checkpoints do not: the
+EnvRunners' environments, episodes in progress and random streams, and PPO's KL coefficient, so the resumed run
+is the uninterrupted one, bitwise (CartPole is gymnasium classic control; docs/rllib.md says when it is not).
+``--crash-drill`` is ``rl-ckpt demo --rllib``: a side-by-side summary with RLlib's own ``save_to_path``.
 """
 
 from __future__ import annotations

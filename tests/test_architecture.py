@@ -197,6 +197,15 @@ THIRD_PARTY_PRIVATE = {
     "_has_reset": "gymnasium OrderEnforcing's flag: as _np_random",
     "_actor_id": "a Ray actor handle's id (no public accessor on the handle)",
     "_value_buffer": "moto's FakeKey holds an object's bytes there: the test S3 endpoint serves a ranged GET from it",
+    # RLlib's SingleAgentEnvRunner between two sample() calls: saved and restored for an exact resume (no public
+    # accessor or setter; integrations/_rllib_runners.py)
+    "_ongoing_episodes": "RLlib EnvRunner's episodes in progress: saved and restored for an exact resume",
+    "_ongoing_episodes_for_metrics": "RLlib EnvRunner's chunks of episodes in progress, for their metrics: as above",
+    "_done_episodes_for_metrics": "RLlib EnvRunner's finished episodes not yet counted in metrics: as above",
+    "_cached_to_module": "RLlib EnvRunner's env-to-module output for its next action: as above",
+    "_shared_data": "RLlib EnvRunner's connectors' shared data: as above",
+    "_needs_initial_reset": "RLlib EnvRunner's flag: reset the envs at the next sample(): as above",
+    "_autoreset_envs": "gymnasium SyncVectorEnv's pending auto-resets: as above",
 }
 
 

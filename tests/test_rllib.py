@@ -1,6 +1,7 @@
 """RLlib (new API stack) through rl_ckpt: a real PPO on CartPole-v1 with 2 EnvRunners, an EnvRunner and then the
-driver SIGKILLed, the run rebuilt and restored from the snapshot the coordinator chose, RLlib's own restore
-checked the same way, a flipped byte making the restore fall back; plus the state conversion rules alone.
+driver SIGKILLed, the run rebuilt and restored from the snapshot the coordinator chose (exactly: the next iteration
+is bitwise the killed run's), RLlib's own restore checked the same way, a flipped byte making the restore fall
+back; plus the state conversion rules alone.
 
 The drill's drivers start their own local Ray (``ray.init(address="local", num_cpus=2)``) in subprocesses that
 are SIGKILLed, so this file does not use the session's cluster and runs beside it."""
@@ -35,7 +36,75 @@ def test_none_keys_round_trip_and_a_clash_is_refused():
     assert list(back["MeanStdFilter"]) == [None] and back["lst"] == [{None: 1}]
     with pytest.raises(SerializationError, match="a/b") as err:
         to_storable({"a": {"b": {None: 1, NONE_KEY: 2}}})
-    assert err.value.key == "/a/b"
+    assert err.value.key == "a/b"
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _text(array_bytes: bytes) -> str:
+    import base64
+    import zlib
+
+    return base64.b64encode(zlib.compress(array_bytes)).decode("ascii")
+
+
+def _npy(array, allow_pickle=False) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=allow_pickle)
+    return buf.getvalue()
+
+
+def test_arrays_rllib_keeps_as_text_are_stored_as_arrays_and_what_would_unpickle_is_refused(tmp_path):
+    """MeanStdFilter's arrays are base64/zlib .npy text in RLlib's state: stored as plain arrays, given back as text
+    encoded from them; text NumPy's loader would unpickle is refused at save and at restore, naming the key."""
+    from ray.rllib.utils.serialization import _deserialize_ndarray, _serialize_ndarray
+
+    from rl_ckpt.errors import CorruptSnapshotError
+    from rl_ckpt.integrations.rllib import NPY_KEY
+
+    mean = np.arange(4, dtype=np.float32)
+    state = {"MeanStdFilter": {None: {"running_stats": [{"mean_array": _serialize_ndarray(mean), "n": 3}]}}}
+    stored = to_storable(state, component="algorithm")
+    leaf = stored["MeanStdFilter"][NONE_KEY]["running_stats"][0]["mean_array"]
+    assert list(leaf) == [NPY_KEY] and leaf[NPY_KEY].tobytes() == mean.tobytes()
+    back = from_stored(stored)["MeanStdFilter"][None]["running_stats"][0]
+    assert _deserialize_ndarray(back["mean_array"]).tobytes() == mean.tobytes() and back["n"] == 3
+    # text RLlib's decoder reads leniently (it drops characters outside base64's alphabet): so does the check
+    marker = tmp_path / "ran"
+    hostile = [
+        _text(_npy(np.array([_Payload(str(marker))], dtype=object), allow_pickle=True)),
+        _text(__import__("pickle").dumps(_Payload(str(marker)))),
+    ]
+    hostile.append("!" + hostile[0][:9] + "\n" + hostile[0][9:])
+    for text in hostile:
+        with pytest.raises(SerializationError, match="unpickle") as err:
+            to_storable({"f": {"mean_array": text}}, component="algorithm")
+        assert (err.value.component, err.value.key) == ("algorithm", "f/mean_array")
+        with pytest.raises(CorruptSnapshotError, match="f/mean_array"):
+            from_stored({"f": {"mean_array": text}}, component="algorithm")
+        with pytest.raises(CorruptSnapshotError, match="f/mean_array"):
+            from_stored({"f": {"mean_array": {NPY_KEY: text}}}, component="algorithm")
+    assert not marker.exists()
+    with pytest.raises(SerializationError, match=NPY_KEY):
+        to_storable({"x": {NPY_KEY: 1}})
+    assert to_storable({"name": "mean", "n": "not base64 at all"}) == {"name": "mean", "n": "not base64 at all"}
+
+
+def test_verify_names_text_that_would_unpickle_and_leaves_rl_ckpt_bytes_alone():
+    from rl_ckpt._format.npy_payload import unsafe_strings
+
+    evil = _text(_npy(np.array([{"a": 1}], dtype=object), allow_pickle=True))
+    plain = _text(_npy(np.arange(3.0)))
+    found = unsafe_strings({"a": [plain, {"$bytes": evil}, evil], "b": _text(__import__("pickle").dumps(1))})
+    assert [key for key, _ in found] == ["a/2", "b"]
 
 
 def test_explicit_rules_names_and_metrics():
@@ -111,10 +180,15 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     # bitwise, what the killed driver held at iteration 4; so does RLlib's own restore_from_path of iteration 4.
     assert built["learner"] == iters[4]["learner"] and built["connectors"] == iters[4]["connectors"]
     assert built["runner_weights"] == [True, True]  # the EnvRunners sample with the restored weights
-    ours = next(e for e in second if e["event"] == "rllib_restored")
-    assert ours["learner"] == iters[4]["learner"] and ours["connectors"] == iters[4]["connectors"]
+    # The sampled-steps counter: the saved one on the Algorithm, its EnvRunner and both remote ones.
+    assert built["lifetimes"] == iters[4]["lifetimes"] == [4 * 256.0] * 4
+    assert not built["warnings"], built["warnings"]  # the EnvRunners' sampling state came back: an exact resume
     after = {e["iteration"]: e for e in second if e["event"] == "iter"}
     assert sorted(after) == [5, 6, 7, 8]
+    # Exact: iteration 5 of the resumed run is bitwise the killed run's iteration 5.
+    assert after[5]["learner"] == iters[5]["learner"] and after[5]["connectors"] == iters[5]["connectors"]
+    theirs = next(e for e in second if e["event"] == "rllib_restored")  # RLlib's restore_from_path of iteration 4
+    assert theirs["learner"] == iters[4]["learner"] and theirs["connectors"] == iters[4]["connectors"]
 
     # A flipped byte in the newest snapshot (8): the plan says why it is skipped, the restore falls back to 6
     # (a rollback of the live Algorithm).
@@ -124,6 +198,7 @@ def test_ppo_env_runner_and_driver_killed_restore_and_fallback(tmp_path, capsys)
     assert fb["runner_weights"] == [True, True]  # rolled back from 8: the EnvRunners got iteration 6's weights
     line = next(ln for ln in fb["plan"].splitlines() if "step_000000008" in ln and "step 8" in ln)
     assert "checksum" in line, fb["plan"]
+    assert fb["resumed_iteration"] == 7 and fb["resumed"] == after[7]["learner"]  # the rollback resumes exactly
 
     # The same flipped byte in RLlib's checkpoint of iteration 8: RLlib has no checksum, it raises or loads
     # other numbers than it saved (the figure docs/rllib.md shows); it never falls back.

@@ -1,6 +1,7 @@
 """RLlib multi-agent through rl_ckpt on the session's Ray cluster: one ``module-<policy id>`` component per
 policy (ids a file name cannot hold renamed), trainable policy ids given as a set stored by the explicit rule,
-and a second Algorithm built from the same config restored to the same learner state, bitwise."""
+and a second Algorithm built from the same config restored to the same learner state, bitwise, with the saved
+sampled-steps counter; the restore says why its (multi-agent) EnvRunner does not resume exactly."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def test_multi_agent_one_module_per_policy_restored_bitwise(ray_cluster, tmp_pat
             assert stored == ["p0", "policy.1"]  # a set in RLlib: the explicit rule, sorted list
             engine.save(algo.training_iteration)
             saved = digest(learner_state(algo))
+            lifetime = algo.metrics.peek(("env_runners", "num_env_steps_sampled_lifetime"))
             per_module = {m: digest(w) for m, w in learner_state(algo)["rl_module"].items()}
     finally:
         algo.stop()
@@ -59,6 +61,10 @@ def test_multi_agent_one_module_per_policy_restored_bitwise(ray_cluster, tmp_pat
             result = restore_algorithm(fresh, engine, out=lines.append)
         assert result.snapshot_id == "step_000000001" and fresh.training_iteration == 1
         assert any("module-policy_1" in ln for ln in lines)
+        # RLlib syncs its EnvRunner's sampled-steps counter from the Algorithm's: restored first, it is the saved one.
+        assert lifetime == 128 and fresh.env_runner.num_env_steps_sampled_lifetime == lifetime
+        # The multi-agent EnvRunner's episodes are not captured: the restore says so (it resets its environments).
+        assert any("EnvRunners not exact" in ln and "MultiAgentEnvRunner" in ln for ln in lines), lines
         assert {m: digest(w) for m, w in learner_state(fresh)["rl_module"].items()} == per_module
         assert digest(learner_state(fresh)) == saved
         # The driver's EnvRunner got the restored weights (push_weights), each policy bitwise.

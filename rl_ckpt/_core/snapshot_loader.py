@@ -119,6 +119,8 @@ class SnapshotLoader:
                 self.registry.get(name).obj.load_state_dict(state)
             except StateMismatchError as exc:  # the state does not fit (e.g. a data position, other data): say where
                 raise exc.reworded(f"{sid}: component {name!r}: {exc}", snapshot_id=sid) from exc
+            except CorruptSnapshotError as exc:  # the component found its stored state bad: fall back, as for a file
+                raise exc.reworded(f"{sid}: {exc}", snapshot_id=sid) from exc
             except Exception as exc:  # a user object's own error: name the component and snapshot
                 raise RestoreError(
                     f"{sid}: loading component {name!r} failed: {type(exc).__name__}: {exc}",
@@ -241,7 +243,10 @@ class SnapshotLoader:
 
 
 def copies_on_load(obj: Any) -> bool:
-    """Whether ``obj.load_state_dict`` copies the tensors it is given (``torch.nn.Module``'s own does)."""
+    """Whether ``obj.load_state_dict`` copies the tensors it is given (``torch.nn.Module``'s own does; another
+    object says so with ``copies_on_load = True``, e.g. the RLlib integration's module parts)."""
+    if getattr(obj, "copies_on_load", None) is True:
+        return True
     return isinstance(obj, torch.nn.Module) and type(obj).load_state_dict is torch.nn.Module.load_state_dict
 
 

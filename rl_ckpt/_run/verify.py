@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from rl_ckpt._run.snapshot_files import FileProblem, VerifyReport, verify_snapshot
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt._run.snapshot_files import FileProblem, VerifyReport, read_manifest, read_verified, verify_snapshot
 from rl_ckpt._format.manifest import MANIFEST_NAME
+from rl_ckpt._format.npy_payload import unsafe_strings
+from rl_ckpt._format.untrusted import parse_json
 from rl_ckpt._run.catalog import Catalog
 from rl_ckpt._run.quarantine import quarantine_records
 from rl_ckpt._run.retire import retired_records
@@ -26,6 +29,8 @@ def verify_run(
     ids = list(snapshot_ids) if snapshot_ids is not None else [i.snapshot_id for i in catalog.snapshots()]
     for sid in ids:
         verify_snapshot(storage, sid, report, progress=progress)
+        if sid not in report.bad_snapshots:
+            report.problems += hidden_payloads(catalog, sid)
         info = catalog.get(sid)
         if info is not None and info.quarantined and sid not in report.bad_snapshots:
             report.problems.append(FileProblem(sid, "quarantine", info.quarantined))
@@ -34,6 +39,32 @@ def verify_run(
             report.checked.append(bad.snapshot_id)
             report.problems.append(FileProblem(bad.snapshot_id, MANIFEST_NAME, bad.reason))
     return report
+
+
+def hidden_payloads(catalog: Catalog, snapshot_id: str) -> list[FileProblem]:
+    """Values of the snapshot's JSON state that hide what NumPy's loader would unpickle (an object-dtype
+    ``.npy``, a pickle stream) behind base64 and zlib, as RLlib stores arrays: the checksums cannot tell a
+    forged one from a real one, so verify reads the state itself (``_format/npy_payload.py``)."""
+    info = catalog.get(snapshot_id)
+    problems = []
+    try:
+        manifest = info.manifest if info is not None and info.manifest is not None else None
+        manifest = manifest or read_manifest(catalog.storage, snapshot_id)
+        for entry in manifest.files:
+            if entry.role != "json":
+                continue
+            tree = parse_json(read_verified(catalog.storage, snapshot_id, entry), entry.path)
+            for key, why in unsafe_strings(tree):
+                problems.append(
+                    FileProblem(
+                        snapshot_id,
+                        entry.path,
+                        f"component {entry.component!r}, key {key!r}: {why}; refusing it (nothing decodes it)",
+                    )
+                )
+    except CheckpointError as exc:  # verify_snapshot has just read these files: a change since is a problem too
+        problems.append(FileProblem(snapshot_id, MANIFEST_NAME, str(exc)))
+    return problems
 
 
 def fenced_off(catalog: Catalog) -> list[str]:

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder)",
         description="benchmark save/restore vs raw I/O, torch.save, DCP and safetensors (local folder); "
         "`rl-ckpt bench weights --help`: policy versions to rollout actors; "
-        "`rl-ckpt bench s3 --help`: S3 through real latency, next to boto3's s3transfer",
+        "`rl-ckpt bench s3 --help`: S3 through real latency, next to boto3's s3transfer; "
+        "`rl-ckpt bench rllib --help`: RLlib's save_to_path and restore_from_path next to rl_ckpt's",
     )
     _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
@@ -147,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rl_ckpt.tools.bench.s3 import main as s3_main
 
         return s3_main(argv[2:])
+    if argv[:2] == ["bench", "rllib"]:  # RLlib's save_to_path / restore_from_path next to ours, on a Ray of its own
+        from rl_ckpt.tools.bench.rllib import main as rllib_main
+
+        return rllib_main(argv[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -58,6 +58,7 @@ def ppo_config(cfg: dict):
                 keep_latest=cfg.get("keep_latest", 5),
                 keep_best=1,
                 resume=cfg.get("resume", True),
+                env_runners=cfg.get("env_runners", True),
             )
         )
     return config
@@ -111,6 +112,12 @@ def connector_state(algo) -> dict:
 
 def runner_pids(algo) -> list[int]:
     return sorted(algo.env_runner_group.foreach_env_runner(lambda r: os.getpid(), local_env_runner=False))
+
+
+def runner_pid(algo, worker_index: int) -> int:
+    """The process id of the remote EnvRunner of ``worker_index``."""
+    found = algo.env_runner_group.foreach_env_runner(lambda r: (r.worker_index, os.getpid()), local_env_runner=False)
+    return dict(found)[worker_index]
 
 
 def _env_to_module(runner) -> dict:
@@ -190,17 +197,9 @@ def driver(cfg: dict) -> None:
         connectors=digest(connector_state(algo)),
         pids=runner_pids(algo),
         runner_weights=runners_have_learner_weights(algo),
+        lifetimes=lifetimes(algo),
+        warnings=list(restored.warnings) if restored is not None else [],
     )
-    if cfg.get("rllib_path") and restored is not None and not restored.fresh:  # RLlib's own restore, same check
-        t = time.perf_counter()
-        algo.restore_from_path(os.path.join(cfg["rllib_path"], str(restored.global_step)))
-        log(
-            event="rllib_restored",
-            seconds=time.perf_counter() - t,
-            iteration=algo.training_iteration,
-            learner=digest(learner_state(algo)),
-            connectors=digest(connector_state(algo)),
-        )
     while algo.training_iteration < cfg["until"]:
         t = time.perf_counter()
         algo.train()
@@ -221,9 +220,10 @@ def driver(cfg: dict) -> None:
             pids=runner_pids(algo),
             runner_connectors=runner_connectors(algo),
             local_connector=local_connector(algo),
+            lifetimes=lifetimes(algo),
         )
         if it == cfg.get("kill_runner_at"):
-            pid = runner_pids(algo)[0]
+            pid = runner_pid(algo, 1)  # by worker index: the same EnvRunner in every run of the drill
             os.kill(pid, signal.SIGKILL)
             log(event="runner_killed", iteration=it, pid=pid)
             _wait_for_replacement(algo, pid)
@@ -241,13 +241,15 @@ def driver(cfg: dict) -> None:
             signal.pause()  # the drill SIGKILLs this process now
     if cp is not None:
         cp.engine.wait()
+    if cp is not None and cfg.get("rllib_path") and restored is not None and not restored.fresh:
+        log(**rllib_restore(algo, cfg["rllib_path"], restored.global_step))
     if cp is not None and cfg.get("corrupt_newest"):
         newest = cp.engine.snapshots()[-1]
         flip_byte(largest_file(os.path.join(cp.engine.storage.url.replace("file://", ""), newest.snapshot_id)))
         # A rollback of the live Algorithm (its learner is ahead of the snapshot); deep: the plan re-hashes the
         # candidates and says why it skips one.
         result = restore_algorithm(algo, cp.engine, out=None, deep=True)
-        log(
+        event = dict(
             event="fallback",
             corrupted=newest.snapshot_id,
             restored=result.snapshot_id,
@@ -257,6 +259,8 @@ def driver(cfg: dict) -> None:
             learner=digest(learner_state(algo)),
             runner_weights=runners_have_learner_weights(algo),
         )
+        algo.train()  # one iteration on from the rolled-back state: the same as the run made from it
+        log(**event, resumed_iteration=algo.training_iteration, resumed=digest(learner_state(algo)))
         if cfg.get("rllib_path"):  # the same flipped byte in RLlib's newest checkpoint
             log(event="rllib_corrupt", **rllib_corrupt(algo, cfg["rllib_path"], newest.global_step))
     if cp is not None:
@@ -264,6 +268,34 @@ def driver(cfg: dict) -> None:
     log(event="done", iteration=algo.training_iteration)
     algo.stop()
     ray.shutdown()
+
+
+def lifetimes(algo) -> list:
+    """The sampled-steps counter of the Algorithm, its own EnvRunner and each remote one (RLlib keeps them equal)."""
+    remote = algo.env_runner_group.foreach_env_runner(
+        lambda r: r.num_env_steps_sampled_lifetime, local_env_runner=False
+    )
+    key = ("env_runners", "num_env_steps_sampled_lifetime")
+    return [float(algo.metrics.peek(key, default=0)), float(algo.env_runner.num_env_steps_sampled_lifetime), *remote]
+
+
+def rllib_restore(algo, rllib_path: str, iteration: int) -> dict:
+    """RLlib's own ``restore_from_path`` of ``iteration`` into the live Algorithm: the state right after it, then
+    one iteration on (its checkpoint holds no EnvRunner state, nor PPO's KL coefficient: the EnvRunners go on
+    from what they hold)."""
+    t = time.perf_counter()
+    algo.restore_from_path(os.path.join(rllib_path, str(iteration)))
+    seconds = time.perf_counter() - t
+    out = dict(
+        event="rllib_restored",
+        seconds=seconds,
+        iteration=algo.training_iteration,
+        learner=digest(learner_state(algo)),
+        connectors=digest(connector_state(algo)),
+        lifetimes=lifetimes(algo),
+    )
+    algo.train()
+    return dict(out, resumed_iteration=algo.training_iteration, resumed=digest(learner_state(algo)))
 
 
 def rllib_corrupt(algo, rllib_path: str, iteration: int) -> dict:

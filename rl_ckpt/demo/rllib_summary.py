@@ -1,9 +1,10 @@
 """``rl-ckpt demo --rllib``: the RLlib crash drill run end to end, rl_ckpt and RLlib's own checkpoints side by side.
 
-Three driver processes (each its own local Ray): an uninterrupted 8-iteration reference; a run saving with
-rl_ckpt and RLlib's ``save_to_path`` every 2 iterations, an EnvRunner SIGKILLed at iteration 3 and the driver
-at 5; the same script re-run, which restores, checks RLlib's restore too, trains to 8 and then restores once
-more after a flipped byte in the newest checkpoint of each.
+Three driver processes (each its own local Ray): a reference run of 8 iterations that only loses the EnvRunner
+(SIGKILLed at iteration 3 and replaced by RLlib, as in the run below: the uninterrupted run); a run saving with
+rl_ckpt and RLlib's ``save_to_path`` every 2 iterations, the same EnvRunner SIGKILLed at iteration 3 and the
+driver at 5; the same script re-run, which restores, trains to 8, checks RLlib's own restore (the state right
+after it, and one iteration on), and restores once more after a flipped byte in the newest checkpoint of each.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def run_demo(base: str, seed: int = 0) -> tuple[str, bool]:
     os.makedirs(base, exist_ok=True)
     log = os.path.join(base, "drill.jsonl")
     common = dict(base_dir=base, seed=seed, every=EVERY, rllib_save_every=EVERY, rllib_path=os.path.join(base, "rllib"))
-    print(f"1/3 uninterrupted reference run, {UNTIL} iterations ...", file=sys.stderr)
-    ref = run_driver(dict(base_dir=base, seed=seed, log=os.path.join(base, "reference.jsonl"), until=UNTIL))
+    print(f"1/3 reference run, {UNTIL} iterations (the EnvRunner SIGKILLed at {KILL_RUNNER_AT}) ...", file=sys.stderr)
+    reference = dict(base_dir=base, seed=seed, log=os.path.join(base, "reference.jsonl"), until=UNTIL)
+    ref = run_driver(dict(reference, kill_runner_at=KILL_RUNNER_AT))
     print(
         f"2/3 run with rl_ckpt and RLlib checkpoints every {EVERY} iterations; SIGKILL of an EnvRunner at "
         f"{KILL_RUNNER_AT}, of the driver at {KILL_DRIVER_AT} ...",
@@ -46,7 +48,8 @@ def run_demo(base: str, seed: int = 0) -> tuple[str, bool]:
         kill_when_ready=True,
     )
     print(
-        "3/3 the script re-run: restore, train to the end, then a flipped byte in each newest checkpoint ...",
+        "3/3 the script re-run: restore, train to the end, RLlib's restore, then a flipped byte in each newest "
+        "checkpoint ...",
         file=sys.stderr,
     )
     second = run_driver(dict(common, run_name="ppo", log=log, until=UNTIL, corrupt_newest=True))
@@ -66,19 +69,26 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
     step = built["restored_step"]
     ours_exact = built["learner"] == iters[step]["learner"] and built["connectors"] == iters[step]["connectors"]
     theirs_exact = theirs["learner"] == iters[step]["learner"] and theirs["connectors"] == iters[step]["connectors"]
+    ours_counter = built["lifetimes"] == iters[step]["lifetimes"]
+    theirs_counter = theirs["lifetimes"] == iters[step]["lifetimes"]
     # each iteration logs the driver's list so far: the last one of each driver holds all of its saves
     ours_blocked = iters[max(iters)]["rl_ckpt_blocked"] + after[max(after)]["rl_ckpt_blocked"]
     theirs_blocked = [e["rllib_blocked"] for e in list(iters.values()) + list(after.values()) if e["rllib_blocked"]]
     snap_bytes, snap_files, _ = _bytes(os.path.join(base, "ppo", f"step_{step:09d}"))
     rl_bytes, rl_files, rl_pickles = _bytes(os.path.join(base, "rllib", str(step)))
+    next_it = step + 1  # the killed run made this iteration too: the first the resumed run repeats
+    ours_next = after[next_it]["learner"] == iters[next_it]["learner"]
+    theirs_next = theirs["resumed"] == iters[next_it]["learner"]
     final_equal = after[UNTIL]["learner"] == reference[UNTIL]["learner"]
+    reference_same = all(reference[i]["learner"] == iters[i]["learner"] for i in iters)
     first_diff = min((i for i in after if after[i]["learner"] != reference[i]["learner"]), default=None)
+    rollback_exact = fb["resumed"] == after[fb["resumed_iteration"]]["learner"]
     runner_ok = replaced["runner_connectors"] == [replaced["local_connector"]] * 2
     theirs_fell = broken["outcome"].startswith("raised")
     theirs_silent = not theirs_fell and broken.get("learner") != after[UNTIL]["learner"]
 
     def row(name: str, a: str, b: str) -> str:
-        return f"  {name:<38} {a:<36} {b}"
+        return f"  {name:<40} {a:<36} {b}"
 
     def yes(x: bool) -> str:
         return "YES" if x else "NO"
@@ -93,7 +103,7 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
         f"  driver killed after iteration {KILL_DRIVER_AT}; the re-run script restored {built['restored']} "
         f"({KILL_DRIVER_AT - step} iteration(s) redone)",
         "",
-        row("", "rl_ckpt (CheckpointCallback)", "RLlib save_to_path"),
+        row("", "rl_ckpt (CheckpointCallback)", "RLlib save_to_path / restore_from_path"),
         row("checkpoint every", f"{EVERY} iterations", f"{EVERY} iterations"),
         row("train() blocked per checkpoint", med(ours_blocked), med(theirs_blocked)),
         row(
@@ -108,22 +118,34 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
             f"{yes(theirs_exact)} (bitwise = iteration {step})",
         ),
         row(
-            f"iteration {UNTIL} = uninterrupted run",
-            yes(final_equal),
-            yes(final_equal) + " (the same run: both restores gave the same bits)",
+            "sampled-steps counter after restore", f"{yes(ours_counter)} (= saved)", f"{yes(theirs_counter)} (= saved)"
         ),
+        row(
+            f"iteration {next_it} = the killed run's",
+            f"{yes(ours_next)} (bitwise)",
+            f"{yes(theirs_next)} (one iteration after its restore)",
+        ),
+        row(f"iteration {UNTIL} = uninterrupted run", yes(final_equal), "-"),
         row("checksums / atomic commit / pickle", "yes / yes / none", f"no / no / {rl_pickles} .pkl files"),
         row(
             f"a flipped byte in iteration {UNTIL}'s file",
             f"refused (checksum), restored step {fb['restored_step']}",
             broken["outcome"] + ("; other weights than saved" if theirs_silent else ""),
         ),
+        row(f"  then iteration {fb['resumed_iteration']} = the run's", yes(rollback_exact), "-"),
     ]
+    if built.get("warnings"):
+        lines.append("  restore: " + "; ".join(built["warnings"]))
     if not final_equal:
         lines.append(
-            f"  (the resumed run first differs from the uninterrupted one at iteration {first_diff}: neither "
-            "checkpoint holds the EnvRunners' in-flight episodes and random streams, so the restored run "
-            "samples fresh episodes; see docs/rllib.md)"
+            f"  (the resumed run first differs from the uninterrupted one at iteration {first_diff}"
+            + ("" if reference_same else "; the reference run itself differs from the killed run before the kill")
+            + ": see docs/rllib.md, 'What is exact')"
+        )
+    if not theirs_next:
+        lines.append(
+            "  (RLlib's checkpoint holds no EnvRunner state (environments, episodes, random streams) nor PPO's KL "
+            "coefficient: the iteration after its restore samples and learns other numbers)"
         )
     lines += [
         "",
@@ -135,6 +157,10 @@ def side_by_side(base: str, ref: list[dict], first: list[dict], second: list[dic
     ]
     ok = (
         ours_exact
+        and ours_counter
+        and ours_next
+        and final_equal
+        and rollback_exact
         and runner_ok
         and fb["restored"] == f"step_{UNTIL - EVERY:09d}"
         and fb["learner"] == after[UNTIL - EVERY]["learner"]

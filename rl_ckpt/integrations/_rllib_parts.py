@@ -1,0 +1,391 @@
+"""The parts of an RLlib ``Algorithm``'s state, each an rl_ckpt component, and how a restore reaches the EnvRunners.
+
+``algorithm_parts`` splits ``Algorithm.get_state()`` (module weights per policy, optimizer, learner counters and
+the learner state RLlib's ``get_state`` leaves out, the Algorithm's own state, progress); :class:`RunnersPart` is
+the EnvRunners' sampling state (``_rllib_runners.py``); :func:`push_weights` sends every EnvRunner the restored
+weights and its own sampling state in one call. The public front is ``rl_ckpt.integrations.rllib``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+from rl_ckpt.components import RNGState
+from rl_ckpt.integrations._rllib_runners import arm, capture, take_restored
+from rl_ckpt.integrations._rllib_state import from_stored, learner_value, module_weights, optimizer_state, to_storable
+
+log = logging.getLogger("rl_ckpt")
+
+LEARNER_GROUP, LEARNER, RL_MODULE, OPTIMIZER, METRICS = (
+    "learner_group",
+    "learner",
+    "rl_module",
+    "optimizer",
+    "metrics_logger",
+)
+TRAINING_ITERATION, WEIGHTS_SEQ_NO = "training_iteration", "weights_seq_no"
+ENV_RUNNERS = "env_runners"
+CAPTURE_TAG = "rl_ckpt_capture"  # our request for the EnvRunners' state, fetched by tag
+SYNC_TAG = "set_state"  # RLlib's broadcast of the connector states after each iteration
+EXTRAS = "rl_ckpt:extras"  # learner state RLlib's get_state leaves out (learner_extras)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class AlgorithmPart:
+    """One part of an ``Algorithm``'s state as an rl_ckpt ``Checkpointable``.
+
+    ``get(algo)`` returns the part's state (what ``Algorithm.get_state`` holds
+    for it); ``put(algo, state)`` sets it through RLlib's ``set_state``.
+    """
+
+    def __init__(
+        self,
+        algo: Any,
+        kind: str,
+        get: Callable[[Any], dict],
+        put: Callable[[Any, dict], None],
+        what: str,
+        name: str | None = None,
+    ) -> None:
+        self.algo = algo
+        self.checkpoint_kind = kind
+        self._get, self._put = get, put
+        self.what = what
+        self.name = name  # the component name, for errors
+
+    def state_dict(self) -> dict:
+        return to_storable(self._get(self.algo), component=self.name)
+
+    def load_state_dict(self, state: dict) -> None:
+        # Every value is converted and checked before RLlib sees any (CorruptSnapshotError: the restore falls back).
+        self._put(self.algo, from_stored(state, component=self.name))
+
+    def __repr__(self) -> str:
+        return f"AlgorithmPart({self.what})"
+
+
+def module_ids(algo: Any) -> list[str]:
+    """The RLModule ids the learner trains (one per policy id in a multi-agent config)."""
+    state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}")
+    return sorted(state[LEARNER][RL_MODULE])
+
+
+def component_names(ids: list[str]) -> dict[str, str]:
+    """Module id -> component name ``module-<id>`` (characters a file name cannot hold become ``_``; clashes
+    get a numeric suffix)."""
+    out: dict[str, str] = {}
+    for mid in ids:
+        base = "module-" + _UNSAFE.sub("_", str(mid))[:80]
+        name, n = base, 1
+        while name in out.values():
+            n += 1
+            name = f"{base}-{n}"
+        out[mid] = name
+    return out
+
+
+def _module_part(algo: Any, mid: str) -> AlgorithmPart:
+    def get(a: Any) -> dict:
+        learner = local_learner(a)
+        if learner is not None:
+            return module_weights(learner, mid)
+        return a.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}/{mid}")[LEARNER][RL_MODULE][mid]
+
+    def put(a: Any, weights: dict) -> None:
+        # Into the learner only: ``Algorithm.set_state`` would also sync the weights to the EnvRunners (a copy of
+        # every weight and a send per module) which they ignore (see ``push_weights``); ``restore_algorithm``
+        # sends them once, after every part is loaded.
+        a.learner_group.set_state({LEARNER: {RL_MODULE: {mid: weights}}})
+
+    part = AlgorithmPart(algo, "module", get, put, f"RLModule {mid!r}")
+    # RLlib's module set_state copies every weight into the module's parameters (torch's load_state_dict): the
+    # reader may hand it views of the bytes it read, without a copy of its own.
+    part.copies_on_load = True
+    return part
+
+
+def _algorithm_put(a: Any, state: dict) -> None:
+    """The metrics first: ``Algorithm.set_state`` syncs the EnvRunners' sampled-steps counter from the
+    Algorithm's metrics before it restores them (one call would hand them the fresh Algorithm's 0)."""
+    if METRICS in state:
+        a.set_state({METRICS: state[METRICS]})
+    a.set_state({k: v for k, v in state.items() if k != METRICS})
+
+
+def local_learner(algo: Any) -> Any:
+    """The Learner itself when it runs in this process (RLlib's default ``num_learners=0``), else None."""
+    group = algo.learner_group
+    if not group.is_local:
+        return None
+    return next(iter(group.foreach_learner(lambda learner: learner))).get()
+
+
+def _optimizer_get(a: Any) -> dict:
+    learner = local_learner(a)
+    state = optimizer_state(learner) if learner is not None else None
+    if state is None:
+        state = a.learner_group.get_state(components=f"{LEARNER}/{OPTIMIZER}")[LEARNER][OPTIMIZER]
+    return state
+
+
+def _learner_get(a: Any) -> dict:
+    state = a.learner_group.get_state(components=f"{LEARNER}/{METRICS}")[LEARNER]
+    out = {k: learner_value(k, v) for k, v in state.items()}
+    extras = _first(a.learner_group.foreach_learner(learner_extras))
+    if extras:
+        out[EXTRAS] = {**extras, "timestep": _lifetime_steps(a)}
+    return out
+
+
+def _learner_put(a: Any, state: dict) -> None:
+    extras = state.pop(EXTRAS, None)
+    a.learner_group.set_state({LEARNER: state})
+    if extras:
+        a.learner_group.foreach_learner(functools.partial(load_learner_extras, extras))
+
+
+def _first(results: Any) -> Any:
+    """The first learner's answer of ``foreach_learner`` (a local learner's comes wrapped)."""
+    first = next(iter(results), None)
+    return first.get() if hasattr(first, "get") else first
+
+
+def _lifetime_steps(a: Any) -> int:
+    from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+    return int(a.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0) or 0)
+
+
+def learner_extras(learner: Any) -> dict:
+    """Learner state RLlib's ``get_state`` leaves out: PPO's adaptive KL coefficients (one per module; the KL term
+    of every later loss), without which a restored run's first update differs from the uninterrupted one's."""
+    coeffs = getattr(learner, "curr_kl_coeffs_per_module", None)
+    if not isinstance(coeffs, dict) or not coeffs:
+        return {}
+    return {"curr_kl_coeffs": {str(mid): v.detach().clone() for mid, v in coeffs.items()}}
+
+
+def load_learner_extras(extras: dict, learner: Any) -> None:
+    """Put :func:`learner_extras` back, and bring PPO's entropy-coefficient schedules to the saved timestep (their
+    value is updated after each update, from the sampled-steps counter, and read by the next one)."""
+    import torch
+
+    coeffs = getattr(learner, "curr_kl_coeffs_per_module", None)
+    for mid, value in (extras.get("curr_kl_coeffs") or {}).items():
+        if coeffs is not None:
+            coeffs[mid].data.copy_(torch.as_tensor(value))  # (a default dict: made for the module if missing)
+    schedules = getattr(learner, "entropy_coeff_schedulers_per_module", None)
+    if schedules is not None:
+        for mid in learner.module.keys():
+            schedules[mid].update(timestep=int(extras.get("timestep", 0)))
+
+
+def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
+    """Component name -> part, covering everything ``algo.get_state()`` holds."""
+    parts = {name: _module_part(algo, mid) for mid, name in component_names(module_ids(algo)).items()}
+    for name, part in parts.items():
+        part.name = name
+    parts[OPTIMIZER] = AlgorithmPart(
+        algo,
+        "optimizer",
+        _optimizer_get,
+        lambda a, s: a.learner_group.set_state({LEARNER: {OPTIMIZER: s}}),
+        "learner optimizer state",
+        OPTIMIZER,
+    )
+    parts[LEARNER] = AlgorithmPart(
+        algo,
+        "other",
+        _learner_get,
+        _learner_put,
+        "learner counters and metrics",
+        LEARNER,
+    )
+    parts["algorithm"] = AlgorithmPart(
+        algo,
+        "other",
+        lambda a: {k: v for k, v in a.get_state(not_components=[LEARNER_GROUP]).items() if k != TRAINING_ITERATION},
+        _algorithm_put,
+        "env-runner connector states, counters, metrics",
+        "algorithm",
+    )
+    parts["progress"] = AlgorithmPart(
+        algo,
+        "progress",
+        lambda a: {TRAINING_ITERATION: int(a.training_iteration)},
+        lambda a, s: a.set_state({TRAINING_ITERATION: int(s[TRAINING_ITERATION])}),
+        "training iteration",
+        "progress",
+    )
+    return parts
+
+
+class DriverRNG(RNGState):
+    """The driver's random streams (``RNGState``), Python's as one array: its 625 numbers are 625 JSON nodes to
+    encode at every save and decode at every restore. A snapshot holding them as a list loads too."""
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["python"]["internal"] = np.array(state["python"]["internal"], dtype=np.uint64)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        internal = state["python"]["internal"]
+        if isinstance(internal, np.ndarray):
+            state = {**state, "python": {**state["python"], "internal": internal.tolist()}}
+        super().load_state_dict(state)
+
+
+class RunnersPart:
+    """The ``env_runners`` component: every training EnvRunner's sampling state (``_rllib_runners.py``), by
+    worker index; ``exact`` False with why when any cannot be captured (then none is kept).
+
+    The EnvRunners encode their state themselves; the driver stores what they send as it is. A save that is
+    due asks them first (:meth:`prefetch`, not awaited) so that they capture while the driver takes the rest
+    of the state. The restored state waits in ``pending`` for ``restore_algorithm``, which sends each EnvRunner
+    its own with the weights, in one call.
+    """
+
+    checkpoint_kind = "other"
+
+    def __init__(self, algo: Any) -> None:
+        self.algo = algo
+        self.pending: dict | None = None
+        self._asked = 0
+
+    def prefetch(self) -> None:
+        """Ask every remote EnvRunner for its state now, without waiting (an actor runs one caller's calls in
+        order: it captures before the next sampling the driver asks for). Collected by :meth:`state_dict`."""
+        group = self.algo.env_runner_group
+        if self._asked or not group.num_remote_env_runners():
+            return
+        if group.num_in_flight_async_reqs(SYNC_TAG):
+            # RLlib's broadcast of the connector states, if done, frees its slot (one request in flight per EnvRunner)
+            group.fetch_ready_async_reqs(tags=SYNC_TAG, timeout_seconds=0)
+        if not self._others_in_flight():
+            self._asked = group.foreach_env_runner_async(capture, CAPTURE_TAG)
+
+    def _others_in_flight(self) -> int:
+        """Requests in flight to the EnvRunners other than RLlib's connector broadcast and ours (sampling)."""
+        group = self.algo.env_runner_group
+        return group.num_in_flight_async_reqs() - sum(
+            group.num_in_flight_async_reqs(tag) for tag in (SYNC_TAG, CAPTURE_TAG)
+        )
+
+    def arm(self) -> None:
+        """The next iteration saves: every remote EnvRunner takes its state at the end of its sampling and encodes
+        it while the driver learns (``_rllib_runners.sample_ended``; sent, not awaited)."""
+        group = self.algo.env_runner_group
+        if group.num_remote_env_runners():
+            group.foreach_env_runner(arm, local_env_runner=False, timeout_seconds=0.0)
+
+    def discard(self) -> None:
+        """Collect (and drop) what :meth:`prefetch` asked for when no save used it."""
+        if self._asked:
+            self.algo.env_runner_group.fetch_ready_async_reqs(tags=CAPTURE_TAG, timeout_seconds=None)
+            self._asked = 0
+
+    def state_dict(self) -> dict:
+        return to_storable(self.gather(), component=ENV_RUNNERS)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = from_stored(state, component=ENV_RUNNERS)
+
+    def gather(self) -> dict:
+        """Every training EnvRunner's capture (the remote ones, or the driver's own when there are none)."""
+        algo, group = self.algo, self.algo.env_runner_group
+        expected, whys, got = group.num_remote_env_runners(), [], {}
+        if expected and self._others_in_flight():
+            whys.append("the EnvRunners had sampling requests in flight at the save (asynchronous sampling)")
+        if self._asked:
+            got = dict(group.fetch_ready_async_reqs(tags=CAPTURE_TAG, timeout_seconds=None))
+            self._asked = 0
+        missing = [i for i in group.healthy_env_runner_ids() if i not in got] if expected else []
+        states = list(got.values())
+        if missing:  # not asked ahead (an EnvRunner still ran RLlib's broadcast, or no prefetch): ask and wait
+            states += group.foreach_env_runner(capture, local_env_runner=False, remote_worker_ids=missing)
+        elif not expected and algo.env_runner is not None:
+            states = [capture(algo.env_runner)]
+        whys += [f"EnvRunner {s['worker_index']}: {s['why']}" for s in states if not s["exact"]]
+        if expected and len(states) < expected:
+            whys.append(f"{expected - len(states)} of {expected} EnvRunners did not answer (unhealthy)")
+        if not states:
+            whys.append("no EnvRunner samples")
+        if whys:
+            return {"exact": False, "why": "; ".join(whys), "runners": {}}
+        return {"exact": True, "why": None, "runners": {str(s["worker_index"]): s for s in states}}
+
+    def __repr__(self) -> str:
+        return "RunnersPart(EnvRunner environments, episodes, random streams)"
+
+
+def runners_note(algo: Any, pending: dict | None) -> str | None:
+    """Why the EnvRunners do not resume exactly from the restored state (None when they do)."""
+    if pending is None:
+        return "EnvRunners not exact: the snapshot holds no EnvRunner state; they reset their environments"
+    if not pending.get("exact"):
+        return f"EnvRunners not exact: {pending.get('why')}; they reset their environments"
+    group = algo.env_runner_group
+    ids = sorted(group.healthy_env_runner_ids()) if group.num_remote_env_runners() else [0]
+    saved = sorted(int(k) for k in pending["runners"])
+    if ids != saved:
+        return f"EnvRunners not exact: the snapshot holds EnvRunners {saved}, this Algorithm has {ids}"
+    per_runner = algo.config.num_envs_per_env_runner
+    wrong = [k for k, s in pending["runners"].items() if s.get("num_envs") != per_runner]
+    if wrong:
+        return f"EnvRunners not exact: EnvRunner {wrong[0]} held another number of environments than {per_runner}"
+    return None
+
+
+def learner_seq(algo: Any) -> int:
+    """The learner's weights sequence number (one more per update)."""
+    state = algo.learner_group.get_state(not_components=[f"{LEARNER}/{c}" for c in (RL_MODULE, OPTIMIZER, METRICS)])
+    return int(state[LEARNER].get(WEIGHTS_SEQ_NO, 0) or 0)
+
+
+def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None = None) -> list[str]:
+    """Send every EnvRunner the learner's (restored) weights and sequence number, and its own sampling state
+    (``runners``: worker index -> state, from the ``env_runners`` component), in one call each.
+
+    An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
+    the ``module-*`` parts load into the learner only and the ``learner`` part restores the sequence number, so
+    the weights go out here, once every part is loaded, with the learner's number (ahead of a fresh EnvRunner's
+    0). As RLlib's own weight sync (``restore_from_path``'s too), the call is sent and not awaited, outside the
+    one-request-in-flight slots RLlib keeps per EnvRunner (its connector broadcast, which the restore started,
+    may still hold them): an actor runs one caller's calls in order, so every EnvRunner holds the weights and
+    its state before it runs anything the driver asks next (the first ``train()``'s sampling); the driver's own
+    EnvRunner has them on return. An EnvRunner that cannot take its sampling state keeps none of it and logs
+    why. The weights are views of the learner's (one copy, into the object store), not ``get_state``'s copy.
+    ``rolled_back`` (the learner was ahead of the snapshot): first without a number, which every EnvRunner
+    takes, then with it, awaited. Returns why an EnvRunner did not take its sampling state, from the calls that
+    were awaited.
+    """
+    import ray
+
+    learner = local_learner(algo)
+    if learner is not None:
+        weights = {mid: module_weights(learner, mid, inference_only=True) for mid in learner.module.keys()}
+        seq = learner_seq(algo)
+    else:
+        state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}", inference_only=True)[LEARNER]
+        weights, seq = state[RL_MODULE], state.get(WEIGHTS_SEQ_NO, 0)
+    state = {RL_MODULE: weights, WEIGHTS_SEQ_NO: seq}
+    training, notes = algo.env_runner_group, []
+    for group in (training, getattr(algo, "eval_env_runner_group", None)):
+        if group is None:
+            continue
+        mine = runners if group is training else None  # the evaluation EnvRunners' indices are their own
+        payload = {"weights": state, "unnumbered": rolled_back, "runners": mine}
+        if group.num_remote_env_runners():
+            take = functools.partial(take_restored, ray.put(payload))
+            notes += group.foreach_env_runner(
+                take, local_env_runner=False, timeout_seconds=None if rolled_back else 0.0
+            )
+        if group.local_env_runner is not None:
+            notes.append(take_restored(payload, group.local_env_runner))
+    return [note for note in notes if note]
