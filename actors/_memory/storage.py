@@ -216,6 +216,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
         self._generation = 0  # bumped by every write and removal: a read session's view is retaken after one
         self._sessions: dict[int, list] = {}  # thread id -> [depth, RunView | None]
         self.calls = {"store_listings": 0, "store_calls": 0}  # Ray round trips made (bench, tests)
+        self._warming = None  # the first contact's thread (``warm_up``)
 
     # -- writes -------------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:

@@ -113,14 +113,15 @@ class RunView:
             try:
                 answers[node] = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
-                if node in known and known[node] is not live[node]:
-                    try:  # the handle known was an earlier store of that node
+                storage.forget(node)
+                again = storage.lookup(node)  # the handle known may be of an earlier store of that node
+                if again is not None:
+                    try:
                         storage.calls["store_calls"] += 1
-                        answers[node] = ray.get(live[node].view.remote(*args))
-                        continue
+                        answers[node] = ray.get(again.view.remote(*args))
+                        storage.remember(node, again)
                     except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
                         pass
-                storage.forget(node)
         order = ([self.local] if self.local in answers else []) + sorted(n for n in answers if n != self.local)
         for node in order:
             for path, (size, version) in answers[node]["files"].items():

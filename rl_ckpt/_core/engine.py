@@ -100,6 +100,7 @@ class CheckpointEngine(RunHandle):
             config, self.train_config, self.storage, self.catalog, self.registry, maintenance=self.maintenance
         )
         self.restorer = Restorer(config, self.train_config, self.storage, self.catalog, self.registry)
+        self.storage.warm_up()  # first contact (the memory tier's stores) on a thread: not on a restore's path
 
     # -- registration --------------------------------------------------------
     def register(

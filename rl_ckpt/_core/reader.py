@@ -59,7 +59,9 @@ def load_component(
         )
     entries = {f.role: f for f in manifest.files_of(name) if f.role != "table"}
     by_path = {f.path: f for f in manifest.files_of(name)}
-    in_place = not readonly_ok and storage.shares_views and isinstance(into, torch.optim.Optimizer)
+    # An optimizer that holds state (a restore into a running process) gets its tensors copied into that state; one
+    # that holds none yet (a new process) gets them copied once into one buffer of its own, hashed as it fills.
+    in_place = not readonly_ok and storage.shares_views and isinstance(into, torch.optim.Optimizer) and bool(into.state)
     arrays = load_arrays(storage, manifest, name, readonly_ok=readonly_ok or in_place)
     if not readonly_ok and not in_place:
         # The stored arrays, not the decoded tensors: views of one stored array stay views of one array.

@@ -242,6 +242,12 @@ class Storage(abc.ABC):
         others are left out (read them as usual). Nothing is verified here. This default hands over none."""
         return {}
 
+    def warm_up(self) -> None:
+        """Make first contact with the backend now, on a thread of its own, and return at once: what the first
+        read would otherwise pay on a restore's critical path (the memory tier: listing the run's stores and
+        getting their actor handles). The engine calls it when it is built. Nothing is read or trusted
+        ahead: every byte a restore uses is still read and checked then. This default does nothing."""
+
     def read_session(self) -> contextlib.AbstractContextManager:
         """A context (on the calling thread) within which the backend may answer listings, stats and reads from
         one view of the run taken at its first use, as a listing taken then would (writes and removals through
