@@ -37,7 +37,7 @@ from rl_ckpt._core.stage_guard import check_background
 from rl_ckpt._core.topology import Topology, choose_topology
 from rl_ckpt._format.state_codec import EncodedState
 from rl_ckpt._recovery.coordinator import FailureInfo
-from rl_ckpt._recovery.plan import RecoveryPlan, without_light
+from rl_ckpt._recovery.plan import RecoveryPlan
 from rl_ckpt._run.catalog import SnapshotInfo
 from rl_ckpt._run.retention import RetentionPolicy
 from rl_ckpt._storage import Storage, open_storage
@@ -268,12 +268,9 @@ class CheckpointEngine(RunHandle):
         """
         self._check_open()
         self.wait()
-        with self.storage.read_session():  # the memory tier: one view of the run for planning and loading
-            if plan is None:
-                plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
-            if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
-                plan = without_light(self.storage, plan)
-            return self.restorer.restore(plan, strict=strict, light=light, record=self.topology.records_decisions)
+        return self.restorer.plan_and_restore(
+            plan, snapshot_id=snapshot_id, strict=strict, light=light, record=self.topology.records_decisions
+        )
 
     def load_full_weights(self, name: str, module: torch.nn.Module, snapshot_id: str | None = None) -> str:
         """Load sharded component ``name`` whole into an ordinary ``module`` (rollout workers: no process group).

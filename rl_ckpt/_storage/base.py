@@ -29,7 +29,7 @@ import threading
 import uuid
 from typing import Any, BinaryIO, Callable, Iterable, Sequence
 
-from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
+from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError, UnsafePathError
 
 _BAD_PART = re.compile(r"[\x00\\]")
 
@@ -97,6 +97,27 @@ def range_past_end(path: str, start: int, length: int, size: int) -> ReadRangeEr
         length=length,
         size=size,
     )
+
+
+PIECE_STEP = 8 * 1024 * 1024  # bytes per read into a piece (``Storage.read_into``): hashed while in the CPU cache
+
+
+def check_pieces(path: str, pieces: Sequence[tuple[int, Any]]) -> tuple[int, list[memoryview]]:
+    """The bytes ``pieces`` cover and their byte views; StorageArgumentError unless they tile ``[0, total)`` in
+    order (``Storage.read_into``)."""
+    views, pos = [], 0
+    for offset, buffer in pieces:
+        view = memoryview(buffer).cast("B")
+        if offset != pos or view.readonly:
+            raise StorageArgumentError(
+                f"read_into {path}: pieces must be writable and cover the file in order (a piece at {offset}, "
+                f"expected {pos})",
+                name="pieces",
+                value=offset,
+            )
+        views.append(view)
+        pos += view.nbytes
+    return pos, views
 
 
 def join(*parts: str) -> str:
@@ -180,6 +201,38 @@ class Storage(abc.ABC):
         them. The default is ``read``; the memory tier returns its object store's memory.
         """
         return self.read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+
+    def read_into(
+        self, path: str, pieces: Sequence[tuple[int, Any]], *, on_chunk: Callable[[memoryview], object] | None = None
+    ) -> None:
+        """Read a whole regular file (links refused) into the caller's memory: ``pieces`` are ``(offset, buffer)``
+        pairs in file order that cover the file exactly (each buffer writable and C-contiguous; offset 0 first,
+        each next one where the last ended). A reader places a file's bytes where they are used (a tensor's own
+        memory) instead of into a buffer it copies from.
+
+        ``on_chunk`` sees every byte once, in file order, as the pieces fill (part of a piece at a time, after
+        it landed: the reader hashes there). A file larger than the pieces is refused with ``FileTooLargeError``
+        before anything is read, a shorter one with ``StorageError`` (short read). This default takes the size
+        first, then streams ``open_read`` into each piece; backends read into the pieces directly.
+        """
+        total, views = check_pieces(path, pieces)
+        size = self.size(path)
+        if size > total:
+            raise too_large(path, size, total)
+        if size < total:
+            raise StorageError(f"short read of {path}: it has {size} bytes, {total} expected", path=path)
+        with self.open_read(path) as f:
+            got = 0
+            for view in views:
+                filled = 0
+                while filled < view.nbytes:
+                    n = f.readinto(view[filled : filled + PIECE_STEP])
+                    if not n:
+                        raise StorageError(f"short read of {path}: {got} of {total} bytes", path=path)
+                    if on_chunk is not None:
+                        on_chunk(view[filled : filled + n])
+                    filled += n
+                    got += n
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of a regular file from offset ``start``.

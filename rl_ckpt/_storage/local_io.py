@@ -13,6 +13,7 @@ import collections
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import stat
 import threading
@@ -27,22 +28,14 @@ MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead
 DIRECT_MIN_BYTES = 32 * 1024 * 1024  # smaller files: the page cache is cheaper than bypassing it
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses of O_DIRECT reads (covers 512 B and 4 KiB sectors)
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
 
 _WRITEBACK_BYTES = 32 * 1024 * 1024
 _SYNC_FILE_RANGE_WRITE = 2
 
 try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _renameat2 = _libc.renameat2
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
-    _renameat2 = None
-try:
-    _sync_file_range = _libc.sync_file_range
+    _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (NameError, AttributeError):  # pragma: no cover
+except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
     _sync_file_range = None
 
 
@@ -347,78 +340,105 @@ def read_range_fd(fd: int, size: int, path: str, start: int, length: int) -> byt
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-# -- namespace ---------------------------------------------------------------
-def makedirs_durable(full: str, path: str) -> None:
-    """Create missing folders, fsyncing each new folder's parent so its name survives a power cut."""
-    missing = []
-    cur = full
-    while not os.path.isdir(cur):
-        missing.append(cur)
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            break
-        cur = parent
+def read_into_fd(fd: int, size: int, path: str, views: list[memoryview], on_chunk) -> None:
+    """The ``size`` bytes of the open ``fd`` into ``views`` (which cover them in order: ``Storage.read_into``);
+    closes ``fd``. A large uncached file is read with O_DIRECT into reused page-aligned buffers, two reads in
+    flight, each piece hashed there and copied where it goes (the caller's tensors need no alignment, and no
+    fresh buffer of the file's size is faulted in); anything else by ordinary reads straight into the views."""
     try:
-        for folder in reversed(missing):
-            try:
-                os.mkdir(folder)
-            except FileExistsError:
-                continue
-            fd = os.open(os.path.dirname(folder), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        direct = size >= DIRECT_MIN_BYTES and not _mostly_cached(fd, size) and _set_direct(fd, True)
+        got = _scatter_direct(fd, size, views, on_chunk) if direct else None
+        if got is None:
+            if direct:
+                _set_direct(fd, False)
+            got = _scatter_buffered(fd, views, on_chunk)
     except OSError as exc:
-        raise storage_error(exc, "cannot create folder", path) from exc
-
-
-def rename_noreplace(s: str, d: str, dst: str) -> None:
-    """Rename the folder ``s`` to ``d`` (shown as ``dst``), never replacing one: ``CommitConflictError``."""
-    if _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, s.encode(), _AT_FDCWD, d.encode(), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise conflict(dst)
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise storage_error(OSError(err, os.strerror(err)), "cannot rename to", dst)
-    # Filesystems without RENAME_NOREPLACE (some NFS servers): rename() still
-    # fails on a non-empty target, and a committed snapshot is never empty.
-    if os.path.lexists(d):
-        raise conflict(dst)
-    try:
-        os.rename(s, d)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise conflict(dst) from exc
-        raise storage_error(exc, "cannot rename to", dst) from exc
-
-
-def fsync_dir(full: str, shown: str) -> None:
-    """fsync the folder ``full`` (shown as ``shown``) so the names in it survive a crash; missing: nothing."""
-    try:
-        fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise storage_error(exc, "cannot open folder", shown) from exc
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise storage_error(exc, "cannot fsync folder", shown) from exc
+        raise storage_error(exc, "cannot read", path) from exc
     finally:
         os.close(fd)
+    if got != size:
+        raise StorageError(f"short read of {path}: {got} of {size} bytes (file changed while reading?)", path=path)
 
 
-def free_bytes_at(root: str) -> int:
-    """Bytes free to an unprivileged user on the filesystem of ``root`` (or its nearest existing parent)."""
-    probe = root
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+def _scatter_buffered(fd: int, views: list[memoryview], on_chunk) -> int:
+    """Ordinary reads of ``READ_CALL`` bytes straight into each view (the kernel reads ahead meanwhile)."""
+    got = 0
+    for view in views:
+        filled = 0
+        while filled < view.nbytes:
+            n = os.preadv(fd, [view[filled : filled + READ_CALL]], got)
+            if not n:
+                return got
+            if on_chunk is not None:
+                on_chunk(view[filled : filled + n])
+            filled += n
+            got += n
+    return got
+
+
+_bounce: list = []  # page-aligned READ_CALL buffers for O_DIRECT reads into pieces, kept for the next read
+_bounce_lock = threading.Lock()
+
+
+def _bounce_buffers(n: int) -> list:
+    with _bounce_lock:
+        taken = [_bounce.pop() for _ in range(min(n, len(_bounce)))]
+    while len(taken) < n:
+        taken.append(memoryview(mmap.mmap(-1, READ_CALL)))  # page aligned, as O_DIRECT needs
+    return taken
+
+
+def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> int | None:
+    """O_DIRECT reads into three rotating bounce buffers, two in flight; each piece, in order, handed to
+    ``on_chunk`` and copied into the views it covers. None when the first read is refused (read normally)."""
+    pool = _pool()
+    bounce = _bounce_buffers(3)
+    offsets = list(range(0, size, READ_CALL))
+    pending: collections.deque = collections.deque()
+    cursor = [0, 0]  # (view index, position in it) the next byte goes to
+
+    def submit(i: int) -> None:
+        want = _round_up(min(READ_CALL, size - offsets[i]), _DIRECT_ALIGN)
+        pending.append(pool.submit(os.preadv, fd, [bounce[i % 3][:want]], offsets[i]))
+
+    def scatter(piece: memoryview) -> None:
+        pos = 0
+        while pos < piece.nbytes:
+            view = views[cursor[0]]
+            k = min(view.nbytes - cursor[1], piece.nbytes - pos)
+            view[cursor[1] : cursor[1] + k] = piece[pos : pos + k]
+            pos += k
+            cursor[1] += k
+            if cursor[1] == view.nbytes:
+                cursor[0], cursor[1] = cursor[0] + 1, 0
+
+    for i in range(min(2, len(offsets))):
+        submit(i)
+    got = 0
     try:
-        st = os.statvfs(probe)
-    except OSError as exc:
-        raise storage_error(exc, "cannot query free space of", probe) from exc
-    return st.f_bavail * st.f_frsize
+        for i, off in enumerate(offsets):
+            try:
+                n = pending.popleft().result()
+            except OSError as exc:
+                if i == 0 and exc.errno == errno.EINVAL:
+                    return None
+                raise
+            expected = min(READ_CALL, size - off)
+            piece = bounce[i % 3][: min(n, expected)]
+            if i + 2 < len(offsets) and n == expected:
+                submit(i + 2)  # into the third buffer: neither this one nor the one in flight
+            if on_chunk is not None and piece.nbytes:
+                on_chunk(piece)
+            scatter(piece)
+            got += piece.nbytes
+            if n != expected:
+                return got  # the file shrank while being read: the caller reports the short read
+    finally:
+        for fut in pending:  # never leave a read writing into a buffer handed back
+            try:
+                fut.result()
+            except OSError:
+                pass
+        with _bounce_lock:
+            _bounce.extend(bounce[: max(0, 6 - len(_bounce))])  # kept for the next reads (two at once)
+    return got
