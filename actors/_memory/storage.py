@@ -212,6 +212,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
 
     supports_rename = False
     shares_views = True
+    reads_into = True
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         key, opts = parse_url(url, storage_options)

@@ -218,7 +218,7 @@ def read_in_place(
     layout as the manifest implies it (``safetensors_io.planned_layout``: the caller reads it whole). Once the
     file matched its checksum its header is decoded from the buffer; where it disagrees with the planned layout
     (a file laid out by another writer), the slots' bytes go back into the buffer and its tensors are used."""
-    layout = safetensors_io.planned_layout(in_file, entry.size) if slots else None
+    layout = safetensors_io.planned_layout(in_file, entry.size) if slots and storage.reads_into else None
     placed = {k: t for k, t in slots.items() if layout and k in layout and layout[k][1] > layout[k][0]}
     if not placed:
         return None

@@ -146,6 +146,9 @@ class Storage(abc.ABC):
     # ``read_view`` returns read-only memory the backend shares (no copy was made): a reader that needs writable
     # tensors copies them where they go (e.g. into an optimizer's existing state) rather than into fresh memory.
     shares_views: bool = False
+    # ``read_into`` places a file's bytes in the caller's memory without a buffer of its own (local disks, the
+    # memory tier): a restore then reads tensors straight into the objects' own (``rl_ckpt._core.reader``).
+    reads_into: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -212,27 +215,21 @@ class Storage(abc.ABC):
 
         ``on_chunk`` sees every byte once, in file order, as the pieces fill (part of a piece at a time, after
         it landed: the reader hashes there). A file larger than the pieces is refused with ``FileTooLargeError``
-        before anything is read, a shorter one with ``StorageError`` (short read). This default takes the size
-        first, then streams ``open_read`` into each piece; backends read into the pieces directly.
+        before it is read, a shorter one with ``StorageError``. This default reads the file (``read``) and copies
+        it into the pieces; a backend that places bytes without that buffer overrides it and sets ``reads_into``.
         """
         total, views = check_pieces(path, pieces)
-        size = self.size(path)
-        if size > total:
-            raise too_large(path, size, total)
-        if size < total:
-            raise StorageError(f"short read of {path}: it has {size} bytes, {total} expected", path=path)
-        with self.open_read(path) as f:
-            got = 0
-            for view in views:
-                filled = 0
-                while filled < view.nbytes:
-                    n = f.readinto(view[filled : filled + PIECE_STEP])
-                    if not n:
-                        raise StorageError(f"short read of {path}: {got} of {total} bytes", path=path)
-                    if on_chunk is not None:
-                        on_chunk(view[filled : filled + n])
-                    filled += n
-                    got += n
+        data = memoryview(self.read(path, max_bytes=total)).cast("B")
+        if data.nbytes != total:
+            raise StorageError(f"short read of {path}: it has {data.nbytes} bytes, {total} expected", path=path)
+        pos = 0
+        for view in views:
+            for start in range(0, view.nbytes, PIECE_STEP):
+                end = min(start + PIECE_STEP, view.nbytes)
+                view[start:end] = data[pos + start : pos + end]
+                if on_chunk is not None:
+                    on_chunk(view[start:end])
+            pos += view.nbytes
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of a regular file from offset ``start``.

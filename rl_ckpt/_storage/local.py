@@ -43,6 +43,7 @@ from rl_ckpt._storage.local_io import (
 
 class LocalStorage(Storage):
     supports_rename = True
+    reads_into = True
 
     def __init__(self, root: str, storage_options: dict | None = None) -> None:
         """``root``: a path or ``file://`` URL. ``storage_options`` exist for the registry's uniform
