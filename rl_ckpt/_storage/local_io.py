@@ -9,16 +9,20 @@ what to do. Links are never followed: path parts are checked with ``lstat``, fil
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
+
+import numpy as np
 
 from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError, UnsafePathError
 from rl_ckpt._storage.base import check_relpath, range_past_end, unique_suffix
@@ -389,31 +393,35 @@ def _bounce_buffers(n: int) -> list:
 
 
 def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> int | None:
-    """O_DIRECT reads into three rotating bounce buffers, two in flight; each piece, in order, handed to
-    ``on_chunk`` and copied into the views it covers. None when the first read is refused (read normally)."""
+    """O_DIRECT reads into three rotating bounce buffers, two in flight; the pool thread that read a piece copies it
+    into the views it covers (NumPy copies without the GIL) while this thread hands the piece before it to
+    ``on_chunk``, in order. None when the first read is refused (the caller reads normally)."""
     pool = _pool()
     bounce = _bounce_buffers(3)
     offsets = list(range(0, size, READ_CALL))
+    starts = list(itertools.accumulate((v.nbytes for v in views), initial=0))
+    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
     pending: collections.deque = collections.deque()
-    cursor = [0, 0]  # (view index, position in it) the next byte goes to
 
-    def submit(i: int) -> None:
-        want = _round_up(min(READ_CALL, size - offsets[i]), _DIRECT_ALIGN)
-        pending.append(pool.submit(os.preadv, fd, [bounce[i % 3][:want]], offsets[i]))
-
-    def scatter(piece: memoryview) -> None:
+    def place(off: int, piece: memoryview) -> None:
+        src = np.frombuffer(piece, dtype=np.uint8)
+        j = bisect.bisect_right(starts, off) - 1
         pos = 0
-        while pos < piece.nbytes:
-            view = views[cursor[0]]
-            k = min(view.nbytes - cursor[1], piece.nbytes - pos)
-            view[cursor[1] : cursor[1] + k] = piece[pos : pos + k]
+        while pos < src.size:
+            k = min(starts[j + 1] - (off + pos), src.size - pos)
+            at = off + pos - starts[j]
+            np.copyto(arrays[j][at : at + k], src[pos : pos + k])
             pos += k
-            cursor[1] += k
-            if cursor[1] == view.nbytes:
-                cursor[0], cursor[1] = cursor[0] + 1, 0
+            j += 1
+
+    def read(i: int) -> int:
+        want = _round_up(min(READ_CALL, size - offsets[i]), _DIRECT_ALIGN)
+        n = os.preadv(fd, [bounce[i % 3][:want]], offsets[i])
+        place(offsets[i], bounce[i % 3][: min(n, size - offsets[i])])
+        return n
 
     for i in range(min(2, len(offsets))):
-        submit(i)
+        pending.append(pool.submit(read, i))
     got = 0
     try:
         for i, off in enumerate(offsets):
@@ -426,10 +434,9 @@ def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> in
             expected = min(READ_CALL, size - off)
             piece = bounce[i % 3][: min(n, expected)]
             if i + 2 < len(offsets) and n == expected:
-                submit(i + 2)  # into the third buffer: neither this one nor the one in flight
+                pending.append(pool.submit(read, i + 2))  # into the third buffer: neither this one nor the next
             if on_chunk is not None and piece.nbytes:
                 on_chunk(piece)
-            scatter(piece)
             got += piece.nbytes
             if n != expected:
                 return got  # the file shrank while being read: the caller reports the short read
