@@ -32,6 +32,7 @@ MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead
 DIRECT_MIN_BYTES = 32 * 1024 * 1024  # smaller files: the page cache is cheaper than bypassing it
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses of O_DIRECT reads (covers 512 B and 4 KiB sectors)
+SCATTER_DEPTH = 4  # O_DIRECT reads in flight into bounce buffers: the disk stays busy while a loaded CPU catches up
 
 _WRITEBACK_BYTES = 32 * 1024 * 1024
 _SYNC_FILE_RANGE_WRITE = 2
@@ -121,7 +122,7 @@ def _pool() -> ThreadPoolExecutor:
     global _reader_pool
     with _reader_lock:
         if _reader_pool is None:
-            _reader_pool = ThreadPoolExecutor(2, thread_name_prefix="rl_ckpt-read")
+            _reader_pool = ThreadPoolExecutor(SCATTER_DEPTH, thread_name_prefix="rl_ckpt-read")
     return _reader_pool
 
 
@@ -393,11 +394,12 @@ def _bounce_buffers(n: int) -> list:
 
 
 def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> int | None:
-    """O_DIRECT reads into three rotating bounce buffers, two in flight; the pool thread that read a piece copies it
-    into the views it covers (NumPy copies without the GIL) while this thread hands the piece before it to
-    ``on_chunk``, in order. None when the first read is refused (the caller reads normally)."""
+    """O_DIRECT reads into rotating bounce buffers, ``SCATTER_DEPTH`` in flight; the pool thread that read a piece
+    copies it into the views it covers (NumPy copies without the GIL) while this thread hands the piece before it
+    to ``on_chunk``, in order. None when the first read is refused (the caller reads normally)."""
     pool = _pool()
-    bounce = _bounce_buffers(3)
+    ring = SCATTER_DEPTH + 1  # the one being hashed, and those in flight
+    bounce = _bounce_buffers(ring)
     offsets = list(range(0, size, READ_CALL))
     starts = list(itertools.accumulate((v.nbytes for v in views), initial=0))
     arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
@@ -416,11 +418,11 @@ def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> in
 
     def read(i: int) -> int:
         want = _round_up(min(READ_CALL, size - offsets[i]), _DIRECT_ALIGN)
-        n = os.preadv(fd, [bounce[i % 3][:want]], offsets[i])
-        place(offsets[i], bounce[i % 3][: min(n, size - offsets[i])])
+        n = os.preadv(fd, [bounce[i % ring][:want]], offsets[i])
+        place(offsets[i], bounce[i % ring][: min(n, size - offsets[i])])
         return n
 
-    for i in range(min(2, len(offsets))):
+    for i in range(min(SCATTER_DEPTH, len(offsets))):
         pending.append(pool.submit(read, i))
     got = 0
     try:
@@ -432,9 +434,9 @@ def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> in
                     return None
                 raise
             expected = min(READ_CALL, size - off)
-            piece = bounce[i % 3][: min(n, expected)]
-            if i + 2 < len(offsets) and n == expected:
-                pending.append(pool.submit(read, i + 2))  # into the third buffer: neither this one nor the next
+            piece = bounce[i % ring][: min(n, expected)]
+            if i + SCATTER_DEPTH < len(offsets) and n == expected:
+                pending.append(pool.submit(read, i + SCATTER_DEPTH))  # into the buffer neither hashed nor in flight
             if on_chunk is not None and piece.nbytes:
                 on_chunk(piece)
             got += piece.nbytes
@@ -447,5 +449,5 @@ def _scatter_direct(fd: int, size: int, views: list[memoryview], on_chunk) -> in
             except OSError:
                 pass
         with _bounce_lock:
-            _bounce.extend(bounce[: max(0, 6 - len(_bounce))])  # kept for the next reads (two at once)
+            _bounce.extend(bounce[: max(0, 2 * ring - len(_bounce))])  # kept for the next reads (two at once)
     return got
