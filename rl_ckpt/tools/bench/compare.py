@@ -296,12 +296,6 @@ def evaluate_goals(sm: Samples, paired: dict | None = None) -> list[dict]:
         0.8,
         "restore <= 0.8 x torch.load time (paired by repeat)",
     )
-    goal(
-        "restore_vs_torch_load_apply",
-        paired.get("restore_vs_torch_load_apply", ratio("rl_restore", "torch_load_apply")),
-        1.0,
-        "restore <= 1.0 x torch.load + load_state_dict into the same objects (paired by repeat)",
-    )
     for g in goals:  # strict "faster than": equal is not faster
         if g["name"].startswith("save_faster") and g["value"] is not None:
             g["met"] = g["value"] < 1.0
