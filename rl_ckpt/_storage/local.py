@@ -182,9 +182,9 @@ class LocalStorage(Storage):
         return read_whole(fd, size, path, on_chunk)
 
     def read_into(self, path: str, pieces, *, on_chunk=None) -> None:
-        """The file straight into the caller's pieces (``Storage.read_into``): ordinary reads into them, or, for a
-        large file out of the page cache, O_DIRECT reads into reused page-aligned buffers copied from there
-        (``local_io.read_into_fd``). The size is checked against the pieces before anything is read."""
+        """The file straight into the caller's pieces (``Storage.read_into``): ordinary reads into them, the next
+        one read while the last is hashed (``local_io.read_into_fd``). The size is checked against the pieces
+        before anything is read."""
         total, views = check_pieces(path, pieces)
         fd, size = self._open_regular(path)
         if size != total:
