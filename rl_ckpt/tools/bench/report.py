@@ -93,7 +93,9 @@ def format_compare(out: dict) -> str:
             f"{cells[2]:>8} {cells[3]:>7}{spread}"
         )
     lines += restore_lines(out)
-    if out.get("fresh"):
+    if (out.get("fresh") or {}).get("error"):
+        lines += ["", f"first restore in a new process (--fresh): not measured: {out['fresh']['error']}"]
+    elif out.get("fresh"):
         from rl_ckpt.tools.bench.fresh import format_fresh
 
         lines += format_fresh(out["fresh"])

@@ -75,7 +75,11 @@ def run(args) -> dict:
             if args.fresh:
                 from rl_ckpt.tools.bench.fresh import run_fresh  # (needs Ray)
 
-                out["fresh"] = run_fresh(args, workdir, cache)
+                try:
+                    out["fresh"] = run_fresh(args, workdir, cache)
+                except Exception as exc:  # noqa: BLE001 - e.g. Ray did not start: the figures above still count
+                    log(f"bench --fresh failed: {type(exc).__name__}: {exc}")
+                    out["fresh"] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
             out["goals_met"] = sum(1 for g in out["goals"] if g["met"])
             out["goals_total"] = sum(1 for g in out["goals"] if g["met"] is not None)
             out["ratios"] = out.pop("ratios")
@@ -167,7 +171,7 @@ def main_args(args) -> int:
         print({"scaling": format_scaling, "model": format_model}.get(out["mode"], format_compare)(out))
     if args.fail_on_miss and out["mode"] in ("compare", "model") and out["goals_met"] < out["goals_total"]:
         return 1
-    return 0
+    return 1 if (out.get("fresh") or {}).get("error") else 0
 
 
 def main(argv: list[str] | None = None) -> int:
