@@ -172,6 +172,9 @@ class MemoryTier:
         return result
 
     def _restore(self, failure, strict: bool, started: float) -> RestoreResult:
+        # A memory snapshot still copying the objects in the background finishes first: a restore reads straight
+        # into the objects' tensors, whichever tier it reads from.
+        self.memory.wait()
         tiered = self.plan(failure)
         planned = time.perf_counter() - started
         log.info("recovery across tiers: %s", tiered.reason)
