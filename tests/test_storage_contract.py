@@ -441,6 +441,51 @@ def test_read_range_bad_arguments_and_missing_file(store, impl):
     assert not isinstance(info.value, (ReadRangeError, CommitConflictError))
 
 
+@pytest.mark.parametrize("impl", ["own", "default"])
+def test_read_into_places_every_byte_in_the_callers_pieces(store, impl):
+    """``read_into``: the file lands in the caller's pieces as they cover it, ``on_chunk`` sees every byte once in
+    file order, and a file of another size than the pieces is refused (larger: before it is read)."""
+    import numpy as np
+
+    read_into = store.read_into if impl == "own" else (lambda *a, **k: Storage.read_into(store, *a, **k))
+    data = np.random.default_rng(3).integers(0, 256, size=(9 << 20) + 123, dtype=np.uint8).tobytes()
+    put(store, "snap/p.bin", [data])
+    cuts = [0, 5, 4096, (8 << 20) + 7, len(data)]  # a tiny piece, a page, one across a read step, the tail
+    pieces = [(a, bytearray(b - a)) for a, b in zip(cuts, cuts[1:])]
+    seen = []
+    read_into("snap/p.bin", pieces, on_chunk=lambda v: seen.append(bytes(v)))
+    assert b"".join(bytes(buf) for _a, buf in pieces) == data and b"".join(seen) == data
+    with pytest.raises(FileTooLargeError) as info:
+        read_into("snap/p.bin", [(0, bytearray(len(data) - 1))], on_chunk=lambda v: pytest.fail("read anyway"))
+    assert (info.value.size, info.value.max_bytes) == (len(data), len(data) - 1)
+    with pytest.raises(StorageError, match="short read"):
+        read_into("snap/p.bin", [(0, bytearray(len(data))), (len(data), bytearray(1))])
+    with pytest.raises(StorageArgumentError):  # pieces must tile the file in order
+        read_into("snap/p.bin", [(0, bytearray(10)), (11, bytearray(len(data) - 10))])
+    with pytest.raises(StorageError):
+        read_into("snap/missing.bin", [(0, bytearray(1))])
+
+
+def test_local_read_into_a_cold_file_at_odd_addresses(local):
+    """A large file out of the page cache lands exactly in pieces at any address and of any length (tensors), every
+    byte handed to ``on_chunk`` once, in order, after it landed."""
+    import numpy as np
+
+    store, _root, _ = local
+    data = np.random.default_rng(5).integers(0, 256, size=(40 << 20) + 4097, dtype=np.uint8).tobytes()
+    put(store, "snap/cold.bin", [data])
+    fd = os.open(os.path.join(store.root, "snap", "cold.bin"), os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    out = bytearray(len(data) + 3)
+    cuts = [0, 64, (8 << 20) + 1, (24 << 20) - 5, len(data)]
+    view = memoryview(out)[3:]  # at an odd address
+    seen = []
+    store.read_into("snap/cold.bin", [(a, view[a:b]) for a, b in zip(cuts, cuts[1:])], on_chunk=seen.append)
+    assert bytes(view) == data and b"".join(bytes(v) for v in seen) == data
+
+
 def test_read_ranges_and_stat_many_answer_like_one_call_each(store):
     put(store, "snap/r.bin", [RANGE_DATA])
     ranges = [(0, 1), (5, 10), (1000, 24), (512, 0)]

@@ -8,11 +8,15 @@ counts its Ray round trips in ``calls``.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 from rl_ckpt.errors import StorageError
 
 from .store import STORE_PREFIX, store_actor
+
+log = logging.getLogger("rl_ckpt")
 
 
 def need_ray():
@@ -41,22 +45,48 @@ class StoreDirectory:
         return handle
 
     def stores(self) -> dict[str, Any]:
-        """The live stores of this run: node id -> actor handle."""
+        """The live stores of this run: node id -> actor handle. A store already known keeps its handle (no lookup
+        per listing); one a call found dead was forgotten (``forget``), so it is looked up again."""
         ray = need_ray()
         prefix = f"{STORE_PREFIX}:{self.key}:"
         found = {}
         self.calls["store_listings"] += 1
+        known = dict(self._handles)
         for item in ray.util.list_named_actors(all_namespaces=True):
             name, namespace = item["name"], item["namespace"]
             if namespace != self.namespace or not name.startswith(prefix):
                 continue
             node = name[len(prefix) :]
-            try:
-                found[node] = ray.get_actor(name, namespace=namespace)
-            except ValueError:  # died between the listing and the lookup
-                continue
-        self._handles = {n: h for n, h in self._handles.items() if n in found} | found
+            handle = known.get(node) or self.lookup(node)
+            if handle is not None:
+                found[node] = handle
+        self._handles = found
         return found
+
+    def lookup(self, node: str):
+        """The handle of ``node``'s store as the cluster names it now (None: no such store)."""
+        try:
+            return need_ray().get_actor(f"{STORE_PREFIX}:{self.key}:{node}", namespace=self.namespace)
+        except ValueError:  # died between the listing and the lookup
+            return None
+
+    def warm_up(self) -> None:
+        """List the run's stores and get their handles on a thread (``Storage.warm_up``): a restore that follows
+        finds them known (``known_stores`` waits for the thread). Without a Ray cluster, nothing."""
+        import ray
+
+        if self._warming is not None or not ray.is_initialized():
+            return
+
+        def contact() -> None:
+            try:
+                self.stores()
+                _ = self.node_id
+            except Exception as exc:  # the restore's own calls meet the problem and report it
+                log.debug("memory stores of %s: first contact failed (%s)", self.key, exc)
+
+        self._warming = threading.Thread(target=contact, name="rl_ckpt-mem-contact", daemon=True)
+        self._warming.start()
 
     def each(self, method: str, *args: Any, stores: dict | None = None) -> dict[str, Any]:
         """``method(*args)`` on every live store at once: node id -> result (dead stores are left out)."""
@@ -90,9 +120,17 @@ class StoreDirectory:
         return [(n, stores[n]) for n in order]
 
     def known_stores(self) -> dict[str, Any]:
-        """The stores this process has already found (some may have died since): node id -> handle."""
+        """The stores this process has already found (some may have died since): node id -> handle. Waits for the
+        first contact ``warm_up`` started, if it is still under way."""
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()
         return dict(self._handles)
 
     def forget(self, node: str) -> None:
         """Drop the handle of ``node``'s store (it died)."""
         self._handles.pop(node, None)
+
+    def remember(self, node: str, handle: Any) -> None:
+        """Keep ``handle`` as ``node``'s store (found by ``lookup`` after the one known died)."""
+        self._handles[node] = handle

@@ -30,13 +30,22 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 from rl_ckpt.errors import CommitConflictError, ConfigError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME
-from rl_ckpt._storage.base import Entry, Storage, check_max_bytes, check_range, check_relpath, range_past_end, too_large
+from rl_ckpt._storage.base import (
+    Entry,
+    Storage,
+    check_max_bytes,
+    check_pieces,
+    check_range,
+    check_relpath,
+    range_past_end,
+    too_large,
+)
 from rl_ckpt._storage.registry import register_storage
 
 from .directory import StoreDirectory
 from .reads import picked
 from .directory import need_ray as _ray
-from .view import COPY_STEP, ReadSessions, ViewReader, copy_out, hash_in_place
+from .view import COPY_STEP, ReadSessions, ViewReader, copy_into, copy_out, hash_in_place
 
 PROTOCOL = "raymem"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}$")
@@ -203,6 +212,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
 
     supports_rename = False
     shares_views = True
+    reads_into = True
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         key, opts = parse_url(url, storage_options)
@@ -216,6 +226,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
         self._generation = 0  # bumped by every write and removal: a read session's view is retaken after one
         self._sessions: dict[int, list] = {}  # thread id -> [depth, RunView | None]
         self.calls = {"store_listings": 0, "store_calls": 0}  # Ray round trips made (bench, tests)
+        self._warming = None  # the first contact's thread (``warm_up``)
 
     # -- writes -------------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -296,6 +307,15 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
             raise too_large(path, got, max_bytes)
         view = memoryview(got).cast("B")
         return hash_in_place(view.toreadonly(), on_chunk)
+
+    def read_into(self, path: str, pieces, *, on_chunk=None) -> None:
+        """The file copied once from where it is mapped (``read_view``: no copy on this node) into the caller's
+        pieces, each step handed to ``on_chunk`` right after it landed (hashed while in the CPU cache)."""
+        total, views = check_pieces(path, pieces)
+        got = self.read_view(path, max_bytes=total)
+        if got.nbytes != total:
+            raise StorageError(f"short read of {self.url}/{path}: {got.nbytes} bytes, {total} expected", path=path)
+        copy_into(got, views, on_chunk)
 
     def views_many(self, paths) -> dict[str, memoryview]:
         """The files of ``paths`` this node's store holds, mapped read-only with one call to it (``local_views``)."""

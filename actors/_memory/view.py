@@ -60,6 +60,19 @@ def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -
     return out
 
 
+def copy_into(got: memoryview, views: list[memoryview], on_chunk: Callable[[memoryview], object] | None) -> None:
+    """The bytes of ``got`` copied into ``views`` (which cover them in order), ``COPY_STEP`` at a time, each step
+    handed to ``on_chunk`` right after it landed."""
+    pos = 0
+    for view in views:
+        for start in range(0, view.nbytes, COPY_STEP):
+            end = min(start + COPY_STEP, view.nbytes)
+            view[start:end] = got[pos + start : pos + end]
+            if on_chunk is not None:
+                on_chunk(view[start:end])
+        pos += view.nbytes
+
+
 def hash_in_place(view: memoryview, on_chunk: Callable[[memoryview], object] | None) -> memoryview:
     """``view`` itself, after handing it to ``on_chunk`` piece by piece (no copy)."""
     if on_chunk is not None:
@@ -113,14 +126,15 @@ class RunView:
             try:
                 answers[node] = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
-                if node in known and known[node] is not live[node]:
-                    try:  # the handle known was an earlier store of that node
+                storage.forget(node)
+                again = storage.lookup(node)  # the handle known may be of an earlier store of that node
+                if again is not None:
+                    try:
                         storage.calls["store_calls"] += 1
-                        answers[node] = ray.get(live[node].view.remote(*args))
-                        continue
+                        answers[node] = ray.get(again.view.remote(*args))
+                        storage.remember(node, again)
                     except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
                         pass
-                storage.forget(node)
         order = ([self.local] if self.local in answers else []) + sorted(n for n in answers if n != self.local)
         for node in order:
             for path, (size, version) in answers[node]["files"].items():

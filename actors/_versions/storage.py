@@ -46,10 +46,13 @@ class VersionsStorage(RayMemoryStorage):
         self.written: dict[str, memoryview] = {}  # path -> what its store held right after the write (unread)
         self.listing: dict | None = None
         self.removing: list[str] = []  # objects the retention's sweep removed (sent at once: ``wait_removed``)
+        self.acking: list = []  # (ref, batch, peers): this node's store borrowing a batch (waited for before a commit)
         self.pushed_bytes = 0
         self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
     def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
+        if path.endswith("/" + MANIFEST_NAME):
+            self.wait_acked()  # a manifest vouches only for files this node's store took
         if not (self.push_to and path.endswith("/" + MANIFEST_NAME)):
             size = super().write(path, chunks, create_only=create_only, durable=durable)
             if self.push_to:
@@ -128,7 +131,9 @@ class VersionsStorage(RayMemoryStorage):
             batch = [(p, obj, n, i) for p, (n, i) in lent.items()]
             for node, handle in targets:  # one call per store: the targets move the batch to their node at once
                 self.pushing.append((list(lent), node, handle.borrow_many.remote(batch, (), True, True), None))
-            refs.append(store.borrow_many.remote(batch, peers))  # this node's store: no transfer
+            # This node's store: no transfer, and its answer is not waited for here: the read-back that verifies
+            # these files maps the object put above, not the store's; the commit waits for it (``wait_acked``).
+            self.acking.append((store.borrow_many.remote(batch, peers), batch, peers))
         try:
             ray.get(refs)
         except ray.exceptions.RayActorError:  # the store died: the base write starts a new one and retries
@@ -148,6 +153,18 @@ class VersionsStorage(RayMemoryStorage):
             self.written.update((path, memoryview(files[i]).cast("B").toreadonly()) for path, (_n, i) in lent.items())
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 
+    def wait_acked(self) -> None:
+        """Wait for this node's store to have taken the batches borrowed since the last wait (``acked``)."""
+        acked(self)
+
+    def views_many(self, paths) -> dict:
+        self.wait_acked()
+        return super().views_many(paths)
+
+    def stat_many(self, paths) -> list:
+        self.wait_acked()
+        return super().stat_many(paths)
+
     def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
         """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
         :meth:`write_many_atomic` just wrote (the first read of it, with ``on_chunk``): that one gets the
@@ -155,6 +172,7 @@ class VersionsStorage(RayMemoryStorage):
         (its reader, the write's verification, only hashes it)."""
         view = self.written.pop(path, None)
         if view is None or (max_bytes is not None and view.nbytes > max_bytes):
+            self.wait_acked()
             return super().read(path, on_chunk=on_chunk, max_bytes=max_bytes)
         return hash_in_place(view, on_chunk) if on_chunk is not None else copy_out(view, None)
 
@@ -184,6 +202,7 @@ class VersionsStorage(RayMemoryStorage):
         of that node place the file when they pull)."""
         import ray
 
+        self.wait_acked()
         self.wait_expected()
         moved, pending, self.written = 0, self.pushing, {}
         if not pending:
@@ -244,6 +263,28 @@ class VersionsStorage(RayMemoryStorage):
         given ``inventory``, what :meth:`inventory` of the stores answered)."""
         held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
         return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
+
+
+def acked(storage: VersionsStorage) -> None:
+    """Wait for ``storage``'s node store to have taken the batches borrowed since the last wait; a store that died
+    meanwhile is replaced and asked again, a store's refusal (e.g. its budget) is raised (before any commit)."""
+    import ray
+
+    pending, storage.acking = storage.acking, []
+    for ref, batch, peers in pending:
+        try:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # the store of this node died: a new one takes the batch
+                storage.forget(storage.node_id)
+                ray.get(storage.store_of(storage.node_id).borrow_many.remote(batch, peers))
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise (
+                cause
+                if isinstance(cause, StorageError)
+                else StorageError(f"cannot write {len(batch)} files to {storage.url}: {exc}", path=batch[0][0])
+            ) from None
 
 
 def vouched_paths(path: str, data: bytes) -> list[str] | None:

@@ -37,7 +37,7 @@ from rl_ckpt._core.stage_guard import check_background
 from rl_ckpt._core.topology import Topology, choose_topology
 from rl_ckpt._format.state_codec import EncodedState
 from rl_ckpt._recovery.coordinator import FailureInfo
-from rl_ckpt._recovery.plan import RecoveryPlan, without_light
+from rl_ckpt._recovery.plan import RecoveryPlan
 from rl_ckpt._run.catalog import SnapshotInfo
 from rl_ckpt._run.retention import RetentionPolicy
 from rl_ckpt._storage import Storage, open_storage
@@ -100,6 +100,7 @@ class CheckpointEngine(RunHandle):
             config, self.train_config, self.storage, self.catalog, self.registry, maintenance=self.maintenance
         )
         self.restorer = Restorer(config, self.train_config, self.storage, self.catalog, self.registry)
+        self.storage.warm_up()  # first contact (the memory tier's stores) on a thread: not on a restore's path
 
     # -- registration --------------------------------------------------------
     def register(
@@ -258,12 +259,9 @@ class CheckpointEngine(RunHandle):
         next fallback. No snapshot at all: ``fresh == True``; none valid: :class:`NoValidSnapshotError`."""
         self._check_open()
         self.wait()
-        with self.storage.read_session():  # the memory tier: one view of the run for planning and loading
-            if plan is None:
-                plan = self.plan_recovery(deep=False, snapshot_id=snapshot_id, light=light)
-            if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
-                plan = without_light(self.storage, plan)
-            return self.restorer.restore(plan, strict=strict, light=light, record=self.topology.records_decisions)
+        return self.restorer.plan_and_restore(
+            plan, snapshot_id=snapshot_id, strict=strict, light=light, record=self.topology.records_decisions
+        )
 
     def rejoin(self, *, newer_than: int | None = None) -> RestoreResult:
         """A replaced participant takes back its own state while the others go on (scoped recovery): the newest

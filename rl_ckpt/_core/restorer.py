@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -28,7 +29,14 @@ from rl_ckpt._core.snapshot_loader import RestoreResult, SnapshotLoader
 from rl_ckpt.errors import CheckpointError, NoValidSnapshotError, RestoreError, StateMismatchError
 from rl_ckpt._recovery.coordinator import FailureInfo
 from rl_ckpt._recovery.history import load_decisions, record_decision
-from rl_ckpt._recovery.plan import RecoveryPlan, build_plan, coordinator_config, new_rank_lines, probe_check
+from rl_ckpt._recovery.plan import (
+    RecoveryPlan,
+    build_plan,
+    coordinator_config,
+    new_rank_lines,
+    probe_check,
+    without_light,
+)
 from rl_ckpt._recovery.probe import compare
 from rl_ckpt._run.catalog import Catalog
 from rl_ckpt._run.retire import retire_newer
@@ -58,6 +66,24 @@ class Restorer:
         self.registry = registry
         self.loader = SnapshotLoader(config, train_config, storage, catalog, registry)
 
+    def plan_and_restore(
+        self, plan: RecoveryPlan | None, *, snapshot_id: str | None, strict: bool, light: bool, record: bool
+    ) -> RestoreResult:
+        """``CheckpointEngine.restore``: plan (unless given ``plan``), then follow it, inside one read session of the
+        storage (the memory tier: one view of the run for planning and loading); the result's ``timings`` get the
+        plan's seconds and the total."""
+        started = time.perf_counter()
+        with self.storage.read_session():
+            if plan is None:
+                plan = self.plan(deep=False, snapshot_id=snapshot_id, light=light)
+            if not light and plan.light is not None:  # e.g. the manager's plan: report what this restore does
+                plan = without_light(self.storage, plan)
+            planned = time.perf_counter()
+            result = self.restore(plan, strict=strict, light=light, record=record)
+        result.timings["plan"] = planned - started
+        result.timings["total"] = time.perf_counter() - started
+        return result
+
     def restore(
         self, plan: RecoveryPlan, *, strict: bool = True, light: bool = True, record: bool = True, retire: bool = True
     ) -> RestoreResult:
@@ -80,6 +106,7 @@ class Restorer:
                 f"recovery of {self.storage.url} gave up: {plan.reason}" + (f"; skipped:\n{lines}" if lines else ""),
                 reasons=skipped,
             )
+        touched: list[str] = []  # components whose objects got a refused file's bytes (read in place)
         for sid in [plan.target, *plan.fallbacks]:
             result, fatal, error = None, None, None
             try:
@@ -105,17 +132,30 @@ class Restorer:
                 raise fatal
             if error is not None:
                 skipped[sid] = error
+                touched += [k for k in self.loader.report.placed if k not in touched]
                 log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, error)
                 continue
             result.plan = plan
             plan.followed(sid, skipped)
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")
+            stale = [k for k in touched if k.rsplit("/", 1)[-1] not in result.components]
+            if stale:
+                result.warnings.append(
+                    f"{', '.join(stale)}: read in place from a snapshot refused since, and not in {sid}: their "
+                    "objects hold part of the refused snapshot's bytes"
+                )
             if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback
                 self.registry.topology.after_restore(result, plan, self._retire_newer)
             return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
-        raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}", reasons=skipped)
+        held = (
+            f"\nthe objects of {', '.join(touched)} hold part of the bytes of a refused snapshot (read straight into "
+            "their tensors before its checksum was compared): rebuild or reload them before training on"
+            if touched
+            else ""
+        )
+        raise NoValidSnapshotError(f"no valid snapshot in {self.storage.url}; skipped:\n{lines}{held}", reasons=skipped)
 
     def _retire_newer(self, result: RestoreResult, plan: RecoveryPlan) -> None:
         """Retire what is newer than ``result`` (on the process the topology names: rank 0 without a manager)."""

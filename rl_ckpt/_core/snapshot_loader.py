@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Mapping
 
 import torch
 
 from rl_ckpt.config import CheckpointConfig, recorded_config
-from rl_ckpt._core.reader import load_component
+from rl_ckpt._core.reader import LoadReport, copies_on_load, load_component
 from rl_ckpt._core.registry import ComponentRegistry
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError, RestoreError, StateMismatchError
 from rl_ckpt._format.manifest import Manifest
@@ -47,6 +48,8 @@ class RestoreResult:
     plan: Any = dataclasses.field(default=None, repr=False)
     # Snapshots newer than the restored step, moved into history/retired/ (the failed timeline).
     retired: list[str] = dataclasses.field(default_factory=list)
+    # Where the restore's time went, in seconds: plan, read, hash, decode, copy, probe (and total).
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def fresh(self) -> bool:
@@ -70,6 +73,7 @@ class SnapshotLoader:
         self.catalog = catalog
         self.registry = registry
         self.probe_outputs: dict = {}  # the last load's post-load probe outputs (ranks compare them)
+        self.report = LoadReport()  # the last load's timings, and whose objects got a file's bytes in place
 
     def load(self, sid: str, skipped: dict, strict: bool, light: bool, plan: RecoveryPlan) -> RestoreResult:
         """Load snapshot ``sid`` (with the newest valid light layer on it if ``light``) into the registry.
@@ -77,6 +81,7 @@ class SnapshotLoader:
         ``skipped`` (snapshot id -> reason) gains the light snapshots passed over; the result carries a copy.
         """
         self.probe_outputs = {}
+        self.report = report = LoadReport()
         manifest = self._manifest(sid)
         # The plan's schema check and config warnings for this snapshot (made now for one it did not check).
         warnings = verdict_of(
@@ -96,7 +101,7 @@ class SnapshotLoader:
             # A module copies every tensor into its own parameters: it may get views of read-only memory (the
             # memory tier's shared object store: no copy out of it); anything else may keep what it is given.
             states[reg.name] = load_component(
-                self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj), into=reg.obj
+                self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj), into=reg.obj, report=report
             )
         gaps = self._new_rank_gaps(manifest, missing)
         missing = [m for m in missing if m not in {g.component for g in gaps}]
@@ -114,6 +119,7 @@ class SnapshotLoader:
         for name, state in states.items():
             check_fits(name, self.registry.get(name).obj, state, sid)
         self._load_sharded(manifest, sharded)
+        started = time.perf_counter()
         for name, state in states.items():
             try:
                 self.registry.get(name).obj.load_state_dict(state)
@@ -127,8 +133,11 @@ class SnapshotLoader:
                     snapshot_id=sid,
                     component=name,
                 ) from exc
+        report.add("copy", time.perf_counter() - started)
         self._fill_new_rank(manifest, [g for g in gaps if g.component not in states])  # (a light layer may hold it)
+        started = time.perf_counter()
         self._post_load_check(manifest)
+        report.add("probe", time.perf_counter() - started)
         for w in warnings:
             log.warning(w)
         last = top or manifest
@@ -141,6 +150,7 @@ class SnapshotLoader:
             dict(skipped),
             warnings,
             decode_metrics(last.metrics),
+            timings=dict(report.timing),
         )
 
     def _manifest(self, sid: str) -> Manifest:
@@ -240,14 +250,6 @@ class SnapshotLoader:
             states.update(light_states)
             return manifest
         return None
-
-
-def copies_on_load(obj: Any) -> bool:
-    """Whether ``obj.load_state_dict`` copies the tensors it is given (``torch.nn.Module``'s own does; another
-    object says so with ``copies_on_load = True``, e.g. the RLlib integration's module parts)."""
-    if getattr(obj, "copies_on_load", None) is True:
-        return True
-    return isinstance(obj, torch.nn.Module) and type(obj).load_state_dict is torch.nn.Module.load_state_dict
 
 
 def check_fits(name: str, obj: Any, state: Any, sid: str) -> None:

@@ -130,6 +130,41 @@ def encode(arrays: dict, metadata: dict[str, str] | None = None) -> tuple[list, 
     return [struct.pack("<Q", len(blob)) + blob, *views], meta
 
 
+def planned_layout(meta: dict, file_size: int) -> dict[str, tuple[int, int]] | None:
+    """Where :func:`encode` puts each tensor of ``meta`` (name -> ``{dtype, shape}``, as a manifest lists a file's
+    tensors) in a file of ``file_size`` bytes: name -> (start, end) offsets in the file (the header before the
+    first). None when ``meta`` cannot describe such a file (an unknown dtype, a bad shape, more data than the file).
+
+    Nothing of the file is read: a reader places the tensors' bytes from it (``Storage.read_into``), and once the
+    file matched its checksum, :func:`decode` of its header must agree with this layout before anything is used.
+    """
+    sizes = {}
+    for name, m in meta.items():
+        code, shape = (m.get("dtype"), m.get("shape")) if isinstance(m, dict) else (None, None)
+        if code not in ITEMSIZE or check_shape(shape) is not None:
+            return None
+        sizes[name] = (math.prod(shape) * ITEMSIZE[code], code)
+    order = sorted(sizes, key=lambda n: (sizes[n][0] % ALIGN != 0, -ITEMSIZE[sizes[n][1]], n))
+    data = sum(n for n, _code in sizes.values())
+    if data + 8 > file_size:
+        return None
+    pos, out = file_size - data, {}
+    for name in order:
+        out[name] = (pos, pos + sizes[name][0])
+        pos += sizes[name][0]
+    return out
+
+
+def data_offsets(buf, decoded: dict) -> dict[str, int]:
+    """The offset in ``buf`` of each non-empty tensor of ``decoded`` (what :func:`decode` returned for ``buf``)."""
+    base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    return {
+        name: np.frombuffer(view, dtype=np.uint8).ctypes.data - base
+        for name, (_code, _shape, view) in decoded.items()
+        if view.nbytes
+    }
+
+
 def decode(buf, *, where: str = "") -> dict[str, tuple[str, list[int], memoryview]]:
     """Parse and validate a safetensors buffer; returns name -> (dtype code, shape, bytes).
 

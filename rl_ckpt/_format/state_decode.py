@@ -65,6 +65,50 @@ def decode_state(tree: Any, arrays: Mapping[str, Any], tables: Mapping[str, Any]
         raise CorruptSnapshotError(f"{where}: {msg}", problems=[msg], path=where) from None
 
 
+def tensor_refs(tree: Any) -> list[tuple[tuple, str]]:
+    """``(path, name)`` of each whole stored tensor (``{"$tensor": name}``) in ``tree``: the keys and indexes that
+    lead to it in the state ``decode_state`` rebuilds (a ``$param``'s tensor counts at the parameter's place).
+    Nothing is decoded or trusted here: parts that are not plain containers of such tensors are passed over, and
+    ``decode_state`` judges the whole tree as always."""
+    out: list[tuple[tuple, str]] = []
+
+    def pairs(val: Any, path: tuple, depth: int) -> None:
+        for pair in val if isinstance(val, list) else ():
+            if isinstance(pair, list) and len(pair) == 2 and type(pair[0]) in (str, int):
+                walk(pair[1], (*path, pair[0]), depth + 1)
+
+    def walk(node: Any, path: tuple, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            return
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, (*path, i), depth + 1)
+            return
+        if not isinstance(node, dict):
+            return
+        if len(node) == 1:
+            ((tag, val),) = node.items()
+            if tag.startswith("$"):
+                if tag == "$tensor" and isinstance(val, str):
+                    out.append((path, val))
+                elif tag == "$param" and isinstance(val, list) and len(val) == 2:
+                    walk(val[0], path, depth + 1)
+                elif tag == "$tuple" and isinstance(val, list):
+                    walk(val, path, depth)
+                elif tag in ("$dict", "$counter"):
+                    pairs(val, path, depth)
+                elif tag == "$odict" and isinstance(val, dict):
+                    pairs(val.get("items"), path, depth)
+                elif tag == "$ddict" and isinstance(val, list) and len(val) == 2:
+                    pairs(val[1], path, depth)
+                return
+        for k, v in node.items():
+            walk(v, (*path, k), depth + 1)
+
+    walk(tree, (), 0)
+    return out
+
+
 class _Decoder:
     def __init__(self, arrays: Mapping[str, Any], tables: Mapping[str, Any], where: str) -> None:
         self.arrays, self.tables, self.where = arrays, tables, where

@@ -20,7 +20,9 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from rl_ckpt.config import changed_keys, config_digest
-from rl_ckpt._run.snapshot_files import read_manifest, verify_snapshot
+from rl_ckpt._format.hashed_io import hash_files
+from rl_ckpt._run.dedup import check_object, manifest_objects, object_path
+from rl_ckpt._run.snapshot_files import read_manifest
 from rl_ckpt.errors import CheckpointError, SchemaVersionError
 from rl_ckpt._format.manifest import Manifest, layout_object_bytes
 from rl_ckpt._recovery.new_ranks import plan_lines
@@ -29,7 +31,7 @@ from rl_ckpt._recovery.plan_record import CandidateNote, LoadAction, RecoveryPla
 from rl_ckpt._run.catalog import Catalog, SnapshotInfo
 from rl_ckpt._run.retention import normalize_best
 from rl_ckpt._sharded.layout import layout_change
-from rl_ckpt._storage import Storage
+from rl_ckpt._storage import Storage, join
 
 # Load order: weights, optimizer, scheduler, RNG, buffer, env/other, progress last.
 LOAD_ORDER = ("module", "optimizer", "scheduler", "rng", "buffer", "other", "progress")
@@ -112,6 +114,32 @@ def verdict_of(
     return config_warnings(manifest, job_config)
 
 
+def deep_check(storage: Storage, sid: str, manifest: Manifest) -> list[str]:
+    """What ``verify_snapshot`` finds wrong with snapshot ``sid`` (``path: problem`` each), for the manifest the plan
+    holds already: each file re-hashed as the backend hands it over (``hash_files``: the memory tier maps a store's
+    files with one call and hashes them where they lie; a disk streams each), then the dedup objects it uses."""
+    problems: list[str] = []
+    for algo in sorted({f.algo for f in manifest.files}):
+        entries = [f for f in manifest.files if f.algo == algo]
+        for entry, got in zip(entries, hash_files(storage, [join(sid, f.path) for f in entries], algo)):
+            if got is None:
+                try:
+                    gone = not storage.exists(join(sid, entry.path))
+                except CheckpointError:
+                    gone = False
+                problems.append(f"{entry.path}: {'missing' if gone else 'unreadable'}")
+            elif got[0] != entry.size:
+                problems.append(f"{entry.path}: size {got[0]} != {entry.size} in manifest (truncated or overwritten)")
+            elif got[1] != entry.checksum:
+                problems.append(f"{entry.path}: {algo} checksum mismatch (content changed)")
+    for digest, (algo, size) in manifest_objects(manifest).items():
+        try:
+            check_object(storage, algo, digest, size)
+        except CheckpointError as exc:
+            problems.append(f"../{object_path(algo, digest)}: {exc}")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
     storage: Storage
@@ -128,9 +156,9 @@ def _check(inp: _Inputs, info: SnapshotInfo, plan: RecoveryPlan) -> Manifest:
     manifest = info.manifest if info.manifest is not None else read_manifest(inp.storage, sid)
     check_schema(manifest, inp.schema_version)
     if inp.deep:
-        report = verify_snapshot(inp.storage, sid)
-        if not report.ok:
-            raise CheckpointError("; ".join(f"{p.path}: {p.problem}" for p in report.problems[:3]), snapshot_id=sid)
+        problems = deep_check(inp.storage, sid, manifest)
+        if problems:
+            raise CheckpointError("; ".join(problems[:3]), snapshot_id=sid)
     else:
         stats = inp.storage.stat_many([f"{sid}/{f.path}" for f in manifest.files])  # one request where possible
         for f, st in zip(manifest.files, stats):

@@ -29,7 +29,7 @@ import threading
 import uuid
 from typing import Any, BinaryIO, Callable, Iterable, Sequence
 
-from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, UnsafePathError
+from rl_ckpt.errors import FileTooLargeError, ReadRangeError, StorageArgumentError, StorageError, UnsafePathError
 
 _BAD_PART = re.compile(r"[\x00\\]")
 
@@ -99,6 +99,27 @@ def range_past_end(path: str, start: int, length: int, size: int) -> ReadRangeEr
     )
 
 
+PIECE_STEP = 8 * 1024 * 1024  # bytes per read into a piece (``Storage.read_into``): hashed while in the CPU cache
+
+
+def check_pieces(path: str, pieces: Sequence[tuple[int, Any]]) -> tuple[int, list[memoryview]]:
+    """The bytes ``pieces`` cover and their byte views; StorageArgumentError unless they tile ``[0, total)`` in
+    order (``Storage.read_into``)."""
+    views, pos = [], 0
+    for offset, buffer in pieces:
+        view = memoryview(buffer).cast("B")
+        if offset != pos or view.readonly:
+            raise StorageArgumentError(
+                f"read_into {path}: pieces must be writable and cover the file in order (a piece at {offset}, "
+                f"expected {pos})",
+                name="pieces",
+                value=offset,
+            )
+        views.append(view)
+        pos += view.nbytes
+    return pos, views
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 
@@ -125,6 +146,9 @@ class Storage(abc.ABC):
     # ``read_view`` returns read-only memory the backend shares (no copy was made): a reader that needs writable
     # tensors copies them where they go (e.g. into an optimizer's existing state) rather than into fresh memory.
     shares_views: bool = False
+    # ``read_into`` places a file's bytes in the caller's memory without a buffer of its own (local disks, the
+    # memory tier): a restore then reads tensors straight into the objects' own (``rl_ckpt._core.reader``).
+    reads_into: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -180,6 +204,32 @@ class Storage(abc.ABC):
         them. The default is ``read``; the memory tier returns its object store's memory.
         """
         return self.read(path, on_chunk=on_chunk, max_bytes=max_bytes)
+
+    def read_into(
+        self, path: str, pieces: Sequence[tuple[int, Any]], *, on_chunk: Callable[[memoryview], object] | None = None
+    ) -> None:
+        """Read a whole regular file (links refused) into the caller's memory: ``pieces`` are ``(offset, buffer)``
+        pairs in file order that cover the file exactly (each buffer writable and C-contiguous; offset 0 first,
+        each next one where the last ended). A reader places a file's bytes where they are used (a tensor's own
+        memory) instead of into a buffer it copies from.
+
+        ``on_chunk`` sees every byte once, in file order, as the pieces fill (part of a piece at a time, after
+        it landed: the reader hashes there). A file larger than the pieces is refused with ``FileTooLargeError``
+        before it is read, a shorter one with ``StorageError``. This default reads the file (``read``) and copies
+        it into the pieces; a backend that places bytes without that buffer overrides it and sets ``reads_into``.
+        """
+        total, views = check_pieces(path, pieces)
+        data = memoryview(self.read(path, max_bytes=total)).cast("B")
+        if data.nbytes != total:
+            raise StorageError(f"short read of {path}: it has {data.nbytes} bytes, {total} expected", path=path)
+        pos = 0
+        for view in views:
+            for start in range(0, view.nbytes, PIECE_STEP):
+                end = min(start + PIECE_STEP, view.nbytes)
+                view[start:end] = data[pos + start : pos + end]
+                if on_chunk is not None:
+                    on_chunk(view[start:end])
+            pos += view.nbytes
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of a regular file from offset ``start``.
@@ -250,6 +300,12 @@ class Storage(abc.ABC):
         request (the memory tier: the files this node's store holds, mapped, not copied): path -> view. The
         others are left out (read them as usual). Nothing is verified here. This default hands over none."""
         return {}
+
+    def warm_up(self) -> None:
+        """Make first contact with the backend now, on a thread of its own, and return at once: what the first
+        read would otherwise pay on a restore's critical path (the memory tier: listing the run's stores and
+        getting their actor handles). The engine calls it when it is built. Nothing is read or trusted
+        ahead: every byte a restore uses is still read and checked then. This default does nothing."""
 
     def read_session(self) -> contextlib.AbstractContextManager:
         """A context (on the calling thread) within which the backend may answer listings, stats and reads from

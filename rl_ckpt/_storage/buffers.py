@@ -74,3 +74,29 @@ def prefault(buf: np.ndarray) -> Callable[[], None]:
         helper.join()
 
     return stop
+
+
+def prefault_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> Callable[[], None]:
+    """:func:`prefault` of the ``(start, end)`` byte ranges of ``buf`` only, in order, on one helper thread (a read
+    that places most of a file elsewhere touches only these pages of its buffer); returns ``stop()`` (joins)."""
+    ranges = [(a, b) for a, b in ranges if b - a >= 4 * _PREFAULT_STEP]
+    if _madvise is None or not ranges:
+        return lambda: None
+    base = buf.ctypes.data
+    stopped = threading.Event()
+
+    def run() -> None:
+        for a, b in ranges:
+            first = -(-(base + a) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only
+            for start in range(first, base + b, _PREFAULT_STEP):
+                if stopped.is_set() or _madvise(start, min(_PREFAULT_STEP, base + b - start), _MADV_POPULATE_WRITE):
+                    return
+
+    helper = threading.Thread(target=run, name="rl_ckpt-prefault", daemon=True)
+    helper.start()
+
+    def stop() -> None:
+        stopped.set()
+        helper.join()
+
+    return stop

@@ -23,19 +23,17 @@ import shutil
 import stat
 from typing import BinaryIO, Iterable
 
-from rl_ckpt.errors import CheckpointError, UnsafePathError
-from rl_ckpt._storage.base import Entry, Storage, check_max_bytes, check_range, too_large
+from rl_ckpt.errors import CheckpointError, StorageError, UnsafePathError
+from rl_ckpt._storage.base import Entry, Storage, check_max_bytes, check_pieces, check_range, too_large
+from rl_ckpt._storage.local_dirs import free_bytes_at, fsync_dir, makedirs_durable, rename_noreplace
 from rl_ckpt._storage.local_io import (
     MAX_WRITE,
     conflict,
     create_temp,
-    free_bytes_at,
-    fsync_dir,
-    makedirs_durable,
     open_regular,
+    read_into_fd,
     read_range_fd,
     read_whole,
-    rename_noreplace,
     resolve,
     start_writeback,
     storage_error,
@@ -45,6 +43,7 @@ from rl_ckpt._storage.local_io import (
 
 class LocalStorage(Storage):
     supports_rename = True
+    reads_into = True
 
     def __init__(self, root: str, storage_options: dict | None = None) -> None:
         """``root``: a path or ``file://`` URL. ``storage_options`` exist for the registry's uniform
@@ -181,6 +180,19 @@ class LocalStorage(Storage):
             os.close(fd)
             raise too_large(path, size, max_bytes)
         return read_whole(fd, size, path, on_chunk)
+
+    def read_into(self, path: str, pieces, *, on_chunk=None) -> None:
+        """The file straight into the caller's pieces (``Storage.read_into``): ordinary reads into them, the next
+        one read while the last is hashed (``local_io.read_into_fd``). The size is checked against the pieces
+        before anything is read."""
+        total, views = check_pieces(path, pieces)
+        fd, size = self._open_regular(path)
+        if size != total:
+            os.close(fd)
+            if size > total:
+                raise too_large(path, size, total)
+            raise StorageError(f"short read of {path}: it has {size} bytes, {total} expected", path=path)
+        read_into_fd(fd, size, path, views, on_chunk)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """Positioned reads (``pread``) of one range; checked against the file's size before allocating."""

@@ -27,22 +27,14 @@ MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead
 DIRECT_MIN_BYTES = 32 * 1024 * 1024  # smaller files: the page cache is cheaper than bypassing it
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses of O_DIRECT reads (covers 512 B and 4 KiB sectors)
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
 
 _WRITEBACK_BYTES = 32 * 1024 * 1024
 _SYNC_FILE_RANGE_WRITE = 2
 
 try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _renameat2 = _libc.renameat2
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
-    _renameat2 = None
-try:
-    _sync_file_range = _libc.sync_file_range
+    _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (NameError, AttributeError):  # pragma: no cover
+except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
     _sync_file_range = None
 
 
@@ -347,78 +339,57 @@ def read_range_fd(fd: int, size: int, path: str, start: int, length: int) -> byt
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-# -- namespace ---------------------------------------------------------------
-def makedirs_durable(full: str, path: str) -> None:
-    """Create missing folders, fsyncing each new folder's parent so its name survives a power cut."""
-    missing = []
-    cur = full
-    while not os.path.isdir(cur):
-        missing.append(cur)
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            break
-        cur = parent
+def read_into_fd(fd: int, size: int, path: str, views: list[memoryview], on_chunk) -> None:
+    """The ``size`` bytes of the open ``fd`` into ``views`` (which cover them in order: ``Storage.read_into``);
+    closes ``fd``. Ordinary reads straight into the views, ``READ_CALL`` bytes each, the next one read by a pool
+    thread while this one hands the last to ``on_chunk`` (the kernel reads ahead meanwhile). The views are
+    memory the caller has (a tensor's own), so the O_DIRECT path's reason, faulting fresh pages in beside the
+    disk, does not apply; its bounce buffers would add a copy (measured slower: 1 GiB cold, 1.1-1.3 s against
+    0.72-0.84 s this way, a raw read 0.79-1.09 s)."""
+    steps = []  # (view, start, end, file offset)
+    pos = 0
+    for view in views:
+        for start in range(0, view.nbytes, READ_CALL):
+            end = min(start + READ_CALL, view.nbytes)
+            steps.append((view, start, end, pos + start))
+        pos += view.nbytes
+    got = 0
+    pending = None
     try:
-        for folder in reversed(missing):
-            try:
-                os.mkdir(folder)
-            except FileExistsError:
-                continue
-            fd = os.open(os.path.dirname(folder), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        if steps:
+            pending = _pool().submit(_read_step, fd, steps[0])
+        for i in range(len(steps)):
+            n = pending.result()
+            pending = None
+            view, start, end, _off = steps[i]
+            if n < end - start:
+                got += n
+                break  # the file shrank while being read: reported below
+            if i + 1 < len(steps):
+                pending = _pool().submit(_read_step, fd, steps[i + 1])
+            if on_chunk is not None:
+                on_chunk(view[start:end])
+            got += n
     except OSError as exc:
-        raise storage_error(exc, "cannot create folder", path) from exc
-
-
-def rename_noreplace(s: str, d: str, dst: str) -> None:
-    """Rename the folder ``s`` to ``d`` (shown as ``dst``), never replacing one: ``CommitConflictError``."""
-    if _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, s.encode(), _AT_FDCWD, d.encode(), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise conflict(dst)
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise storage_error(OSError(err, os.strerror(err)), "cannot rename to", dst)
-    # Filesystems without RENAME_NOREPLACE (some NFS servers): rename() still
-    # fails on a non-empty target, and a committed snapshot is never empty.
-    if os.path.lexists(d):
-        raise conflict(dst)
-    try:
-        os.rename(s, d)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise conflict(dst) from exc
-        raise storage_error(exc, "cannot rename to", dst) from exc
-
-
-def fsync_dir(full: str, shown: str) -> None:
-    """fsync the folder ``full`` (shown as ``shown``) so the names in it survive a crash; missing: nothing."""
-    try:
-        fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise storage_error(exc, "cannot open folder", shown) from exc
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise storage_error(exc, "cannot fsync folder", shown) from exc
+        raise storage_error(exc, "cannot read", path) from exc
     finally:
+        if pending is not None:  # on_chunk raised: no read may still be writing into the views on return
+            try:
+                pending.result()
+            except OSError:
+                pass
         os.close(fd)
+    if got != size:
+        raise StorageError(f"short read of {path}: {got} of {size} bytes (file changed while reading?)", path=path)
 
 
-def free_bytes_at(root: str) -> int:
-    """Bytes free to an unprivileged user on the filesystem of ``root`` (or its nearest existing parent)."""
-    probe = root
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    try:
-        st = os.statvfs(probe)
-    except OSError as exc:
-        raise storage_error(exc, "cannot query free space of", probe) from exc
-    return st.f_bavail * st.f_frsize
+def _read_step(fd: int, step: tuple) -> int:
+    """One step of ``read_into_fd``: ``preadv`` until the step's range is full or the file ends; bytes read."""
+    view, start, end, off = step
+    got = 0
+    while start + got < end:
+        n = os.preadv(fd, [view[start + got : end]], off + got)
+        if not n:
+            break
+        got += n
+    return got

@@ -26,9 +26,11 @@ HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 RESULT_KEYS = (
     "raw_write",
     "raw_read",
+    "memcpy",
     "clone",
     "torch_save",
     "torch_load",
+    "torch_load_apply",
     "st_save",
     "st_load",
     "dcp_save",
@@ -55,9 +57,18 @@ RATIOS = {  # name -> (numerator, denominator): time ratios
     "block_vs_dcp_block": ("rl_async_block", "dcp_async_block"),
     "restore_vs_raw_read": ("rl_restore", "raw_read"),
     "restore_vs_torch_load": ("rl_restore", "torch_load"),
+    "restore_vs_torch_load_apply": ("rl_restore", "torch_load_apply"),
+    "restore_vs_memcpy": ("rl_restore", "memcpy"),
     "restore_vs_st_load": ("rl_restore", "st_load"),
     "restore_vs_dcp_load": ("rl_restore", "dcp_load"),
     "dedup_second_vs_first": ("rl_dedup_second", "rl_dedup_first"),
+}
+
+PAIRED = {  # name -> (numerator, denominator): the median over repeats of the ratio within each repeat
+    "restore_vs_raw_read": ("rl_restore", "raw_read"),
+    "restore_vs_torch_load": ("rl_restore", "torch_load"),
+    "restore_vs_torch_load_apply": ("rl_restore", "torch_load_apply"),
+    "torch_load_vs_raw_read": ("torch_load", "raw_read"),
 }
 
 

@@ -16,10 +16,12 @@ LABELS = [  # (op, key, label, floor key, peer keys by column)
     ("save", "rl_save_noverify", "rl_ckpt save xxh3_128, no verify"),
     ("load", "raw_read", "raw read (floor)"),
     ("load", "torch_load", "torch.load(weights_only)"),
+    ("load", "torch_load_apply", "torch.load + load_state_dict"),
     ("load", "st_load", "safetensors load_file"),
     ("load", "dcp_load", "DCP load (in place)"),
     ("load", "rl_restore", "rl_ckpt restore (checksums)"),
     ("block", "clone", "memory copy: clone (floor)"),
+    ("block", "memcpy", "memory copy into existing tensors"),
     ("block", "dcp_async_block", "DCP async_save (blocking)"),
     ("block", "rl_async_block", "rl_ckpt save_async (blocking)"),
     ("block", "rl_async_stage", "  + optimizer step at once (hook)"),
@@ -90,6 +92,13 @@ def format_compare(out: dict) -> str:
             f"{op:<6} {label:<32} {s:>8.3f} {fmt_num(r['gbps'], '{:.2f}'):>7} {cells[0]:>8} {cells[1]:>8} "
             f"{cells[2]:>8} {cells[3]:>7}{spread}"
         )
+    lines += restore_lines(out)
+    if (out.get("fresh") or {}).get("error"):
+        lines += ["", f"first restore in a new process (--fresh): not measured: {out['fresh']['error']}"]
+    elif out.get("fresh"):
+        from rl_ckpt.tools.bench.fresh import format_fresh
+
+        lines += format_fresh(out["fresh"])
     dd = out["dedup"]
     lines += [
         "",
@@ -106,6 +115,29 @@ def format_compare(out: dict) -> str:
         lines.append(f"  {status} {g['text']}: {fmt_num(g['value'], '{:.3f}')} (limit {g['limit']})")
     lines.append(f"{out['goals_met']}/{out['goals_total']} goals met")
     return "\n".join(lines)
+
+
+def restore_lines(out: dict) -> list[str]:
+    """The restore next to each floor, paired by repeat, and where its time went."""
+    res, paired, parts = out["results"], out.get("paired") or {}, out.get("restore_breakdown") or {}
+    rl = res["rl_restore"]["median_s"]
+    lines = ["", "restore (cold cache) next to its floors; paired = median over repeats of the ratio in each repeat:"]
+    for key, label, pair in (
+        ("raw_read", "a raw read of the same bytes", "restore_vs_raw_read"),
+        ("memcpy", "one memcpy of the state (into existing tensors)", None),
+        ("torch_load", "torch.load", "restore_vs_torch_load"),
+        ("torch_load_apply", "torch.load + load_state_dict (objects built, not timed)", "restore_vs_torch_load_apply"),
+    ):
+        other = res.get(key, {}).get("median_s")
+        if not other or not rl:
+            continue
+        both = f"; paired {paired[pair]:.2f}x" if pair and paired.get(pair) is not None else ""
+        lines.append(f"  {rl / other:>5.2f}x {label} ({other:.3f} s){both}")
+    if parts:
+        order = ("plan", "read", "hash", "decode", "copy", "probe")
+        shown = ", ".join(f"{k} {parts[k]:.3f}" for k in order if k in parts)
+        lines.append(f"  breakdown of rl_ckpt's restore (medians, s): {shown}; total {parts.get('total', rl):.3f}")
+    return lines
 
 
 def format_scaling(out: dict) -> str:

@@ -72,6 +72,14 @@ def run(args) -> dict:
             out["goals_total"] = len(out["goals"])
         else:
             out.update(run_compare(args, workdir, cache))
+            if args.fresh:
+                from rl_ckpt.tools.bench.fresh import run_fresh  # (needs Ray)
+
+                try:
+                    out["fresh"] = run_fresh(args, workdir, cache)
+                except Exception as exc:  # noqa: BLE001 - e.g. Ray did not start: the figures above still count
+                    log(f"bench --fresh failed: {type(exc).__name__}: {exc}")
+                    out["fresh"] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
             out["goals_met"] = sum(1 for g in out["goals"] if g["met"])
             out["goals_total"] = sum(1 for g in out["goals"] if g["met"] is not None)
             out["ratios"] = out.pop("ratios")
@@ -126,6 +134,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead: a real transformers GPT-2 shaped model + AdamW (random init, no download) vs "
         "torch.save+fsync and torch.load+load_state_dict; gpt2-small = GPT2Config() defaults (124M)",
     )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="also: the first restore in a new process (a Ray actor, as a restarted rank), from the memory tier and "
+        "from local disk, next to one memcpy of the state in that process (starts a local Ray cluster if needed)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the files written")
     p.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a goal is missed")
     p.add_argument(
@@ -157,7 +171,7 @@ def main_args(args) -> int:
         print({"scaling": format_scaling, "model": format_model}.get(out["mode"], format_compare)(out))
     if args.fail_on_miss and out["mode"] in ("compare", "model") and out["goals_met"] < out["goals_total"]:
         return 1
-    return 0
+    return 1 if (out.get("fresh") or {}).get("error") else 0
 
 
 def main(argv: list[str] | None = None) -> int:
