@@ -455,9 +455,15 @@ def test_read_into_places_every_byte_in_the_callers_pieces(store, impl):
     seen = []
     read_into("snap/p.bin", pieces, on_chunk=lambda v: seen.append(bytes(v)))
     assert b"".join(bytes(buf) for _a, buf in pieces) == data and b"".join(seen) == data
+    small = bytearray(len(data) - 1)
     with pytest.raises(FileTooLargeError) as info:
-        read_into("snap/p.bin", [(0, bytearray(len(data) - 1))], on_chunk=lambda v: pytest.fail("read anyway"))
+        read_into("snap/p.bin", [(0, small)], on_chunk=lambda v: pytest.fail("read anyway"))
     assert (info.value.size, info.value.max_bytes) == (len(data), len(data) - 1)
+    assert not any(small)  # the caller's memory untouched
+    put(store, "snap/empty.bin", [b""])
+    seen.clear()
+    read_into("snap/empty.bin", [(0, bytearray(0))], on_chunk=lambda v: seen.append(bytes(v)))
+    assert b"".join(seen) == b""
     with pytest.raises(StorageError, match="short read"):
         read_into("snap/p.bin", [(0, bytearray(len(data))), (len(data), bytearray(1))])
     with pytest.raises(StorageArgumentError):  # pieces must tile the file in order

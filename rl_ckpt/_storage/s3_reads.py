@@ -12,7 +12,7 @@ import os
 from typing import BinaryIO, Callable
 
 from rl_ckpt.errors import StorageError
-from rl_ckpt._storage.base import check_max_bytes, check_range, range_past_end, too_large
+from rl_ckpt._storage.base import check_max_bytes, check_pieces, check_range, range_past_end, too_large
 from rl_ckpt._storage.buffers import alloc_bytes, prefault
 from rl_ckpt._storage.fsspec_store import client_error
 from rl_ckpt._storage.s3_transfer import Transfer
@@ -93,6 +93,42 @@ def read_ranges_into(t: Transfer, ranges: list[tuple[int, memoryview]]) -> list[
             got[i] += n
             complete[i] = n == view.nbytes
     return got
+
+
+def read_object_into(t: Transfer, views: list[memoryview], total: int, on_chunk: Callable | None) -> int:
+    """The whole object straight into the caller's ``views`` (its bytes in order, ``total`` of them), ``on_chunk``
+    fed in object order as the pieces land; returns the object's size (None: S3 refused the first byte, empty).
+
+    A first GET of at most one part goes to a small buffer of its own and tells the size from its
+    ``Content-Range``: an object of another size leaves the caller's memory untouched. The rest then goes in
+    parallel, each piece straight into the memory it belongs to."""
+    first_n = max(1, min(_FIRST_PIECE, t.part_bytes, total))
+    head = alloc_bytes(first_n)
+    state = t.fetch([(0, memoryview(head).cast("B"))])
+    size, got = state["size"], state["got"][0]
+    if size != total:
+        return size
+    pieces: list[tuple[int, memoryview]] = []
+    pos = 0
+    for view in views:
+        if not view.nbytes:
+            continue
+        if pos + view.nbytes <= got:  # wholly in the head
+            view[:] = memoryview(head).cast("B")[pos : pos + view.nbytes]
+        elif pos < got:  # the head's end falls inside this view
+            n = got - pos
+            view[:n] = memoryview(head).cast("B")[pos:got]
+            pieces.extend(pieces_of(got, view[n:], t.part_bytes))
+        else:
+            pieces.extend(pieces_of(pos, view, t.part_bytes))
+        pos += view.nbytes
+    if on_chunk is not None and got:
+        on_chunk(memoryview(head).cast("B")[:got])
+    del head
+    state = t.fetch(pieces, on_piece=InOrder(pieces, on_chunk))
+    if sum(state["got"]) != total - got:  # the object shrank meanwhile (a replaced one fails on its ETag)
+        return got + sum(state["got"])
+    return size
 
 
 class ReadAhead(io.RawIOBase):
@@ -221,6 +257,30 @@ class S3Reads:
         if size == 0 and on_chunk is not None:
             on_chunk(memoryview(b""))
         return data if size else bytearray()
+
+    reads_into = True
+
+    def read_into(self, path: str, pieces, *, on_chunk=None) -> None:
+        """The object straight into the caller's pieces (``Storage.read_into``): parallel ranged GETs, each into
+        the memory its bytes belong to, hashed in file order as they land; no HEAD (the first GET tells the size,
+        and an object of another size is refused before anything reaches the pieces)."""
+        total, views = check_pieces(path, pieces)
+        full = self._abs(path)
+        self._fresh(full)
+        try:
+            size = read_object_into(self._transfer(full), views, total, on_chunk) if total else None
+            if size is None:  # S3 refused even the first byte (416): empty, or a folder marker
+                size = self._file_size(full)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, "cannot read", path) from exc
+        if size > total:
+            raise too_large(path, size, total)
+        if size != total:
+            raise StorageError(f"short read of {path}: it has {size} bytes, {total} expected", path=path)
+        if total == 0 and on_chunk is not None:
+            on_chunk(memoryview(b""))
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """One ranged GET (parallel pieces above one part; the server sends no more than the object has); only a
