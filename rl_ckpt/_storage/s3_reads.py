@@ -15,7 +15,7 @@ from rl_ckpt.errors import StorageError
 from rl_ckpt._storage.base import check_max_bytes, check_pieces, check_range, range_past_end, too_large
 from rl_ckpt._storage.buffers import alloc_bytes, prefault
 from rl_ckpt._storage.fsspec_store import client_error
-from rl_ckpt._storage.s3_transfer import Transfer
+from rl_ckpt._storage.s3_transfer import Transfer, gathered, leading
 
 _FIRST_PIECE = 1024 * 1024  # what a read of unknown size asks for first (it learns the size from the answer)
 
@@ -38,7 +38,8 @@ class InOrder:
         while self.next in self.landed:
             got = self.landed.pop(self.next)
             if self.on_chunk is not None and got:
-                self.on_chunk(self.pieces[self.next][1][:got])
+                for view in leading(self.pieces[self.next][1], got):
+                    self.on_chunk(view)
             self.next += 1
 
 
@@ -108,20 +109,18 @@ def read_object_into(t: Transfer, views: list[memoryview], total: int, on_chunk:
     size, got = state["size"], state["got"][0]
     if size != total:
         return size
-    pieces: list[tuple[int, memoryview]] = []
+    rest: list[memoryview] = []  # the caller's memory after the head's bytes, in order
     pos = 0
     for view in views:
-        if not view.nbytes:
-            continue
         if pos + view.nbytes <= got:  # wholly in the head
             view[:] = memoryview(head).cast("B")[pos : pos + view.nbytes]
         elif pos < got:  # the head's end falls inside this view
-            n = got - pos
-            view[:n] = memoryview(head).cast("B")[pos:got]
-            pieces.extend(pieces_of(got, view[n:], t.part_bytes))
-        else:
-            pieces.extend(pieces_of(pos, view, t.part_bytes))
+            view[: got - pos] = memoryview(head).cast("B")[pos:got]
+            rest.append(view[got - pos :])
+        elif view.nbytes:
+            rest.append(view)
         pos += view.nbytes
+    pieces = gathered(got, rest, t.part_bytes)
     if on_chunk is not None and got:
         on_chunk(memoryview(head).cast("B")[:got])
     del head

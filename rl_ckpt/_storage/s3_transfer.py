@@ -247,10 +247,12 @@ class Transfer:
             landed.put(None)
             raise
 
-    async def get_piece(self, start: int, view: memoryview, state: dict) -> int:
-        """Fill ``view`` from object offset ``start`` (one ranged GET, fetched again if the body breaks); returns
-        the bytes received (0 past the end). ``state`` holds the size and ETag the answers name."""
-        n = view.nbytes
+    async def get_piece(self, start: int, view, state: dict) -> int:
+        """Fill ``view`` (a memoryview, or a list of them filled in order: one GET for many small tensors) from
+        object offset ``start`` (one ranged GET, fetched again if the body breaks); returns the bytes received
+        (0 past the end). ``state`` holds the size and ETag the answers name."""
+        segs = view if isinstance(view, list) else [view]
+        n = sum(seg.nbytes for seg in segs)
         if n == 0:
             return 0
         error: BaseException | None = None
@@ -269,11 +271,16 @@ class Transfer:
                     state["size"] = size
                 want = min(n, int(resp.get("ContentLength", n)))
                 got = 0
-                while got < want:
-                    k = await body.readinto(view[got:want])
-                    if not k:
-                        raise ConnectionError(f"short body: {got} of {want} bytes")
-                    got += k
+                for seg in segs:
+                    filled, end = 0, min(seg.nbytes, want - got)
+                    while filled < end:
+                        k = await body.readinto(seg[filled:end])
+                        if not k:
+                            raise ConnectionError(f"short body: {got + filled} of {want} bytes")
+                        filled += k
+                    got += filled
+                    if got >= want:
+                        break
                 return got
             except StorageError:  # the object changed: fetching again cannot help
                 body.close()
@@ -285,6 +292,40 @@ class Transfer:
             f"bytes {start}..{start + n} of s3://{self.bucket}/{self.key}: failed {ATTEMPTS} times, last: "
             f"{type(error).__name__}: {error}"
         ) from error
+
+
+def leading(dest, nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` of a piece's destination (a memoryview or a list of them), as views in order."""
+    out = []
+    for seg in dest if isinstance(dest, list) else [dest]:
+        if nbytes <= 0:
+            break
+        out.append(seg[:nbytes])
+        nbytes -= seg.nbytes
+    return out
+
+
+def gathered(start: int, views: Iterable[memoryview], part: int) -> list[tuple[int, list[memoryview]]]:
+    """``views`` (consecutive bytes of the object from offset ``start``) as pieces of ``part`` bytes each (the
+    last shorter), a piece being the list of views its bytes land in: many small tensors share one GET, a large
+    one is cut across several."""
+    pieces: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    room, at = part, start
+    for view in views:
+        pos = 0
+        while pos < view.nbytes:
+            take = min(room, view.nbytes - pos)
+            current.append(view[pos : pos + take])
+            pos += take
+            room -= take
+            if room == 0:
+                pieces.append((at, current))
+                at += part
+                current, room = [], part
+    if current:
+        pieces.append((at, current))
+    return pieces
 
 
 def _same_version(state: dict, resp: dict, transfer: Transfer) -> None:
