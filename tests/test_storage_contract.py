@@ -1445,3 +1445,41 @@ def test_s3_manifest_last_commit_race_has_one_winner(s3_url):
     # every attempt folder is there (losers' folders are debris for gc), the manifest once
     listed = _names(store.list("step_000100"))
     assert MANIFEST_NAME in listed and sum(1 for e in listed.values() if e.is_dir) == n
+
+
+def test_per_file_runs_the_files_at_once_and_raises_the_first_failure_in_order():
+    """``per_file``: up to ``files_at_once`` jobs run at once (job 0 finishes only once job 1 has started), results
+    come back in order, every job has ended when it returns, and the first failure in order is raised."""
+    from rl_ckpt._storage import MemoryStorage
+    from rl_ckpt._storage.base import per_file
+
+    class Wide(MemoryStorage):
+        files_at_once = 2
+
+    store = Wide("memory://per-file")
+    started = [threading.Event() for _ in range(3)]
+    ended = []
+
+    def job(i: int) -> int:
+        started[i].set()
+        if i == 0:
+            assert started[1].wait(60), "job 1 did not start while job 0 ran"
+        ended.append(i)
+        return i * 10
+
+    assert per_file(store, [0, 1, 2], job) == [0, 10, 20]
+
+    def failing(i: int) -> int:
+        ended.append(i)
+        if i in (1, 2):
+            raise StorageError(f"file {i}")
+        return i
+
+    ended.clear()
+    with pytest.raises(StorageError, match="file 1"):
+        per_file(store, [0, 1, 2], failing)
+    assert sorted(ended) == [0, 1, 2]  # none left running
+    ended.clear()
+    with pytest.raises(StorageError, match="file 1"):
+        per_file(store, [0, 1, 2], failing, at_once=False)
+    assert ended == [0, 1]  # one at a time: stops at the first failure

@@ -53,6 +53,17 @@ class LoadReport:
     def add(self, phase: str, seconds: float) -> None:
         self.timing[phase] = self.timing.get(phase, 0.0) + seconds
 
+    def merge(self, other: "LoadReport") -> None:
+        """Add what loading another component did."""
+        for phase, seconds in other.timing.items():
+            self.add(phase, seconds)
+        self.placed += other.placed
+
+    def overlapped(self, wall: float) -> None:
+        """Files were read at once (``Storage.files_at_once``): ``read`` becomes the wall time of that phase less
+        the hashing and decoding summed over the files, so that the phases still add up to the restore's time."""
+        self.timing["read"] = max(0.0, wall - self.timing.get("hash", 0.0) - self.timing.get("decode", 0.0))
+
 
 def load_component(
     storage: Storage,

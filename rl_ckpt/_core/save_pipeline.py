@@ -39,6 +39,7 @@ from rl_ckpt.errors import post_commit_text
 from rl_ckpt._run.dedup import ObjectWriter
 from rl_ckpt._run.maintenance import RunMaintenance, referenced_objects
 from rl_ckpt._storage import Storage
+from rl_ckpt._storage.base import per_file
 
 log = logging.getLogger("rl_ckpt")
 
@@ -286,8 +287,7 @@ def write_staged(
     ``objects``: the dedup object writer, if any."""
     from rl_ckpt._sharded import write_shards  # (lazy: see registry.SHARDED_IMPORT)
 
-    files, sections = [], {}
-    for name, enc in staged.items():
+    def write_one(name: str, enc: EncodedState) -> tuple[list, str, dict]:
         key = registry.key(name)
         if "/" in key:
             storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
@@ -316,6 +316,12 @@ def write_staged(
                 objects=objects,
             )
         section["kind"] = reg.kind if reg is not None else "other"
+        return entries, key, section
+
+    # (one at a time with the dedup object writer: one writer, shared)
+    written = per_file(storage, list(staged.items()), lambda item: write_one(*item), at_once=objects is None)
+    files, sections = [], {}
+    for entries, key, section in written:
         files += entries
         sections[key] = section
     return files, sections

@@ -30,6 +30,7 @@ from rl_ckpt._run.catalog import Catalog
 from rl_ckpt._run.quarantine import quarantine
 from rl_ckpt._run.snapshot_files import read_manifest
 from rl_ckpt._storage import Storage
+from rl_ckpt._storage.base import per_file
 
 log = logging.getLogger("rl_ckpt")
 
@@ -87,9 +88,9 @@ class SnapshotLoader:
         warnings = verdict_of(
             plan, manifest, self.config.schema_version, recorded_config(self.config, self.train_config)
         )
-        states: dict[str, Any] = {}
         missing = []
         sharded: dict[str, str] = {}
+        plain = []
         for reg in self.registry:
             key = self.registry.stored_key(manifest, reg.name)
             if key is None:
@@ -98,11 +99,27 @@ class SnapshotLoader:
             if reg.sharded is not None or "layout" in (manifest.components.get(key) or {}):
                 sharded[reg.name] = key  # loaded in place below, after every other check
                 continue
+            plain.append((reg, key))
+
+        owns = [LoadReport() for _ in plain]  # one per file read (maybe at once); merged even when one fails
+
+        def load_one(i: int) -> Any:
+            reg, key = plain[i]
             # A module copies every tensor into its own parameters: it may get views of read-only memory (the
             # memory tier's shared object store: no copy out of it); anything else may keep what it is given.
-            states[reg.name] = load_component(
-                self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj), into=reg.obj, report=report
+            return load_component(
+                self.storage, manifest, key, readonly_ok=copies_on_load(reg.obj), into=reg.obj, report=owns[i]
             )
+
+        started = time.perf_counter()
+        try:
+            loaded = per_file(self.storage, list(range(len(plain))), load_one)
+        finally:
+            for own in owns:
+                report.merge(own)
+            if self.storage.files_at_once > 1 and len(plain) > 1:  # files read at once: the phases overlapped
+                report.overlapped(time.perf_counter() - started)
+        states: dict[str, Any] = {reg.name: state for (reg, _key), state in zip(plain, loaded)}
         gaps = self._new_rank_gaps(manifest, missing)
         missing = [m for m in missing if m not in {g.component for g in gaps}]
         if missing:

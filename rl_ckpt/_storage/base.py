@@ -20,6 +20,7 @@ no reader trusts, see ``rl_ckpt._commit``)::
 from __future__ import annotations
 
 import abc
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import os
@@ -120,6 +121,19 @@ def check_pieces(path: str, pieces: Sequence[tuple[int, Any]]) -> tuple[int, lis
     return pos, views
 
 
+def per_file(storage: "Storage", items: list, job: Callable, *, at_once: bool = True) -> list:
+    """``[job(item) for item in items]``, up to ``storage.files_at_once`` at a time (``at_once``), in order. Every
+    job has ended when this returns (none goes on writing into memory or storage after a failure); the first
+    failure in ``items``' order is raised."""
+    n = min(storage.files_at_once, len(items)) if at_once else 1
+    if n <= 1:
+        return [job(item) for item in items]
+    with cf.ThreadPoolExecutor(n, thread_name_prefix="rl-ckpt-files") as pool:
+        futures = [pool.submit(job, item) for item in items]
+        cf.wait(futures)
+    return [f.result() for f in futures]
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 
@@ -149,6 +163,10 @@ class Storage(abc.ABC):
     # ``read_into`` places a file's bytes in the caller's memory without a buffer of its own (local disks, the
     # memory tier): a restore then reads tensors straight into the objects' own (``rl_ckpt._core.reader``).
     reads_into: bool = False
+    # How many of a snapshot's component files a save writes, and a restore reads, at once: 1 where one stream
+    # keeps the medium busy (a local disk); more where each request waits on the network (S3), so that one
+    # file's last parts and first request do not leave the connections idle.
+    files_at_once: int = 1
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:

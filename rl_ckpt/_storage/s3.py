@@ -68,6 +68,8 @@ def _is_busy(exc: BaseException) -> bool:
 class S3Storage(S3Views, S3Reads, FsspecStorage):
     """``s3://`` and ``s3a://`` run folders (AWS S3 and compatible servers, via s3fs)."""
 
+    files_at_once = 4
+
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url, storage_options)
         self._conditional_put: bool | None = None
