@@ -3,9 +3,11 @@
 workers on the worker node. Once the learners pass step ``remove_at`` the worker node is removed: both rollout
 workers die with it, and so does their node's memory store (their memory snapshots); a new worker node joins (as
 an autoscaler would bring one). Each worker is recovered alone, restarted by Ray on the new node, from its newest
-durable snapshot, replaying the collects since.
+durable snapshot (none if its copy from memory was not made yet), replaying the collects since.
 
-Run by test_demo_ray.py in a process of its own (a process joins one Ray cluster only):
+The same run uninterrupted goes first, on the same cluster, as the reference the test compares with.
+
+Run by test_scoped_nodes.py in a process of its own (a process joins one Ray cluster only):
 ``python scoped_nodes.py <base_dir> <steps> <remove_at> <engine config JSON>`` prints one JSON line.
 """
 
@@ -31,6 +33,14 @@ def main() -> None:
         worker = cluster.add_node(num_cpus=0, resources={"worker": 4})
         cluster.wait_for_nodes()
         node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "worker" in n["Resources"])
+        reference = run(
+            base_dir=base,
+            run_name="reference",
+            steps=steps,
+            engine_cfg=engine,
+            memory_tier=True,
+            worker_options={"resources": {"worker": 1}},
+        )
         log = os.path.join(base, "nodes.log.jsonl")
         out: dict = {}
 
@@ -77,6 +87,7 @@ def main() -> None:
                     "removed_at": removed_at,
                     "placed": out.get("placed"),
                     "log": result.log if result else [],
+                    "reference": reference.done,
                 }
             ),
             flush=True,
