@@ -7,6 +7,7 @@ into memory, hashed as it lands, compared, and only then handed on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -155,18 +156,9 @@ def read_verified(
     try:
         # No stat first (one metadata call less per file): the read itself refuses a file larger than the manifest
         # says before reading it, and a shorter one is caught by its length below.
-        data = (storage.read_view if readonly_ok else storage.read)(path, on_chunk=hasher.update, max_bytes=entry.size)
-    except FileTooLargeError as exc:
-        raise CorruptSnapshotError(
-            f"{snapshot_id}/{entry.path}: size {exc.size} != {entry.size} in manifest",
-            snapshot_id=snapshot_id,
-            path=entry.path,
-            problems=["size mismatch"],
-        ) from None
-    except StorageError as exc:
-        raise CorruptSnapshotError(
-            f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path, problems=["unreadable"]
-        ) from exc
+        with _refused(snapshot_id, entry):
+            read = storage.read_view if readonly_ok else storage.read
+            data = read(path, on_chunk=hasher.update, max_bytes=entry.size)
     finally:
         hasher.account(timing, started)
     if len(data) != entry.size:
@@ -190,7 +182,18 @@ def read_verified_into(
     started = time.perf_counter()
     hasher = _Hashing(entry.algo)
     try:
-        storage.read_into(path, pieces, on_chunk=hasher.update)
+        with _refused(snapshot_id, entry):
+            storage.read_into(path, pieces, on_chunk=hasher.update)
+    finally:
+        hasher.account(timing, started)
+    _check_digest(snapshot_id, entry, hasher)
+
+
+@contextlib.contextmanager
+def _refused(snapshot_id: str, entry: FileEntry):
+    """A read of ``entry`` that storage refused, as the snapshot's ``CorruptSnapshotError`` naming the file."""
+    try:
+        yield
     except FileTooLargeError as exc:
         raise CorruptSnapshotError(
             f"{snapshot_id}/{entry.path}: size {exc.size} != {entry.size} in manifest",
@@ -202,9 +205,6 @@ def read_verified_into(
         raise CorruptSnapshotError(
             f"{snapshot_id}/{entry.path}: {exc}", snapshot_id=snapshot_id, path=entry.path, problems=["unreadable"]
         ) from exc
-    finally:
-        hasher.account(timing, started)
-    _check_digest(snapshot_id, entry, hasher)
 
 
 class _Hashing:
