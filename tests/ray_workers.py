@@ -120,7 +120,7 @@ class GlooLearner:
 
     def restore(self) -> tuple:
         result = self.engine.restore()
-        return result.snapshot_id, float(self.model.weight[0, 0]), dict(result.skipped)
+        return result.snapshot_id, float(self.model.weight[0, 0]), dict(result.skipped), dict(result.timings)
 
 
 class GatedStorage(LocalStorage):

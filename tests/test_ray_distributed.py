@@ -41,6 +41,7 @@ def test_one_rank_fails_all_roll_back_together(ray_cluster, tmp_path):
     assert [r[0] for r in results] == ["step_000000001", "step_000000001"]  # both fell back, together
     assert all(r[1] == 1.0 for r in results)
     assert "rank 1" in results[0][2]["step_000000002"]  # rank 0 says why it rolled back
+    assert all(r[3]["agree"] > 0 for r in results)  # the seconds in the ranks' agreement, apart from the load
     ray.kill(mgr)
     for r in ranks:
         ray.kill(r)

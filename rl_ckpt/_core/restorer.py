@@ -107,6 +107,7 @@ class Restorer:
                 reasons=skipped,
             )
         touched: list[str] = []  # components whose objects got a refused file's bytes (read in place)
+        agreeing = 0.0  # seconds in the ranks' agreement: mostly waiting for the slowest rank to get there
         for sid in [plan.target, *plan.fallbacks]:
             result, fatal, error = None, None, None
             try:
@@ -121,9 +122,11 @@ class Restorer:
                 # Every rank loaded its own shards; continue only if all did, and all compute the same
                 # probe outputs. Otherwise all roll back together to the next snapshot.
                 mine = error or (str(fatal) if fatal else None)
+                waited = time.perf_counter()
                 error, fatal_elsewhere = agree_across_ranks(
                     result is not None, mine, fatal is not None, self.loader.probe_outputs, self.config
                 )
+                agreeing += time.perf_counter() - waited
                 if fatal is None and fatal_elsewhere:
                     fatal = RestoreError(
                         f"{sid}: another rank could not load its state: {fatal_elsewhere}", snapshot_id=sid
@@ -136,6 +139,8 @@ class Restorer:
                 log.warning("recovery: %s failed (%s); falling back to the next snapshot", sid, error)
                 continue
             result.plan = plan
+            if agreeing:
+                result.timings["agree"] = agreeing
             plan.followed(sid, skipped)
             if sid != plan.target:
                 result.warnings.append(f"fell back from {plan.target} to {sid}: {skipped[plan.target]}")

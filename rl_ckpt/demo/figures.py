@@ -60,9 +60,11 @@ def crash_figures(run, data: dict, crash_at: int) -> dict[str, Any]:
     phases = (resumed.get("phases") or {}) if resumed else {}
     began = phases.get("began")
     # rl_ckpt's own share of the restart: the workers' pool, the engines, the plan and restore, the workers told
-    # (not the train function's model and optimizer, nor the first training step).
+    # (not the train function's model and optimizer, nor the first training step, nor the restore's wait for the
+    # other learner rank to reach the ranks' agreement: that rank's own start).
     parts = [("began", "pool"), ("learner", "workers_restored")]
     product = sum(phases[b] - phases[a] for a, b in parts) if all(k in phases for p in parts for k in p) else math.nan
+    product -= ((resumed or {}).get("restore_timings") or {}).get("agree", 0.0)
     return {
         "failure": failure,
         "decision": decision,

@@ -203,6 +203,7 @@ def learner_loop(config: dict) -> None:
                 "workers": worker_restores,
                 "tier": tier_name,
                 "restore_seconds": restore_seconds,
+                "restore_timings": dict(result.timings),  # where the restore's time went (plan, read, ...)
                 "skipped": {sid: why[:300] for sid, why in result.skipped.items()},
                 "phases": phases,
                 "plan": str(result.plan) if result.plan is not None else "",
