@@ -94,8 +94,10 @@ class Restorer:
         for a look at an old snapshot that training will not continue from. A plan for a snapshot the
         caller named (``restore(snapshot_id=...)``) retires nothing either.
         """
+        recording = time.perf_counter()
         if plan.decision is not None and record:
             record_decision(self.storage, plan.decision)
+        recording = time.perf_counter() - recording
         skipped = {c.snapshot_id: c.reason for c in plan.candidates if c.status == "skipped"}
         if plan.action == "start_fresh":
             log.info("recovery: %s", plan.reason)
@@ -150,8 +152,11 @@ class Restorer:
                     f"{', '.join(stale)}: read in place from a snapshot refused since, and not in {sid}: their "
                     "objects hold part of the refused snapshot's bytes"
                 )
+            result.timings["record"] = recording
+            retiring = time.perf_counter()
             if retire and not plan.requested:  # a snapshot named by the caller: a look, not a rollback
                 self.registry.topology.after_restore(result, plan, self._retire_newer)
+            result.timings["retire"] = time.perf_counter() - retiring
             return result
         lines = "\n".join(f"  {sid}: {why}" for sid, why in skipped.items())
         held = (

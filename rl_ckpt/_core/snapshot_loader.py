@@ -171,8 +171,9 @@ class SnapshotLoader:
         )
 
     def _manifest(self, sid: str) -> Manifest:
-        """``sid``'s manifest as the catalog parsed it when the plan was made (read only if the catalog lacks it)."""
-        info = self.catalog.get(sid)
+        """``sid``'s manifest as the catalog parsed it when the plan was made; read alone otherwise (a plan the manager
+        made: this process builds no catalog of the whole run just to load one snapshot)."""
+        info = self.catalog.known(sid)
         return info.manifest if info is not None and info.manifest is not None else read_manifest(self.storage, sid)
 
     def _new_rank_gaps(self, manifest: Manifest, missing: list[str]) -> list[NewRankGap]:

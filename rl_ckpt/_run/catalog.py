@@ -202,6 +202,11 @@ class Catalog:
         with self._lock:
             return self._ensure().get(snapshot_id)
 
+    def known(self, snapshot_id: str) -> SnapshotInfo | None:
+        """``snapshot_id``'s entry if the catalog was built already (None otherwise: nothing is listed or read)."""
+        with self._lock:
+            return None if self._infos is None else self._infos.get(snapshot_id)
+
     def add(self, info: SnapshotInfo) -> None:
         """Record a snapshot this process just committed (its manifest is stat-ed, not re-read)."""
         try:
