@@ -91,3 +91,39 @@ def test_memory_durable_storage_lacks_is_not_released_without_force(ray_cluster,
     assert "without a durable copy (--force): step_000000003" in capsys.readouterr().out
     wait_until(lambda: _named(ray, run) == [], "the run's stores gone")
     assert run not in {r["run"] for r in memory_runs()}
+
+
+def test_a_store_that_does_not_say_what_it_holds_stops_the_release(monkeypatch):
+    """With no service to copy what memory holds, a store whose inventory call fails may hold the only copy of a
+    snapshot: the release is refused naming its node (nothing killed), and ``force`` releases it as lost."""
+    import types
+
+    from actors._memory import release
+    from rl_ckpt.errors import CheckpointError
+
+    class Call:
+        def __init__(self, fn):
+            self.remote = fn
+
+    killed = []
+    silent = types.SimpleNamespace(inventory=Call(lambda _p: "inventory"), info=Call(lambda: "info"))
+    answers = {"inventory": RuntimeError("store unreachable"), "info": {"bytes_held": 7}}
+
+    def get(what, timeout=None):
+        if isinstance(answers[what], Exception):
+            raise answers[what]
+        return answers[what]
+
+    def get_actor(name, namespace=None):
+        raise ValueError(name)  # no service, no memory manager
+
+    fake = types.SimpleNamespace(get=get, get_actor=get_actor, kill=lambda h, no_restart: killed.append(h))
+    monkeypatch.setattr(release, "need_ray", lambda: fake)
+    monkeypatch.setattr(release, "_training", lambda *a: [])
+    monkeypatch.setattr(release, "_stores", lambda ns: {("mem", "r"): {"node-a": silent}})
+    with pytest.raises(CheckpointError, match="node-a") as info:
+        release.release_run("r")
+    assert "force" in str(info.value) and killed == []
+    report = release.release_run("r", force=True)
+    assert killed == [silent] and report["stores"]["mem"] == {"node-a": 7}
+    assert any("node-a" in lost for lost in report["lost"])

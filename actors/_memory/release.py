@@ -145,7 +145,16 @@ def release_run(
         else:
             report["lost"] = list(ray.get(service.tick.remote(), timeout=timeout).get("not_flushed") or [])
     else:
-        report["lost"] = _committed_in_memory(run_name, namespace, timeout)
+        report["lost"], silent = _committed_in_memory(run_name, namespace, timeout)
+        if silent and not force:  # what they hold is unknown: it may be the only copy of a snapshot
+            raise CheckpointError(
+                f"run {run_name!r}: the memory store(s) on node(s) {', '.join(silent)} did not say which snapshots "
+                "they hold and no MemoryTierService runs to copy them; nothing was released. Retry, or pass "
+                "force=True (--force)",
+                run=run_name,
+                nodes=sorted(silent),
+            )
+        report["lost"] += [f"(whatever the store on node {node} held: it did not answer)" for node in silent]
     if report["lost"] and not force:
         raise CheckpointError(
             f"run {run_name!r}: memory holds {len(report['lost'])} snapshot(s) durable storage lacks "
@@ -174,7 +183,8 @@ def release_run(
         for node, handle in handles.items():
             try:
                 freed[node] = int(ray.get(handle.info.remote(), timeout=60).get("bytes_held", 0))
-            except Exception:
+            except Exception as exc:  # killed next anyway: only its figure is unknown
+                log.warning("memory store of %s on node %s: no size (%s); released anyway", run_name, node, exc)
                 freed[node] = 0
             ray.kill(handle, no_restart=True)
         report["stores"][kind] = freed
@@ -182,18 +192,20 @@ def release_run(
     return report
 
 
-def _committed_in_memory(run: str, namespace: str, timeout: float) -> list[str]:
+def _committed_in_memory(run: str, namespace: str, timeout: float) -> tuple[list[str], list[str]]:
     """Committed memory snapshots of ``run`` (its ``mem`` stores) when no service can say which durable lacks:
-    all of them count as not copied."""
+    all of them count as not copied. Also the nodes whose store did not answer (what they hold is unknown)."""
     ray = need_ray()
-    out = set()
+    out, silent = set(), []
     for (kind, r), handles in _stores(namespace).items():
         if kind != "mem" or r != run:
             continue
-        for handle in handles.values():
+        for node, handle in handles.items():
             try:
                 files = ray.get(handle.inventory.remote(""), timeout=timeout)
-            except Exception:
+            except Exception as exc:
+                log.warning("memory store of %s on node %s did not list what it holds: %s", run, node, exc)
+                silent.append(node)
                 continue
             out.update(p.split("/", 1)[0] for p in files if p.endswith("/" + MANIFEST_NAME))
-    return sorted(out, key=_order)
+    return sorted(out, key=_order), silent
