@@ -311,3 +311,46 @@ def test_participants_without_light_layers_get_a_plan_that_retires_the_newer_lig
         assert ray.get([p.save.remote(15, "light") for p in group]) == [light] * 2  # saved again, no collision
     finally:
         ray.kill(mgr)
+
+
+def test_memory_tier_deletes_the_failed_timeline_but_not_a_save_of_the_new_one_beside_it():
+    """The memory tier's delete of the failed timeline (by the leading participant, as it restores) removes each
+    newer committed snapshot's manifest and the files it names, and nothing else: another participant that
+    restored sooner may be saving the new timeline's next step into the same folders meanwhile. (On a storage
+    without rename, as the memory stores are: snapshots commit by their create-only manifest.)"""
+    import uuid
+
+    from rl_ckpt._run.delete import delete_committed_after
+
+    state = PPOState(seed=0)
+    engine = state.register(
+        CheckpointEngine(base_dir=f"memory://del-{uuid.uuid4().hex[:8]}", run_name="r", retention=False)
+    )
+    storage = engine.storage
+    assert not storage.supports_rename
+    for step in (2, 4, 6):
+        state.train_step()
+        engine.save(step)
+
+    def files(folder):
+        return {f"{folder}/{e.name}" for e in storage.list(folder) if not e.is_dir} | {
+            p for e in storage.list(folder) if e.is_dir for p in files(f"{folder}/{e.name}")
+        }
+
+    own = files(S(4))
+    # A participant of the new timeline, restored to step 2, already writing its parts of steps 4 and 8.
+    beside = [f"{S(4)}/w-new/learner-1/progress.json", f"{S(8)}/w-new/learner-1/progress.json"]
+    for rel in beside:
+        storage.write_atomic(rel, b'{"step": 1}')
+    storage.write_atomic(f"{S(6)}/meta.json", b"{not json")  # a damaged manifest of the failed timeline
+
+    assert delete_committed_after(storage, 2) == [S(4), S(6)]
+    assert all(bytes(storage.read(rel)) == b'{"step": 1}' for rel in beside)  # the new timeline's files stay
+    assert not any(storage.exists(rel) for rel in own)  # step 4's own files and manifest are gone
+    assert not storage.exists(f"{S(6)}/meta.json")
+    assert [s.snapshot_id for s in Catalog(storage).snapshots()] == [S(2)]
+    assert verify_snapshot(storage, S(2)).ok
+    assert delete_committed_after(storage, 2) == []  # nothing committed is left to delete
+    state.train_step()
+    assert engine.save(4).snapshot_id == S(4)  # the new timeline commits the step the failed one held
+    assert bytes(storage.read(beside[0])) == b'{"step": 1}'

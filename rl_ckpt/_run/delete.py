@@ -4,11 +4,15 @@ failed timeline's snapshot into ``history/retired/`` and keeps it."""
 
 from __future__ import annotations
 
-from rl_ckpt.errors import StorageError
-from rl_ckpt._format.manifest import MANIFEST_NAME
+import logging
+
+from rl_ckpt.errors import CheckpointError, StorageError
+from rl_ckpt._format.manifest import MANIFEST_NAME, parse_snapshot_id
 from rl_ckpt._run.layout import TRASH
 from rl_ckpt._storage import Storage, join
 from rl_ckpt._storage.base import unique_suffix
+
+log = logging.getLogger("rl_ckpt")
 
 
 def delete_snapshot(storage: Storage, snapshot_id: str) -> bool:
@@ -40,3 +44,39 @@ def delete_snapshot(storage: Storage, snapshot_id: str) -> bool:
     storage.remove(join(snapshot_id, MANIFEST_NAME))
     storage.remove_tree(snapshot_id)
     return not gone
+
+
+def delete_committed_after(storage: Storage, step: int) -> list[str]:
+    """Delete the committed snapshots of a step after ``step`` (a timeline that failed), each manifest first, then
+    only the files that manifest names; returns their ids.
+
+    Nothing else in a snapshot's folder is touched: while this runs, a participant of the timeline that goes on
+    may already be saving a step after ``step`` into that folder or another, under file names of its own (it
+    restored sooner and went on; its snapshot cannot commit before this process saves its own part). Folders
+    without a manifest (such a save, or debris of the failed timeline) are left to the storage's budget or
+    ``rl-ckpt gc``. A manifest that cannot be read is removed alone (it belongs to the failed timeline and would
+    stop the save of its step); one snapshot that cannot be deleted is logged and the others go on.
+    """
+    from rl_ckpt._run.snapshot_files import read_manifest
+
+    deleted = []
+    for entry in storage.list(""):
+        parsed = parse_snapshot_id(entry.name) if entry.is_dir else None
+        if parsed is None or parsed[0] <= step or not storage.exists(join(entry.name, MANIFEST_NAME)):
+            continue
+        sid = entry.name
+        try:
+            try:
+                files = [join(sid, f.path) for f in read_manifest(storage, sid).files]
+            except CheckpointError as exc:
+                files = []
+                log.warning(
+                    "%s (newer than step %d): its manifest is unreadable (%s); removing it alone", sid, step, exc
+                )
+            storage.remove(join(sid, MANIFEST_NAME))  # no longer committed: nobody lists it
+            for path in files:
+                storage.remove(path)
+            deleted.append(sid)
+        except CheckpointError as exc:
+            log.warning("could not delete %s (newer than step %d) of the failed timeline: %s", sid, step, exc)
+    return deleted

@@ -30,7 +30,7 @@ from rl_ckpt._core.engine import CheckpointEngine, RestoreResult
 from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
 from rl_ckpt._format.manifest import parse_snapshot_id
 from rl_ckpt._recovery.tiers import TieredPlan, plan_across_tiers
-from rl_ckpt._run.delete import delete_snapshot
+from rl_ckpt._run.delete import delete_committed_after
 from rl_ckpt._run.retention import KeepLatest
 from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
 from rl_ckpt._run.tiers import DURABLE, MEMORY
@@ -228,16 +228,14 @@ class MemoryTier:
             )
 
     def _retire_newer(self, step: int) -> None:
-        if self.memory.rank != 0:
+        """Memory snapshots of a step after ``step`` belong to the timeline that failed: the participant that
+        leads deletes the committed ones (``delete_committed_after``: only what their manifests name, since
+        another participant may already be saving the new timeline's next step beside them)."""
+        if not self.memory.topology.leads:
             return
-        storage = self.memory.storage
-        for entry in storage.list(""):
-            parsed = parse_snapshot_id(entry.name)
-            if entry.is_dir and parsed is not None and parsed[0] > step:
-                try:
-                    delete_snapshot(storage, entry.name)
-                except CheckpointError as exc:
-                    log.warning("could not retire memory snapshot %s of the failed timeline: %s", entry.name, exc)
+        retired = delete_committed_after(self.memory.storage, step)
+        if retired:
+            log.info("memory tier: deleted %s of the failed timeline (newer than step %d)", ", ".join(retired), step)
 
     def close(self) -> None:
         """Wait for the memory snapshot in flight and close both engines."""
