@@ -72,6 +72,10 @@ class Participant:
             self.model.weight.fill_(float(step))
         return self.engine.save(step, metrics={"avg_reward": float(step)}, kind=kind).snapshot_id
 
+    def resize(self, nbytes: int) -> None:
+        """Its own state grows (or shrinks) to ``nbytes``: the next snapshot carries that much of it."""
+        self.env.obs = np.zeros(nbytes // 4, dtype=np.float32)
+
     def save_async(self, step: int):
         self.env.set_step(step)
         return self.engine.save_async(step, metrics={"avg_reward": float(step)})

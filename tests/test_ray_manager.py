@@ -49,26 +49,22 @@ def test_sharded_commit_sends_only_metadata(ray_cluster, run):
     ray = ray_cluster
     name, base, make = run
     mgr = make()
-    small = _group(ray, base, name, mgr, 64 * 1024)
-    assert ray.get([p.save.remote(1) for p in small]) == ["step_000000001"] * 4
-    big_name = name + "-big"
-    from actors import CheckpointManager
-
-    big_mgr = CheckpointManager.get_or_create(run_name=big_name, base_dir=base)
-    big = _group(ray, base, big_name, big_mgr, 16 * 1024 * 1024)
-    assert ray.get([p.save.remote(1) for p in big]) == ["step_000000001"] * 4
-    small_bytes = ray.get(mgr.stats.remote())["bytes_received"]["step_000000001"]
-    big_bytes = ray.get(big_mgr.stats.remote())["bytes_received"]["step_000000001"]
+    group = _group(ray, base, name, mgr, 64 * 1024)
+    assert ray.get([p.save.remote(1) for p in group]) == ["step_000000001"] * 4
+    ray.get([p.resize.remote(16 * 1024 * 1024) for p in group])  # 4 x 16 MiB of state from now on
+    assert ray.get([p.save.remote(2) for p in group]) == ["step_000000002"] * 4
+    received = ray.get(mgr.stats.remote())["bytes_received"]
+    small_bytes, big_bytes = received["step_000000001"], received["step_000000002"]
     assert big_bytes < 64 * 1024 and small_bytes < 64 * 1024  # 4 x 16 MiB of state, a few KiB through the manager
     assert abs(big_bytes - small_bytes) < 1024  # independent of the state size
-    snaps = ray.get(big_mgr.snapshots.remote())
-    assert [s["snapshot_id"] for s in snaps] == ["step_000000001"]
-    meta = json.loads(open(f"{base}/{big_name}/step_000000001/meta.json").read())
+    snaps = ray.get(mgr.snapshots.remote())
+    assert [s["snapshot_id"] for s in snaps] == ["step_000000001", "step_000000002"]
+    meta = json.loads(open(f"{base}/{name}/step_000000002/meta.json").read())
     assert {f["path"].split("/")[0] for f in meta["files"]} == {"shared", *PARTS}
     assert sum(1 for f in meta["files"] if f["path"].startswith("shared/policy")) == 2  # written once, by rank 0
-    restored = ray.get([p.restore.remote() for p in big])
-    assert all(r[:3] == ("step_000000001", 1, 1) for r in restored)
-    ray.kill(big_mgr)
+    assert sum(f["size"] for f in meta["files"]) > 4 * 16 * 1024 * 1024  # the state went to storage directly
+    restored = ray.get([p.restore.remote() for p in group])
+    assert all(r[:3] == ("step_000000002", 2, 2) for r in restored)
 
 
 def test_killed_rollout_worker_means_no_commit_and_the_next_one_commits(ray_cluster, run):
