@@ -62,12 +62,13 @@ def delete_committed_after(storage: Storage, step: int) -> list[str]:
     deleted = []
     for entry in storage.list(""):
         parsed = parse_snapshot_id(entry.name) if entry.is_dir else None
-        if parsed is None or parsed[0] <= step or not storage.exists(join(entry.name, MANIFEST_NAME)):
+        manifest = storage.stat(join(entry.name, MANIFEST_NAME)) if parsed is not None and parsed[0] > step else None
+        if manifest is None:
             continue
         sid = entry.name
         try:
             try:
-                files = [join(sid, f.path) for f in read_manifest(storage, sid).files]
+                files = [join(sid, f.path) for f in read_manifest(storage, sid, size=manifest.size).files]
             except CheckpointError as exc:
                 files = []
                 log.warning(
