@@ -22,6 +22,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 pytestmark = [pytest.mark.ray]
 
@@ -91,17 +92,45 @@ def run(ray_cluster, tmp_path_factory):
     fresh.stop()
 
 
-def test_restore_is_exact_and_keeps_the_sampled_steps_counter(run):
+def _module_weights(algo) -> dict:
+    learner = algo.learner_group._learner  # num_learners=0: the learner of this process
+    return {k: v.clone() for k, v in learner.module["default_policy"].state_dict().items()}
+
+
+def _stored_module(base, sid: str) -> dict:
+    from rl_ckpt._core.reader import load_component
+    from rl_ckpt._run.snapshot_files import read_manifest
+    from rl_ckpt._storage import open_storage
+
+    storage = open_storage(str(base / "ppo"))
+    return load_component(storage, read_manifest(storage, sid), "module-default_policy")
+
+
+def test_restore_is_exact_and_keeps_the_sampled_steps_counter(run, monkeypatch):
     from rl_ckpt import CheckpointEngine
     from rl_ckpt.demo.rllib_drill import digest, learner_state
     from rl_ckpt.integrations.rllib import register_algorithm, restore_algorithm
 
     algo = run.fresh
     lines: list[str] = []
+    module_states = []
+    set_state = algo.learner_group.set_state
+
+    def recording(state, *args, **kwargs):
+        module_states.append((state.get("learner") or {}).get("rl_module"))
+        return set_state(state, *args, **kwargs)
+
+    monkeypatch.setattr(algo.learner_group, "set_state", recording)
     with CheckpointEngine(base_dir=str(run.base), run_name="ppo") as engine:
         register_algorithm(engine, algo)
         result = restore_algorithm(algo, engine, out=lines.append)
+    monkeypatch.undo()
     assert result.snapshot_id == "step_000000002" and algo.training_iteration == 2
+    # The weights were read straight into the learner's module: RLlib's set_state had none left to copy.
+    assert not [s for s in module_states if s], module_states
+    stored = _stored_module(run.base, "step_000000002")
+    got = _module_weights(algo)
+    assert got.keys() == stored.keys() and all(torch.equal(got[k], torch.as_tensor(stored[k])) for k in got)
     assert run.lifetime == 256  # two iterations of 128 steps
     # RLlib syncs the EnvRunners from the Algorithm's counter: restored first, it is the saved one everywhere.
     assert _lifetimes(algo) == [run.lifetime] * 3
@@ -183,3 +212,27 @@ def test_forged_filter_state_is_refused_and_never_unpickled(run, tmp_path, capsy
     assert result.snapshot_id == "step_000000001"
     why = result.skipped["step_000000002"]
     assert key in why and "component 'algorithm'" in why, why
+
+
+def test_a_damaged_module_file_read_into_the_module_falls_back_and_leaves_the_older_weights(run, tmp_path):
+    """The weights are read straight into the learner's module and hashed as they land: a flipped byte in the
+    newest snapshot's module file is found after its bytes are in the module, and the fallback's restore writes
+    the older snapshot's weights over them, bitwise."""
+    from rl_ckpt import CheckpointEngine
+    from rl_ckpt.integrations.rllib import register_algorithm, restore_algorithm
+
+    shutil.copytree(run.base / "ppo", tmp_path / "ppo")
+    module_file = tmp_path / "ppo" / "step_000000002" / "module-default_policy.safetensors"
+    data = bytearray(module_file.read_bytes())
+    data[len(data) - 5] ^= 0xFF  # in the last weight's bytes
+    module_file.write_bytes(bytes(data))
+    with CheckpointEngine(base_dir=str(tmp_path), run_name="ppo") as engine:
+        register_algorithm(engine, run.fresh)
+        result = restore_algorithm(run.fresh, engine, out=None)
+    assert result.snapshot_id == "step_000000001"
+    assert "checksum" in result.skipped["step_000000002"], result.skipped
+    stored = _stored_module(run.base, "step_000000001")
+    got = _module_weights(run.fresh)
+    assert got.keys() == stored.keys() and all(torch.equal(got[k], torch.as_tensor(stored[k])) for k in got)
+    newer = _stored_module(run.base, "step_000000002")
+    assert not all(torch.equal(got[k], torch.as_tensor(newer[k])) for k in got)  # not a vacuous comparison

@@ -1350,29 +1350,6 @@ def test_s3_create_only_refused_without_if_none_match_support(s3_url, monkeypatc
     assert not store.exists("n/meta.json")
 
 
-def test_s3_test_server_keeps_a_body_whose_checksum_is_wrong(s3_url):
-    """Why verify-after-write reads the object back on S3 instead of trusting per-part checksums: the test
-    server (moto) stores a body whose ``x-amz-checksum-sha256`` is wrong, where S3 answers ``BadDigest``. A
-    verify that rested on the server's check would prove nothing against it. Should moto start checking, this
-    fails, and the choice in docs/storage.md can be revisited."""
-    import base64
-    import hashlib
-
-    url, options = s3_url
-    store = S3Storage(url, {**options, "skip_instance_cache": True})
-    bucket, prefix = url[len("s3://") :].split("/", 1)
-    wrong = base64.b64encode(hashlib.sha256(b"other bytes").digest()).decode()
-    store.fs.call_s3(
-        "put_object",
-        Bucket=bucket,
-        Key=f"{prefix}/c.bin",
-        Body=b"payload",
-        ChecksumSHA256=wrong,
-        ChecksumAlgorithm="SHA256",
-    )
-    assert bytes(store.read("c.bin")) == b"payload"  # accepted and stored
-
-
 def test_s3_client_defaults(s3_url):
     url, options = s3_url
     store = S3Storage(url, {**options, "skip_instance_cache": True})

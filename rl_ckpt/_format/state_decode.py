@@ -65,9 +65,11 @@ def decode_state(tree: Any, arrays: Mapping[str, Any], tables: Mapping[str, Any]
         raise CorruptSnapshotError(f"{where}: {msg}", problems=[msg], path=where) from None
 
 
-def tensor_refs(tree: Any) -> list[tuple[tuple, str]]:
-    """``(path, name)`` of each whole stored tensor (``{"$tensor": name}``) in ``tree``: the keys and indexes that
-    lead to it in the state ``decode_state`` rebuilds (a ``$param``'s tensor counts at the parameter's place).
+def tensor_refs(tree: Any, *, ndarrays: bool = False) -> list[tuple[tuple, str]]:
+    """``(path, name)`` of each whole stored tensor (``{"$tensor": name}``; with ``ndarrays``, each NumPy array
+    ``{"$ndarray": name}`` too, which ``decode_state`` makes a view of its stored tensor) in ``tree``: the keys and
+    indexes that lead to it in the state ``decode_state`` rebuilds (a ``$param``'s tensor counts at the parameter's
+    place).
     Nothing is decoded or trusted here: parts that are not plain containers of such tensors are passed over, and
     ``decode_state`` judges the whole tree as always."""
     out: list[tuple[tuple, str]] = []
@@ -89,7 +91,7 @@ def tensor_refs(tree: Any) -> list[tuple[tuple, str]]:
         if len(node) == 1:
             ((tag, val),) = node.items()
             if tag.startswith("$"):
-                if tag == "$tensor" and isinstance(val, str):
+                if (tag == "$tensor" or (ndarrays and tag == "$ndarray")) and isinstance(val, str):
                     out.append((path, val))
                 elif tag == "$param" and isinstance(val, list) and len(val) == 2:
                     walk(val[0], path, depth + 1)

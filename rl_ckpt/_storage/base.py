@@ -179,6 +179,13 @@ class Storage(abc.ABC):
         use :meth:`write_atomic`.
         """
 
+    def write_attested(self, path: str, size: int) -> bool:
+        """Whether the storage itself checked that the last :meth:`write` of ``path`` (``size`` bytes) stored exactly
+        the bytes it was handed, so verify-after-write need not read it back (asked once per write: it forgets the
+        answer). False unless the backend can show it: S3 when the endpoint was seen to refuse a body whose
+        checksum is wrong and every part of the write carried one (``rl_ckpt._storage.s3``)."""
+        return False
+
     @abc.abstractmethod
     def write_atomic(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         """Publish a small standalone file all-or-nothing (temp + fsync + rename, or one PUT)."""

@@ -35,15 +35,25 @@
   straight in the buffer returned (no HEAD: the first answer's ``Content-Range`` tells the size).
   ``read(max_bytes=N)`` asks for the first N bytes only and refuses a larger object from the size
   S3 states, so no more than the cap is ever read.
+- Checksums the server checks: each part and PUT of a ``write`` carries the SHA-256 (storage option
+  ``server_checksums``: ``"sha256"``, ``"crc32"``, or ``False``) of its body, computed from the memory
+  sent. Before the first such write, one probe PUT with a wrong checksum (no retries) shows whether
+  the endpoint refuses it (``BadDigest``), as S3 does; then ``write_attested`` answers True for the
+  object, and verify-after-write does not read it back. An endpoint that stores the probe (moto,
+  some S3-compatible stores) does not check: the probe object is deleted, and objects are read
+  back. The answer is kept per endpoint and bucket for the process.
 - The client skips botocore's SHA-256 of every request body over plain-HTTP endpoints
-  (``payload_signing_enabled=False``, what it does over HTTPS) and its CRC32 of every body
-  (``request_checksum_calculation="when_required"``): verify-after-write reads the object back
-  and re-hashes it, which checks what both would, end to end. A caller's ``config_kwargs`` win
-  (with ``"when_supported"``, each part and PUT carries the CRC32 of its body, computed here).
+  (``payload_signing_enabled=False``, what it does over HTTPS) and its own CRC32 of every body
+  (``request_checksum_calculation="when_required"``): the checksums above, or the read-back, check
+  what both would, end to end. A caller's ``config_kwargs`` win (with ``"when_supported"`` and
+  ``server_checksums=False``, each part and PUT carries the CRC32 of its body, not trusted).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import threading
 import time
 import uuid
 from typing import Iterable
@@ -52,11 +62,26 @@ from rl_ckpt.errors import ConfigError, StorageError
 from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists
 from rl_ckpt._storage.s3_reads import S3Reads
 from rl_ckpt._storage.s3_view import ReadSessions, S3Views
-from rl_ckpt._storage.s3_transfer import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES, Transfer
+from rl_ckpt._storage.s3_transfer import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_BYTES,
+    REFUSED_DIGEST,
+    Transfer,
+    b64,
+    raw_checksum,
+)
+
+log = logging.getLogger(__name__)
 
 _TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
 _CONFLICT_RETRIES = 8
 _DELETE_BATCH = 1000
+
+
+_SERVER_CHECKSUMS = {"sha256": "SHA256", "crc32": "CRC32"}
+# (endpoint, bucket, algorithm) -> whether the endpoint refused a body whose checksum was wrong, for this process
+_ENDPOINT_CHECKS: dict[tuple[str, str, str], bool] = {}
+_ENDPOINT_CHECKS_LOCK = threading.Lock()
 
 
 def _is_busy(exc: BaseException) -> bool:
@@ -74,12 +99,25 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
         super().__init__(url, storage_options)
         self._conditional_put: bool | None = None
         self._reads = ReadSessions()
+        self._attested: dict[str, int] = {}  # path -> size of its last write the server checked
+        self._attested_lock = threading.Lock()
 
     def write_stream_atomic(self, path: str, chunks) -> int:
         # An object appears only when its (multipart) upload completes; an abandoned upload is aborted.
         return self.write(path, chunks, durable=True)
 
     def _options(self, options: dict) -> dict:
+        wanted = options.pop("server_checksums", "sha256")
+        if wanted is False or wanted is None:
+            self._server_checksum: str | None = None
+        elif isinstance(wanted, str) and wanted.lower() in _SERVER_CHECKSUMS:
+            self._server_checksum = _SERVER_CHECKSUMS[wanted.lower()]
+        else:
+            raise ConfigError(
+                f'storage option \'server_checksums\': got {wanted!r}; allowed: "sha256", "crc32" or false',
+                key="server_checksums",
+                allowed="sha256 | crc32 | false",
+            )
         options.setdefault("use_listings_cache", False)
         options.setdefault("default_block_size", DEFAULT_PART_BYTES)
         options.setdefault("max_concurrency", DEFAULT_CONCURRENCY)
@@ -102,19 +140,74 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
         s3_config.setdefault("payload_signing_enabled", False)
         config["s3"] = s3_config
         options["config_kwargs"] = config
+        self._fs_options = copy.deepcopy(options)  # for the probe's client of its own
         return options
 
-    def _transfer(self, full: str) -> Transfer:
+    def _transfer(self, full: str, checksum: str | None = None) -> Transfer:
         bucket, key, _ = self.fs.split_path(full)
-        crc32 = getattr(self.fs.s3.meta.config, "request_checksum_calculation", None)
         return Transfer(
             self.fs,
             bucket,
             key,
             part_bytes=int(self.fs.default_block_size),
             concurrency=int(self.fs.max_concurrency),
-            crc32=crc32 != "when_required",
+            checksum=checksum,
         )
+
+    # -- checksums the server checks ------------------------------------------------------------------
+    def endpoint_checks_checksums(self) -> bool:
+        """Whether this endpoint refuses a body whose checksum (``server_checksums``) is wrong: probed once per
+        process, endpoint and bucket (one PUT, no retries), before the first write that relies on it."""
+        if self._server_checksum is None:
+            return False
+        bucket, _, _ = self.fs.split_path(self.root)
+        opts = self._fs_options
+        endpoint = str(opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or "aws")
+        key = (endpoint, bucket, self._server_checksum)
+        with _ENDPOINT_CHECKS_LOCK:  # the writers of a process wait for one probe
+            if key not in _ENDPOINT_CHECKS:
+                _ENDPOINT_CHECKS[key] = self._probe_checksums(bucket)
+            return _ENDPOINT_CHECKS[key]
+
+    def _probe_checksums(self, bucket: str) -> bool:
+        import s3fs
+
+        options = copy.deepcopy(self._fs_options)
+        options["config_kwargs"]["retries"] = {"mode": "standard", "max_attempts": 1}  # botocore retries BadDigest
+        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        _, prefix, _ = fs.split_path(self.root)
+        probe = f"{prefix}/.rl-ckpt-checksum-probe-{uuid.uuid4().hex}".lstrip("/")
+        body = b"rl-ckpt: does this endpoint refuse a body whose checksum is wrong?"
+        algo = self._server_checksum
+        wrong = b64(raw_checksum(algo, [memoryview(body + b"!")]))
+        try:
+            fs.call_s3("put_object", Bucket=bucket, Key=probe, Body=body, **{f"Checksum{algo}": wrong})
+        except Exception as exc:  # noqa: BLE001 - any refusal but the one asked about means "does not check"
+            code, _status = client_error(exc)
+            if code in REFUSED_DIGEST:
+                return True
+            log.info(
+                "%s: the checksum probe failed (%s: %s); objects are read back to verify them",
+                self.url,
+                type(exc).__name__,
+                exc,
+            )
+            return False
+        log.info(
+            "%s: the endpoint stored a body whose %s is wrong (it does not check checksums); verify-after-write "
+            "reads objects back",
+            self.url,
+            algo,
+        )
+        try:
+            fs.call_s3("delete_object", Bucket=bucket, Key=probe)
+        except Exception as exc:  # noqa: BLE001 - a stray probe object is harmless; say so
+            log.warning("%s: could not delete the checksum probe s3://%s/%s: %s", self.url, bucket, probe, exc)
+        return False
+
+    def write_attested(self, path: str, size: int) -> bool:
+        with self._attested_lock:
+            return self._attested.pop(path, None) == size
 
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
@@ -127,9 +220,27 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
             finally:
                 self._reads.changed()
         full = self._abs(path)
+        with self._attested_lock:
+            self._attested.pop(path, None)
+        try:
+            checked = self.endpoint_checks_checksums()
+        except Exception as exc:  # noqa: BLE001 - the probe could not run: no checksum is trusted
+            log.info("%s: the checksum probe failed (%s); objects are read back to verify them", self.url, exc)
+            checked = False
+        checksum = self._server_checksum if checked else None
+        if (
+            checksum is None
+            and getattr(self.fs.s3.meta.config, "request_checksum_calculation", None) != "when_required"
+        ):
+            checksum = "CRC32"  # the caller's config asks for a checksum of every body (not trusted)
+        transfer = self._transfer(full, checksum)
         try:
             # errors of the producer propagate unchanged; a request's become a StorageError naming the path
-            return self._transfer(full).upload(chunks, lambda exc: self._error(exc, "cannot upload", path))
+            size = transfer.upload(chunks, lambda exc: self._error(exc, "cannot upload", path))
+            if checked and transfer.checked:
+                with self._attested_lock:
+                    self._attested[path] = size
+            return size
         except StorageError:
             raise
         finally:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import queue
 import threading
 import weakref
@@ -29,7 +30,9 @@ import zlib
 from typing import Callable, Iterable, Sequence
 
 from rl_ckpt.errors import StorageError
+from rl_ckpt._storage.fsspec_store import client_error
 
+REFUSED_DIGEST = ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch")  # "the body does not match"
 DEFAULT_PART_BYTES = 8 * 1024 * 1024
 DEFAULT_CONCURRENCY = 16
 MIN_PART_BYTES = 5 * 1024 * 1024  # S3's smallest part (but the last)
@@ -110,12 +113,29 @@ def zero_copy(client) -> None:
     _ZERO_COPY.add(client)
 
 
-def crc32_b64(views: Sequence[memoryview]) -> str:
-    """S3's ``x-amz-checksum-crc32`` of the concatenated views."""
-    crc = 0
+CHECKSUMS = ("CRC32", "SHA256")  # what a part or PUT can carry (S3's ``ChecksumAlgorithm``), from the stdlib
+
+
+def raw_checksum(algo: str, views: Sequence[memoryview]) -> bytes:
+    """S3's ``algo`` checksum (``CHECKSUMS``) of the concatenated views, as raw bytes."""
+    if algo == "CRC32":
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        return crc.to_bytes(4, "big")
+    hasher = hashlib.sha256()
     for view in views:
-        crc = zlib.crc32(view, crc)
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+        hasher.update(view)
+    return hasher.digest()
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def composite(algo: str, parts: Sequence[bytes]) -> str:
+    """The checksum S3 states for a multipart object: the checksum of the parts' raw checksums, ``-<parts>``."""
+    return f"{b64(raw_checksum(algo, [memoryview(p) for p in parts]))}-{len(parts)}"
 
 
 def _coalesce(views: list[memoryview]) -> list[memoryview]:
@@ -138,9 +158,16 @@ def _coalesce(views: list[memoryview]) -> list[memoryview]:
 class Transfer:
     """Transfers of one object on ``fs`` (an ``s3fs.S3FileSystem``): its loop, client and settings."""
 
-    def __init__(self, fs, bucket: str, key: str, *, part_bytes: int, concurrency: int, crc32: bool) -> None:
+    def __init__(self, fs, bucket: str, key: str, *, part_bytes: int, concurrency: int, checksum: str | None) -> None:
+        """``checksum``: each part and PUT carries its ``CRC32`` or ``SHA256`` (``CHECKSUMS``), computed here from
+        the very memory sent; None: none."""
+        if checksum is not None and checksum not in CHECKSUMS:
+            raise ValueError(f"checksum {checksum!r}: allowed {CHECKSUMS} or None")
         self.fs, self.bucket, self.key = fs, bucket, key
-        self.part_bytes, self.concurrency, self.crc32 = part_bytes, concurrency, crc32
+        self.part_bytes, self.concurrency, self.checksum = part_bytes, concurrency, checksum
+        # After an upload: every request of it carried a checksum of its body and succeeded, and the composite the
+        # server stated (if it stated one) matched ours.
+        self.checked = False
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
@@ -166,6 +193,7 @@ class Transfer:
                 raise error(exc) from exc
 
         _request(lambda: self._run(self._client()).result())
+        self.checked = False
         pending: list[memoryview] = []
         filled = 0
         total = 0
@@ -184,6 +212,7 @@ class Transfer:
                         pending, filled = [], 0
             if parts.upload_id is None:
                 _request(lambda: self._run(self._put(pending)).result())
+                self.checked = self.checksum is not None
                 return total
             if pending:
                 _request(lambda: parts.send(pending))
@@ -191,12 +220,25 @@ class Transfer:
         except BaseException:
             parts.abort()
             raise
+        self.checked = self.checksum is not None
         return total
 
     async def _put(self, views: list[memoryview]) -> None:
         body = Body(_coalesce(views))
-        extra = {"ChecksumCRC32": crc32_b64(body.views)} if self.crc32 else {}
-        await self._call("put_object", Body=body, **extra)
+        extra = {f"Checksum{self.checksum}": b64(raw_checksum(self.checksum, body.views))} if self.checksum else {}
+        await self.checked_call("put_object", body, **extra)
+
+    async def checked_call(self, method: str, body: Body, **kw) -> dict:
+        """Send ``body``; one the server refuses as not matching its checksum (``BadDigest``: damaged on the way)
+        is sent again from the same memory, ``ATTEMPTS`` times in all."""
+        for attempt in range(ATTEMPTS):
+            try:
+                return await self._call(method, Body=body, **kw)
+            except Exception as exc:
+                if attempt + 1 == ATTEMPTS or not _refused_digest(exc):
+                    raise
+                body.seek(0)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- reads ---------------------------------------------------------------------------------------
     def fetch(
@@ -328,6 +370,11 @@ def gathered(start: int, views: Iterable[memoryview], part: int) -> list[tuple[i
     return pieces
 
 
+def _refused_digest(exc: BaseException) -> bool:
+    """The server refused a body as not matching the checksum sent with it (S3 ``BadDigest``)."""
+    return client_error(exc)[0] in REFUSED_DIGEST
+
+
 def _same_version(state: dict, resp: dict, transfer: Transfer) -> None:
     etag = resp.get("ETag")
     if state["etag"] is None:
@@ -349,19 +396,23 @@ class _Parts:
         self.futures: list = []
         self.slots = threading.Semaphore(transfer.concurrency)
         self.failed: list[BaseException] = []
+        self.sums: list[bytes] = []  # each part's raw checksum, in part order
 
     def send(self, views: list[memoryview]) -> None:
         t = self.t
         if self.upload_id is None:
-            extra = {"ChecksumAlgorithm": "CRC32"} if t.crc32 else {}
+            extra = {"ChecksumAlgorithm": t.checksum} if t.checksum else {}
             self.upload_id = t._run(t._call("create_multipart_upload", **extra)).result()["UploadId"]
         self.slots.acquire()  # at most ``concurrency`` parts in flight: the producer waits here
         if self.failed:
             self.slots.release()
             raise self.failed[0]
         body = Body(_coalesce(views))
-        crc = crc32_b64(body.views) if t.crc32 else None
-        future = t._run(self._put(len(self.futures) + 1, body, crc))
+        extra = {}
+        if t.checksum:  # from the memory about to be sent, on this thread while earlier parts are in flight
+            self.sums.append(raw_checksum(t.checksum, body.views))
+            extra = {f"Checksum{t.checksum}": b64(self.sums[-1])}
+        future = t._run(self._put(len(self.futures) + 1, body, extra))
         future.add_done_callback(self._landed)
         self.futures.append(future)
 
@@ -370,16 +421,26 @@ class _Parts:
             self.failed.append(future.exception())
         self.slots.release()
 
-    async def _put(self, number: int, body: Body, crc: str | None) -> dict:
-        extra = {"ChecksumCRC32": crc} if crc else {}
-        out = await self.t._call("upload_part", UploadId=self.upload_id, PartNumber=number, Body=body, **extra)
+    async def _put(self, number: int, body: Body, extra: dict) -> dict:
+        out = await self.t.checked_call("upload_part", body, UploadId=self.upload_id, PartNumber=number, **extra)
         return {"PartNumber": number, "ETag": out["ETag"], **extra}
 
     def complete(self) -> None:
         done = [f.result() for f in self.futures]  # the first failure raises
         t = self.t
-        t._run(t._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": done})).result()
+        out = t._run(
+            t._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": done})
+        ).result()
         self.upload_id = None
+        stated = out.get(f"Checksum{t.checksum}") if t.checksum else None
+        if stated and "-" in stated and stated != composite(t.checksum, self.sums):
+            # S3 assembled an object from parts other than the ones sent, in another order: never trust it
+            raise StorageError(
+                f"s3://{t.bucket}/{t.key}: the server states the {t.checksum} {stated} for the object assembled "
+                f"from its {len(self.sums)} parts, not {composite(t.checksum, self.sums)} (the checksums of the "
+                "parts sent, in order); the write failed",
+                path=t.key,
+            )
 
     def abort(self) -> None:
         """Abort the upload (nothing half-written may be published; ``gc`` aborts what this could not)."""

@@ -97,16 +97,55 @@ def _module_part(algo: Any, mid: str) -> AlgorithmPart:
         return a.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}/{mid}")[LEARNER][RL_MODULE][mid]
 
     def put(a: Any, weights: dict) -> None:
+        live = live_tensors(a)
+        if live is not None and weights.keys() == live.keys() and all(_in_place(weights[k], live[k]) for k in live):
+            return  # the restore read every weight straight into the module's own tensors: nothing to copy
         # Into the learner only: ``Algorithm.set_state`` would also sync the weights to the EnvRunners (a copy of
         # every weight and a send per module) which they ignore (see ``push_weights``); ``restore_algorithm``
         # sends them once, after every part is loaded.
         a.learner_group.set_state({LEARNER: {RL_MODULE: {mid: weights}}})
 
+    def live_tensors(a: Any = algo) -> dict | None:
+        """The module's own tensors by name, when its state is exactly them and RLlib's ``set_state`` would only
+        copy a weight into each (a torch RLModule of the learner in this process, keeping RLlib's get_state and
+        set_state): the restore reads the stored weights straight into them (``_core.reader.own_slots``)."""
+        from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
+
+        learner = local_learner(a)
+        module = learner.module[mid] if learner is not None and mid in learner.module.keys() else None
+        if (
+            not isinstance(module, TorchRLModule)
+            or type(module).get_state is not TorchRLModule.get_state
+            or type(module).set_state is not TorchRLModule.set_state
+        ):
+            return None
+        return module.state_dict()
+
     part = AlgorithmPart(algo, "module", get, put, f"RLModule {mid!r}")
     # RLlib's module set_state copies every weight into the module's parameters (torch's load_state_dict): the
     # reader may hand it views of the bytes it read, without a copy of its own.
     part.copies_on_load = True
+    part.live_tensors = live_tensors
     return part
+
+
+def _in_place(value: Any, tensor: Any) -> bool:
+    """Whether ``value`` (a tensor, or the NumPy array RLlib's weights are stored as, decoded as a view of the
+    stored tensor) is ``tensor``'s very memory (the restore read into it), not a copy of its bytes."""
+    import torch
+
+    if isinstance(value, np.ndarray) and value.flags.c_contiguous:
+        try:
+            value = torch.from_numpy(value)  # a view: the same memory
+        except (TypeError, ValueError):
+            return False
+    return (
+        isinstance(value, torch.Tensor)
+        and value.data_ptr() == tensor.data_ptr()
+        and value.shape == tensor.shape
+        and value.dtype == tensor.dtype
+        and value.stride() == tensor.stride()
+    )
 
 
 def _algorithm_put(a: Any, state: dict) -> None:

@@ -1,7 +1,7 @@
 """What every local S3 test endpoint shares (moto's server on 127.0.0.1): the test suite's
 ``tests/s3_server.py``, the fault suite and ``rl-ckpt bench s3`` build theirs with :func:`start_moto`.
 
-    python -m rl_ckpt.tools.s3_endpoint [--port 0] [--in-memory]
+    python -m rl_ckpt.tools.s3_endpoint [--port 0] [--in-memory] [--no-checksum-check]
 
 serves one on 127.0.0.1 (printing ``listening 127.0.0.1:PORT``) until killed (``--in-memory``: objects are
 never spooled to temporary files, :func:`keep_objects_in_memory`).
@@ -19,6 +19,11 @@ code. :func:`behave_as_s3` makes the server, in its own process, do what S3 does
 - A ranged GET reads only its range. moto reads the whole object for every ``Range: bytes=a-b`` and
   then slices it, so N parallel ranged reads of one object cost N whole reads. The object's stored
   bytes are read from ``a`` to ``b`` instead (:func:`serve_ranges_from_storage`).
+- A body whose checksum header is wrong is refused. moto stores a ``PutObject`` or ``UploadPart`` whose
+  ``x-amz-checksum-crc32`` / ``-sha1`` / ``-sha256`` does not match its body; S3 answers
+  ``400 BadDigest`` and stores nothing (:class:`CheckBodyChecksums`). ``check_checksums=False``
+  (``--no-checksum-check``) leaves moto's behaviour, as some S3-compatible stores have it: clients must not
+  trust a checksum there.
 
 Nothing else changes: moto still does every S3 check it does (signatures, preconditions, part sizes).
 """
@@ -51,6 +56,70 @@ class SerializeConditionalWrites:
                 # under the lock so the check and the store happen together.
                 return list(self.app(environ, start_response))
         return self.app(environ, start_response)
+
+
+def _crc32(body: bytes) -> bytes:
+    import zlib
+
+    return zlib.crc32(body).to_bytes(4, "big")
+
+
+def _digest(name: str):
+    import hashlib
+
+    return lambda body: hashlib.new(name, body).digest()
+
+
+# x-amz-checksum-<name> header -> the raw checksum of a body (base64 on the wire)
+CHECKED_CHECKSUMS = {"crc32": _crc32, "sha1": _digest("sha1"), "sha256": _digest("sha256")}
+
+
+class CheckBodyChecksums:
+    """WSGI middleware: a ``PUT`` (``PutObject``, ``UploadPart``) whose ``x-amz-checksum-*`` header does not match
+    its body gets S3's ``400 BadDigest`` and never reaches moto. A body framed ``aws-chunked`` (the checksum in a
+    trailer) is passed on unchecked. ``enabled`` switches the check (while the server runs)."""
+
+    def __init__(self, app, enabled: bool = True) -> None:
+        self.app = app
+        self.enabled = enabled
+
+    def __call__(self, environ, start_response):
+        if not self.enabled or environ.get("REQUEST_METHOD") != "PUT":
+            return self.app(environ, start_response)
+        chunked = "aws-chunked" in environ.get("HTTP_CONTENT_ENCODING", "") or "HTTP_X_AMZ_TRAILER" in environ
+        for name, compute in CHECKED_CHECKSUMS.items():
+            sent = environ.get(f"HTTP_X_AMZ_CHECKSUM_{name.upper()}")
+            if sent is None or chunked:
+                continue
+            import base64
+
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            body = environ["wsgi.input"].read(length) if length else b""
+            environ["wsgi.input"] = io.BytesIO(body)
+            environ["CONTENT_LENGTH"] = str(len(body))
+            if base64.b64encode(compute(body)).decode() != sent.strip():
+                message = f"The {name.upper()} you specified did not match the calculated checksum."
+                xml = (
+                    '<?xml version="1.0" encoding="UTF-8"?>\n'
+                    f"<Error><Code>BadDigest</Code><Message>{message}</Message><RequestId>rl-ckpt-test</RequestId></Error>"
+                ).encode()
+                start_response(
+                    "400 Bad Request", [("Content-Type", "application/xml"), ("Content-Length", str(len(xml)))]
+                )
+                return [xml]
+            break
+        return self.app(environ, start_response)
+
+
+def check_body_checksums(server, enabled: bool = True) -> None:
+    """Wrap a started ``ThreadedMotoServer``'s WSGI app in :class:`CheckBodyChecksums` (or switch the check)."""
+    wsgi = getattr(server, "_server", None)
+    if wsgi is None or not hasattr(wsgi, "app"):
+        return
+    if isinstance(wsgi.app, CheckBodyChecksums):
+        wsgi.app.enabled = enabled
+    else:
+        wsgi.app = CheckBodyChecksums(wsgi.app, enabled)
 
 
 def serialize_conditional_writes(server) -> None:
@@ -182,18 +251,19 @@ def serve_ranges_from_storage() -> None:
     _RANGES_PATCHED = True
 
 
-def behave_as_s3(server) -> None:
+def behave_as_s3(server, *, check_checksums: bool = True) -> None:
     """Make a started ``ThreadedMotoServer`` behave as S3 does (the module docstring says how)."""
     serialize_conditional_writes(server)
+    check_body_checksums(server, check_checksums)
     serve_ranges_from_storage()
     wsgi = getattr(server, "_server", None)
     if wsgi is not None:
         wsgi.RequestHandlerClass = _keep_alive_handler()  # used for every connection accepted from now on
 
 
-def start_moto(port: int = 0, timeout: float = 30.0):
+def start_moto(port: int = 0, timeout: float = 30.0, *, check_checksums: bool = True):
     """moto's ``ThreadedMotoServer`` on 127.0.0.1 (``port=0``: a free one), behaving as S3 does; returns
-    ``(server, port)``."""
+    ``(server, port)``. ``check_checksums=False``: bodies with a wrong checksum header are stored (plain moto)."""
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -212,7 +282,7 @@ def start_moto(port: int = 0, timeout: float = 30.0):
     if host != LOOPBACK or not bound:
         server.stop()
         raise RuntimeError(f"moto S3 server bound to {host}:{bound}, expected {LOOPBACK}:<free port>")
-    behave_as_s3(server)
+    behave_as_s3(server, check_checksums=check_checksums)
     return server, int(bound)
 
 
@@ -241,10 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl_ckpt.tools.s3_endpoint", description="moto's S3 on 127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="port to bind (default: a free one)")
     p.add_argument("--in-memory", action="store_true", help="keep objects in memory, never in temporary files")
+    p.add_argument(
+        "--no-checksum-check", action="store_true", help="store bodies whose checksum header is wrong (plain moto)"
+    )
     args = p.parse_args(argv)
     if args.in_memory:
         keep_objects_in_memory()
-    _server, port = start_moto(args.port)
+    _server, port = start_moto(args.port, check_checksums=not args.no_checksum_check)
     print(f"listening {LOOPBACK}:{port}", flush=True)
     try:
         threading.Event().wait()

@@ -9,8 +9,9 @@ prints ``listening 127.0.0.1:PORT`` and proxies until killed. In a process, :cla
 a thread of its own. It speaks just enough HTTP/1.1 to find where each request starts (the header block,
 then ``Content-Length`` bytes or a chunked body); it never changes a byte it forwards. It counts requests
 and the most it saw in flight at once, and can break chosen responses (:meth:`LatencyProxy.fail`) to
-test how a client copes with a connection cut in the middle of a body. It binds and connects to
-127.0.0.1 only.
+test how a client copes with a connection cut in the middle of a body, hold requests (:meth:`LatencyProxy.hold`),
+or flip one byte of a request's body (:meth:`LatencyProxy.corrupt`: data damaged on the way). It binds and
+connects to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ _READ = 256 * 1024
 class Fault:
     """What to do to the requests ``match`` accepts (``times`` of them; None: all): cut the connection after
     ``after_bytes`` of the response, or (``hold``) keep the request until :meth:`release` (or for ever: a
-    client killed meanwhile never gets an answer). ``reached`` is set when a request first matched."""
+    client killed meanwhile never gets an answer), or (``corrupt``) flip one byte in the middle of the request's
+    body. ``reached`` is set when a request first matched."""
 
     match: Callable[[str, str, dict], bool]  # (method, path, lower-cased headers) -> bool
     after_bytes: int = 1024
     times: int | None = 1
     hold: bool = False
+    corrupt: bool = False
     hits: int = 0
     reached: threading.Event = dataclasses.field(default_factory=threading.Event)
     released: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -110,6 +113,13 @@ class LatencyProxy:
             self._faults.append(fault)
         return fault
 
+    def corrupt(self, match: Callable[[str, str, dict], bool], *, times: int | None = 1) -> Fault:
+        """Flip one byte in the body of the next ``times`` requests ``match`` accepts (their headers unchanged)."""
+        fault = Fault(match, times=times, corrupt=True)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
     def clear(self) -> None:
         with self._lock:
             for fault in self._faults:
@@ -169,9 +179,12 @@ class LatencyProxy:
                 await asyncio.sleep(self.latency)
             while fault is not None and fault.hold and not fault.released.is_set():
                 await asyncio.sleep(0.01)
-            pending.put_nowait((method, None if fault is not None and fault.hold else fault))
+            pending.put_nowait((method, None if fault is not None and (fault.hold or fault.corrupt) else fault))
             await sink.write(head)
+            if fault is not None and fault.corrupt and headers.get("content-length", "0") != "0":
+                sink.flip_at = int(headers["content-length"]) // 2
             await _body(reader, sink, headers, None)
+            sink.flip_at = None
 
     async def _responses(self, reader, writer, pending: asyncio.Queue) -> None:
         """Server -> client, capped; the response to a request a fault matched is cut short."""
@@ -211,8 +224,15 @@ class _Sink:
         self.writer, self.rate, self.budget = writer, rate, budget
         self.start = time.monotonic()
         self.sent = 0.0
+        self.flip_at: int | None = None  # flip the byte this far into the body being written
 
     async def write(self, data: bytes) -> None:
+        if self.flip_at is not None:
+            if self.flip_at < len(data):
+                data = data[: self.flip_at] + bytes([data[self.flip_at] ^ 0xFF]) + data[self.flip_at + 1 :]
+                self.flip_at = None
+            else:
+                self.flip_at -= len(data)
         if self.budget is not None:
             if len(data) >= self.budget:
                 self.writer.write(data[: self.budget])

@@ -7,7 +7,9 @@ GETs served from the stored bytes) and, in front of it, the latency proxy (``pyt
 rl_ckpt.tools.s3_proxy``: ``--latency-ms`` per request, ``--mbps`` MB/s per connection and direction), each
 a process of its own, on 127.0.0.1 only. Then, round-robin over ``--repeat`` rounds (medians reported):
 
-    rl_save          ``engine.save`` of a model + Adam state of ``--size`` (defaults: verify-after-write on)
+    rl_save          ``engine.save`` of a model + Adam state of ``--size`` (defaults: verify-after-write on, through
+                     the SHA-256 of every part, which this server checks as S3 does: nothing is read back)
+    rl_save_readback ``engine.save`` with ``server_checksums=False``: verify-after-write reads every object back
     rl_restore       ``engine.restore()`` of it into the live objects (plan, verified load, probe)
     rl_save_noverify ``engine.save`` with ``verify_after_write=False`` (what the object read-back costs)
     s3t_upload       boto3 ``TransferManager.upload_file`` (default ``TransferConfig``: 8 MiB parts, 10
@@ -40,7 +42,16 @@ import uuid
 from rl_ckpt.tools.bench.common import MIB, loadavg, parse_size
 from rl_ckpt.tools.s3_endpoint import LOOPBACK, client_options
 
-KEYS = ("rl_save", "rl_restore", "rl_save_noverify", "s3t_upload", "s3t_download", "one_upload", "one_download")
+KEYS = (
+    "rl_save",
+    "rl_restore",
+    "rl_save_readback",
+    "rl_save_noverify",
+    "s3t_upload",
+    "s3t_download",
+    "one_upload",
+    "one_download",
+)
 
 
 def _serve(args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -158,6 +169,10 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
     quick = CheckpointEngine(**{**cfg, "run_name": "noverify"}, verify_after_write=False)
     quick.register("model", model)
     quick.register("optim", opt)
+    reread_options = {**ep.options, "server_checksums": False}
+    reread = CheckpointEngine(**{**cfg, "run_name": "readback", "storage_options": reread_options})
+    reread.register("model", model)
+    reread.register("optim", opt)
     steps = iter(range(1, 10**6))
     saved = {"step": None}
 
@@ -168,6 +183,10 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
     def rl_save_noverify() -> None:
         saved["quick"] = next(steps)
         quick.save(saved["quick"])
+
+    def rl_save_readback() -> None:
+        saved["reread"] = next(steps)
+        reread.save(saved["reread"])
 
     def rl_restore() -> None:
         other = CheckpointEngine(**cfg)
@@ -189,6 +208,7 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
         "rl_save": rl_save,
         "rl_restore": rl_restore,
         "rl_save_noverify": rl_save_noverify,
+        "rl_save_readback": rl_save_readback,
         "s3t_upload": transfer(True, True),
         "s3t_download": transfer(True, False),
         "one_upload": transfer(False, True),
@@ -199,18 +219,27 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
     downs = {"rl_save": "rl_restore", "s3t_upload": "s3t_download", "one_upload": "one_download"}
     for r in range(repeat):
         order = ups[r % 3 :] + ups[: r % 3]  # the uploads, then the downloads, side by side; rotated per round
-        for name in [*order, *(downs[u] for u in order), "rl_save_noverify"]:
+        for name in [*order, *(downs[u] for u in order), "rl_save_readback", "rl_save_noverify"]:
             samples[name].append(timed(methods[name]))
             log(f"  round {r + 1}: {name:<16} {samples[name][-1][0]:7.2f} s  (load {loadavg()})")
         engine.storage.remove_tree(f"step_{saved['step']:09d}")  # the server holds objects in memory (not timed)
         quick.storage.remove_tree(f"step_{saved['quick']:09d}")
+        reread.storage.remove_tree(f"step_{saved['reread']:09d}")
+    verified_by = (
+        "the server's check of each part's SHA-256" if engine.storage.endpoint_checks_checksums() else "read-back"
+    )
     engine.close()
     quick.close()
+    reread.close()
     for path in (src, dst):
         if os.path.exists(path):
             os.remove(path)
     os.rmdir(workdir)
-    return {"bytes": total, "results": {k: _summary(v, total) for k, v in samples.items()}}
+    return {
+        "bytes": total,
+        "verified_by": verified_by,
+        "results": {k: _summary(v, total) for k, v in samples.items()},
+    }
 
 
 def _summary(samples: list[tuple[float, int]], total: int) -> dict:
@@ -324,7 +353,8 @@ def report(out: dict) -> str:
         "| | rl_ckpt | s3transfer | one connection | vs s3transfer (goal >= 1.0x) | vs one stream (goal >= 4x) "
         "| peak RSS over the state, rl_ckpt / s3transfer |",
         "|---|---|---|---|---|---|---|",
-        row("save (verify on)", "rl_save", "s3t_upload", "one_upload"),
+        row(f"save (verify on: {out.get('verified_by', '?')})", "rl_save", "s3t_upload", "one_upload"),
+        row("save (verify on: read-back)", "rl_save_readback", "s3t_upload", "one_upload"),
         row("save (verify off)", "rl_save_noverify", "s3t_upload", "one_upload"),
         row("restore", "rl_restore", "s3t_download", "one_download"),
     ]
