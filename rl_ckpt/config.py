@@ -131,7 +131,8 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
         _mapping,
         "Passed to fsspec (e.g. S3 endpoint_url, key, secret). Never written to manifests. On S3 also "
         "max_concurrency (requests in flight per file, default 16) and default_block_size (bytes of a part and of "
-        "a ranged GET, default 8 MiB): docs/storage.md.",
+        "a ranged GET, default 8 MiB) and server_checksums (the checksum each part carries for the server to check: "
+        "crc32, sha256 or false; default crc32): docs/storage.md.",
     ),
     "save_interval_steps": (500, _int(0, optional=True), "Full snapshot every N training steps (0/null: off)."),
     "save_interval_seconds": (

@@ -97,13 +97,17 @@ def _module_weights(algo) -> dict:
     return {k: v.clone() for k, v in learner.module["default_policy"].state_dict().items()}
 
 
-def _stored_module(base, sid: str) -> dict:
+def _stored(base, sid: str, component: str) -> dict:
     from rl_ckpt._core.reader import load_component
     from rl_ckpt._run.snapshot_files import read_manifest
     from rl_ckpt._storage import open_storage
 
     storage = open_storage(str(base / "ppo"))
-    return load_component(storage, read_manifest(storage, sid), "module-default_policy")
+    return load_component(storage, read_manifest(storage, sid), component)
+
+
+def _stored_module(base, sid: str) -> dict:
+    return _stored(base, sid, "module-default_policy")
 
 
 def test_restore_is_exact_and_keeps_the_sampled_steps_counter(run, monkeypatch):
@@ -214,25 +218,59 @@ def test_forged_filter_state_is_refused_and_never_unpickled(run, tmp_path, capsy
     assert key in why and "component 'algorithm'" in why, why
 
 
-def test_a_damaged_module_file_read_into_the_module_falls_back_and_leaves_the_older_weights(run, tmp_path):
-    """The weights are read straight into the learner's module and hashed as they land: a flipped byte in the
-    newest snapshot's module file is found after its bytes are in the module, and the fallback's restore writes
-    the older snapshot's weights over them, bitwise."""
+def _moments(algo) -> dict:
+    """(optimizer, parameter index, key) -> the learner's live optimizer state tensor (Adam's moments)."""
+    learner = algo.learner_group._learner
+    out = {}
+    for name, optim in learner._named_optimizers.items():
+        for index, per_param in optim.state_dict()["state"].items():
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    out[(name, index, key)] = value
+    return out
+
+
+def _stored_moments(base, sid: str) -> dict:
+    state = _stored(base, sid, "optimizer")
+    out = {}
+    for name, entry in state.items():
+        for index, per_param in entry["state"]["state"].items():
+            for key, value in per_param.items():
+                if isinstance(value, np.ndarray) and value.ndim > 0:
+                    out[(name, index, key)] = torch.from_numpy(value)
+    return out
+
+
+@pytest.mark.parametrize("damaged", ["module-default_policy", "optimizer"])
+def test_a_damaged_file_read_into_the_learner_falls_back_and_leaves_the_older_state(run, tmp_path, damaged):
+    """The weights and the optimizer's moments are read straight into the learner's own tensors (the moments
+    then stay in the very memory they had) and hashed as they land: a flipped byte in the newest snapshot's file
+    is found after its bytes are in place, and the fallback's restore writes the older snapshot's state over them,
+    bitwise."""
     from rl_ckpt import CheckpointEngine
     from rl_ckpt.integrations.rllib import register_algorithm, restore_algorithm
 
+    algo = run.fresh
+    if not _moments(algo):
+        algo.train()  # an optimizer that has stepped: moments to read into
+    before = {k: v.data_ptr() for k, v in _moments(algo).items()}
+    assert before
     shutil.copytree(run.base / "ppo", tmp_path / "ppo")
-    module_file = tmp_path / "ppo" / "step_000000002" / "module-default_policy.safetensors"
-    data = bytearray(module_file.read_bytes())
-    data[len(data) - 5] ^= 0xFF  # in the last weight's bytes
-    module_file.write_bytes(bytes(data))
+    path = tmp_path / "ppo" / "step_000000002" / f"{damaged}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 0xFF  # in the last tensor's bytes
+    path.write_bytes(bytes(data))
     with CheckpointEngine(base_dir=str(tmp_path), run_name="ppo") as engine:
-        register_algorithm(engine, run.fresh)
-        result = restore_algorithm(run.fresh, engine, out=None)
+        register_algorithm(engine, algo)
+        result = restore_algorithm(algo, engine, out=None)
     assert result.snapshot_id == "step_000000001"
     assert "checksum" in result.skipped["step_000000002"], result.skipped
     stored = _stored_module(run.base, "step_000000001")
-    got = _module_weights(run.fresh)
+    got = _module_weights(algo)
     assert got.keys() == stored.keys() and all(torch.equal(got[k], torch.as_tensor(stored[k])) for k in got)
     newer = _stored_module(run.base, "step_000000002")
     assert not all(torch.equal(got[k], torch.as_tensor(newer[k])) for k in got)  # not a vacuous comparison
+    moments, stored_moments = _moments(algo), _stored_moments(run.base, "step_000000001")
+    assert moments.keys() == stored_moments.keys()
+    assert all(torch.equal(moments[k], stored_moments[k]) for k in moments)
+    assert {k: v.data_ptr() for k, v in moments.items()} == before  # read into the optimizer's own memory

@@ -1,5 +1,6 @@
-"""Verify-after-write on S3 through checksums the server checks: every part and PUT carries the SHA-256 of its
-body, and where the endpoint was seen to refuse a wrong one (a probe PUT), the stored object is not read back.
+"""Verify-after-write on S3 through checksums the server checks: every part and PUT carries the CRC32 of its
+body (or its SHA-256), and where the endpoint was seen to refuse a wrong one (a probe PUT), the stored object is not
+read back.
 Through the latency proxy (``s3_proxy_url``): a save reads nothing back, a part damaged on the way is refused and
 sent again, and the same damage with the checksums off is caught by the read-back; an endpoint that stores a
 wrong checksum (plain moto, as some S3-compatible stores) gets its objects read back."""
@@ -167,9 +168,9 @@ def test_server_checksums_option_is_checked(s3_url, value):
         open_storage(url, {**options, "server_checksums": value})
 
 
-def test_crc32_server_checksums_round_trip(s3_proxy_url):
+def test_sha256_server_checksums_round_trip(s3_proxy_url):
     url, options, proxy = s3_proxy_url
-    store = open_storage(url, {**options, "server_checksums": "crc32"})
+    store = open_storage(url, {**options, "server_checksums": "sha256"})
     data = bytes(range(256)) * (11 * MIB // 256)
     assert store.write("snap/x.bin", [data]) == len(data)
     assert store.write_attested("snap/x.bin", len(data))

@@ -280,27 +280,31 @@ def own_slots(obj: Any, tree: Any, listed: dict) -> dict[str, torch.Tensor]:
     """Stored tensor name -> the tensor of ``obj``'s current state (``state_dict()``) at the place ``tree`` (the
     component's JSON structure) puts it, where its bytes may be read in place: for a module whose
     ``load_state_dict`` copies (its parameters and buffers), for an optimizer (its state, which it then keeps), and
-    for an object that names the tensors its flat state loads into (``live_tensors()``: name -> tensor, or None;
-    e.g. the RLlib integration's module parts, whose ``load_state_dict`` then has nothing left to copy).
+    for an object that names the tensors its state loads into (``live_tensors()``: its state's structure holding
+    them, or None; e.g. the RLlib integration's module and optimizer parts: the learner's own weights and Adam
+    moments, which RLlib's ``set_state`` then has nothing left to copy into).
 
     Only when the state fits as a whole: a module whose tensors are exactly the stored ones, each of the dtype and
     shape the manifest lists (``listed``), or an optimizer holding state for the same parameters in groups of the
-    same sizes with every stored tensor fitting its current one; otherwise none (a state that does not fit is
-    refused as before, with nothing of it read into the object). A slot is a contiguous, non-empty CPU tensor and
-    that stored tensor's alone: a tensor of the object at the places of two stored tensors, or overlapping another
-    slot's memory, gets memory of its own instead.
+    same sizes, or an object's live tensors, with every stored tensor fitting its current one; otherwise none (a
+    state that does not fit is refused as before, with nothing of it read into the object). A slot is a contiguous,
+    non-empty CPU tensor and that stored tensor's alone: a tensor of the object at the places of two stored
+    tensors, or overlapping another slot's memory, gets memory of its own instead.
     """
     live = None if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) else getattr(obj, "live_tensors", None)
-    if _module_copies(obj) or callable(live):
-        current = obj.state_dict() if live is None else live()
-        if not isinstance(current, dict) or not current:
-            return {}
-        refs = tensor_refs(tree, ndarrays=live is not None)  # an object of its own may keep its state as NumPy
+    if _module_copies(obj):
+        current = obj.state_dict()
+        refs = tensor_refs(tree)
         if any(len(path) != 1 for path, _key in refs) or set(current) != {path[0] for path, _key in refs}:
             return {}
     elif isinstance(obj, torch.optim.Optimizer):
         current = obj.state_dict()
         refs = tensor_refs(tree) if _same_groups(tree, current) else []
+    elif callable(live):
+        current = live()
+        if not isinstance(current, dict) or not current:
+            return {}
+        refs = tensor_refs(tree, ndarrays=True)  # an object of its own may keep its state as NumPy arrays
     else:
         return {}
     found: dict[str, torch.Tensor] = {}

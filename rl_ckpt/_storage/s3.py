@@ -35,8 +35,8 @@
   straight in the buffer returned (no HEAD: the first answer's ``Content-Range`` tells the size).
   ``read(max_bytes=N)`` asks for the first N bytes only and refuses a larger object from the size
   S3 states, so no more than the cap is ever read.
-- Checksums the server checks: each part and PUT of a ``write`` carries the SHA-256 (storage option
-  ``server_checksums``: ``"sha256"``, ``"crc32"``, or ``False``) of its body, computed from the memory
+- Checksums the server checks: each part and PUT of a ``write`` carries the CRC32 (storage option
+  ``server_checksums``: ``"crc32"``, ``"sha256"``, or ``False``) of its body, computed from the memory
   sent. Before the first such write, one probe PUT with a wrong checksum (no retries) shows whether
   the endpoint refuses it (``BadDigest``), as S3 does; then ``write_attested`` answers True for the
   object, and verify-after-write does not read it back. An endpoint that stores the probe (moto,
@@ -107,16 +107,16 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
         return self.write(path, chunks, durable=True)
 
     def _options(self, options: dict) -> dict:
-        wanted = options.pop("server_checksums", "sha256")
+        wanted = options.pop("server_checksums", "crc32")
         if wanted is False or wanted is None:
             self._server_checksum: str | None = None
         elif isinstance(wanted, str) and wanted.lower() in _SERVER_CHECKSUMS:
             self._server_checksum = _SERVER_CHECKSUMS[wanted.lower()]
         else:
             raise ConfigError(
-                f'storage option \'server_checksums\': got {wanted!r}; allowed: "sha256", "crc32" or false',
+                f'storage option \'server_checksums\': got {wanted!r}; allowed: "crc32", "sha256" or false',
                 key="server_checksums",
-                allowed="sha256 | crc32 | false",
+                allowed="crc32 | sha256 | false",
             )
         options.setdefault("use_listings_cache", False)
         options.setdefault("default_block_size", DEFAULT_PART_BYTES)

@@ -172,6 +172,30 @@ def _optimizer_get(a: Any) -> dict:
     return state
 
 
+def _optimizer_live(a: Any) -> dict | None:
+    """The learner's optimizer state as stored (``optimizer_state``'s structure) holding the optimizers' own state
+    tensors, when RLlib's restore of it is torch's ``load_state_dict`` (a torch Learner of this process keeping
+    RLlib's ``set_state``): the restore reads the stored moments straight into them (``_core.reader.own_slots``),
+    and ``load_state_dict`` then keeps the very memory it is given (same dtype and device: no copy)."""
+    from ray.rllib.core import ALL_MODULES
+    from ray.rllib.core.learner.learner import Learner
+    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+
+    learner = local_learner(a)
+    if (
+        not isinstance(learner, TorchLearner)
+        or type(learner).get_state is not Learner.get_state
+        or type(learner).set_state is not Learner.set_state
+        or type(learner)._set_optimizer_state is not TorchLearner._set_optimizer_state
+    ):
+        return None
+    out = {}
+    for mid in [*learner.module.keys(), ALL_MODULES]:
+        for name, optim in learner.get_optimizers_for_module(mid):
+            out[f"{mid}_{name}"] = {"module_id": mid, "state": optim.state_dict()}
+    return out
+
+
 def _learner_get(a: Any) -> dict:
     state = a.learner_group.get_state(components=f"{LEARNER}/{METRICS}")[LEARNER]
     out = {k: learner_value(k, v) for k, v in state.items()}
@@ -237,6 +261,7 @@ def algorithm_parts(algo: Any) -> dict[str, AlgorithmPart]:
         "learner optimizer state",
         OPTIMIZER,
     )
+    parts[OPTIMIZER].live_tensors = functools.partial(_optimizer_live, algo)
     parts[LEARNER] = AlgorithmPart(
         algo,
         "other",

@@ -1,6 +1,7 @@
 """``rl-ckpt bench s3``: rl_ckpt on S3 through real latency, next to boto3's s3transfer and one stream, in one run.
 
-    rl-ckpt bench s3 [--size 1GiB] [--latency-ms 30] [--mbps 40] [--repeat 2] [--ranks 4] [--json]
+    rl-ckpt bench s3 [--size 1GiB] [--latency-ms 30] [--mbps 40] [--repeat 2] [--ranks 4]
+                     [--server-checksums crc32|sha256] [--json]
 
 Starts moto's S3 server (``python -m rl_ckpt.tools.s3_endpoint``, behaving as S3 does: keep-alive, ranged
 GETs served from the stored bytes) and, in front of it, the latency proxy (``python -m
@@ -8,7 +9,7 @@ rl_ckpt.tools.s3_proxy``: ``--latency-ms`` per request, ``--mbps`` MB/s per conn
 a process of its own, on 127.0.0.1 only. Then, round-robin over ``--repeat`` rounds (medians reported):
 
     rl_save          ``engine.save`` of a model + Adam state of ``--size`` (defaults: verify-after-write on, through
-                     the SHA-256 of every part, which this server checks as S3 does: nothing is read back)
+                     the CRC32 of every part, which this server checks as S3 does: nothing is read back)
     rl_save_readback ``engine.save`` with ``server_checksums=False``: verify-after-write reads every object back
     rl_restore       ``engine.restore()`` of it into the live objects (plan, verified load, probe)
     rl_save_noverify ``engine.save`` with ``verify_after_write=False`` (what the object read-back costs)
@@ -225,8 +226,9 @@ def measure(ep: Endpoint, size: int, repeat: int, log=print) -> dict:
         engine.storage.remove_tree(f"step_{saved['step']:09d}")  # the server holds objects in memory (not timed)
         quick.storage.remove_tree(f"step_{saved['quick']:09d}")
         reread.storage.remove_tree(f"step_{saved['reread']:09d}")
+    algo = {"sha256": "SHA-256", "crc32": "CRC32"}[str(ep.options.get("server_checksums", "crc32"))]
     verified_by = (
-        "the server's check of each part's SHA-256" if engine.storage.endpoint_checks_checksums() else "read-back"
+        f"the server's check of each part's {algo}" if engine.storage.endpoint_checks_checksums() else "read-back"
     )
     engine.close()
     quick.close()
@@ -377,10 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbps", type=float, default=40.0, help="proxy cap per connection, MB/s (default 40)")
     p.add_argument("--repeat", type=int, default=2, help="rounds (default 2)")
     p.add_argument("--ranks", type=int, default=0, help="also N processes at once (e.g. 4; default: off)")
+    p.add_argument(
+        "--server-checksums",
+        choices=("crc32", "sha256"),
+        default="crc32",
+        help="the checksum each part carries for the server to check (storage option server_checksums; default crc32)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     size = parse_size(args.size)
     ep = Endpoint(args.latency_ms, args.mbps)
+    ep.options["server_checksums"] = args.server_checksums
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     try:
         out = measure(ep, size, args.repeat, log)
