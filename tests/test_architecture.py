@@ -206,6 +206,8 @@ THIRD_PARTY_PRIVATE = {
     "_shared_data": "RLlib EnvRunner's connectors' shared data: as above",
     "_needs_initial_reset": "RLlib EnvRunner's flag: reset the envs at the next sample(): as above",
     "_autoreset_envs": "gymnasium SyncVectorEnv's pending auto-resets: as above",
+    "_set_optimizer_state": "RLlib TorchLearner's restore of its optimizers: compared (not called) to know it is "
+    "torch's load_state_dict, before reading the moments into the optimizers' own tensors",
 }
 
 

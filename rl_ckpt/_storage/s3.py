@@ -52,7 +52,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 import time
 import uuid
@@ -62,26 +61,12 @@ from rl_ckpt.errors import ConfigError, StorageError
 from rl_ckpt._storage.fsspec_store import FsspecStorage, client_error, is_exists
 from rl_ckpt._storage.s3_reads import S3Reads
 from rl_ckpt._storage.s3_view import ReadSessions, S3Views
-from rl_ckpt._storage.s3_transfer import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_BYTES,
-    REFUSED_DIGEST,
-    Transfer,
-    b64,
-    raw_checksum,
-)
-
-log = logging.getLogger(__name__)
+from rl_ckpt._storage.s3_checksums import S3Checksums, server_checksum
+from rl_ckpt._storage.s3_transfer import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES, Transfer
 
 _TOKEN_META = "rl-ckpt-writer"  # S3 user-metadata keys are lower-case
 _CONFLICT_RETRIES = 8
 _DELETE_BATCH = 1000
-
-
-_SERVER_CHECKSUMS = {"sha256": "SHA256", "crc32": "CRC32"}
-# (endpoint, bucket, algorithm) -> whether the endpoint refused a body whose checksum was wrong, for this process
-_ENDPOINT_CHECKS: dict[tuple[str, str, str], bool] = {}
-_ENDPOINT_CHECKS_LOCK = threading.Lock()
 
 
 def _is_busy(exc: BaseException) -> bool:
@@ -90,7 +75,7 @@ def _is_busy(exc: BaseException) -> bool:
     return code == "ConditionalRequestConflict"
 
 
-class S3Storage(S3Views, S3Reads, FsspecStorage):
+class S3Storage(S3Checksums, S3Views, S3Reads, FsspecStorage):
     """``s3://`` and ``s3a://`` run folders (AWS S3 and compatible servers, via s3fs)."""
 
     files_at_once = 4
@@ -100,24 +85,14 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
         self._conditional_put: bool | None = None
         self._reads = ReadSessions()
         self._attested: dict[str, int] = {}  # path -> size of its last write the server checked
-        self._attested_lock = threading.Lock()
+        self._attested_lock = threading.Lock()  # component files are written at once
 
     def write_stream_atomic(self, path: str, chunks) -> int:
         # An object appears only when its (multipart) upload completes; an abandoned upload is aborted.
         return self.write(path, chunks, durable=True)
 
     def _options(self, options: dict) -> dict:
-        wanted = options.pop("server_checksums", "crc32")
-        if wanted is False or wanted is None:
-            self._server_checksum: str | None = None
-        elif isinstance(wanted, str) and wanted.lower() in _SERVER_CHECKSUMS:
-            self._server_checksum = _SERVER_CHECKSUMS[wanted.lower()]
-        else:
-            raise ConfigError(
-                f'storage option \'server_checksums\': got {wanted!r}; allowed: "crc32", "sha256" or false',
-                key="server_checksums",
-                allowed="crc32 | sha256 | false",
-            )
+        self._server_checksum = server_checksum(options.pop("server_checksums", "crc32"))
         options.setdefault("use_listings_cache", False)
         options.setdefault("default_block_size", DEFAULT_PART_BYTES)
         options.setdefault("max_concurrency", DEFAULT_CONCURRENCY)
@@ -154,61 +129,6 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
             checksum=checksum,
         )
 
-    # -- checksums the server checks ------------------------------------------------------------------
-    def endpoint_checks_checksums(self) -> bool:
-        """Whether this endpoint refuses a body whose checksum (``server_checksums``) is wrong: probed once per
-        process, endpoint and bucket (one PUT, no retries), before the first write that relies on it."""
-        if self._server_checksum is None:
-            return False
-        bucket, _, _ = self.fs.split_path(self.root)
-        opts = self._fs_options
-        endpoint = str(opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or "aws")
-        key = (endpoint, bucket, self._server_checksum)
-        with _ENDPOINT_CHECKS_LOCK:  # the writers of a process wait for one probe
-            if key not in _ENDPOINT_CHECKS:
-                _ENDPOINT_CHECKS[key] = self._probe_checksums(bucket)
-            return _ENDPOINT_CHECKS[key]
-
-    def _probe_checksums(self, bucket: str) -> bool:
-        import s3fs
-
-        options = copy.deepcopy(self._fs_options)
-        options["config_kwargs"]["retries"] = {"mode": "standard", "max_attempts": 1}  # botocore retries BadDigest
-        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-        _, prefix, _ = fs.split_path(self.root)
-        probe = f"{prefix}/.rl-ckpt-checksum-probe-{uuid.uuid4().hex}".lstrip("/")
-        body = b"rl-ckpt: does this endpoint refuse a body whose checksum is wrong?"
-        algo = self._server_checksum
-        wrong = b64(raw_checksum(algo, [memoryview(body + b"!")]))
-        try:
-            fs.call_s3("put_object", Bucket=bucket, Key=probe, Body=body, **{f"Checksum{algo}": wrong})
-        except Exception as exc:  # noqa: BLE001 - any refusal but the one asked about means "does not check"
-            code, _status = client_error(exc)
-            if code in REFUSED_DIGEST:
-                return True
-            log.info(
-                "%s: the checksum probe failed (%s: %s); objects are read back to verify them",
-                self.url,
-                type(exc).__name__,
-                exc,
-            )
-            return False
-        log.info(
-            "%s: the endpoint stored a body whose %s is wrong (it does not check checksums); verify-after-write "
-            "reads objects back",
-            self.url,
-            algo,
-        )
-        try:
-            fs.call_s3("delete_object", Bucket=bucket, Key=probe)
-        except Exception as exc:  # noqa: BLE001 - a stray probe object is harmless; say so
-            log.warning("%s: could not delete the checksum probe s3://%s/%s: %s", self.url, bucket, probe, exc)
-        return False
-
-    def write_attested(self, path: str, size: int) -> bool:
-        with self._attested_lock:
-            return self._attested.pop(path, None) == size
-
     # -- writes ------------------------------------------------------------
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
         """Write ``chunks`` as one object: parts stream out while the chunks are produced. The chunks are sent
@@ -222,17 +142,7 @@ class S3Storage(S3Views, S3Reads, FsspecStorage):
         full = self._abs(path)
         with self._attested_lock:
             self._attested.pop(path, None)
-        try:
-            checked = self.endpoint_checks_checksums()
-        except Exception as exc:  # noqa: BLE001 - the probe could not run: no checksum is trusted
-            log.info("%s: the checksum probe failed (%s); objects are read back to verify them", self.url, exc)
-            checked = False
-        checksum = self._server_checksum if checked else None
-        if (
-            checksum is None
-            and getattr(self.fs.s3.meta.config, "request_checksum_calculation", None) != "when_required"
-        ):
-            checksum = "CRC32"  # the caller's config asks for a checksum of every body (not trusted)
+        checked, checksum = self.part_checksum()
         transfer = self._transfer(full, checksum)
         try:
             # errors of the producer propagate unchanged; a request's become a StorageError naming the path
