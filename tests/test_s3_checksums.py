@@ -176,3 +176,17 @@ def test_sha256_server_checksums_round_trip(s3_proxy_url):
     assert store.write_attested("snap/x.bin", len(data))
     assert not store.write_attested("snap/x.bin", len(data))  # asked once per write
     assert bytes(store.read("snap/x.bin")) == data
+
+
+def test_attested_writes_are_answered_once_and_bounded(s3_url, monkeypatch):
+    from rl_ckpt._storage import s3_checksums
+
+    url, options = s3_url
+    store = open_storage(url, options)
+    monkeypatch.setattr(s3_checksums, "_ATTESTED_KEPT", 3)
+    for i in range(5):
+        store.attest(f"f{i}", i + 10)
+    assert not store.write_attested("f0", 10) and not store.write_attested("f1", 11)  # the oldest forgotten
+    assert not store.write_attested("f2", 99)  # another size: not the write that was checked
+    assert store.write_attested("f3", 13) and not store.write_attested("f3", 13)  # once
+    assert store.write_attested("f4", 14)

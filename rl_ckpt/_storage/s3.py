@@ -148,8 +148,7 @@ class S3Storage(S3Checksums, S3Views, S3Reads, FsspecStorage):
             # errors of the producer propagate unchanged; a request's become a StorageError naming the path
             size = transfer.upload(chunks, lambda exc: self._error(exc, "cannot upload", path))
             if checked and transfer.checked:
-                with self._attested_lock:
-                    self._attested[path] = size
+                self.attest(path, size)
             return size
         except StorageError:
             raise

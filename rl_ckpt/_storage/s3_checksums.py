@@ -27,6 +27,7 @@ SERVER_CHECKSUMS = {"crc32": "CRC32", "sha256": "SHA256"}  # the storage option'
 # (endpoint, bucket, algorithm) -> whether the endpoint refused a body whose checksum was wrong, for this process
 _ENDPOINT_CHECKS: dict[tuple[str, str, str], bool] = {}
 _ENDPOINT_CHECKS_LOCK = threading.Lock()
+_ATTESTED_KEPT = 4096  # writes remembered as checked by the server (the oldest forgotten first)
 
 
 def server_checksum(wanted) -> str | None:
@@ -108,6 +109,15 @@ class S3Checksums:
         except Exception as exc:  # noqa: BLE001 - a stray probe object is harmless; say so
             log.warning("%s: could not delete the checksum probe s3://%s/%s: %s", self.url, bucket, probe, exc)
         return False
+
+    def attest(self, path: str, size: int) -> None:
+        """Remember that the write of ``path`` (``size`` bytes) was checked by the server, until asked once; only the
+        newest ``_ATTESTED_KEPT`` are kept (a write nobody verifies is never asked about)."""
+        with self._attested_lock:
+            self._attested.pop(path, None)
+            self._attested[path] = size
+            while len(self._attested) > _ATTESTED_KEPT:
+                self._attested.pop(next(iter(self._attested)))
 
     def write_attested(self, path: str, size: int) -> bool:
         with self._attested_lock:
