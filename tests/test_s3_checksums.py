@@ -8,33 +8,12 @@ wrong checksum (plain moto, as some S3-compatible stores) gets its objects read 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from rl_ckpt import CheckpointEngine
 from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt._storage import open_storage
+from test_s3_proxy import _cfg, _engine, _model, _same  # ~12 MiB of weights: 3 parts of 5 MiB through the proxy
 
 MIB = 1024 * 1024
-
-
-def _cfg(url: str, options: dict, **extra) -> dict:
-    base, _, run = url.rpartition("/")
-    return {"base_dir": base, "run_name": run, "storage_options": options, **extra}
-
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 512))  # ~12 MiB: 3 parts of 5 MiB
-
-
-def _engine(cfg: dict, model: torch.nn.Module) -> CheckpointEngine:
-    engine = CheckpointEngine(**cfg)
-    engine.register("policy", model)
-    return engine
-
-
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def _data(proxy, method: str, step: int) -> list[str]:
