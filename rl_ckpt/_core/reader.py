@@ -291,7 +291,6 @@ def own_slots(obj: Any, tree: Any, listed: dict) -> dict[str, torch.Tensor]:
     non-empty CPU tensor and that stored tensor's alone: a tensor of the object at the places of two stored
     tensors, or overlapping another slot's memory, gets memory of its own instead.
     """
-    live = None if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) else getattr(obj, "live_tensors", None)
     if _module_copies(obj):
         current = obj.state_dict()
         refs = tensor_refs(tree)
@@ -300,8 +299,8 @@ def own_slots(obj: Any, tree: Any, listed: dict) -> dict[str, torch.Tensor]:
     elif isinstance(obj, torch.optim.Optimizer):
         current = obj.state_dict()
         refs = tensor_refs(tree) if _same_groups(tree, current) else []
-    elif callable(live):
-        current = live()
+    elif callable(getattr(obj, "live_tensors", None)):
+        current = obj.live_tensors()
         if not isinstance(current, dict) or not current:
             return {}
         refs = tensor_refs(tree, ndarrays=True)  # an object of its own may keep its state as NumPy arrays

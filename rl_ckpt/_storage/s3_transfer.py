@@ -165,9 +165,6 @@ class Transfer:
             raise ValueError(f"checksum {checksum!r}: allowed {CHECKSUMS} or None")
         self.fs, self.bucket, self.key = fs, bucket, key
         self.part_bytes, self.concurrency, self.checksum = part_bytes, concurrency, checksum
-        # After an upload: every request of it carried a checksum of its body and succeeded, and the composite the
-        # server stated (if it stated one) matched ours.
-        self.checked = False
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
@@ -181,7 +178,9 @@ class Transfer:
 
     # -- uploads -------------------------------------------------------------------------------------
     def upload(self, chunks: Iterable, error: Callable[[Exception], Exception]) -> int:
-        """Write ``chunks`` (bytes-like, unchanged until this returns) as the object; returns its size.
+        """Write ``chunks`` (bytes-like, unchanged until this returns) as the object; returns its size. With a
+        ``checksum``, a return means the server took every request with the checksum of its body (and the composite
+        it stated, if any, matched ours).
 
         An error of the producer (the chunk iterator) propagates unchanged; one of a request is raised as
         ``error(exc)`` (the caller's StorageError)."""
@@ -193,7 +192,6 @@ class Transfer:
                 raise error(exc) from exc
 
         _request(lambda: self._run(self._client()).result())
-        self.checked = False
         pending: list[memoryview] = []
         filled = 0
         total = 0
@@ -212,7 +210,6 @@ class Transfer:
                         pending, filled = [], 0
             if parts.upload_id is None:
                 _request(lambda: self._run(self._put(pending)).result())
-                self.checked = self.checksum is not None
                 return total
             if pending:
                 _request(lambda: parts.send(pending))
@@ -220,7 +217,6 @@ class Transfer:
         except BaseException:
             parts.abort()
             raise
-        self.checked = self.checksum is not None
         return total
 
     async def _put(self, views: list[memoryview]) -> None:

@@ -31,6 +31,7 @@ Nothing else changes: moto still does every S3 check it does (signatures, precon
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import os
 import sys
@@ -91,8 +92,6 @@ class CheckBodyChecksums:
             sent = environ.get(f"HTTP_X_AMZ_CHECKSUM_{name.upper()}")
             if sent is None or chunked:
                 continue
-            import base64
-
             length = int(environ.get("CONTENT_LENGTH") or 0)
             body = environ["wsgi.input"].read(length) if length else b""
             environ["wsgi.input"] = io.BytesIO(body)
