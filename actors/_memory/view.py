@@ -24,12 +24,11 @@ import threading
 from typing import Any, Callable
 
 from rl_ckpt._storage.base import Entry
-from rl_ckpt._storage.buffers import alloc_bytes, prefault
+from rl_ckpt._storage.buffers import COPY_STEP, alloc_bytes, copy_pieces, prefault
 
 from .reads import picked
 from .store import PLASMA_MIN_BYTES
 
-COPY_STEP = 8 << 20  # bytes copied (and hashed) at a time out of the object store
 VIEW_INLINE_BYTES = 4 << 20  # small files' bytes a store puts into one view or one folder fetch
 VIEW_REFS = 64  # refs of object-store files a store puts into one view or one folder fetch
 
@@ -46,15 +45,12 @@ def parent(path: str) -> str:
 
 def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -> Any:
     """A read-only view of the object store copied into a fresh writable buffer, piece by piece, each
-    handed to ``on_chunk`` (hashed) while still in the CPU cache (as LocalStorage.read does with the disk)."""
+    handed to ``on_chunk`` (hashed) while still in the CPU cache (as LocalStorage.read does with the disk); the
+    buffer's pages are faulted in ahead by a helper thread."""
     out = alloc_bytes(got.nbytes)
     stop_prefault = prefault(out)
     try:
-        for start in range(0, got.nbytes, COPY_STEP):
-            piece = out[start : start + COPY_STEP]
-            piece[:] = got[start : start + COPY_STEP]
-            if on_chunk is not None:
-                on_chunk(memoryview(piece))
+        copy_pieces(got, [memoryview(out)], on_chunk)
     finally:
         stop_prefault()
     return out
@@ -62,15 +58,8 @@ def copy_out(got: memoryview, on_chunk: Callable[[memoryview], object] | None) -
 
 def copy_into(got: memoryview, views: list[memoryview], on_chunk: Callable[[memoryview], object] | None) -> None:
     """The bytes of ``got`` copied into ``views`` (which cover them in order), ``COPY_STEP`` at a time, each step
-    handed to ``on_chunk`` right after it landed."""
-    pos = 0
-    for view in views:
-        for start in range(0, view.nbytes, COPY_STEP):
-            end = min(start + COPY_STEP, view.nbytes)
-            view[start:end] = got[pos + start : pos + end]
-            if on_chunk is not None:
-                on_chunk(view[start:end])
-        pos += view.nbytes
+    handed to ``on_chunk`` right after it landed (``copy_pieces``: the next step copied meanwhile)."""
+    copy_pieces(got, views, on_chunk)
 
 
 def hash_in_place(view: memoryview, on_chunk: Callable[[memoryview], object] | None) -> memoryview:

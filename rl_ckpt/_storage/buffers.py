@@ -100,3 +100,63 @@ def prefault_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> Callable[
         helper.join()
 
     return stop
+
+
+COPY_STEP = 16 * 1024 * 1024  # bytes copied (and handed to ``on_chunk``) at a time by :func:`copy_pieces`
+_copy_pool = None
+_copy_lock = threading.Lock()
+
+
+def _copier():
+    global _copy_pool
+    with _copy_lock:
+        if _copy_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-copy")
+    return _copy_pool
+
+
+def _copy(group: list[tuple[memoryview, memoryview]]) -> None:
+    for dst, src in group:  # (NumPy lets the GIL go while it copies)
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def copy_pieces(src: memoryview, views: list[memoryview], on_chunk: Callable[[memoryview], object] | None) -> None:
+    """The bytes of ``src`` copied into ``views`` (which cover them in order), ``COPY_STEP`` at a time, each piece
+    handed to ``on_chunk`` (a hasher) in order once it landed.
+
+    With ``on_chunk`` the copy of the next step runs on a helper thread (NumPy's copy releases the GIL) while this
+    thread hands the last one's pieces to ``on_chunk``, still in the CPU cache: on a second core the hash costs
+    little wall time beside the copy (1 GiB out of Ray's object store in a fresh process: 0.24 s instead of
+    0.35 s copying then hashing). Small views are copied by one step together, up to ``COPY_STEP`` bytes (a
+    hand-off to the helper costs tens of microseconds). No step is being written when this returns or raises."""
+    steps: list[list[tuple[memoryview, memoryview]]] = [[]]
+    filled = pos = 0
+    for view in views:
+        for start in range(0, view.nbytes, COPY_STEP):
+            end = min(start + COPY_STEP, view.nbytes)
+            if filled + end - start > COPY_STEP and steps[-1]:
+                steps.append([])
+                filled = 0
+            steps[-1].append((view[start:end], src[pos + start : pos + end]))
+            filled += end - start
+        pos += view.nbytes
+    if on_chunk is None or len(steps) < 2:
+        for group in steps:
+            for dst, piece in group:
+                dst[:] = piece
+                if on_chunk is not None:
+                    on_chunk(dst)
+        return
+    pool = _copier()
+    pending = pool.submit(_copy, steps[0])
+    try:
+        for i, group in enumerate(steps):
+            pending.result()
+            pending = pool.submit(_copy, steps[i + 1]) if i + 1 < len(steps) else None
+            for dst, _piece in group:
+                on_chunk(dst)
+    finally:
+        if pending is not None:  # on_chunk raised: no copy may still be writing into the views on return
+            pending.result()

@@ -4,7 +4,10 @@ and from local disk (cold cache), each next to one memcpy of the state in that s
 The bench's state (model + Adam, ``--size``) is saved once as a memory snapshot (the run's ``raymem://`` store on
 this node, one participant) and once to local disk. Then, ``--repeat`` times and for each tier (their order
 alternating), a new Ray actor: it builds the model and an optimizer that has taken no step yet (a new process
-has no optimizer state until it restores one; not timed), builds the engines (``CheckpointEngine`` and, for the
+has no optimizer state until it restores one; not timed); a third run per repeat, ``memory_allocated``, restores
+from the memory tier into an optimizer whose state exists already (allocated and zeroed before the restore, as
+frameworks that load through torch DCP do: the restore then copies every byte into memory that exists, the case
+"one memcpy" is the floor of). Each run builds the engines (``CheckpointEngine`` and, for the
 memory tier, ``MemoryTier``: timed apart, ``engine_s``), restores (``restore_s``, with its breakdown: plan, read,
 hash, decode, copy; after a ``gc.collect()``, as every measurement of the bench), and then, in the same process,
 measures the floors: ``memcpy_s``, the state's bytes copied into tensors that exist already, and ``clone_s``,
@@ -24,12 +27,15 @@ import uuid
 from rl_ckpt.tools.bench.common import log, parse_size, rmtree
 
 TIERS = ("memory", "durable")
+RUNS = ("memory", "durable", "memory_allocated")  # (tier, whether the optimizer's state exists before the restore)
 
 
 class FreshProcess:
     """A Ray actor: one first restore in a new process, then the floors in that process (see the module doc)."""
 
-    def restore(self, base: str, run: str, size: int, tensors: int | None, tier: str, threads: int) -> dict:
+    def restore(
+        self, base: str, run: str, size: int, tensors: int | None, tier: str, threads: int, allocated: bool = False
+    ) -> dict:
         import torch
 
         from rl_ckpt import CheckpointEngine
@@ -38,7 +44,13 @@ class FreshProcess:
         if threads:
             torch.set_num_threads(threads)
         model, opt, _shape = build_state(size, tensors, seed=1)
-        opt.state.clear()  # a new process's optimizer has taken no step: no state until it restores one
+        if allocated:  # the state exists, zeroed (as a zero-gradient step leaves Adam's, in new memory)
+            for state in opt.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
+        else:
+            opt.state.clear()  # a new process's optimizer has taken no step: no state until it restores one
         # As before every measurement of the bench: no garbage. Here it is more: a new process's first full
         # collection (~340,000 objects after importing Ray and torch) took 0.5-0.9 s on a loaded VM, wherever it
         # fell; a restarted rank can take it before its restore too (``gc.collect()`` or ``gc.freeze()``).
@@ -116,19 +128,21 @@ def run_fresh(args, workdir: str, cache) -> dict:
     tier.close()
     del model, opt, tier, engine
     actor_cls = ray.remote(num_cpus=0)(FreshProcess)
-    runs: dict[str, list[dict]] = {t: [] for t in TIERS}
+    runs: dict[str, list[dict]] = {t: [] for t in RUNS}
     try:
         for r in range(args.repeat):
-            for name in TIERS if r % 2 == 0 else TIERS[::-1]:
+            for name in RUNS if r % 2 == 0 else RUNS[::-1]:
                 log(f"bench --fresh: repeat {r + 1}/{args.repeat}: {name} restore in a new process ...")
-                if name == "durable":
+                tier, allocated = name.split("_")[0], name.endswith("_allocated")
+                if tier == "durable":
                     cache.drop(os.path.join(workdir, run))
                 actor = actor_cls.remote()
                 try:
-                    got = ray.get(actor.restore.remote(workdir, run, size, args.tensors, name, args.threads))
+                    call = actor.restore.remote(workdir, run, size, args.tensors, tier, args.threads, allocated)
+                    got = ray.get(call)
                 finally:
                     ray.kill(actor)
-                if got["tier"] != name:
+                if got["tier"] != tier:
                     raise RuntimeError(f"the {name} run restored from {got['tier']} ({got['snapshot']})")
                 runs[name].append(got)
     finally:
@@ -169,11 +183,19 @@ def format_fresh(fresh: dict) -> list[str]:
 
     lines = [
         "",
-        f"first restore in a new process ({human(fresh['bytes'])}: model + Adam; the optimizer has no state yet), "
+        f"first restore in a new process ({human(fresh['bytes'])}: model + Adam; the optimizer has no state yet but in "
+        "the last line), "
         "each next to the floors measured in that same process (paired medians):",
     ]
-    for name, label in (("memory", "memory tier"), ("durable", "local disk, cold")):
-        f = fresh[name]
+    labels = (
+        ("memory", "memory tier"),
+        ("durable", "local disk, cold"),
+        ("memory_allocated", "memory tier, into an optimizer state allocated first"),
+    )
+    for name, label in labels:
+        f = fresh.get(name)
+        if f is None:
+            continue
         parts = ", ".join(
             f"{k} {f['breakdown'][k]:.3f}"
             for k in ("plan", "read", "hash", "decode", "copy", "probe")

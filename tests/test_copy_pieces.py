@@ -1,0 +1,83 @@
+"""``copy_pieces``: the copy out of mapped memory (the memory tier's object store) into the caller's tensors, the
+next step copied on a helper thread while this one's pieces are hashed."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from rl_ckpt._storage.buffers import COPY_STEP, copy_pieces
+
+
+def _views(sizes: list[int]) -> tuple[list[np.ndarray], list[memoryview]]:
+    bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    return bufs, [memoryview(b) for b in bufs]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [3, 0, 4096, COPY_STEP + 7, 1, 2 * COPY_STEP, 5],  # tiny, empty, a page, across steps, exact steps, a tail
+        [1000] * 300,  # many small views: copied by shared steps
+        [COPY_STEP // 2, COPY_STEP // 2 + 1, COPY_STEP],  # a step's room just missed
+        [17],
+    ],
+)
+@pytest.mark.parametrize("hashed", [True, False])
+def test_every_byte_lands_and_on_chunk_sees_each_once_in_order(sizes, hashed):
+    src = np.random.default_rng(len(sizes)).integers(0, 256, size=sum(sizes), dtype=np.uint8)
+    bufs, views = _views(sizes)
+    seen: list[bytes] = []
+    copy_pieces(memoryview(src).toreadonly(), views, (lambda v: seen.append(bytes(v))) if hashed else None)
+    assert np.concatenate(bufs).tobytes() == src.tobytes()
+    if hashed:
+        assert b"".join(seen) == src.tobytes()
+        assert all(len(s) <= COPY_STEP for s in seen)
+
+
+def test_on_chunk_sees_a_piece_only_once_it_landed_and_the_copy_runs_beside_it():
+    """Each piece handed over holds its final bytes; the copy of the next step is made on another thread."""
+    sizes = [COPY_STEP] * 4
+    src = np.random.default_rng(7).integers(0, 256, size=sum(sizes), dtype=np.uint8)
+    bufs, views = _views(sizes)
+    copied_on: set[int] = set()
+    import rl_ckpt._storage.buffers as buffers
+
+    real = buffers._copy
+
+    def spy(group):
+        copied_on.add(threading.get_ident())
+        real(group)
+
+    buffers._copy = spy
+    try:
+        checks = []
+        copy_pieces(memoryview(src), views, lambda v: checks.append(bytes(v)))
+    finally:
+        buffers._copy = real
+    assert b"".join(checks) == src.tobytes()
+    assert copied_on and threading.get_ident() not in copied_on
+
+
+def test_a_failing_on_chunk_leaves_no_copy_running():
+    """``on_chunk`` raising (a checksum mismatch found early) propagates, and no step is still being copied into
+    the caller's memory when it does: nothing lands afterwards."""
+    sizes = [COPY_STEP] * 6
+    src = np.full(sum(sizes), 9, dtype=np.uint8)
+    bufs, views = _views(sizes)
+
+    def fail_at_second(view, calls=[]):  # noqa: B006 - a counter across calls
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("checksum mismatch")
+
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        copy_pieces(memoryview(src), views, fail_at_second)
+    after = [b.copy() for b in bufs]
+    import rl_ckpt._storage.buffers as buffers
+
+    buffers._copier().submit(lambda: None).result()  # (one helper thread, in order: whatever was queued is done)
+    assert all(np.array_equal(a, b) for a, b in zip(after, bufs))
+    assert not bufs[-1].any()  # the steps after the failure's next one were never copied
