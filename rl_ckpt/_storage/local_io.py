@@ -414,5 +414,3 @@ def _read_step(fd: int, pieces: list[memoryview], offset: int) -> int:
             break
         got += n
     return got
-
-

@@ -85,7 +85,8 @@ JSON (``--json`` prints one object; every figure is in it):
                        copy, probe, total (seconds)
     fresh              (``--fresh`` only) the first restore in a new process, per tier ("memory", "durable"):
                        {"restore_s", "engine_s", "memcpy_s", "clone_s", "vs_memcpy", "vs_clone", "breakdown"},
-                       "memory_vs_durable", "bytes", "runs"; also "memory_allocated": the memory tier into an optimizer state allocated first (see ``rl_ckpt.tools.bench.fresh``)
+                       "memory_vs_durable", "bytes", "runs"; "memory_allocated" too: the memory tier into an
+                       optimizer whose state exists first (see ``rl_ckpt.tools.bench.fresh``)
     goals              list of {"name", "met", "value", "limit", "text"}
     goals_met          how many goals were met
     goals_total        how many goals were evaluated
