@@ -221,7 +221,8 @@ class SnapshotLoader:
                     mismatches=[name],
                     snapshot_id=manifest.snapshot_id,
                 )
-            load_sharded(self.storage, manifest, key, reg.sharded or sharded_view(name, reg.obj, objects), name)
+            view = reg.sharded or sharded_view(name, reg.obj, objects)
+            load_sharded(self.storage, manifest, key, view, name, self.report.timing)
 
     def _post_load_check(self, manifest: Manifest) -> None:
         """Re-run the probes recorded at save; a mismatch quarantines the snapshot (then recovery falls back)."""

@@ -169,6 +169,7 @@ def learner_loop(config: dict) -> None:
                 "step": start,
                 "tier": tier_name,
                 "restore_seconds": restore_seconds,
+                "restore_timings": dict(result.timings),  # where the restore's time went (plan, read, ...)
                 "target": plan.target if plan else None,
                 "continue": plan.continue_from_step if plan else None,
                 "saved_by": saved_by,
