@@ -81,3 +81,50 @@ def test_a_failing_on_chunk_leaves_no_copy_running():
     buffers._copier().submit(lambda: None).result()  # (one helper thread, in order: whatever was queued is done)
     assert all(np.array_equal(a, b) for a, b in zip(after, bufs))
     assert not bufs[-1].any()  # the steps after the failure's next one were never copied
+
+
+def _read_local(root: str) -> bool:
+    """A local file of two read steps read into two buffers (the next step read by the reader pool)."""
+    from rl_ckpt._storage.local import LocalStorage
+    from rl_ckpt._storage.local_io import READ_CALL
+
+    store = LocalStorage(root)
+    store.makedirs("snap")
+    data = np.random.default_rng(5).integers(0, 256, size=2 * READ_CALL + 3, dtype=np.uint8).tobytes()
+    store.write("snap/f.bin", [data])
+    pieces = [(0, bytearray(READ_CALL)), (READ_CALL, bytearray(READ_CALL + 3))]
+    store.read_into("snap/f.bin", pieces, on_chunk=lambda v: None)
+    return b"".join(bytes(b) for _o, b in pieces) == data
+
+
+def _copy_in_child(queue, root) -> None:
+    sizes = [COPY_STEP] * 3
+    src = np.arange(sum(sizes), dtype=np.uint64).view(np.uint8)[: sum(sizes)]
+    bufs, views = _views(sizes)
+    seen = []
+    copy_pieces(memoryview(src), views, lambda v: seen.append(len(v)))
+    queue.put(np.concatenate(bufs).tobytes() == src.tobytes() and sum(seen) == src.nbytes and _read_local(root))
+
+
+def test_a_forked_child_copies_with_a_helper_of_its_own(tmp_path):
+    """The helper threads of the parent (the copy's, the local reader pool's) do not exist in a forked child (a
+    DataLoader worker, say): the child's first copy or read starts its own instead of queueing work no thread
+    will run."""
+    import multiprocessing
+
+    sizes = [COPY_STEP] * 2
+    src = np.ones(sum(sizes), dtype=np.uint8)
+    _bufs, views = _views(sizes)
+    copy_pieces(memoryview(src), views, lambda v: None)  # the parent's helper threads exist now
+    assert _read_local(str(tmp_path / "parent"))
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_copy_in_child, args=(queue, str(tmp_path / "child")))
+    child.start()
+    try:
+        assert queue.get(timeout=120) is True
+    finally:
+        child.join(timeout=120)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 from typing import Callable
 
@@ -115,6 +116,15 @@ def _copier():
 
             _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-copy")
     return _copy_pool
+
+
+def _forget_copier() -> None:
+    """In a forked child: the parent's helper thread does not exist there (a new one is started when needed)."""
+    global _copy_pool, _copy_lock
+    _copy_pool, _copy_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copier)
 
 
 def _copy(group: list[tuple[memoryview, memoryview]]) -> None:

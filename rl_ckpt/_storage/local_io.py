@@ -121,6 +121,15 @@ def _pool() -> ThreadPoolExecutor:
     return _reader_pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there (new ones are started when needed)."""
+    global _reader_pool, _reader_lock
+    _reader_pool, _reader_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _read_direct(fd: int, view: memoryview, size: int, on_chunk) -> int | None:
     """O_DIRECT reads, two in flight (no kernel readahead without the page cache), pieces handed to
     ``on_chunk`` in order; None when the first read is refused (the caller reads normally instead)."""
