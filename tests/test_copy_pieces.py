@@ -78,7 +78,7 @@ def test_a_failing_on_chunk_leaves_no_copy_running():
     after = [b.copy() for b in bufs]
     import rl_ckpt._storage.buffers as buffers
 
-    buffers._copier().submit(lambda: None).result()  # (one helper thread, in order: whatever was queued is done)
+    buffers.COPIER.get().submit(lambda: None).result()  # (one helper thread, in order: whatever was queued is done)
     assert all(np.array_equal(a, b) for a, b in zip(after, bufs))
     assert not bufs[-1].any()  # the steps after the failure's next one were never copied
 

@@ -103,28 +103,30 @@ def prefault_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> Callable[
     return stop
 
 
+class LazyPool:
+    """A thread pool started at its first use, and started anew in a forked child (the parent's threads do not
+    exist there: work queued to them would never run)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self.workers, self.name = workers, name
+        self._pool = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def get(self):
+        with self._lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+            return self._pool
+
+    def _forget(self) -> None:
+        self._pool, self._lock = None, threading.Lock()
+
+
 COPY_STEP = 16 * 1024 * 1024  # bytes copied (and handed to ``on_chunk``) at a time by :func:`copy_pieces`
-_copy_pool = None
-_copy_lock = threading.Lock()
-
-
-def _copier():
-    global _copy_pool
-    with _copy_lock:
-        if _copy_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-copy")
-    return _copy_pool
-
-
-def _forget_copier() -> None:
-    """In a forked child: the parent's helper thread does not exist there (a new one is started when needed)."""
-    global _copy_pool, _copy_lock
-    _copy_pool, _copy_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_copier)
+COPIER = LazyPool(1, "rl_ckpt-copy")  # the helper thread of :func:`copy_pieces`
 
 
 def _copy(group: list[tuple[memoryview, memoryview]]) -> None:
@@ -159,7 +161,7 @@ def copy_pieces(src: memoryview, views: list[memoryview], on_chunk: Callable[[me
                 if on_chunk is not None:
                     on_chunk(dst)
         return
-    pool = _copier()
+    pool = COPIER.get()
     pending = pool.submit(_copy, steps[0])
     try:
         for i, group in enumerate(steps):

@@ -15,13 +15,12 @@ import errno
 import fcntl
 import os
 import stat
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from rl_ckpt.errors import CommitConflictError, StorageError, StoragePermissionError, UnsafePathError
 from rl_ckpt._storage.base import check_relpath, range_past_end, unique_suffix
-from rl_ckpt._storage.buffers import alloc_bytes, prefault
+from rl_ckpt._storage.buffers import LazyPool, alloc_bytes, prefault
 
 MAX_WRITE = 1 << 30  # Linux caps one write() near 2 GiB; stay well below
 READ_CALL = 8 * 1024 * 1024  # bytes per read call: hashed while in the CPU cache, the kernel reads ahead
@@ -109,25 +108,11 @@ def _read_buffered(fd: int, view: memoryview, size: int, on_chunk) -> int:
     return got
 
 
-_reader_pool: ThreadPoolExecutor | None = None
-_reader_lock = threading.Lock()
+_READERS = LazyPool(2, "rl_ckpt-read")
 
 
 def _pool() -> ThreadPoolExecutor:
-    global _reader_pool
-    with _reader_lock:
-        if _reader_pool is None:
-            _reader_pool = ThreadPoolExecutor(2, thread_name_prefix="rl_ckpt-read")
-    return _reader_pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads do not exist there (new ones are started when needed)."""
-    global _reader_pool, _reader_lock
-    _reader_pool, _reader_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+    return _READERS.get()
 
 
 def _read_direct(fd: int, view: memoryview, size: int, on_chunk) -> int | None:
