@@ -11,7 +11,6 @@ participant restores the manager's snapshot.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -130,10 +129,10 @@ def scenario(ray, cluster, base_dir: str) -> dict:
 
 
 def main() -> None:
-    from node_cluster import node_cluster
+    from node_cluster import emit, node_cluster
 
     with node_cluster("exactly-once", head_resources=4) as (ray, cluster):
-        print(json.dumps(scenario(ray, cluster, sys.argv[1])), flush=True)
+        emit(scenario(ray, cluster, sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ head node restore across tiers.
 
 from __future__ import annotations
 
-import json
 import sys
 import uuid
 
@@ -80,11 +79,11 @@ def scenario(ray, cluster, base_dir: str, replicas: int) -> dict:
 
 
 def main() -> None:
-    from node_cluster import node_cluster
+    from node_cluster import emit, node_cluster
 
     with node_cluster("memtier-nodes", head_resources=4) as (ray, cluster):
         for replicas in (1, 0):
-            print(json.dumps(scenario(ray, cluster, sys.argv[1], replicas)), flush=True)
+            emit(scenario(ray, cluster, sys.argv[1], replicas))
 
 
 if __name__ == "__main__":

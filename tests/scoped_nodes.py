@@ -20,7 +20,7 @@ import threading
 
 
 def main() -> None:
-    from node_cluster import node_cluster
+    from node_cluster import emit, node_cluster
 
     from rl_ckpt.demo.faults import log_event
     from rl_ckpt.demo.ray_ppo import run
@@ -79,18 +79,15 @@ def main() -> None:
             stop.wait(0.05)
         thread.join()
         result = out.get("result")
-        print(
-            json.dumps(
-                {
-                    "error": out.get("error"),
-                    "node": node_id,
-                    "removed_at": removed_at,
-                    "placed": out.get("placed"),
-                    "log": result.log if result else [],
-                    "reference": reference.done,
-                }
-            ),
-            flush=True,
+        emit(
+            {
+                "error": out.get("error"),
+                "node": node_id,
+                "removed_at": removed_at,
+                "placed": out.get("placed"),
+                "log": result.log if result else [],
+                "reference": reference.done,
+            }
         )
 
 

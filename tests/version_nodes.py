@@ -11,7 +11,6 @@ same way with the learners SIGKILLed before it is released. The 4 rollout worker
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import time
@@ -158,7 +157,7 @@ def killed_before_placement(ray, run: str, storage, learners: list, workers: lis
 
 
 def main() -> None:
-    from node_cluster import node_cluster
+    from node_cluster import emit, node_cluster
 
     namespace = "versions-nodes"
     with node_cluster(namespace, head_resources=16, worker_resources=16) as (ray, _cluster):
@@ -168,7 +167,7 @@ def main() -> None:
         on = {"head": rollout.options(resources={"head": 1}), "worker": rollout.options(resources={"worker": 1})}
         workers = [on[n].remote(namespace) for n in ("head", "head", "worker", "worker")]
         for kind in sys.argv[1:] or ("replicated", "fsdp2"):
-            print(json.dumps(scenario(ray, kind, namespace, workers, on)), flush=True)
+            emit(scenario(ray, kind, namespace, workers, on))
 
 
 if __name__ == "__main__":
