@@ -26,7 +26,6 @@ import uuid
 
 from rl_ckpt.tools.bench.common import log, parse_size, rmtree
 
-TIERS = ("memory", "durable")
 RUNS = ("memory", "durable", "memory_allocated")  # (tier, whether the optimizer's state exists before the restore)
 
 
@@ -193,9 +192,7 @@ def format_fresh(fresh: dict) -> list[str]:
         ("memory_allocated", "memory tier, into an optimizer state allocated first"),
     )
     for name, label in labels:
-        f = fresh.get(name)
-        if f is None:
-            continue
+        f = fresh[name]
         parts = ", ".join(
             f"{k} {f['breakdown'][k]:.3f}"
             for k in ("plan", "read", "hash", "decode", "copy", "probe")
