@@ -206,6 +206,8 @@ THIRD_PARTY_PRIVATE = {
     "_shared_data": "RLlib EnvRunner's connectors' shared data: as above",
     "_needs_initial_reset": "RLlib EnvRunner's flag: reset the envs at the next sample(): as above",
     "_autoreset_envs": "gymnasium SyncVectorEnv's pending auto-resets: as above",
+    "_worker_manager": "RLlib EnvRunnerGroup's actor manager: its handles (actors()) take a save's request for the "
+    "EnvRunners' state directly, collected on the save's writer (RLlib's own request bookkeeping is not thread-safe)",
     "_set_optimizer_state": "RLlib TorchLearner's restore of its optimizers: compared (not called) to know it is "
     "torch's load_state_dict, before reading the moments into the optimizers' own tensors",
 }

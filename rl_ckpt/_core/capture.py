@@ -11,6 +11,7 @@ its background copy finds them ready.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt._core.encode_plans import EncodePlans
 from rl_ckpt._core.registry import ComponentRegistry, Registered
+from rl_ckpt._core.stage_guard import Detached, detached_state
 from rl_ckpt._core.staging import StagingArea
 from rl_ckpt.errors import CheckpointError, SerializationError
 from rl_ckpt._format.state_codec import EncodedState, encode_state
@@ -57,7 +59,8 @@ class StateCapture:
         """Every saved component's state, split into tensors/tables/JSON.
 
         ``copy``: into the staging buffers (a background save), which then hold only what this round
-        staged; ``capture``: a ``core/stage_guard.Capture`` that defers the guarded tensors to a stager."""
+        staged; ``capture``: a ``core/stage_guard.Capture`` that defers the guarded tensors to a stager and
+        a detached state's encoding to the writer (``Detached`` in the result until then)."""
         from rl_ckpt._sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
 
         self._drop_spent_hooks()
@@ -73,6 +76,8 @@ class StateCapture:
                         name=reg.name,
                         staging=self.staging if copy else None,
                     )
+                elif capture is not None and capture.detached(reg.name):
+                    staged[reg.name] = detached_state_of(reg)  # encoded by the writer (core/stage_guard.py)
                 elif copy:
                     staged[reg.name] = area.stage(reg.name, self.plans.encode(reg.name, state_of(reg)))
                 else:
@@ -103,8 +108,8 @@ class StateCapture:
         anyway, from now on instead of from its first call."""
         specs = []
         for reg in self.registry.saved(kind):
-            if reg.sharded is not None:
-                continue  # sharded state stages through its own planner
+            if reg.sharded is not None or detached_state(reg.obj):
+                continue  # sharded state stages through its own planner; a detached one is never staged
             obj = reg.obj
             if isinstance(obj, torch.optim.Optimizer) and not obj.state and not self._prepared_after_step:
                 self._after_first_step.append(obj.register_step_post_hook(self._prepare_after_step))
@@ -126,16 +131,31 @@ class StateCapture:
 
 def state_of(reg: Registered) -> Any:
     """``reg.obj.state_dict()``; an exception it raises becomes a SerializationError naming the component."""
+    return _named(reg.name, "state_dict()", reg.obj.state_dict)
+
+
+def detached_state_of(reg: Registered) -> Detached:
+    """A detached component's state as of now: what its ``state_dict_later()`` returned, a function the writer
+    calls for the tree (the component has asked for it by now), or else ``state_dict()``'s tree."""
+    later = getattr(reg.obj, "state_dict_later", None)
+    if not callable(later):
+        return Detached(state_of(reg))
+    fn = _named(reg.name, "state_dict_later()", later)
+    return Detached(later=partial(_named, reg.name, "the function state_dict_later() returned", fn))
+
+
+def _named(name: str, what: str, fn: Any) -> Any:
+    """``fn()``; an exception it raises becomes a SerializationError naming the component ``name``."""
     try:
-        return reg.obj.state_dict()
+        return fn()
     except CheckpointError:
         raise
     except Exception as exc:  # the user's own code: name the component, keep the cause chained
         raise SerializationError(
-            f"component {reg.name!r}: state_dict() raised {type(exc).__name__}: {exc}; nothing was saved",
-            component=reg.name,
+            f"component {name!r}: {what} raised {type(exc).__name__}: {exc}; nothing was saved",
+            component=name,
             key="",
         ) from exc
 
 
-__all__ = ["StateCapture", "state_of"]
+__all__ = ["StateCapture", "detached_state_of", "state_of"]

@@ -74,6 +74,12 @@ class CheckpointScheduler:
         self._lock = threading.Lock()
         self._callback_errors: list[tuple[BaseException, int]] = []
 
+    @property
+    def saves_every_step(self) -> bool:
+        """A full snapshot is due at every step (``save_interval_steps=1``): a step that saves is followed by
+        one that saves too."""
+        return self.every_steps == 1
+
     def due(self, global_step: int) -> str | None:
         """``"full"``, ``"light"`` or None: what this step would save (by this process's clock)."""
         if self._last_full_step is None:

@@ -31,6 +31,16 @@ an EMA or target network updated in place; replay buffers; any object whose
 state; a component registered with ``background=False``) is copied at the
 call, as before. Gradients are not saved, so ``zero_grad`` needs no guard.
 
+A component whose object says ``checkpoint_detached_state = True`` promises
+more: every ``state_dict()`` call returns a tree of its own (new containers,
+copied arrays and tensors: nothing anyone changes later). Only its
+``state_dict()`` runs at the call; splitting it into tensors/tables/JSON runs
+on the writer, before the write (a refusal, e.g. a value of a type the format
+cannot hold, then fails that save through its handle instead of at the call).
+Such a component may also have ``state_dict_later()``: called instead at the
+save's call, it returns a function the writer calls for that tree (e.g. the
+state of remote processes, asked for at the call and waited for on the writer).
+
 A hook that fires after staging finished returns at once; hooks are removed at
 the next engine call that waits (``save``, ``save_async``, ``wait``, ``restore``;
 the optimizer ones cannot be removed while the optimizer iterates over them),
@@ -48,7 +58,7 @@ import torch
 
 from rl_ckpt._core.staging import StagingArea
 from rl_ckpt.errors import ConfigError
-from rl_ckpt._format.state_codec import EncodedState
+from rl_ckpt._format.state_codec import EncodedState, encode_state
 
 # Keys of an optimizer's encoded state copied at the call: a scheduler may change them in place before the step.
 SYNC_OPTIMIZER_PREFIX = "param_groups/"
@@ -77,6 +87,11 @@ def background_names(registered: Iterable[Any]) -> set[str]:
     return out
 
 
+def detached_state(obj: Any) -> bool:
+    """True when ``obj`` says its ``state_dict()`` returns a tree of its own (``checkpoint_detached_state``)."""
+    return getattr(obj, "checkpoint_detached_state", False) is True
+
+
 class Capture:
     """What one ``save_async`` call defers: the guarded components' tensors, module buffers first."""
 
@@ -87,6 +102,10 @@ class Capture:
         self.objects = {r.name: r.obj for r in regs}
         self.first: list = []  # module buffers: a forward pre-hook waits for these only
         self.rest: list = []
+
+    def detached(self, name: str) -> bool:
+        """True when ``name``'s ``state_dict()`` returns a tree of its own (encoded later, on the writer)."""
+        return detached_state(self.objects[name])
 
     def stage(self, name: str, enc: EncodedState) -> EncodedState:
         """``enc`` staged; a guarded component's tensors deferred (its optimizer ``param_groups`` ones copied now)."""
@@ -268,12 +287,29 @@ class StageRound:
         self.hook_wait_seconds += time.perf_counter() - started
 
     def result(self) -> dict[str, EncodedState]:
-        """The staged states once every copy has landed; raises the error that stopped staging."""
+        """The staged states once every copy has landed, detached states encoded here (on the writer's thread);
+        raises the error that stopped staging, or the refusal of a detached state's encoding."""
         self._finished.wait()
         if self.error is not None:
             raise self.error
         states, self.states = self.states, {}  # for the writer alone (see ``_end``)
+        for name, state in states.items():
+            if type(state) is Detached:
+                states[name] = encode_state(name, state.tree())  # (the key keeps its place: the components' order)
         return states
+
+
+class Detached:
+    """A detached component's state as of the save's call, waiting for ``StageRound.result``: the tree its
+    ``state_dict()`` returned, or ``later``, the function that returns that tree (``state_dict_later``)."""
+
+    __slots__ = ("_tree", "_later")
+
+    def __init__(self, tree: Any = None, *, later: Callable[[], Any] | None = None) -> None:
+        self._tree, self._later = tree, later
+
+    def tree(self) -> Any:
+        return self._tree if self._later is None else self._later()
 
 
 class StageGuard:
@@ -350,5 +386,7 @@ __all__ = [
     "after_staging",
     "background_names",
     "check_background",
+    "Detached",
+    "detached_state",
     "stage_background",
 ]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rl_ckpt.components import RNGState
-from rl_ckpt.integrations._rllib_runners import arm, capture, take_restored
+from rl_ckpt.integrations._rllib_runners import arm, capture, capture_and_arm, take_restored
 from rl_ckpt.integrations._rllib_state import from_stored, learner_value, module_weights, optimizer_state, to_storable
 
 log = logging.getLogger("rl_ckpt")
@@ -30,7 +30,6 @@ LEARNER_GROUP, LEARNER, RL_MODULE, OPTIMIZER, METRICS = (
 )
 TRAINING_ITERATION, WEIGHTS_SEQ_NO = "training_iteration", "weights_seq_no"
 ENV_RUNNERS = "env_runners"
-CAPTURE_TAG = "rl_ckpt_capture"  # our request for the EnvRunners' state, fetched by tag
 SYNC_TAG = "set_state"  # RLlib's broadcast of the connector states after each iteration
 EXTRAS = "rl_ckpt:extras"  # learner state RLlib's get_state leaves out (learner_extras)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -54,12 +53,15 @@ class AlgorithmPart:
     ) -> None:
         self.algo = algo
         self.checkpoint_kind = kind
+        # Counters and metrics (hundreds of small values) are copied at the call and encoded by the save's
+        # writer, off the training thread; weights and optimizer moments are staged from views of the learner's.
+        self.checkpoint_detached_state = kind in ("other", "progress")
         self._get, self._put = get, put
         self.what = what
         self.name = name  # the component name, for errors
 
     def state_dict(self) -> dict:
-        return to_storable(self._get(self.algo), component=self.name)
+        return to_storable(self._get(self.algo), component=self.name, detach=self.checkpoint_detached_state)
 
     def load_state_dict(self, state: dict) -> None:
         # Every value is converted and checked before RLlib sees any (CorruptSnapshotError: the restore falls back).
@@ -311,35 +313,42 @@ class RunnersPart:
 
     The EnvRunners encode their state themselves; the driver stores what they send as it is. A save that is
     due asks them first (:meth:`prefetch`, not awaited) so that they capture while the driver takes the rest
-    of the state. The restored state waits in ``pending`` for ``restore_algorithm``, which sends each EnvRunner
-    its own with the weights, in one call.
+    of the state; a background save collects their answers on its writer (:meth:`state_dict_later`), not on
+    the training thread. The requests go to the EnvRunner actors directly (an actor runs one caller's calls in
+    order: each captures before the next sampling the driver asks for), outside RLlib's request bookkeeping,
+    which would have to be fetched on the training thread. The restored state waits in ``pending`` for
+    ``restore_algorithm``, which sends each EnvRunner its own with the weights, in one call.
     """
 
     checkpoint_kind = "other"
+    checkpoint_detached_state = True  # what the EnvRunners sent: collected, copied and encoded by the writer
 
     def __init__(self, algo: Any) -> None:
         self.algo = algo
         self.pending: dict | None = None
-        self._asked = 0
+        self._asked: dict[int, Any] = {}  # worker id -> the ObjectRef of its capture, asked by prefetch
+        self._capture: Callable[[Any], dict] = capture  # ``capture_and_arm`` when the next iteration saves too
+        self.armed_ahead = False  # the EnvRunners asked for this save's state were armed for the next one too
 
-    def prefetch(self) -> None:
-        """Ask every remote EnvRunner for its state now, without waiting (an actor runs one caller's calls in
-        order: it captures before the next sampling the driver asks for). Collected by :meth:`state_dict`."""
+    def prefetch(self, arm_next: bool = False) -> None:
+        """Ask every healthy remote EnvRunner for its state now, without waiting; collected by the save.
+        ``arm_next``: the iteration after this one saves too: the same call arms them for it (:meth:`arm`).
+        Not asked while other requests are in flight (asynchronous sampling: that save is not exact)."""
+        self._capture, self.armed_ahead = (capture_and_arm if arm_next else capture), False
         group = self.algo.env_runner_group
-        if self._asked or not group.num_remote_env_runners():
+        if self._asked or not group.num_remote_env_runners() or self._others_in_flight():
             return
-        if group.num_in_flight_async_reqs(SYNC_TAG):
-            # RLlib's broadcast of the connector states, if done, frees its slot (one request in flight per EnvRunner)
-            group.fetch_ready_async_reqs(tags=SYNC_TAG, timeout_seconds=0)
-        if not self._others_in_flight():
-            self._asked = group.foreach_env_runner_async(capture, CAPTURE_TAG)
+        self._asked = self._ask(group.healthy_env_runner_ids(), self._capture)
+        self.armed_ahead = arm_next
+
+    def _ask(self, ids: list[int], fn: Callable[[Any], dict]) -> dict[int, Any]:
+        actors = self.algo.env_runner_group._worker_manager.actors()  # (RLlib's handles, by worker id)
+        return {i: actors[i].apply.remote(fn) for i in ids if i in actors}
 
     def _others_in_flight(self) -> int:
-        """Requests in flight to the EnvRunners other than RLlib's connector broadcast and ours (sampling)."""
+        """Requests RLlib has in flight to the EnvRunners other than its connector broadcast (sampling)."""
         group = self.algo.env_runner_group
-        return group.num_in_flight_async_reqs() - sum(
-            group.num_in_flight_async_reqs(tag) for tag in (SYNC_TAG, CAPTURE_TAG)
-        )
+        return group.num_in_flight_async_reqs() - group.num_in_flight_async_reqs(SYNC_TAG)
 
     def arm(self) -> None:
         """The next iteration saves: every remote EnvRunner takes its state at the end of its sampling and encodes
@@ -349,40 +358,59 @@ class RunnersPart:
             group.foreach_env_runner(arm, local_env_runner=False, timeout_seconds=0.0)
 
     def discard(self) -> None:
-        """Collect (and drop) what :meth:`prefetch` asked for when no save used it."""
-        if self._asked:
-            self.algo.env_runner_group.fetch_ready_async_reqs(tags=CAPTURE_TAG, timeout_seconds=None)
-            self._asked = 0
+        """Drop what :meth:`prefetch` asked for when no save used it (the EnvRunners still answer, unread)."""
+        self._capture, self._asked = capture, {}
 
     def state_dict(self) -> dict:
-        return to_storable(self.gather(), component=ENV_RUNNERS)
+        """Every training EnvRunner's capture (the remote ones, or the driver's own when there are none)."""
+        return self._collect(*self._take())
+
+    def state_dict_later(self) -> Callable[[], dict]:
+        """The state as of this call, collected when the returned function is called (on a save's writer): every
+        EnvRunner has been asked by now, and answers before it samples again."""
+        return functools.partial(self._collect, *self._take())
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = from_stored(state, component=ENV_RUNNERS)
 
-    def gather(self) -> dict:
-        """Every training EnvRunner's capture (the remote ones, or the driver's own when there are none)."""
+    def _take(self) -> tuple[list[str], dict[int, Any], list[dict], int]:
+        """On the training thread: why not exact so far, the requests (every healthy EnvRunner asked by now),
+        the driver's own capture when there are no remote EnvRunners, and how many are expected."""
         algo, group = self.algo, self.algo.env_runner_group
-        expected, whys, got = group.num_remote_env_runners(), [], {}
+        expected, whys, local = group.num_remote_env_runners(), [], []
+        ask, self._capture = self._capture, capture  # (a save without prefetch arms nothing)
+        asked, self._asked = self._asked, {}
         if expected and self._others_in_flight():
             whys.append("the EnvRunners had sampling requests in flight at the save (asynchronous sampling)")
-        if self._asked:
-            got = dict(group.fetch_ready_async_reqs(tags=CAPTURE_TAG, timeout_seconds=None))
-            self._asked = 0
-        missing = [i for i in group.healthy_env_runner_ids() if i not in got] if expected else []
-        states = list(got.values())
-        if missing:  # not asked ahead (an EnvRunner still ran RLlib's broadcast, or no prefetch): ask and wait
-            states += group.foreach_env_runner(capture, local_env_runner=False, remote_worker_ids=missing)
+        missing = [i for i in group.healthy_env_runner_ids() if i not in asked] if expected else []
+        if missing:  # not asked ahead (no prefetch, or RLlib had requests in flight): ask now
+            asked.update(self._ask(missing, ask))
+            self.armed_ahead = ask is capture_and_arm
         elif not expected and algo.env_runner is not None:
-            states = [capture(algo.env_runner)]
-        whys += [f"EnvRunner {s['worker_index']}: {s['why']}" for s in states if not s["exact"]]
+            local = [capture(algo.env_runner)]
+        return whys, asked, local, expected
+
+    @staticmethod
+    def _collect(whys: list[str], asked: dict[int, Any], local: list[dict], expected: int) -> dict:
+        """The EnvRunners' answers (waited for), as the stored tree; any thread."""
+        import ray
+
+        states = list(local)
+        for ref in asked.values():
+            try:
+                states.append(ray.get(ref))
+            except ray.exceptions.RayError:  # died since: counted as not answering
+                pass
+        whys = whys + [f"EnvRunner {s['worker_index']}: {s['why']}" for s in states if not s["exact"]]
         if expected and len(states) < expected:
             whys.append(f"{expected - len(states)} of {expected} EnvRunners did not answer (unhealthy)")
         if not states:
             whys.append("no EnvRunner samples")
         if whys:
-            return {"exact": False, "why": "; ".join(whys), "runners": {}}
-        return {"exact": True, "why": None, "runners": {str(s["worker_index"]): s for s in states}}
+            tree = {"exact": False, "why": "; ".join(whys), "runners": {}}
+        else:
+            tree = {"exact": True, "why": None, "runners": {str(s["worker_index"]): s for s in states}}
+        return to_storable(tree, component=ENV_RUNNERS, detach=True)
 
     def __repr__(self) -> str:
         return "RunnersPart(EnvRunner environments, episodes, random streams)"

@@ -92,6 +92,14 @@ def arm(runner: Any) -> None:
     _ARMED.add(id(runner))
 
 
+def capture_and_arm(runner: Any) -> dict:
+    """:func:`capture`, then :func:`arm`: one call instead of two when the iteration after this save saves too."""
+    try:
+        return capture(runner)
+    finally:
+        arm(runner)
+
+
 def sample_ended(runner: Any) -> None:
     """``on_sample_end`` in the EnvRunner: when armed, take everything the next calls may change now (a few
     small copies) and encode it in a thread, while the driver learns from the samples.

@@ -13,6 +13,8 @@ Rules (``to_storable`` at save, ``from_stored`` at restore; both name the key pa
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -24,26 +26,31 @@ NONE_KEY = "rl_ckpt:None"
 NPY_KEY = "rl_ckpt:npy"
 
 
-def _leaf_types() -> frozenset:
-    """Types that hold no key, no text and nothing to walk: returned as they are (the walks skip them fast)."""
+def _leaf_types() -> tuple[frozenset, frozenset]:
+    """Types that hold no key, no text and nothing to walk: returned as they are (the walks skip them fast). The
+    immutable ones, then all of them (with arrays and tensors)."""
     import torch
 
     numpy_scalars = {np.dtype(c).type for c in "?bhilqBHILQefdgFD"}
-    return frozenset({int, float, bool, complex, bytes, type(None), np.ndarray, torch.Tensor, *numpy_scalars})
+    immutable = frozenset({int, float, bool, complex, bytes, type(None), *numpy_scalars})
+    return immutable, immutable | {np.ndarray, torch.Tensor}
 
 
-_LEAVES = _leaf_types()
+_IMMUTABLE, _LEAVES = _leaf_types()
 
 
-def to_storable(tree: Any, path: str = "", *, component: str | None = None) -> Any:
+def to_storable(tree: Any, path: str = "", *, component: str | None = None, detach: bool = False) -> Any:
     """``tree`` with every ``None`` dict key renamed ``NONE_KEY`` (the state codec stores str and int keys only)
-    and every array RLlib keeps as ``.npy`` text replaced by ``{NPY_KEY: the plain array}``.
+    and every array RLlib keeps as ``.npy`` text replaced by ``{NPY_KEY: the plain array}``. Its containers are
+    new ones; ``detach``: its arrays, tensors and bytearrays are copies too (a tree nothing RLlib does later
+    changes: ``checkpoint_detached_state``).
 
     Raises:
         SerializationError: a dict holds both ``None`` and ``NONE_KEY`` as keys, a dict is ``{NPY_KEY: ...}``
             itself, or a text value hides what ``np.load`` would unpickle (naming the key path).
     """
-    if type(tree) in _LEAVES:
+    leaves = _IMMUTABLE if detach else _LEAVES
+    if type(tree) in leaves:
         return tree
     if isinstance(tree, dict):
         if None in tree and NONE_KEY in tree:
@@ -57,13 +64,14 @@ def to_storable(tree: Any, path: str = "", *, component: str | None = None) -> A
             raise _refused(path, component, f"is a dict of the one key {NPY_KEY!r}, rl_ckpt's mark for an array")
         return {
             NONE_KEY if k is None else k: v
-            if type(v) in _LEAVES
-            else to_storable(v, f"{path}/{k}", component=component)
+            if type(v) in leaves
+            else to_storable(v, f"{path}/{k}", component=component, detach=detach)
             for k, v in tree.items()
         }
     if isinstance(tree, (list, tuple)):
         out = [
-            v if type(v) in _LEAVES else to_storable(v, f"{path}/{i}", component=component) for i, v in enumerate(tree)
+            v if type(v) in leaves else to_storable(v, f"{path}/{i}", component=component, detach=detach)
+            for i, v in enumerate(tree)
         ]
         return out if isinstance(tree, list) else tuple(out)
     if isinstance(tree, str):
@@ -71,8 +79,24 @@ def to_storable(tree: Any, path: str = "", *, component: str | None = None) -> A
             array = _plain_array(tree)
         except ValueError as exc:
             raise _refused(path, component, f"is text RLlib would load with NumPy's loader, {exc}") from None
-        return tree if array is None else {NPY_KEY: array}
+        return tree if array is None else {NPY_KEY: array}  # (a new array: decoded from the text)
+    if detach:
+        return _copy_of(tree)
     return tree
+
+
+def _copy_of(value: Any) -> Any:
+    """A copy of a mutable leaf (array, tensor, bytearray); any other value as it is (immutable, or a type the
+    state codec refuses when it encodes the tree, naming its key)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, bytearray):
+        return bytearray(value)
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
 
 
 def from_stored(tree: Any, path: str = "", *, component: str | None = None) -> Any:
@@ -154,21 +178,40 @@ def plain_arrays(tree: Any) -> Any:
     """RLlib's ``convert_to_numpy`` without its copy: the same values (0-d tensors as Python numbers, other
     floats as float32 and the integers it narrows as int32, converted as it converts them), but an array
     already of that dtype is a view of the live tensor, not a copy. For a caller that copies what it keeps
-    (staging, ``ray.put``) before training changes the tensors again."""
+    (staging, ``ray.put``) before training changes the tensors again.
+
+    Dicts, OrderedDicts, lists and tuples (what state dicts are made of) are walked here; any other container is
+    left to ``dm_tree.map_structure``, as RLlib does."""
     import torch
-    import tree as dm_tree
 
     def leaf(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
             item = item.cpu().item() if item.dim() == 0 else item.detach().cpu().numpy()
         if isinstance(item, np.ndarray):
-            if np.issubdtype(item.dtype, np.floating):
+            kind = item.dtype.kind
+            if kind == "f":
                 return item if item.dtype == np.float32 else item.astype(np.float32)
-            if np.issubdtype(item.dtype, int):
-                return item if item.dtype == np.int32 else item.astype(np.int32)
+            if item.dtype.type is np.int_:  # (``np.issubdtype(dtype, int)``: the platform's default int only)
+                return item.astype(np.int32)
         return item
 
-    return dm_tree.map_structure(leaf, tree)
+    def walk(item: Any) -> Any:
+        kind = type(item)
+        if kind is dict:
+            return {k: walk(v) for k, v in item.items()}
+        if kind is list:
+            return [walk(v) for v in item]
+        if kind is tuple:
+            return tuple(walk(v) for v in item)
+        if kind is collections.OrderedDict:
+            return collections.OrderedDict((k, walk(v)) for k, v in item.items())
+        if isinstance(item, (Mapping, list, tuple)):
+            import tree as dm_tree
+
+            return dm_tree.map_structure(leaf, item)
+        return leaf(item)
+
+    return walk(tree)
 
 
 def module_weights(learner: Any, mid: str, *, inference_only: bool = False) -> dict:

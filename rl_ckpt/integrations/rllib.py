@@ -215,7 +215,10 @@ class CheckpointCallback(RLlibCallback):
         runners = self.engine.components.get(ENV_RUNNERS)
         runners = runners if isinstance(runners, RunnersPart) else None
         if runners is not None and self.scheduler.due(step):
-            runners.prefetch()  # the EnvRunners send their state while the driver takes the rest
+            # The EnvRunners send their state while the driver takes the rest; when every iteration saves, the
+            # same call arms them for the next one (a second call after the save would wait for the GIL while
+            # the save's writer encodes).
+            runners.prefetch(arm_next=self.scheduler.saves_every_step)
         handle = self.scheduler.step(step, train_metrics(result, self.metric_keys))
         if runners is not None:
             runners.discard()  # asked for, but no save took it (e.g. the previous save still running)
@@ -226,8 +229,10 @@ class CheckpointCallback(RLlibCallback):
 
     def _arm(self, runners: Any, step: int) -> None:
         """When ``step`` will save, have the EnvRunners take their state as they finish sampling it (its cost
-        counts in the next save's ``blocked``)."""
-        if runners is not None and self.scheduler.due(step):
+        counts in the next save's ``blocked``), unless the call that took this save's state armed them."""
+        if runners is not None and runners.armed_ahead:
+            runners.armed_ahead = False
+        elif runners is not None and self.scheduler.due(step):
             started = time.perf_counter()
             runners.arm()
             self._arming += time.perf_counter() - started
