@@ -307,6 +307,15 @@ class DriverRNG(RNGState):
         super().load_state_dict(state)
 
 
+def ask_runners(group: Any, ids: list[int], fn: Callable[[Any], Any]) -> dict[int, Any]:
+    """``fn`` sent to the remote EnvRunners ``ids`` of ``group`` through their actor handles: worker id -> the
+    ObjectRef of its answer. Outside RLlib's request bookkeeping (whose fetches cost the training thread a
+    ``ray.wait`` and are not thread-safe); an actor runs one caller's calls in order, so each runs ``fn`` before
+    anything the driver asks it next."""
+    actors = group._worker_manager.actors()  # (RLlib's handles, by worker id)
+    return {i: actors[i].apply.remote(fn) for i in ids if i in actors}
+
+
 class RunnersPart:
     """The ``env_runners`` component: every training EnvRunner's sampling state (``_rllib_runners.py``), by
     worker index; ``exact`` False with why when any cannot be captured (then none is kept).
@@ -338,12 +347,8 @@ class RunnersPart:
         group = self.algo.env_runner_group
         if self._asked or not group.num_remote_env_runners() or self._others_in_flight():
             return
-        self._asked = self._ask(group.healthy_env_runner_ids(), self._capture)
+        self._asked = ask_runners(group, group.healthy_env_runner_ids(), self._capture)
         self.armed_ahead = arm_next
-
-    def _ask(self, ids: list[int], fn: Callable[[Any], dict]) -> dict[int, Any]:
-        actors = self.algo.env_runner_group._worker_manager.actors()  # (RLlib's handles, by worker id)
-        return {i: actors[i].apply.remote(fn) for i in ids if i in actors}
 
     def _others_in_flight(self) -> int:
         """Requests RLlib has in flight to the EnvRunners other than its connector broadcast (sampling)."""
@@ -355,7 +360,7 @@ class RunnersPart:
         it while the driver learns (``_rllib_runners.sample_ended``; sent, not awaited)."""
         group = self.algo.env_runner_group
         if group.num_remote_env_runners():
-            group.foreach_env_runner(arm, local_env_runner=False, timeout_seconds=0.0)
+            ask_runners(group, group.healthy_env_runner_ids(), arm)
 
     def discard(self) -> None:
         """Drop what :meth:`prefetch` asked for when no save used it (the EnvRunners still answer, unread)."""
@@ -384,7 +389,7 @@ class RunnersPart:
             whys.append("the EnvRunners had sampling requests in flight at the save (asynchronous sampling)")
         missing = [i for i in group.healthy_env_runner_ids() if i not in asked] if expected else []
         if missing:  # not asked ahead (no prefetch, or RLlib had requests in flight): ask now
-            asked.update(self._ask(missing, ask))
+            asked.update(ask_runners(group, missing, ask))
             self.armed_ahead = ask is capture_and_arm
         elif not expected and algo.env_runner is not None:
             local = [capture(algo.env_runner)]
@@ -475,9 +480,10 @@ def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None =
         payload = {"weights": state, "unnumbered": rolled_back, "runners": mine}
         if group.num_remote_env_runners():
             take = functools.partial(take_restored, ray.put(payload))
-            notes += group.foreach_env_runner(
-                take, local_env_runner=False, timeout_seconds=None if rolled_back else 0.0
-            )
+            if rolled_back:
+                notes += group.foreach_env_runner(take, local_env_runner=False, timeout_seconds=None)
+            else:
+                ask_runners(group, group.healthy_env_runner_ids(), take)  # (answers unread: not awaited)
         if group.local_env_runner is not None:
             notes.append(take_restored(payload, group.local_env_runner))
     return [note for note in notes if note]
