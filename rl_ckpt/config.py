@@ -385,7 +385,8 @@ DIGEST_KEYS = ("save_optimizer", "save_rng_state", "save_replay_buffer", "schema
 
 def recorded_config(cfg: CheckpointConfig, train_config: Mapping[str, Any] | None) -> dict:
     """The config a manifest records (and a restore compares): DIGEST_KEYS plus ``train.<key>`` hyperparameters."""
-    rec = {k: cfg.public_dict()[k] for k in DIGEST_KEYS}
+    public = cfg.public_dict()
+    rec = {k: public[k] for k in DIGEST_KEYS}
     for key, value in (train_config or {}).items():
         rec[f"train.{key}"] = value
     # As the manifest will hold it (tuples become lists), so a comparison sees only real changes.
