@@ -108,12 +108,18 @@ def test_the_snapshot_is_the_state_at_the_call_and_encoding_runs_on_the_writer(t
         assert c.stats.tolist() == [3.5] * 4
 
 
-def test_a_detached_state_the_format_refuses_fails_that_save_alone(tmp_path):
+def _saved_once(tmp_path, name: str, component: Counters) -> CheckpointEngine:
+    """An engine with ``component`` registered as ``name`` and one snapshot of it (step 1) committed."""
     engine, _ = _engine(tmp_path)
-    counters = Counters()
-    engine.register("counters", counters)
-    counters.advance(1.0)
+    engine.register(name, component)
+    component.advance(1.0)
     engine.save_async(1).wait(timeout=60)
+    return engine
+
+
+def test_a_detached_state_the_format_refuses_fails_that_save_alone(tmp_path):
+    counters = Counters()
+    engine = _saved_once(tmp_path, "counters", counters)
     counters.advance(1.0)
     counters.extra = {"ids": {1, 2}}  # a set: no encoding for it
     handle = engine.save_async(2)  # not refused at the call: encoding happens on the writer
@@ -137,11 +143,8 @@ def test_a_detached_state_the_format_refuses_fails_that_save_alone(tmp_path):
 
 
 def test_a_later_function_that_raises_names_the_component_and_commits_nothing(tmp_path):
-    engine, _ = _engine(tmp_path)
     remote = Remote()
-    engine.register("remote", remote)
-    remote.advance(1.0)
-    engine.save_async(1).wait(timeout=60)
+    engine = _saved_once(tmp_path, "remote", remote)
     remote.fail_later = True
     handle = engine.save_async(2)
     with pytest.raises(SerializationError, match="'remote'.*state_dict_later.*RuntimeError.*died") as err:
