@@ -50,12 +50,15 @@ class Remote(Counters):
         super().__init__()
         self.answered: list[str] = []  # the thread each later function ran on
         self.fail_later = False
+        self.hold: threading.Event | None = None  # the later function waits for it (the remote answers late)
 
     def state_dict_later(self):
         asked = self.state_dict()  # what the call asked for: the state as of now
 
         def answer() -> dict:
             self.answered.append(threading.current_thread().name)
+            if self.hold is not None:
+                assert self.hold.wait(timeout=60)
             if self.fail_later:
                 raise RuntimeError("the remote process died")
             return asked
@@ -86,15 +89,16 @@ def test_the_snapshot_is_the_state_at_the_call_and_encoding_runs_on_the_writer(t
         c.advance(1.5)
         c.advance(2.0)
     gate = threading.Event()
-    storage.before("write", gate.wait, nth=1)  # the writer waits until the live objects moved on
+    remote.hold = gate  # the writer waits in the later function until the live objects moved on
+    storage.before("write", gate.wait, nth=1)  # (and before its first write)
     handle = engine.save_async(2)
-    assert remote.answered == []  # the later function has not run at the call
     for c in (counters, remote):
         c.advance(100.0)
     gate.set()
     info = handle.wait(timeout=60)
     assert counters.calls == [threading.current_thread().name]  # state_dict() at the call, once
-    assert len(remote.answered) == 1 and remote.answered[0] != threading.current_thread().name
+    assert remote.calls == [threading.current_thread().name]  # asked at the call (by state_dict_later)...
+    assert len(remote.answered) == 1 and remote.answered[0] != threading.current_thread().name  # ...answered later
     assert list(info.manifest.components) == ["model", "counters", "remote", "optimizer"]  # registration order
 
     fresh_counters, fresh_remote = Counters(), Remote()
