@@ -76,7 +76,7 @@ class StateCapture:
                         name=reg.name,
                         staging=self.staging if copy else None,
                     )
-                elif capture is not None and capture.detached(reg.name):
+                elif capture is not None and detached_state(reg.obj):
                     staged[reg.name] = detached_state_of(reg)  # encoded by the writer (core/stage_guard.py)
                 elif copy:
                     staged[reg.name] = area.stage(reg.name, self.plans.encode(reg.name, state_of(reg)))
@@ -139,9 +139,10 @@ def detached_state_of(reg: Registered) -> Detached:
     calls for the tree (the component has asked for it by now), or else ``state_dict()``'s tree."""
     later = getattr(reg.obj, "state_dict_later", None)
     if not callable(later):
-        return Detached(state_of(reg))
+        tree = state_of(reg)
+        return Detached(lambda: tree)
     fn = _named(reg.name, "state_dict_later()", later)
-    return Detached(later=partial(_named, reg.name, "the function state_dict_later() returned", fn))
+    return Detached(partial(_named, reg.name, "the function state_dict_later() returned", fn))
 
 
 def _named(name: str, what: str, fn: Any) -> Any:

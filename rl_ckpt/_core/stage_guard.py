@@ -103,10 +103,6 @@ class Capture:
         self.first: list = []  # module buffers: a forward pre-hook waits for these only
         self.rest: list = []
 
-    def detached(self, name: str) -> bool:
-        """True when ``name``'s ``state_dict()`` returns a tree of its own (encoded later, on the writer)."""
-        return detached_state(self.objects[name])
-
     def stage(self, name: str, enc: EncodedState) -> EncodedState:
         """``enc`` staged; a guarded component's tensors deferred (its optimizer ``param_groups`` ones copied now)."""
         staging, obj = self.staging, self.objects[name]
@@ -300,16 +296,13 @@ class StageRound:
 
 
 class Detached:
-    """A detached component's state as of the save's call, waiting for ``StageRound.result``: the tree its
-    ``state_dict()`` returned, or ``later``, the function that returns that tree (``state_dict_later``)."""
+    """A detached component's state as of the save's call, waiting for ``StageRound.result``: ``tree()`` returns
+    what its ``state_dict()`` returned, or calls the function its ``state_dict_later()`` returned."""
 
-    __slots__ = ("_tree", "_later")
+    __slots__ = ("tree",)
 
-    def __init__(self, tree: Any = None, *, later: Callable[[], Any] | None = None) -> None:
-        self._tree, self._later = tree, later
-
-    def tree(self) -> Any:
-        return self._tree if self._later is None else self._later()
+    def __init__(self, tree: Callable[[], Any]) -> None:
+        self.tree = tree
 
 
 class StageGuard:

@@ -330,7 +330,7 @@ class RunnersPart:
     """
 
     checkpoint_kind = "other"
-    checkpoint_detached_state = True  # what the EnvRunners sent: collected, copied and encoded by the writer
+    checkpoint_detached_state = True  # what the EnvRunners sent, nobody else's: collected and encoded by the writer
 
     def __init__(self, algo: Any) -> None:
         self.algo = algo
@@ -415,7 +415,7 @@ class RunnersPart:
             tree = {"exact": False, "why": "; ".join(whys), "runners": {}}
         else:
             tree = {"exact": True, "why": None, "runners": {str(s["worker_index"]): s for s in states}}
-        return to_storable(tree, component=ENV_RUNNERS, detach=True)
+        return to_storable(tree, component=ENV_RUNNERS)  # (new containers; the answers are this save's own)
 
     def __repr__(self) -> str:
         return "RunnersPart(EnvRunner environments, episodes, random streams)"
