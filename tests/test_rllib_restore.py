@@ -112,7 +112,7 @@ def _stored_module(base, sid: str) -> dict:
 
 def test_restore_is_exact_and_keeps_the_sampled_steps_counter(run, monkeypatch):
     from rl_ckpt import CheckpointEngine
-    from rl_ckpt.demo.rllib_drill import digest, learner_state
+    from rl_ckpt.demo.rllib_drill import digest, learner_state, local_connector, runner_connectors
     from rl_ckpt.integrations.rllib import register_algorithm, restore_algorithm
 
     algo = run.fresh
@@ -138,6 +138,8 @@ def test_restore_is_exact_and_keeps_the_sampled_steps_counter(run, monkeypatch):
     assert run.lifetime == 256  # two iterations of 128 steps
     # RLlib syncs the EnvRunners from the Algorithm's counter: restored first, it is the saved one everywhere.
     assert _lifetimes(algo) == [run.lifetime] * 3
+    # The remote EnvRunner holds the driver's restored connector state (MeanStdFilter), sent with the weights.
+    assert runner_connectors(algo) == [local_connector(algo)]
     assert any("exact resume" in line for line in lines), lines
     for _ in range(2):
         result = algo.train()

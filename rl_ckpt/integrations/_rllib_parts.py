@@ -151,11 +151,60 @@ def _in_place(value: Any, tensor: Any) -> bool:
 
 
 def _algorithm_put(a: Any, state: dict) -> None:
-    """The metrics first: ``Algorithm.set_state`` syncs the EnvRunners' sampled-steps counter from the
-    Algorithm's metrics before it restores them (one call would hand them the fresh Algorithm's 0)."""
+    """The metrics first (the EnvRunners' sampled-steps counter is taken from them), then the driver's connector
+    states, then the rest through ``Algorithm.set_state``.
+
+    ``Algorithm.set_state`` would sync the connector states to the remote EnvRunners: it asks each for its own
+    and waits (a round trip on the restore's critical path), merges theirs into the restored ones (what they
+    gathered since their last sync, none of the snapshot's) and sends the result. Here the driver's own
+    (EnvRunner or connectors) take the restored states as they are, and :func:`push_weights` sends them to the
+    remote EnvRunners with the weights, in the one call each gets anyway. An Algorithm class with a
+    ``set_state`` of its own gets the whole state through it."""
+    from ray.rllib.algorithms.algorithm import Algorithm
+    from ray.rllib.core import COMPONENT_ENV_RUNNER
+
     if METRICS in state:
         a.set_state({METRICS: state[METRICS]})
-    a.set_state({k: v for k, v in state.items() if k != METRICS})
+    rest = {k: v for k, v in state.items() if k != METRICS}
+    if COMPONENT_ENV_RUNNER in rest and type(a).set_state is Algorithm.set_state:
+        _driver_connectors_put(a, rest.pop(COMPONENT_ENV_RUNNER))
+    if rest:
+        a.set_state(rest)
+
+
+def _driver_connectors_put(a: Any, runner_state: dict) -> None:
+    """What ``Algorithm.set_state`` does with the ``env_runner`` state in this process, without its sync to the
+    remote EnvRunners (``push_weights`` sends them :func:`connector_states`)."""
+    from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR
+
+    if a.env_runner is not None:
+        a.env_runner.set_state(runner_state)
+        a.env_runner.set_state({_steps_key(): _lifetime_steps(a)})  # (as RLlib's sync sets it)
+    else:
+        a.env_to_module_connector.set_state(runner_state[COMPONENT_ENV_TO_MODULE_CONNECTOR])
+        a.module_to_env_connector.set_state(runner_state[COMPONENT_MODULE_TO_ENV_CONNECTOR])
+
+
+def _steps_key() -> str:
+    from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+    return NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+
+def connector_states(algo: Any) -> dict:
+    """What RLlib's sync sends the remote training EnvRunners after a restore, without merging in their own: the
+    driver's (restored) connector states and the sampled-steps counter; nothing when the config does not
+    broadcast them (``broadcast_env_runner_states=False``)."""
+    from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR
+
+    if not algo.config.broadcast_env_runner_states:
+        return {}
+    names = [COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR]
+    if algo.env_runner is not None:
+        out = algo.env_runner.get_state(components=names)
+    else:
+        out = {names[0]: algo.env_to_module_connector.get_state(), names[1]: algo.module_to_env_connector.get_state()}
+    return {**out, _steps_key(): _lifetime_steps(algo)}
 
 
 def local_learner(algo: Any) -> Any:
@@ -447,7 +496,8 @@ def learner_seq(algo: Any) -> int:
 
 def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None = None) -> list[str]:
     """Send every EnvRunner the learner's (restored) weights and sequence number, and its own sampling state
-    (``runners``: worker index -> state, from the ``env_runners`` component), in one call each.
+    (``runners``: worker index -> state, from the ``env_runners`` component), in one call each; the remote
+    training EnvRunners also get the driver's restored connector states (:func:`connector_states`).
 
     An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
     the ``module-*`` parts load into the learner only and the ``learner`` part restores the sequence number, so
@@ -479,6 +529,8 @@ def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None =
         mine = runners if group is training else None  # the evaluation EnvRunners' indices are their own
         payload = {"weights": state, "unnumbered": rolled_back, "runners": mine}
         if group.num_remote_env_runners():
+            if group is training:
+                payload["connectors"] = connector_states(algo)
             take = functools.partial(take_restored, ray.put(payload))
             if rolled_back:
                 notes += group.foreach_env_runner(take, local_env_runner=False, timeout_seconds=None)

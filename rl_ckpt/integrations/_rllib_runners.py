@@ -412,7 +412,8 @@ def _copy(value: Any) -> Any:
 
 
 def take_restored(sent: Any, runner: Any) -> str | None:
-    """Run in an EnvRunner after a restore: the learner's weights (``sent["weights"]``: one ``set_state``, or two
+    """Run in an EnvRunner after a restore: the driver's connector states and sampled-steps counter
+    (``sent["connectors"]``, when sent), the learner's weights (``sent["weights"]``: one ``set_state``, or two
     for a rollback: first without the sequence number, which any EnvRunner takes), then its own sampling state
     (``sent["runners"]`` by worker index). ``sent``: that dict, or an ObjectRef of it. Returns why the sampling
     state was not taken (nothing of it is then set), else None."""
@@ -420,6 +421,8 @@ def take_restored(sent: Any, runner: Any) -> str | None:
 
     if isinstance(sent, ray.ObjectRef):
         sent = ray.get(sent)
+    if sent.get("connectors"):
+        runner.set_state(sent["connectors"])
     if sent.get("unnumbered"):
         runner.set_state({k: v for k, v in sent["weights"].items() if k != "weights_seq_no"})
     runner.set_state(sent["weights"])
