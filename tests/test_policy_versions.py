@@ -240,3 +240,99 @@ def test_a_sweep_removes_its_objects_with_one_call_per_store_and_keeps_what_a_re
     storage.hold_listing(False)
     assert [e is not None for e in storage.stat_many(paths[:3])] == [False, True, True]
     storage.destroy()
+
+
+def wide_policy(seed: int = 0) -> torch.nn.Module:
+    """Two 1 MiB weights (each a chunk the stores borrow) and small tensors (sent inside the calls)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512), torch.nn.LayerNorm(512))
+
+
+def test_the_publishers_store_vouches_for_what_it_read_back_and_readers_there_hash_only_the_rest(
+    versions_run, monkeypatch
+):
+    """The publisher reads each borrowed chunk back (the very object it put, hashed in place) and tells its node's
+    store with the commit: readers on that node do not hash those bytes again; what nobody hashed as that very
+    object (files sent inside the calls, the store's own copies made later) every reader still hashes."""
+    import rl_ckpt._run.dedup as dedup
+    import rl_ckpt._sharded.weight_pull as weight_pull
+    from actors.policy_versions import PolicyVersions
+    from actors.weight_subscriber import WeightSubscriber
+
+    learner = wide_policy(0)
+    pv = PolicyVersions(versions_run, learner, keep=2, replicas=0)
+    pv.publish(1)
+    assert pv.wait_owned(120)
+    pv.storage.each("hold_owning", True)  # version 2's chunks stay borrowed (and vouched for) until released
+    read_back: list[str] = []
+    check_object = dedup.check_object
+    monkeypatch.setattr(dedup, "check_object", lambda s, algo, d, n: read_back.append(d) or check_object(s, algo, d, n))
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(1.0)
+    pv.publish(2)
+    manifest = read_manifest(pv.storage, "step_000000002")
+    chunks = {p: pv.storage.stat(p).size for p in component_pieces(manifest, "policy").paths()}
+    objects = {p for p in chunks if p.startswith("objects/")}
+    big = {p for p in objects if chunks[p] >= 1 << 20}
+    assert len(big) == 2 and {p.rsplit("/", 1)[1] for p in big} <= set(read_back)  # verify-after-write, as before
+
+    hashed = []
+    new_hasher = weight_pull.new_hasher
+
+    def counting(algo):
+        hasher = new_hasher(algo)
+
+        class Counted:
+            def update(self, data):
+                hashed.append(memoryview(data).nbytes)
+                hasher.update(data)
+
+            def hexdigest(self):
+                return hasher.hexdigest()
+
+        return Counted()
+
+    monkeypatch.setattr(weight_pull, "new_hasher", counting)
+    worker = wide_policy(1)
+    got = WeightSubscriber(versions_run).pull(worker)
+    assert got.version == 2 and same(worker, learner)
+    small = sum(chunks[p] for p in objects - big)
+    assert small and sum(hashed) == small  # the borrowed chunks: checked once, by the publisher, not this reader
+
+    pv.storage.each("hold_owning", False)
+    assert pv.wait_owned(120)  # the stores' own copies replace the borrowed objects: nobody hashed those
+    hashed.clear()
+    other = wide_policy(2)
+    assert WeightSubscriber(versions_run).pull(other).version == 2 and same(other, learner)
+    assert sum(hashed) == small + sum(chunks[p] for p in big)
+    pv.close()
+
+
+def test_a_store_vouches_only_for_the_very_object_read_back_whole(versions_run):
+    import ray
+
+    from actors.policy_versions import versions_storage
+    from rl_ckpt._format.checksum import digest_bytes
+    from rl_ckpt._run.dedup import check_written, object_path
+
+    storage = versions_storage(versions_run, replicas=0)
+    store = storage.store_of(storage.node_id)
+    good = bytes(range(256)) * 4096  # 1 MiB: borrowed by the store, not sent inside the call
+    digest = digest_bytes("xxh3_128", good)
+    name = object_path("xxh3_128", digest)
+    storage.write_many_atomic([(name, b"\x01" * len(good))])  # not the bytes that name names
+    with pytest.raises(CorruptSnapshotError, match="does not match its name"):
+        check_written(storage, "xxh3_128", digest, len(good))
+    assert storage.vouching == []
+    storage.write_many_atomic([(name, good)])
+    check_written(storage, "xxh3_128", digest, len(good))
+    ((path, wrapped),) = storage.vouching
+    assert path == name
+    other = ray.put(good)
+    assert ray.get(store.vouch.remote([(name, [other, wrapped[1]])])) == 0  # not the object it holds there
+    assert ray.get(store.get_many_vouched.remote([name]))[1] == []
+    assert ray.get(store.vouch.remote(storage.vouching)) == 1
+    assert ray.get(store.get_many_vouched.remote([name]))[1] == [name]
+    ray.get(store.put.remote(name, b"\x02" * len(good)))  # replaced by bytes nobody hashed
+    assert ray.get(store.get_many_vouched.remote([name]))[1] == []

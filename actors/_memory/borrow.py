@@ -58,6 +58,7 @@ class StoreBorrowing:
         self.lost: list[str] = []  # borrowed files dropped: their publisher died before they were owned
         self.lost_versions: list[str] = []  # manifests dropped here because a file they vouch for was lost
         self.own_errors: list[str] = []  # files left borrowed by another failure (e.g. the object store full)
+        self._vouched: dict[str, object] = {}  # path -> the borrowed entry its publisher verified (``vouch``)
         self._own_thread = threading.Thread(target=self._own_loop, name="rl_ckpt-mem-own", daemon=True)
         self._own_thread.start()
 
@@ -118,6 +119,26 @@ class StoreBorrowing:
         if failed is not None:
             raise failed
         return taken
+
+    def vouch(self, items: list) -> int:
+        """The publisher on this node hashed these borrowed files, as it mapped them in the object store, against
+        their content address, and found them whole (its verify-after-write): ``(path, [ref, index])`` each, the
+        object (and item) it hashed. Each held as exactly that object is *vouched for* until it is replaced,
+        removed or owned (:meth:`get_many_vouched`): readers on this node map those same bytes (an object is
+        immutable once put) and need not hash them again. Returns how many were vouched for."""
+        n = 0
+        with self._lock:
+            for path, wrapped in items:
+                held = self._files.get(path)
+                ref, index = wrapped[0], (wrapped[1] if len(wrapped) > 1 else None)
+                if isinstance(held, Slice):
+                    same = held.ref == ref and held.index == index
+                else:
+                    same = index is None and held is not None and not isinstance(held, bytes) and held == ref
+                if same and path in self._borrowed:
+                    self._vouched[path] = held
+                    n += 1
+        return n
 
     def _own_loop(self) -> None:
         while True:
@@ -210,6 +231,7 @@ class StoreBorrowing:
             if self._borrowed.get(path) is entry and self._files.get(path) is ref:
                 self._files[path] = owned
                 del self._borrowed[path]
+                self._vouched.pop(path, None)  # the store's own copy was not hashed: readers hash it
                 self.owned_bytes += size
 
     def unpin(self, snapshot: str, holder: str) -> None:

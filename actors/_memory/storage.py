@@ -140,17 +140,25 @@ def stat_paths(storage: "RayMemoryStorage", paths) -> list[Entry | None]:
     return out
 
 
-def local_views(storage: "RayMemoryStorage", paths: list[str]) -> dict[str, memoryview]:
+def local_views(
+    storage: "RayMemoryStorage", paths: list[str], vouched: set[str] | None = None
+) -> dict[str, memoryview]:
     """Read-only views of those of ``paths`` this node's store holds, in one call to it and one ``ray.get`` (the
     rest are left out: read one by one later, from another store). Nothing is verified here: the caller hashes
-    each view before using it. An object lost (e.g. a chunk still borrowed from a publisher that died) is left
-    out."""
+    each view before using it, but for those added to ``vouched`` (when given): files the store hashed itself
+    against their content address when it took them, held as that very object (``MemoryStore.get_many_vouched``),
+    whose views map those same bytes. An object lost (e.g. a chunk still borrowed from a publisher that died) is
+    left out."""
     ray = _ray()
     if not paths:
         return {}
     storage.calls["store_calls"] += 1
+    store = storage.store_of(storage.node_id)
     try:
-        answers = ray.get(storage.store_of(storage.node_id).get_many.remote(list(paths)))
+        if vouched is None:
+            answers = ray.get(store.get_many.remote(list(paths)))
+        else:
+            answers, good = ray.get(store.get_many_vouched.remote(list(paths)))
     except ray.exceptions.RayActorError:
         storage.forget(storage.node_id)
         return {}
@@ -166,6 +174,8 @@ def local_views(storage: "RayMemoryStorage", paths: list[str]) -> dict[str, memo
         data = values[a[0]]
         if data is not None:
             out[p] = memoryview(picked(a, data)).cast("B").toreadonly()
+    if vouched is not None:
+        vouched.update(p for p in good if p in out)
     return out
 
 

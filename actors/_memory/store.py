@@ -171,6 +171,7 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
         self._make_room(path, size - old)
         self._files[path] = owned
         self._borrowed.pop(path, None)  # replaced: what was borrowed there is not owned any more
+        self._vouched.pop(path, None)  # (nor vouched for: ``borrow`` vouches for what it stores after this)
         self._sizes[path] = size
         self._held += size - old
         self._counter += 1
@@ -228,6 +229,7 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
     def _drop(self, path: str) -> None:
         if self._files.pop(path, None) is not None:
             self._borrowed.pop(path, None)
+            self._vouched.pop(path, None)
             self._held -= self._sizes.pop(path)
             self._versions.pop(path, None)
 
@@ -271,6 +273,15 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
         if max_bytes is not None and size > max_bytes:
             return size
         return answer_of(data)
+
+    def get_many_vouched(self, paths: list[str]) -> tuple[list, list[str]]:
+        """``get_many`` of ``paths``, and which of them this store vouches for: files it hashed itself against their
+        content address when it took them (``StoreBorrowing.borrow``), still held as that very object (immutable
+        once put): a reader on this node maps the same bytes and need not hash them again."""
+        with self._lock:
+            answers = [self.get(p) for p in paths]
+            vouched = [p for p in paths if p in self._vouched and self._vouched[p] is self._files.get(p)]
+        return answers, vouched
 
     def get_range(self, path: str, start: int, length: int):
         """``length`` bytes of ``path`` from ``start`` (None: absent; an int: the file's size, when too short)."""

@@ -47,12 +47,17 @@ class VersionsStorage(RayMemoryStorage):
         self.listing: dict | None = None
         self.removing: list[str] = []  # objects the retention's sweep removed (sent at once: ``wait_removed``)
         self.acking: list = []  # (ref, batch, peers): this node's store borrowing a batch (waited for before a commit)
+        self.lent: dict[str, list] = {}  # path -> [ref, item] of the batch object it was put in (this write)
+        self.vouching: list = []  # (path, [ref, item]) read back whole since the last commit (``read_back_verified``)
         self.pushed_bytes = 0
         self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
     def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
         if path.endswith("/" + MANIFEST_NAME):
             self.wait_acked()  # a manifest vouches only for files this node's store took
+            vouching, self.vouching = self.vouching, []
+            if vouching:  # (not awaited: the store runs it before the commit below, which comes from this caller too)
+                self.store_of(self.node_id).vouch.remote(vouching)
         if not (self.push_to and path.endswith("/" + MANIFEST_NAME)):
             size = super().write(path, chunks, create_only=create_only, durable=durable)
             if self.push_to:
@@ -102,7 +107,7 @@ class VersionsStorage(RayMemoryStorage):
         import ray
 
         items = [(check_relpath(path), memoryview(data).cast("B")) for path, data in items]
-        self.written = {}
+        self.written, self.lent = {}, {}
         if any(path.endswith("/" + MANIFEST_NAME) for path, _d in items):
             return self._write_each(items)  # commits: the base's, one by one
         store = self.store_of(self.node_id)
@@ -151,7 +156,16 @@ class VersionsStorage(RayMemoryStorage):
         if lent:
             files = ray.get(obj)
             self.written.update((path, memoryview(files[i]).cast("B").toreadonly()) for path, (_n, i) in lent.items())
+            self.lent = {path: [obj, i] for path, (_n, i) in lent.items()}
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
+
+    def read_back_verified(self, path: str) -> None:
+        """The read-back of ``path`` (borrowed by this node's store: the very object put here, which the read-back
+        hashed in place) matched its name: the store is told so with the commit (``MemoryStore.vouch``), and
+        readers on this node then take those bytes without hashing them again."""
+        wrapped = self.lent.pop(path, None)
+        if wrapped is not None:
+            self.vouching.append((path, wrapped))
 
     def wait_acked(self) -> None:
         """Wait for this node's store to have taken the batches borrowed since the last wait (``acked``)."""

@@ -14,7 +14,9 @@ The module must not be changed between pulls by anything else (a rollout worker 
 Every piece is verified in full (its bytes hashed against the manifest) before any byte of it reaches the
 module, and nothing reaches the module until every changed piece verified: a bad piece leaves the module
 as it was, holding the version it held. On a storage with ``read_view`` (the memory tier) a piece is
-hashed where it lies (the node's shared memory) and copied once, into the module.
+hashed where it lies (the node's shared memory) and copied once, into the module. A policy version's chunk
+that this node's store hashed against its name itself when it took it (``vouched``: the store maps the same
+immutable object the reader maps) is checked once per node, by that store, not once per reader.
 """
 
 from __future__ import annotations
@@ -164,16 +166,28 @@ def check_fits(pieces: Pieces, module: torch.nn.Module) -> dict[str, torch.Tenso
 
 
 def read_object(
-    storage: Storage, algo: str, digest: str, size: int, sid: str, view: memoryview | None = None
+    storage: Storage,
+    algo: str,
+    digest: str,
+    size: int,
+    sid: str,
+    view: memoryview | None = None,
+    vouched: bool = False,
 ) -> memoryview:
     """A dedup object's bytes, hashed where they lie (``read_view``: no copy) and checked against its name.
-    ``view``: its bytes read already (unverified), hashed here the same way."""
+    ``view``: its bytes read already (unverified), hashed here the same way. ``vouched``: ``view`` maps the very
+    bytes that the store holding them hashed against this name itself (an immutable object on this node): only
+    its size is checked."""
     path = object_path(algo, digest)
     hasher = new_hasher(algo)
     reader: Callable[..., Any] = getattr(storage, "read_view", None) or storage.read
     try:
         if view is None:
             data = memoryview(reader(path, on_chunk=hasher.update)).cast("B")
+        elif vouched:
+            data = memoryview(view).cast("B")
+            if data.nbytes == size:
+                return data
         else:
             data = memoryview(view).cast("B")
             for start in range(0, data.nbytes, HASH_STEP):
@@ -223,14 +237,17 @@ class WeightPuller:
         pieces: Pieces | None = None,
         *,
         views: dict[str, memoryview] | None = None,
+        vouched: set[str] | frozenset[str] = frozenset(),
     ) -> PullStats:
         """Move the changed pieces of ``manifest`` into the module; every one verified before any is applied.
-        ``views``: run-relative path -> bytes read already (e.g. many in one call), verified here like any."""
+        ``views``: run-relative path -> bytes read already (e.g. many in one call), verified here like any but
+        those in ``vouched`` (objects whose store hashed them against their names itself, see ``read_object``)."""
         pieces = pieces or component_pieces(manifest, self.key)
         targets = check_fits(pieces, self.module)
         todo = self.needed(pieces)
         sid = manifest.snapshot_id
-        fetched = [(p, self._fetch(storage, pieces, p, views or {})) for p in todo]  # phase 1: read, verify all
+        views = views or {}
+        fetched = [(p, self._fetch(storage, pieces, p, views, vouched)) for p in todo]  # phase 1: read, verify all
         with torch.no_grad():  # phase 2: apply (nothing here can fail on the data)
             for piece, src in fetched:
                 self._apply(targets, pieces, piece, src)
@@ -244,7 +261,7 @@ class WeightPuller:
         self.held, self.snapshot_id = {}, None
 
     @staticmethod
-    def _fetch(storage: Storage, pieces: Pieces, piece: Piece, views: dict) -> Any:
+    def _fetch(storage: Storage, pieces: Pieces, piece: Piece, views: dict, vouched=frozenset()) -> Any:
         sid = pieces.manifest.snapshot_id
         if piece.entry is not None:
             raw = read_verified(storage, sid, piece.entry, readonly_ok=True)
@@ -260,9 +277,10 @@ class WeightPuller:
                 out[k] = to_torch(code, shape, view)
             return out
         if piece.objects:
+            paths = [object_path(pieces.algo, d) for d, _n in piece.objects]
             got = [
-                read_object(storage, pieces.algo, d, n, sid, views.get(object_path(pieces.algo, d)))
-                for d, n in piece.objects
+                read_object(storage, pieces.algo, d, n, sid, views.get(path), path in vouched)
+                for (d, n), path in zip(piece.objects, paths)
             ]
             if len(got) == 1:
                 return got[0]

@@ -179,6 +179,11 @@ class Storage(abc.ABC):
         use :meth:`write_atomic`.
         """
 
+    def read_back_verified(self, path: str) -> None:
+        """The writer read ``path`` back right after writing it and found it to be what it wrote (verify-after-write
+        of a file named by its content). Nothing here; a storage that can tell its readers so may note it (the
+        policy-version stores: readers on the publisher's node then do not hash those very bytes again)."""
+
     def write_attested(self, path: str, size: int) -> bool:
         """Whether the storage itself checked that the last :meth:`write` of ``path`` (``size`` bytes) stored exactly
         the bytes it was handed, so verify-after-write need not read it back (asked once per write: it forgets the
