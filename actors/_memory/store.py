@@ -274,15 +274,6 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
             return size
         return answer_of(data)
 
-    def get_many_vouched(self, paths: list[str]) -> tuple[list, list[str]]:
-        """``get_many`` of ``paths``, and which of them this store vouches for: files it hashed itself against their
-        content address when it took them (``StoreBorrowing.borrow``), still held as that very object (immutable
-        once put): a reader on this node maps the same bytes and need not hash them again."""
-        with self._lock:
-            answers = [self.get(p) for p in paths]
-            vouched = [p for p in paths if p in self._vouched and self._vouched[p] is self._files.get(p)]
-        return answers, vouched
-
     def get_range(self, path: str, start: int, length: int):
         """``length`` bytes of ``path`` from ``start`` (None: absent; an int: the file's size, when too short)."""
         with self._lock:

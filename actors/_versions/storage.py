@@ -32,9 +32,8 @@ class VersionsStorage(RayMemoryStorage):
     A manifest is committed in this node's store (and copied to its ``replicas`` peers) WITHOUT waiting for those
     transfers: the write returns then. Each placement target gets it with the files it vouches for
     (``MemoryStore.commit_after``) and stores it only once every one of them is held there, so a store never
-    holds a manifest whose files it does not hold; a target where a file failed to land keeps no manifest, and
-    its workers place the version when they pull. :meth:`wait_pushed` waits for the transfers and those commits.
-    """
+    holds a manifest whose files it does not hold (else its workers place the version when they pull).
+    :meth:`wait_pushed` waits for the transfers and those commits."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url, storage_options)
@@ -47,17 +46,15 @@ class VersionsStorage(RayMemoryStorage):
         self.listing: dict | None = None
         self.removing: list[str] = []  # objects the retention's sweep removed (sent at once: ``wait_removed``)
         self.acking: list = []  # (ref, batch, peers): this node's store borrowing a batch (waited for before a commit)
-        self.lent: dict[str, list] = {}  # path -> [ref, item] of the batch object it was put in (this write)
-        self.vouching: list = []  # (path, [ref, item]) read back whole since the last commit (``read_back_verified``)
+        self.lent: dict[str, list] = {}  # path -> [ref, item]: its batch object (this write); read back whole:
+        self.vouching: list = []  # (path, [ref, item]) since the last commit (``read_back_verified``)
         self.pushed_bytes = 0
         self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
     def write(self, path: str, chunks, *, create_only: bool = False, durable: bool = True) -> int:
         if path.endswith("/" + MANIFEST_NAME):
             self.wait_acked()  # a manifest vouches only for files this node's store took
-            vouching, self.vouching = self.vouching, []
-            if vouching:  # (not awaited: the store runs it before the commit below, which comes from this caller too)
-                self.store_of(self.node_id).vouch.remote(vouching)
+            send_vouching(self)
         if not (self.push_to and path.endswith("/" + MANIFEST_NAME)):
             size = super().write(path, chunks, create_only=create_only, durable=durable)
             if self.push_to:
@@ -160,9 +157,7 @@ class VersionsStorage(RayMemoryStorage):
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 
     def read_back_verified(self, path: str) -> None:
-        """The read-back of ``path`` (borrowed by this node's store: the very object put here, which the read-back
-        hashed in place) matched its name: the store is told so with the commit (``MemoryStore.vouch``), and
-        readers on this node then take those bytes without hashing them again."""
+        """The read-back of a borrowed ``path`` (the very object put here) matched: told with the commit."""
         wrapped = self.lent.pop(path, None)
         if wrapped is not None:
             self.vouching.append((path, wrapped))
@@ -180,10 +175,8 @@ class VersionsStorage(RayMemoryStorage):
         return super().stat_many(paths)
 
     def read(self, path: str, *, on_chunk=None, max_bytes: int | None = None):
-        """As the base's (a fresh writable copy, hashed as it fills), but for the read-back that verifies a file
-        :meth:`write_many_atomic` just wrote (the first read of it, with ``on_chunk``): that one gets the
-        mapping of what the store holds, taken right after the write, hashed in place, READ-ONLY and not copied
-        (its reader, the write's verification, only hashes it)."""
+        """As the base's, but the read-back of a file :meth:`write_many_atomic` just wrote (its first read, with
+        ``on_chunk``) gets the mapping of what the store holds, hashed in place, READ-ONLY and not copied."""
         view = self.written.pop(path, None)
         if view is None or (max_bytes is not None and view.nbytes > max_bytes):
             self.wait_acked()
@@ -277,6 +270,15 @@ class VersionsStorage(RayMemoryStorage):
         given ``inventory``, what :meth:`inventory` of the stores answered)."""
         held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
         return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
+
+
+def send_vouching(storage: VersionsStorage) -> None:
+    """Tell this node's store which borrowed chunks the read-back found whole (``MemoryStore.vouch``): its readers
+    then take them without hashing them again. Not awaited: the store runs it before the commit that follows,
+    which comes from this caller too (Ray runs one caller's calls to an actor in order)."""
+    vouching, storage.vouching = storage.vouching, []
+    if vouching:
+        storage.store_of(storage.node_id).vouch.remote(vouching)
 
 
 def acked(storage: VersionsStorage) -> None:

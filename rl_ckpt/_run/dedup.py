@@ -175,7 +175,7 @@ class ObjectWriter:
         self.bytes_written += sum(size for *_, size in batch)
         if verify:
             for _path, _chunk, digest, size in batch:
-                check_object(self.storage, self.algo, digest, size)
+                check_written(self.storage, self.algo, digest, size)
 
 
 def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearray:
@@ -193,6 +193,12 @@ def check_object(storage: Storage, algo: str, digest: str, size: int) -> bytearr
             problems=["object checksum mismatch"],
         )
     return data
+
+
+def check_written(storage: Storage, algo: str, digest: str, size: int) -> None:
+    """Verify-after-write of an object just written (:func:`check_object`); the storage is told it passed."""
+    check_object(storage, algo, digest, size)
+    storage.read_back_verified(object_path(algo, digest))
 
 
 def read_tensor_bytes(storage: Storage, algo: str, chunks: list):

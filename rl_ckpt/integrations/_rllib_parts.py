@@ -2,8 +2,8 @@
 
 ``algorithm_parts`` splits ``Algorithm.get_state()`` (module weights per policy, optimizer, learner counters and
 the learner state RLlib's ``get_state`` leaves out, the Algorithm's own state, progress); :class:`RunnersPart` is
-the EnvRunners' sampling state (``_rllib_runners.py``); :func:`push_weights` sends every EnvRunner the restored
-weights and its own sampling state in one call. The public front is ``rl_ckpt.integrations.rllib``.
+the EnvRunners' sampling state (``_rllib_runners.py``); how a restore then reaches the EnvRunners is
+``_rllib_sync.py``. The public front is ``rl_ckpt.integrations.rllib``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rl_ckpt.components import RNGState
-from rl_ckpt.integrations._rllib_runners import arm, capture, capture_and_arm, take_restored
+from rl_ckpt.integrations._rllib_runners import arm, capture, capture_and_arm
 from rl_ckpt.integrations._rllib_state import from_stored, learner_value, module_weights, optimizer_state, to_storable
 
 log = logging.getLogger("rl_ckpt")
@@ -157,7 +157,7 @@ def _algorithm_put(a: Any, state: dict) -> None:
     ``Algorithm.set_state`` would sync the connector states to the remote EnvRunners: it asks each for its own
     and waits (a round trip on the restore's critical path), merges theirs into the restored ones (what they
     gathered since their last sync, none of the snapshot's) and sends the result. Here the driver's own
-    (EnvRunner or connectors) take the restored states as they are, and :func:`push_weights` sends them to the
+    (EnvRunner or connectors) take the restored states as they are, and ``push_weights`` sends them to the
     remote EnvRunners with the weights, in the one call each gets anyway. An Algorithm class with a
     ``set_state`` of its own gets the whole state through it."""
     from ray.rllib.algorithms.algorithm import Algorithm
@@ -167,44 +167,11 @@ def _algorithm_put(a: Any, state: dict) -> None:
         a.set_state({METRICS: state[METRICS]})
     rest = {k: v for k, v in state.items() if k != METRICS}
     if COMPONENT_ENV_RUNNER in rest and type(a).set_state is Algorithm.set_state:
-        _driver_connectors_put(a, rest.pop(COMPONENT_ENV_RUNNER))
+        from rl_ckpt.integrations._rllib_sync import driver_connectors_put
+
+        driver_connectors_put(a, rest.pop(COMPONENT_ENV_RUNNER))
     if rest:
         a.set_state(rest)
-
-
-def _driver_connectors_put(a: Any, runner_state: dict) -> None:
-    """What ``Algorithm.set_state`` does with the ``env_runner`` state in this process, without its sync to the
-    remote EnvRunners (``push_weights`` sends them :func:`connector_states`)."""
-    from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR
-
-    if a.env_runner is not None:
-        a.env_runner.set_state(runner_state)
-        a.env_runner.set_state({_steps_key(): _lifetime_steps(a)})  # (as RLlib's sync sets it)
-    else:
-        a.env_to_module_connector.set_state(runner_state[COMPONENT_ENV_TO_MODULE_CONNECTOR])
-        a.module_to_env_connector.set_state(runner_state[COMPONENT_MODULE_TO_ENV_CONNECTOR])
-
-
-def _steps_key() -> str:
-    from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
-
-    return NUM_ENV_STEPS_SAMPLED_LIFETIME
-
-
-def connector_states(algo: Any) -> dict:
-    """What RLlib's sync sends the remote training EnvRunners after a restore, without merging in their own: the
-    driver's (restored) connector states and the sampled-steps counter; nothing when the config does not
-    broadcast them (``broadcast_env_runner_states=False``)."""
-    from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR
-
-    if not algo.config.broadcast_env_runner_states:
-        return {}
-    names = [COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR]
-    if algo.env_runner is not None:
-        out = algo.env_runner.get_state(components=names)
-    else:
-        out = {names[0]: algo.env_to_module_connector.get_state(), names[1]: algo.module_to_env_connector.get_state()}
-    return {**out, _steps_key(): _lifetime_steps(algo)}
 
 
 def local_learner(algo: Any) -> Any:
@@ -252,7 +219,7 @@ def _learner_get(a: Any) -> dict:
     out = {k: learner_value(k, v) for k, v in state.items()}
     extras = _first(a.learner_group.foreach_learner(learner_extras))
     if extras:
-        out[EXTRAS] = {**extras, "timestep": _lifetime_steps(a)}
+        out[EXTRAS] = {**extras, "timestep": lifetime_steps(a)}
     return out
 
 
@@ -269,7 +236,7 @@ def _first(results: Any) -> Any:
     return first.get() if hasattr(first, "get") else first
 
 
-def _lifetime_steps(a: Any) -> int:
+def lifetime_steps(a: Any) -> int:
     from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
 
     return int(a.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0) or 0)
@@ -468,74 +435,3 @@ class RunnersPart:
 
     def __repr__(self) -> str:
         return "RunnersPart(EnvRunner environments, episodes, random streams)"
-
-
-def runners_note(algo: Any, pending: dict | None) -> str | None:
-    """Why the EnvRunners do not resume exactly from the restored state (None when they do)."""
-    if pending is None:
-        return "EnvRunners not exact: the snapshot holds no EnvRunner state; they reset their environments"
-    if not pending.get("exact"):
-        return f"EnvRunners not exact: {pending.get('why')}; they reset their environments"
-    group = algo.env_runner_group
-    ids = sorted(group.healthy_env_runner_ids()) if group.num_remote_env_runners() else [0]
-    saved = sorted(int(k) for k in pending["runners"])
-    if ids != saved:
-        return f"EnvRunners not exact: the snapshot holds EnvRunners {saved}, this Algorithm has {ids}"
-    per_runner = algo.config.num_envs_per_env_runner
-    wrong = [k for k, s in pending["runners"].items() if s.get("num_envs") != per_runner]
-    if wrong:
-        return f"EnvRunners not exact: EnvRunner {wrong[0]} held another number of environments than {per_runner}"
-    return None
-
-
-def learner_seq(algo: Any) -> int:
-    """The learner's weights sequence number (one more per update)."""
-    state = algo.learner_group.get_state(not_components=[f"{LEARNER}/{c}" for c in (RL_MODULE, OPTIMIZER, METRICS)])
-    return int(state[LEARNER].get(WEIGHTS_SEQ_NO, 0) or 0)
-
-
-def push_weights(algo: Any, *, rolled_back: bool = False, runners: dict | None = None) -> list[str]:
-    """Send every EnvRunner the learner's (restored) weights and sequence number, and its own sampling state
-    (``runners``: worker index -> state, from the ``env_runners`` component), in one call each; the remote
-    training EnvRunners also get the driver's restored connector states (:func:`connector_states`).
-
-    An EnvRunner takes weights only when they come without a sequence number or with one ahead of its own;
-    the ``module-*`` parts load into the learner only and the ``learner`` part restores the sequence number, so
-    the weights go out here, once every part is loaded, with the learner's number (ahead of a fresh EnvRunner's
-    0). As RLlib's own weight sync (``restore_from_path``'s too), the call is sent and not awaited, outside the
-    one-request-in-flight slots RLlib keeps per EnvRunner (its connector broadcast, which the restore started,
-    may still hold them): an actor runs one caller's calls in order, so every EnvRunner holds the weights and
-    its state before it runs anything the driver asks next (the first ``train()``'s sampling); the driver's own
-    EnvRunner has them on return. An EnvRunner that cannot take its sampling state keeps none of it and logs
-    why. The weights are views of the learner's (one copy, into the object store), not ``get_state``'s copy.
-    ``rolled_back`` (the learner was ahead of the snapshot): first without a number, which every EnvRunner
-    takes, then with it, awaited. Returns why an EnvRunner did not take its sampling state, from the calls that
-    were awaited.
-    """
-    import ray
-
-    learner = local_learner(algo)
-    if learner is not None:
-        weights = {mid: module_weights(learner, mid, inference_only=True) for mid in learner.module.keys()}
-        seq = learner_seq(algo)
-    else:
-        state = algo.learner_group.get_state(components=f"{LEARNER}/{RL_MODULE}", inference_only=True)[LEARNER]
-        weights, seq = state[RL_MODULE], state.get(WEIGHTS_SEQ_NO, 0)
-    state = {RL_MODULE: weights, WEIGHTS_SEQ_NO: seq}
-    training, notes = algo.env_runner_group, []
-    for group in (training, getattr(algo, "eval_env_runner_group", None)):
-        if group is None:
-            continue
-        mine = runners if group is training else None  # the evaluation EnvRunners' indices are their own
-        payload = {"weights": state, "unnumbered": rolled_back, "runners": mine}
-        if group.num_remote_env_runners():
-            if group is training:
-                payload["connectors"] = connector_states(algo)
-            take = functools.partial(take_restored, ray.put(payload))
-            if rolled_back:
-                notes += group.foreach_env_runner(take, local_env_runner=False, timeout_seconds=None)
-            else:
-                ask_runners(group, group.healthy_env_runner_ids(), take)  # (answers unread: not awaited)
-        if group.local_env_runner is not None:
-            notes.append(take_restored(payload, group.local_env_runner))
-    return [note for note in notes if note]

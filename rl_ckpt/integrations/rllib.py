@@ -62,12 +62,10 @@ from rl_ckpt.integrations._rllib_parts import (  # noqa: F401 - the names below 
     algorithm_parts,
     component_names,
     learner_extras,
-    learner_seq,
     local_learner,
     module_ids,
-    push_weights,
-    runners_note,
 )
+from rl_ckpt.integrations._rllib_sync import learner_seq, push_weights, runners_note
 from rl_ckpt.integrations._rllib_runners import sample_ended
 from rl_ckpt.integrations._rllib_state import (  # noqa: F401
     NONE_KEY,
