@@ -204,14 +204,14 @@ class VersionsStorage(RayMemoryStorage):
             self.wait_expected()
 
     def wait_pushed(self, timeout: float | None = None) -> int:
-        """Wait for the copies and commits in flight (``timeout`` seconds at most: those not done stay in flight;
-        0: only take those done); returns the bytes they moved (a failed copy is logged, not raised: the workers
-        of that node place the file when they pull)."""
+        """Wait for the copies and commits in flight (``timeout`` seconds at most, 0: only those done); returns the
+        bytes they moved (a failed copy is logged, not raised: the workers of that node place the file)."""
         import ray
 
         self.wait_acked()
         self.wait_expected()
-        moved, pending, self.written = 0, self.pushing, {}
+        send_vouching(self)  # (a rank that writes no manifest: what it read back, and the refs let go)
+        moved, pending, self.written, self.lent = 0, self.pushing, {}, {}
         if not pending:
             return 0
         refs = [ref for _p, _n, ref, _s in pending]
