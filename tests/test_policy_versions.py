@@ -318,17 +318,19 @@ def test_a_store_vouches_only_for_the_very_object_read_back_whole(versions_run):
 
     storage = versions_storage(versions_run, replicas=0)
     store = storage.store_of(storage.node_id)
-    good = bytes(range(256)) * 4096  # 1 MiB: borrowed by the store, not sent inside the call
+    good, other_bytes = bytes(range(256)) * 4096, bytes(range(255, -1, -1)) * 4096  # 1 MiB each: borrowed
+    bad_digest = digest_bytes("xxh3_128", other_bytes)
+    storage.write_many_atomic([(object_path("xxh3_128", bad_digest), b"\x01" * len(good))])  # not what it names
+    with pytest.raises(CorruptSnapshotError, match="does not match its name"):
+        check_written(storage, "xxh3_128", bad_digest, len(good))
+    assert storage.vouching == []
     digest = digest_bytes("xxh3_128", good)
     name = object_path("xxh3_128", digest)
-    storage.write_many_atomic([(name, b"\x01" * len(good))])  # not the bytes that name names
-    with pytest.raises(CorruptSnapshotError, match="does not match its name"):
-        check_written(storage, "xxh3_128", digest, len(good))
-    assert storage.vouching == []
     storage.write_many_atomic([(name, good)])
     check_written(storage, "xxh3_128", digest, len(good))
     ((path, wrapped),) = storage.vouching
     assert path == name
+    storage.wait_acked()  # (as a commit does first: the store took the batch)
     other = ray.put(good)
     assert ray.get(store.vouch.remote([(name, [other, wrapped[1]])])) == 0  # not the object it holds there
     assert ray.get(store.get_many_vouched.remote([name]))[1] == []

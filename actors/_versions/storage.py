@@ -273,12 +273,18 @@ class VersionsStorage(RayMemoryStorage):
 
 
 def send_vouching(storage: VersionsStorage) -> None:
-    """Tell this node's store which borrowed chunks the read-back found whole (``MemoryStore.vouch``): its readers
-    then take them without hashing them again. Not awaited: the store runs it before the commit that follows,
-    which comes from this caller too (Ray runs one caller's calls to an actor in order)."""
+    """Tell this node's store which borrowed chunks the read-back found whole (``MemoryStore.vouch``; after
+    ``wait_acked``: it took them): its readers then take them without hashing them again. Awaited (one small call
+    per commit; the store's calls run on threads): a pull after the commit finds them vouched for. A store that
+    died meanwhile holds none of them: nothing to tell."""
+    import ray
+
     vouching, storage.vouching = storage.vouching, []
     if vouching:
-        storage.store_of(storage.node_id).vouch.remote(vouching)
+        try:
+            ray.get(storage.store_of(storage.node_id).vouch.remote(vouching))
+        except ray.exceptions.RayActorError:
+            storage.forget(storage.node_id)
 
 
 def acked(storage: VersionsStorage) -> None:
