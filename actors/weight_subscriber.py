@@ -245,7 +245,7 @@ class WeightSubscriber:
                     log.warning("policy version %s not placed on this node (%s); reading it from its stores", sid, exc)
             placed = time.monotonic() - placing
             todo = {path for piece in puller.needed(pieces) for path in piece.paths(pieces.algo)}
-            vouched: set[str] = set()  # chunks this node's store hashed itself as it took them: not hashed again
+            vouched: set[str] = set()  # chunks the publisher read back whole, as the object mapped here: not hashed
             views = local_views(self.storage, sorted(todo), vouched)
             return puller.pull(self.storage, manifest, pieces, views=views, vouched=vouched), copied, placed
         finally:

@@ -123,19 +123,14 @@ class StoreBorrowing:
     def vouch(self, items: list) -> int:
         """The publisher on this node hashed these borrowed files, as it mapped them in the object store, against
         their content address, and found them whole (its verify-after-write): ``(path, [ref, index])`` each, the
-        object (and item) it hashed. Each held as exactly that object is *vouched for* until it is replaced,
+        batch object and item it hashed. Each held as exactly that object is *vouched for* until it is replaced,
         removed or owned (:meth:`get_many_vouched`): readers on this node map those same bytes (an object is
         immutable once put) and need not hash them again. Returns how many were vouched for."""
         n = 0
         with self._lock:
-            for path, wrapped in items:
+            for path, (ref, index) in items:  # (a publisher's chunks are items of its batch objects: ``Slice``)
                 held = self._files.get(path)
-                ref, index = wrapped[0], (wrapped[1] if len(wrapped) > 1 else None)
-                if isinstance(held, Slice):
-                    same = held.ref == ref and held.index == index
-                else:
-                    same = index is None and held is not None and not isinstance(held, bytes) and held == ref
-                if same and path in self._borrowed:
+                if isinstance(held, Slice) and held.ref == ref and held.index == index and path in self._borrowed:
                     self._vouched[path] = held
                     n += 1
         return n

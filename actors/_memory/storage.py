@@ -145,9 +145,9 @@ def local_views(
 ) -> dict[str, memoryview]:
     """Read-only views of those of ``paths`` this node's store holds, in one call to it and one ``ray.get`` (the
     rest are left out: read one by one later, from another store). Nothing is verified here: the caller hashes
-    each view before using it, but for those added to ``vouched`` (when given): files the store hashed itself
-    against their content address when it took them, held as that very object (``MemoryStore.get_many_vouched``),
-    whose views map those same bytes. An object lost (e.g. a chunk still borrowed from a publisher that died) is
+    each view before using it, but for those added to ``vouched`` (when given): files the publisher on this node
+    read back whole as the very object the store still holds (``MemoryStore.get_many_vouched``), whose views map
+    those same bytes. An object lost (e.g. a chunk still borrowed from a publisher that died) is
     left out."""
     ray = _ray()
     if not paths:

@@ -171,7 +171,7 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
         self._make_room(path, size - old)
         self._files[path] = owned
         self._borrowed.pop(path, None)  # replaced: what was borrowed there is not owned any more
-        self._vouched.pop(path, None)  # (nor vouched for: ``borrow`` vouches for what it stores after this)
+        self._vouched.pop(path, None)  # (nor vouched for: another object than the one read back)
         self._sizes[path] = size
         self._held += size - old
         self._counter += 1

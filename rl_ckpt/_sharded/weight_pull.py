@@ -15,8 +15,8 @@ Every piece is verified in full (its bytes hashed against the manifest) before a
 module, and nothing reaches the module until every changed piece verified: a bad piece leaves the module
 as it was, holding the version it held. On a storage with ``read_view`` (the memory tier) a piece is
 hashed where it lies (the node's shared memory) and copied once, into the module. A policy version's chunk
-that this node's store hashed against its name itself when it took it (``vouched``: the store maps the same
-immutable object the reader maps) is checked once per node, by that store, not once per reader.
+that its publisher read back whole as the very object this node's store holds (``vouched``: the reader maps
+that same immutable object) is checked once, by that read-back, not again by each reader on that node.
 """
 
 from __future__ import annotations
@@ -176,18 +176,16 @@ def read_object(
 ) -> memoryview:
     """A dedup object's bytes, hashed where they lie (``read_view``: no copy) and checked against its name.
     ``view``: its bytes read already (unverified), hashed here the same way. ``vouched``: ``view`` maps the very
-    bytes that the store holding them hashed against this name itself (an immutable object on this node): only
-    its size is checked."""
+    bytes (an immutable object on this node) that the publisher's read-back hashed against this name: only its
+    size is checked."""
+    if view is not None and vouched and view.nbytes == size:
+        return memoryview(view).cast("B")
     path = object_path(algo, digest)
     hasher = new_hasher(algo)
     reader: Callable[..., Any] = getattr(storage, "read_view", None) or storage.read
     try:
         if view is None:
             data = memoryview(reader(path, on_chunk=hasher.update)).cast("B")
-        elif vouched:
-            data = memoryview(view).cast("B")
-            if data.nbytes == size:
-                return data
         else:
             data = memoryview(view).cast("B")
             for start in range(0, data.nbytes, HASH_STEP):
@@ -241,7 +239,7 @@ class WeightPuller:
     ) -> PullStats:
         """Move the changed pieces of ``manifest`` into the module; every one verified before any is applied.
         ``views``: run-relative path -> bytes read already (e.g. many in one call), verified here like any but
-        those in ``vouched`` (objects whose store hashed them against their names itself, see ``read_object``)."""
+        those in ``vouched`` (objects read back whole by their publisher as the object mapped, see ``read_object``)."""
         pieces = pieces or component_pieces(manifest, self.key)
         targets = check_fits(pieces, self.module)
         todo = self.needed(pieces)

@@ -25,19 +25,14 @@ def driver_connectors_put(a: Any, runner_state: dict) -> None:
     """What ``Algorithm.set_state`` does with the ``env_runner`` state in this process, without its sync to the
     remote EnvRunners (``push_weights`` sends them :func:`connector_states`)."""
     from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR
+    from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
 
     if a.env_runner is not None:
         a.env_runner.set_state(runner_state)
-        a.env_runner.set_state({_steps_key(): lifetime_steps(a)})  # (as RLlib's sync sets it)
+        a.env_runner.set_state({NUM_ENV_STEPS_SAMPLED_LIFETIME: lifetime_steps(a)})  # (as RLlib's sync sets it)
     else:
         a.env_to_module_connector.set_state(runner_state[COMPONENT_ENV_TO_MODULE_CONNECTOR])
         a.module_to_env_connector.set_state(runner_state[COMPONENT_MODULE_TO_ENV_CONNECTOR])
-
-
-def _steps_key() -> str:
-    from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
-
-    return NUM_ENV_STEPS_SAMPLED_LIFETIME
 
 
 def connector_states(algo: Any) -> dict:
@@ -45,6 +40,7 @@ def connector_states(algo: Any) -> dict:
     driver's (restored) connector states and the sampled-steps counter; nothing when the config does not
     broadcast them (``broadcast_env_runner_states=False``)."""
     from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR
+    from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
 
     if not algo.config.broadcast_env_runner_states:
         return {}
@@ -53,7 +49,7 @@ def connector_states(algo: Any) -> dict:
         out = algo.env_runner.get_state(components=names)
     else:
         out = {names[0]: algo.env_to_module_connector.get_state(), names[1]: algo.module_to_env_connector.get_state()}
-    return {**out, _steps_key(): lifetime_steps(algo)}
+    return {**out, NUM_ENV_STEPS_SAMPLED_LIFETIME: lifetime_steps(algo)}
 
 
 def runners_note(algo: Any, pending: dict | None) -> str | None:
