@@ -43,7 +43,9 @@ def _config():
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.connectors.env_to_module.mean_std_filter import MeanStdFilter
 
-    return (
+    from rl_ckpt.demo.rllib_drill import waits_for_every_answer
+
+    return waits_for_every_answer(
         PPOConfig()
         .environment("CartPole-v1")
         .env_runners(

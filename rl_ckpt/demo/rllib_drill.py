@@ -44,6 +44,7 @@ def ppo_config(cfg: dict):
         .debugging(seed=cfg.get("seed", 0), log_level="ERROR")
         .fault_tolerance(restart_failed_env_runners=True)
     )
+    config = waits_for_every_answer(config)
     if cfg.get("hidden"):
         from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
@@ -61,6 +62,19 @@ def ppo_config(cfg: dict):
                 env_runners=cfg.get("env_runners", True),
             )
         )
+    return config
+
+
+def waits_for_every_answer(config):
+    """``config`` with RLlib's timers on the EnvRunners' answers off.
+
+    RLlib drops an EnvRunner's answer that comes late: its samples after ``sample_timeout_s`` (60 s), its connector
+    state for the merge after ``sync_filters_on_rollout_workers_timeout_s`` (10 s; the merged state is then
+    broadcast without that EnvRunner's observations). On a starved machine (Ray runs the EnvRunners at nice 15) a
+    run then differs from the same run on a quiet one, checkpointed or not. Runs compared bitwise wait for every
+    answer instead (a dead EnvRunner still fails its call at once)."""
+    config = config.env_runners(sample_timeout_s=None)
+    config.sync_filters_on_rollout_workers_timeout_s = None
     return config
 
 
