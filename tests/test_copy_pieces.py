@@ -128,3 +128,77 @@ def test_a_forked_child_copies_with_a_helper_of_its_own(tmp_path):
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+
+
+def _rss_of(addr: int) -> int:
+    """Bytes of the mapping holding ``addr`` that are mapped into this process (``/proc/self/smaps``: Rss)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: "start-end perms offset dev inode [path]"
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                inside = start <= addr < end
+            elif inside and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _shared_file(tmp_path, nbytes: int):
+    """A file mapped shared and read-only, none of its pages touched by this process yet (as a new process maps an
+    object of Ray's object store)."""
+    import mmap
+    import os
+
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path), f"rl_ckpt-test-{os.getpid()}")
+    data = np.random.default_rng(3).integers(0, 256, size=nbytes, dtype=np.uint8)
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return mapped, data
+
+
+def test_a_large_source_is_mapped_ahead_on_a_helper_and_copied_exactly(tmp_path):
+    """``prefault_source`` maps a shared mapping's pages into this process on a helper thread, nothing read on this
+    one; ``copy_pieces`` does it for a large source, unaligned too, every byte lands and the helper is joined on
+    return; where the kernel refuses the advice, the copy still lands every byte."""
+    import rl_ckpt._storage.buffers as buffers
+
+    if buffers._madvise is None:
+        pytest.skip("no madvise in this libc")
+    nbytes = 48 << 20
+    mapped, data = _shared_file(tmp_path, nbytes)
+    view = memoryview(mapped)
+    addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    assert _rss_of(addr) < nbytes // 4  # untouched yet
+    stop = buffers.prefault_source(view)
+    for helper in [t for t in threading.enumerate() if t.name == "rl_ckpt-prefault"]:
+        helper.join()  # (run to its end: ``stop`` would stop it early)
+    stop()
+    if buffers._madvise(addr - addr % 4096, 4096, buffers._MADV_POPULATE_READ) != 0:
+        pytest.skip("this kernel lacks MADV_POPULATE_READ (Linux < 5.14)")
+    assert _rss_of(addr) >= nbytes - (8 << 20)  # mapped, though nothing on this thread read it
+
+    sizes = [COPY_STEP, nbytes - COPY_STEP - 5]
+    src = view[5:]  # not page aligned: only whole pages inside it are advised
+    bufs, views = _views(sizes)
+    seen: list[int] = []
+    copy_pieces(src, views, lambda v: seen.append(len(v)))
+    assert np.concatenate(bufs).tobytes() == data[5:].tobytes() and sum(seen) == nbytes - 5
+    assert not [t for t in threading.enumerate() if t.name == "rl_ckpt-prefault"]  # joined on return
+
+    real = buffers._madvise
+    buffers._madvise = lambda *a: -1  # a kernel without the advice: the helper stops at its first call
+    try:
+        bufs, views = _views(sizes)
+        copy_pieces(src, views, None)
+    finally:
+        buffers._madvise = real
+    assert np.concatenate(bufs).tobytes() == data[5:].tobytes()
+    view.release()
+    del src
+    mapped.close()

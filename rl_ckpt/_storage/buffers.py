@@ -39,7 +39,8 @@ def alloc_bytes(size: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_MADV_POPULATE_WRITE = 23
 _PREFAULT_STEP = 8 * 1024 * 1024
 try:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL around the call
@@ -57,40 +58,41 @@ def prefault(buf: np.ndarray) -> Callable[[], None]:
     went from 0.55 s to 0.46 s. Where the kernel lacks MADV_POPULATE_WRITE the
     helper stops at once and the read faults pages in itself, as before.
     """
-    if _madvise is None or buf.nbytes < 4 * _PREFAULT_STEP:
-        return lambda: None
-    base, size = buf.ctypes.data, buf.nbytes
-    stopped = threading.Event()
-
-    def run() -> None:
-        for start in range(0, size, _PREFAULT_STEP):
-            if stopped.is_set() or _madvise(base + start, min(_PREFAULT_STEP, size - start), _MADV_POPULATE_WRITE):
-                return
-
-    helper = threading.Thread(target=run, name="rl_ckpt-prefault", daemon=True)
-    helper.start()
-
-    def stop() -> None:
-        stopped.set()
-        helper.join()
-
-    return stop
+    return prefault_ranges(buf, [(0, buf.nbytes)])
 
 
 def prefault_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> Callable[[], None]:
     """:func:`prefault` of the ``(start, end)`` byte ranges of ``buf`` only, in order, on one helper thread (a read
     that places most of a file elsewhere touches only these pages of its buffer); returns ``stop()`` (joins)."""
+    base = buf.ctypes.data
+    return _populate([(base + a, base + b) for a, b in ranges], _MADV_POPULATE_WRITE)
+
+
+def prefault_source(src: memoryview) -> Callable[[], None]:
+    """Map ``src``'s pages into this process on a helper thread, ahead of a copy out of it; returns ``stop()``.
+
+    A process maps an object of Ray's object store (shared memory) the first time it reads it, one page fault
+    per 4 KiB page: in a new process 1 GiB copied out of it took 0.17 s instead of 0.11 s once mapped. One
+    ``MADV_POPULATE_READ`` per 8 MiB maps the pages in batches (0.04 s per GiB) while the copy runs behind it.
+    Where the kernel lacks it the helper stops at once and the copy faults the pages in itself."""
+    addr = np.frombuffer(src, dtype=np.uint8).ctypes.data if src.nbytes else 0
+    return _populate([(addr, addr + src.nbytes)], _MADV_POPULATE_READ)
+
+
+def _populate(ranges: list[tuple[int, int]], advice: int) -> Callable[[], None]:
+    """``madvise(advice)`` over the whole pages of each ``(start, end)`` address range of 32 MiB and more, in order,
+    ``_PREFAULT_STEP`` at a time, on one helper thread (it stops at the first call that fails); returns
+    ``stop()``, which stops it and joins it."""
     ranges = [(a, b) for a, b in ranges if b - a >= 4 * _PREFAULT_STEP]
     if _madvise is None or not ranges:
         return lambda: None
-    base = buf.ctypes.data
     stopped = threading.Event()
 
     def run() -> None:
         for a, b in ranges:
-            first = -(-(base + a) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only
-            for start in range(first, base + b, _PREFAULT_STEP):
-                if stopped.is_set() or _madvise(start, min(_PREFAULT_STEP, base + b - start), _MADV_POPULATE_WRITE):
+            first = -(-a // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only
+            for start in range(first, b, _PREFAULT_STEP):
+                if stopped.is_set() or _madvise(start, min(_PREFAULT_STEP, b - start), advice):
                     return
 
     helper = threading.Thread(target=run, name="rl_ckpt-prefault", daemon=True)
@@ -159,7 +161,8 @@ def copy_pieces(src: memoryview, views: list[memoryview], on_chunk: Callable[[me
     thread hands the last one's pieces to ``on_chunk``, still in the CPU cache: on a second core the hash costs
     little wall time beside the copy (1 GiB out of Ray's object store in a fresh process: 0.24 s instead of
     0.35 s copying then hashing). Small views are copied by one step together, up to ``COPY_STEP`` bytes (a
-    hand-off to the helper costs tens of microseconds). No step is being written when this returns or raises."""
+    hand-off to the helper costs tens of microseconds). A source of 32 MiB and more is mapped ahead of the copy
+    (:func:`prefault_source`). No step is being written when this returns or raises."""
     steps = []  # each: (destination piece, source piece) pairs copied by one hand-off
     pos = 0
     for group in steps_of(views, COPY_STEP):
@@ -167,6 +170,15 @@ def copy_pieces(src: memoryview, views: list[memoryview], on_chunk: Callable[[me
         for dst in group:
             steps[-1].append((dst, src[pos : pos + dst.nbytes]))
             pos += dst.nbytes
+    stop_mapping = prefault_source(src)
+    try:
+        _copy_steps(steps, on_chunk)
+    finally:
+        stop_mapping()
+
+
+def _copy_steps(steps: list[list[tuple[memoryview, memoryview]]], on_chunk: Callable | None) -> None:
+    """:func:`copy_pieces`' copy and hand-offs, its steps cut already."""
     if on_chunk is None or len(steps) < 2:
         for group in steps:
             for dst, piece in group:
