@@ -65,7 +65,7 @@ def prefault_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> Callable[
     """:func:`prefault` of the ``(start, end)`` byte ranges of ``buf`` only, in order, on one helper thread (a read
     that places most of a file elsewhere touches only these pages of its buffer); returns ``stop()`` (joins)."""
     base = buf.ctypes.data
-    return _populate([(base + a, base + b) for a, b in ranges], _MADV_POPULATE_WRITE)
+    return _populate([(base + a, base + b) for a, b in ranges if b - a >= 4 * _PREFAULT_STEP], _MADV_POPULATE_WRITE)
 
 
 def prefault_source(src: memoryview) -> Callable[[], None]:
@@ -82,10 +82,9 @@ def prefault_source(src: memoryview) -> Callable[[], None]:
 
 
 def _populate(ranges: list[tuple[int, int]], advice: int) -> Callable[[], None]:
-    """``madvise(advice)`` over the whole pages of each ``(start, end)`` address range of 32 MiB and more, in order,
-    ``_PREFAULT_STEP`` at a time, on one helper thread (it stops at the first call that fails); returns
-    ``stop()``, which stops it and joins it."""
-    ranges = [(a, b) for a, b in ranges if b - a >= 4 * _PREFAULT_STEP]
+    """``madvise(advice)`` over the whole pages of each ``(start, end)`` address range (the callers leave out those
+    under 32 MiB), in order, ``_PREFAULT_STEP`` at a time, on one helper thread (it stops at the first call that
+    fails); returns ``stop()``, which stops it and joins it."""
     if _madvise is None or not ranges:
         return lambda: None
     stopped = threading.Event()
