@@ -62,6 +62,7 @@ class PullResult:
     place_seconds: float = 0.0  # of ``seconds``: copying the version to this node's store
     fell_back_from: int | None = None  # the version asked for, when a fault made the worker take another
     reason: str = ""
+    bytes_vouched: int = 0  # of ``bytes_moved``: chunks this node's store had checked already (not hashed again)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -171,6 +172,7 @@ class WeightSubscriber:
                     placed,
                     None if step == target else target,
                     "" if step == target else _why(reasons),
+                    stats.bytes_vouched,
                 )
             )
         if self.durable is not None:

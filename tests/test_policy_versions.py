@@ -299,12 +299,14 @@ def test_the_publishers_store_vouches_for_what_it_read_back_and_readers_there_ha
     assert got.version == 2 and same(worker, learner)
     small = sum(chunks[p] for p in objects - big)
     assert small and sum(hashed) == small  # the borrowed chunks: checked once, by the publisher, not this reader
+    assert got.bytes_vouched == sum(chunks[p] for p in big)
 
     pv.storage.each("hold_owning", False)
     assert pv.wait_owned(120)  # the stores' own copies replace the borrowed objects: nobody hashed those
     hashed.clear()
     other = wide_policy(2)
-    assert WeightSubscriber(versions_run).pull(other).version == 2 and same(other, learner)
+    again = WeightSubscriber(versions_run).pull(other)
+    assert again.version == 2 and same(other, learner) and again.bytes_vouched == 0
     assert sum(hashed) == small + sum(chunks[p] for p in big)
     pv.close()
 
@@ -338,3 +340,34 @@ def test_a_store_vouches_only_for_the_very_object_read_back_whole(versions_run):
     assert ray.get(store.get_many_vouched.remote([name]))[1] == [name]
     ray.get(store.put.remote(name, b"\x02" * len(good)))  # replaced by bytes nobody hashed
     assert ray.get(store.get_many_vouched.remote([name]))[1] == []
+
+
+def test_a_store_placing_a_chunk_checks_it_once_for_its_node_and_refuses_one_that_does_not_match(versions_run):
+    """A placement target (``borrow_many(..., place=True)``: the chunk moved to its node) hashes each chunk as it
+    lands, against its content address: readers of that node then map it without hashing it again; a chunk that
+    does not match its name is not held there (nobody waits for it), and the error names it."""
+    import numpy as np
+    import ray
+
+    from actors.policy_versions import versions_storage
+    from rl_ckpt._format.checksum import digest_bytes
+    from rl_ckpt._run.dedup import object_path
+
+    storage = versions_storage(versions_run, replicas=0)
+    store = storage.store_of(storage.node_id)
+    good, other = bytes(range(256)) * 4096, bytes(range(255, -1, -1)) * 4096  # 1 MiB each
+    name = object_path("xxh3_128", digest_bytes("xxh3_128", good))
+    wrong = object_path("xxh3_128", digest_bytes("xxh3_128", other))  # names other bytes than those sent
+    batch = ray.put([np.frombuffer(good, dtype=np.uint8), np.frombuffer(good, dtype=np.uint8)])
+    assert ray.get(store.expect.remote([name, wrong])) == 2
+    assert ray.get(store.borrow_many.remote([(name, batch, len(good), 0)], (), True)) == len(good)
+    assert ray.get(store.get_many_vouched.remote([name]))[1] == [name]  # checked here: its readers map it as is
+    with pytest.raises(CorruptSnapshotError, match="does not match its content address") as caught:
+        ray.get(store.borrow_many.remote([(wrong, batch, len(good), 1)], (), True))
+    assert wrong in str(caught.value)
+    assert ray.get(store.get.remote(wrong)) is None  # not held
+    assert ray.get(store.wait_landed.remote([wrong], 0)) == []  # nor awaited any more: its readers place it
+    names = "objects/xxh3_128/not-a-digest"  # a path that is no content address: held, left to its readers
+    assert ray.get(store.borrow_many.remote([(names, batch, len(good), 0)], (), True)) == len(good)
+    assert ray.get(store.get_many_vouched.remote([names]))[1] == []
+    storage.destroy()

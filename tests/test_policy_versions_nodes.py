@@ -43,6 +43,17 @@ def test_every_worker_pulls_every_version_bitwise(outcomes, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_each_node_checks_a_version_once_for_its_workers(outcomes, kind):
+    """Version 3 (every layer new), pulled once placed: on the learners' node the publishers' read-back checked
+    its chunks, on the workers' other node its store as they landed; no worker hashed them again."""
+    (v3,) = [v for v in outcomes[kind]["versions"] if v["version"] == 3]
+    vouched = {(p["node"], p["bytes_vouched"]) for p in v3["pulls"]}
+    assert len({node for node, _n in vouched}) == 2
+    assert len({n for _node, n in vouched}) == 1 and next(iter(vouched))[1] > 0  # the same chunks on both nodes
+    assert all(p["bytes_vouched"] <= p["bytes_moved"] for p in v3["pulls"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_delta_moves_only_the_changed_layer(outcomes, kind):
     o = outcomes[kind]
     total = o["versions"][0]["pulls"][0]["bytes_total"]

@@ -1,12 +1,13 @@
 """Policy versions on a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``).
 
-Run by test_policy_versions_nodes.py in a process of its own: ``python version_nodes.py`` prints one JSON
-line per scenario ("replicated": 2 plain learners; "fsdp2": 2 FSDP2 learners on a gloo group). Per scenario
-the learners publish 5 versions (1 and 3 change every layer, 2, 4 and 5 only one layer's weight); 4 rollout
-workers, 2 on each node, pull each; then a worker on the worker node is killed and a new one pulls the
-newest; then every copy of a chunk only version 6 has is corrupted and workers pull again; then version 7 is
-published with its placement on the workers' node held (a store's test hook) and released, and version 8 the
-same way with the learners SIGKILLed before it is released. The 4 rollout workers serve both scenarios.
+Run by test_policy_versions_nodes.py in a process of its own: ``python version_nodes.py`` prints one JSON line per
+scenario ("replicated": 2 plain learners; "fsdp2": 2 FSDP2 learners on a gloo group). Per scenario the learners
+publish 5 versions (1 and 3 change every layer, 2, 4 and 5 only one layer's weight); 4 rollout workers, 2 on each
+node, pull each (version 3 once its placement landed, while the stores still borrow it); then a worker on the
+worker node is killed and a new one pulls the newest; then every copy of a chunk only version 6 has is corrupted
+and workers pull again; then version 7 is published with its placement on the workers' node held (a store's test
+hook) and released, and version 8 the same way with the learners SIGKILLed before it is released. The 4 rollout
+workers serve both scenarios.
 """
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ def scenario(ray, kind: str, namespace: str, workers: list, on: dict) -> dict:
     storage = versions_storage(run, namespace=namespace, replicas=0)
     out: dict = {"kind": kind, "versions": []}
     for version in range(1, 6):
+        if version == 3:  # every layer new: the stores keep borrowing it (and vouching for it) until its pulls end
+            storage.each("hold_owning", True)
         published = ray.get([lr.publish.remote(version) for lr in learners])
+        if version == 3:
+            assert all(ray.get([lr.wait_placed.remote() for lr in learners]))
         pulls = ray.get([w.pull.remote(run) for w in workers])
+        if version == 3:
+            storage.each("hold_owning", False)
         fetched = {n: i["fetched_bytes"] for n, i in storage.store_info().items()}  # pulled into each store
         for placed in ray.get([lr.placed.remote() for lr in learners]):  # and placed there by the publishes
             for n, nbytes in placed.items():

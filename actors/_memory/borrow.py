@@ -7,6 +7,10 @@ publish: it *borrows* the publisher's object, then owns a copy of it in the back
   node: the one transfer every reader on that node then reads locally) and keeps the ref and the mapped value
   (which keeps the node-local copy in place): no copy either. Readers are answered the same ``[ref]`` as for
   an owned file; budget, pins, eviction, listings and stats treat a borrowed file as an owned one.
+- **Checked once per node** (*vouched for*: readers on the node map it without hashing it again). On the
+  publisher's node, by the publisher's read-back (:meth:`StoreBorrowing.vouch`); on a placement target, by
+  the store itself as each chunk lands (:func:`landed_whole`: hashed against its content address before it is
+  held; a mismatch is not held, and the node's readers place that chunk from the publisher's node).
 - **Own** (a thread of the store, :meth:`StoreBorrowing._own_loop`). Each borrowed file is copied into an
   object the store puts itself (from the value it maps, else ``ray.get`` of the ref), and swapped in under the
   lock if the entry is still the one borrowed. From then on the file outlives the publisher. The copies wait
@@ -33,7 +37,7 @@ import threading
 import time
 
 from rl_ckpt._format.manifest import MANIFEST_NAME, Manifest
-from rl_ckpt._run.dedup import manifest_objects, object_path
+from rl_ckpt._run.dedup import OBJECTS, manifest_objects, object_path
 
 from .reads import Slice, resolved
 
@@ -42,6 +46,30 @@ log = logging.getLogger("rl_ckpt")
 OWN_BATCH = 8  # borrowed files owned per turn of the thread (the lock is not held while copying)
 OWN_QUIET_SECONDS = 0.25  # the copies start once no file was borrowed and no reader pinned for this long,
 OWN_DEFER_SECONDS = 2.0  # and no pin is held (a publish and the pulls right after it go first); this long at most
+
+
+def landed_whole(path: str, value, size: int, node_id: str) -> bool:
+    """Check a chunk just placed on this node (``value``: the object's item as mapped here) against its content
+    address, once for every reader of this node. True: it matches; False: ``path`` is not a content-addressed object
+    (left to its readers to check). A mismatch raises :class:`~rl_ckpt.errors.CorruptSnapshotError`: the transfer
+    (or the object) is damaged and the chunk is not held here (its readers then place it from the publisher's node,
+    checked as any copy)."""
+    from rl_ckpt._format.checksum import digest_bytes
+    from rl_ckpt.errors import CorruptSnapshotError
+
+    parts = path.split("/")
+    if len(parts) != 4 or parts[0] != OBJECTS or parts[2] != parts[3][:2]:
+        return False
+    algo, digest = parts[1], parts[3]
+    data = memoryview(value).cast("B")
+    if data.nbytes != size or digest_bytes(algo, data) != digest:
+        raise CorruptSnapshotError(
+            f"memory store {node_id[:12]}: {path} placed on this node does not match its content address "
+            f"({data.nbytes} bytes of {size}): not held here; its readers place it from the publisher's node",
+            path=path,
+            problems=["object checksum mismatch"],
+        )
+    return True
 
 
 class StoreBorrowing:
@@ -73,16 +101,19 @@ class StoreBorrowing:
         with self._lock:
             if replica and path in self._files:
                 return False
-        value = None
+        value, checked = None, False
         try:
             if place:
                 self._land_gate.wait()  # (``hold_landing``, a test hook)
                 value = resolved(held)  # the transfer to this node; the mapped value keeps the local copy
+                checked = landed_whole(path, value, size, self.node_id)
             with self._lock:
                 if replica and path in self._files:
                     return False
                 self._store(path, held, size)
                 self._borrowed[path] = (held, value)
+                if checked:  # hashed here, as mapped on this node: this node's readers need not hash it again
+                    self._vouched[path] = held
                 self._last_activity = time.monotonic()
                 self._own_queue.append(path)
                 self._own_wake.notify()

@@ -213,6 +213,7 @@ class PullStats:
     bytes_total: int
     pieces_moved: int
     pieces_total: int
+    bytes_vouched: int = 0  # of ``bytes_moved``: chunks this node's store had checked already (not hashed here)
 
 
 class WeightPuller:
@@ -252,7 +253,9 @@ class WeightPuller:
         # A slot the new snapshot does not have (a layout change) is forgotten: what sits there is unknown.
         self.held = {p.slot: p.address for p in pieces.pieces}
         self.snapshot_id = sid
-        return PullStats(sid, sum(p.size for p in todo), pieces.total_bytes, len(todo), len(pieces.pieces))
+        named = [(object_path(pieces.algo, d), n) for p in todo for d, n in p.objects]
+        trusted = sum(n for path, n in named if path in vouched and path in views and views[path].nbytes == n)
+        return PullStats(sid, sum(p.size for p in todo), pieces.total_bytes, len(todo), len(pieces.pieces), trusted)
 
     def forget(self) -> None:
         """Forget what the module holds (the next pull moves everything)."""

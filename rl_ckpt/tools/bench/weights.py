@@ -48,6 +48,7 @@ from rl_ckpt.tools.bench.common import CpuWork, human, log, parse_size, print_js
 
 TENSORS = 16
 CHUNK = 8 << 20  # run/dedup.py's chunk size: what "a changed chunk" means
+PULL_FIGURES = ("seconds", "place_seconds", "node_bytes_copied", "bytes_vouched")  # kept of each pull, per round
 WARM_ROUNDS = 3  # untimed rounds (floor, then full version) before the timed ones (see the module docstring)
 
 
@@ -225,7 +226,7 @@ def run(args) -> dict:
                     "node_bytes_copied": versions.storage.pushed_bytes
                     - pushed
                     + sum(p["node_bytes_copied"] for p in pulls),
-                    "pulls": [{k: p[k] for k in ("seconds", "place_seconds", "node_bytes_copied")} for p in pulls],
+                    "pulls": [{k: p[k] for k in PULL_FIGURES} for p in pulls],
                 }
             )
             log(
