@@ -39,7 +39,7 @@ import time
 from rl_ckpt._format.manifest import MANIFEST_NAME, Manifest
 from rl_ckpt._run.dedup import OBJECTS, manifest_objects, object_path
 
-from .reads import Slice, resolved
+from .reads import Slice, answer_of, picked, resolved
 
 log = logging.getLogger("rl_ckpt")
 
@@ -90,12 +90,22 @@ class StoreBorrowing:
         self._own_thread = threading.Thread(target=self._own_loop, name="rl_ckpt-mem-own", daemon=True)
         self._own_thread.start()
 
-    def borrow(self, path: str, wrapped: list, size: int, replicate_to=(), place: bool = False, replica: bool = False):
+    def borrow(
+        self,
+        path: str,
+        wrapped: list,
+        size: int,
+        replicate_to=(),
+        place: bool = False,
+        replica: bool = False,
+        landed=None,
+    ):
         """Hold ``path`` as the object ``wrapped[0]`` (the publisher's ``ObjectRef``, ``size`` bytes), or as item
         ``wrapped[1]`` of that object when it holds a list of files (a publish's batch of chunks), without a copy;
         it is owned in the background. ``place``: move it to this node first (``ray.get``, the mapped value is
-        kept). ``replica``: kept only if this store does not hold ``path`` already (returns False then).
-        ``replicate_to``: peer stores to copy it to (in the background, as ``put``'s)."""
+        kept; ``landed``: the object's value mapped already). ``replica``: kept only if this store does not hold
+        ``path`` already (returns False then). ``replicate_to``: peer stores to copy it to (in the background, as
+        ``put``'s)."""
         ref = wrapped[0]
         held = Slice(ref, wrapped[1]) if len(wrapped) > 1 else ref  # item ``wrapped[1]`` of a batch object
         with self._lock:
@@ -105,7 +115,8 @@ class StoreBorrowing:
         try:
             if place:
                 self._land_gate.wait()  # (``hold_landing``, a test hook)
-                value = resolved(held)  # the transfer to this node; the mapped value keeps the local copy
+                # The transfer to this node; the mapped value keeps the local copy.
+                value = resolved(held) if landed is None else picked(answer_of(held), landed)
                 checked = landed_whole(path, value, size, self.node_id)
             with self._lock:
                 if replica and path in self._files:
@@ -131,20 +142,23 @@ class StoreBorrowing:
         transfers of all of them to this node run at once. Returns the bytes taken; a file that could
         not be taken (its object lost) is not landing (see :meth:`borrow`) and the first such error is raised once
         the others are taken."""
+        landed: dict = {}  # batch object -> its value mapped here (``place``)
         if place and items:
             import ray
 
             self._land_gate.wait()  # (``hold_landing``, a test hook)
             refs = list({ref: None for _p, ref, _n, _i in items})  # (a batch object once)
-            try:  # every transfer started at once; each ``borrow`` below then maps its object here
+            try:  # every transfer started at once; each batch object then mapped here once, for its files
                 ray.wait(refs, num_returns=len(refs), fetch_local=True)
+                landed = dict(zip(refs, ray.get(refs)))
             except ray.exceptions.RayError:
-                pass  # each borrow's own ``ray.get`` says which one failed
+                landed = {}  # each borrow's own ``ray.get`` says which one failed
         taken, failed = 0, None
         for path, ref, size, index in items:
             try:
                 wrapped = [ref] if index is None else [ref, index]
-                taken += size * bool(self.borrow(path, wrapped, size, replicate_to, place, replica))
+                value = landed.get(ref)
+                taken += size * bool(self.borrow(path, wrapped, size, replicate_to, place, replica, value))
             except Exception as exc:
                 failed = failed or exc
         if failed is not None:
