@@ -207,10 +207,12 @@ def read_ranges_of(storage: "RayMemoryStorage", path: str, ranges) -> list[bytes
 def spread_manifest(storage: "RayMemoryStorage", path: str, payload: Any, written_on: str, skip=()) -> None:
     """A committed manifest also goes to every other store holding files of its snapshot (but those of ``skip``)."""
     sid = path.split("/", 1)[0]
-    stores = {n: h for n, h in storage.stores().items() if n not in skip}
+    stores = {n: h for n, h in storage.stores().items() if n not in skip and n != written_on}
+    if not stores:  # (e.g. one node, or every other store a placement target: no call at all)
+        return
     held = storage.each("inventory", sid, stores=stores)
     for node, files in held.items():
-        if node != written_on and files:
+        if files:
             try:
                 _ray().get(stores[node].put_replica.remote(path, payload, written_on))
             except Exception:  # that store died meanwhile: its files are gone with it
