@@ -228,6 +228,48 @@ class CpuWork:
         return now[0] - self._at[0], now[1] - self._at[1]
 
 
+class ProcessWork:
+    """CPU seconds (user + system) each kind of process of this machine spent between ``start`` and ``stop``, from
+    ``/proc/<pid>/stat``: ``kind_of(pid, cmdline)`` names a process's kind (None: not counted). A process that
+    exits before ``stop`` is not counted; one started meanwhile counts from zero. Empty where /proc is missing."""
+
+    def __init__(self, kind_of: Callable[[int, str], str | None]) -> None:
+        self.kind_of = kind_of
+        self._tck = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._at: dict[int, tuple[str, float]] = {}
+
+    def _read(self) -> dict[int, tuple[str, float]]:
+        out: dict[int, tuple[str, float]] = {}
+        try:
+            pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        except OSError:
+            return out
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # (the command in parentheses may hold spaces)
+            except (OSError, IndexError):
+                continue  # gone meanwhile, or not readable
+            kind = self.kind_of(pid, cmdline)
+            if kind is not None:
+                out[pid] = (kind, (int(fields[11]) + int(fields[12])) / self._tck)
+        return out
+
+    def start(self) -> None:
+        self._at = self._read()
+
+    def stop(self) -> dict[str, float]:
+        """Kind -> CPU seconds since ``start``."""
+        by_kind: dict[str, float] = {}
+        for pid, (kind, cpu) in self._read().items():
+            before = self._at.get(pid)
+            used = cpu - (before[1] if before is not None and before[0] == kind else 0.0)
+            by_kind[kind] = by_kind.get(kind, 0.0) + max(used, 0.0)
+        return by_kind
+
+
 def free_page_reporting() -> bool:
     """True when the guest hands freed memory back to its hypervisor (virtio_balloon free page reporting)."""
     try:

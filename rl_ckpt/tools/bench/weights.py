@@ -1,7 +1,7 @@
 """``rl-ckpt bench weights``: a policy delivered to rollout actors as versions, next to the object-store floor.
 
     rl-ckpt bench weights [--size 1GiB] [--receivers 4] [--rounds 5] [--changed 0.05] [--json FILE]
-                          [--profile FILE]
+                          [--profile FILE] [--by-process]
 
 On a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: the head, where the learner
 (this process) publishes, and a worker node), ``--receivers`` rollout actors, half on each node, each holding
@@ -31,6 +31,10 @@ a module of the policy's shape (fp32, ``--size`` bytes in 16 tensors). Measured 
 - ``restart``: a receiver on the worker node killed and started again: seconds from asking for the new actor
   to it holding the newest version (``restart_total_s``; the pull alone: ``restart_pull_s``).
 
+``--by-process``: each round's CPU seconds (user + system, ``/proc/<pid>/stat``) by kind of process (the
+learner, the receivers, the version stores, the raylets, other Ray processes), for the floor and the full
+version (``cpu_by_process``: medians; each round's in ``rounds``): where a full version's work goes.
+
 Every figure is wall-clock time on this machine as it is (a shared machine's load shows in ``loadavg``).
 """
 
@@ -44,7 +48,7 @@ import tempfile
 import time
 import uuid
 
-from rl_ckpt.tools.bench.common import CpuWork, human, log, parse_size, print_json, rmtree
+from rl_ckpt.tools.bench.common import CpuWork, ProcessWork, human, log, parse_size, print_json, rmtree
 
 TENSORS = 16
 CHUNK = 8 << 20  # run/dedup.py's chunk size: what "a changed chunk" means
@@ -127,6 +131,19 @@ def bump(policy, step: int) -> None:
             t.add_(0.5 ** (step + 1))
 
 
+def process_kind(pid: int, cmdline: str) -> str | None:
+    """What a process of this machine is to the bench (``--by-process``): this one is the learner."""
+    if pid == os.getpid():
+        return "learner"
+    if "ray::Receiver" in cmdline:
+        return "receivers"
+    if "ray::MemoryStore" in cmdline:
+        return "stores"
+    if "/raylet" in cmdline.split(" ", 1)[0]:
+        return "raylets"  # (each node's object store and its transfers)
+    return "other ray" if "ray" in cmdline else "other"
+
+
 def run(args) -> dict:
     import ray
     import torch
@@ -185,9 +202,13 @@ def run(args) -> dict:
         rounds, warmup, step = [], [], 2
         for _round in range(-WARM_ROUNDS, args.rounds):  # floor and full version in turns: the same load for both
             cpu = CpuWork()
+            procs = ProcessWork(process_kind) if args.by_process else None
             cpu.start()
+            if procs:
+                procs.start()
             floor_s, floor_put_s = floor_round(policy, receivers)
             floor_cpu_s, floor_steal_s = cpu.stop()
+            floor_by_process = procs.stop() if procs else None
             bump(policy, step)
             pushed = versions.storage.pushed_bytes
             profiler = None
@@ -197,6 +218,8 @@ def run(args) -> dict:
                 profiler = cProfile.Profile()
                 profiler.enable()
             cpu.start()
+            if procs:
+                procs.start()
             started = time.perf_counter()
             versions.publish(step)
             publish_s = time.perf_counter() - started
@@ -207,6 +230,7 @@ def run(args) -> dict:
             pulls = ray.get([r.pull.remote() for r in receivers])
             pull_s = time.perf_counter() - started
             full_cpu_s, full_steal_s = cpu.stop()
+            full_by_process = procs.stop() if procs else None
             started = time.perf_counter()  # untimed in the ratio: the stores owning their copies in the background
             owned = versions.wait_owned(timeout=600)  # (done before the next round: no round pays for another's)
             own_s = time.perf_counter() - started
@@ -228,6 +252,7 @@ def run(args) -> dict:
                     + sum(p["node_bytes_copied"] for p in pulls),
                     "pulls": [{k: p[k] for k in PULL_FIGURES} for p in pulls],
                 }
+                | ({"by_process": {"floor": floor_by_process, "full": full_by_process}} if procs else {})
             )
             log(
                 (f"round {_round + 1}" if _round >= 0 else f"warm-up round {_round + WARM_ROUNDS + 1} (untimed)")
@@ -251,6 +276,17 @@ def run(args) -> dict:
         out["pull_vs_floor"] = statistics.median(r["pull_s"] / r["floor_s"] for r in rounds)  # receivers alone
         if all(r["floor_cpu_s"] for r in rounds):  # the work done, whatever the scheduling: full / floor
             out["full_vs_floor_cpu"] = statistics.median(r["full_cpu_s"] / r["floor_cpu_s"] for r in rounds)
+        if args.by_process:  # kind -> median CPU seconds a round, for the floor and the full version
+            out["cpu_by_process"] = {
+                phase: {
+                    kind: statistics.median(r["by_process"][phase].get(kind, 0.0) for r in rounds)
+                    for kind in sorted({k for r in rounds for k in r["by_process"][phase]})
+                }
+                for phase in ("floor", "full")
+            }
+            for phase, kinds in out["cpu_by_process"].items():
+                shares = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items())
+                log(f"CPU seconds by process, {phase} (medians): {shares}")
         out["full_bytes"] = pulls[0]["bytes_total"]
         out["node_bytes_copied"] = rounds[-1]["node_bytes_copied"]  # into the worker node, per version
         want = float(sum(t.double().sum() for t in policy.state_dict().values()))
@@ -325,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="folder for the safetensors file (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--profile", default=None, help="cProfile the last round's publish into this pstats file")
+    parser.add_argument(
+        "--by-process",
+        action="store_true",
+        help="also count each round's CPU seconds by kind of process (learner, receivers, stores, raylets, ...)",
+    )
     args = parser.parse_args(argv)
     print_json(run(args), args.json)
     return 0
