@@ -190,3 +190,18 @@ def test_small_tensors_stay_in_the_snapshot_file_and_everything_restores_exactly
     assert report.ok  # every file and object still matches its checksum...
     with pytest.raises(NoValidSnapshotError, match="both in"):  # ...but the manifest contradicts itself
         e3.restore()
+
+
+def test_an_object_path_parses_back_to_its_algorithm_and_digest_and_nothing_else_does():
+    from rl_ckpt._run.dedup import object_path, parse_object_path
+
+    digest = "ab" + "0" * 30
+    assert parse_object_path(object_path("xxh3_128", digest)) == ("xxh3_128", digest)
+    for other in (
+        "objects/xxh3_128/not-a-digest",  # no prefix folder
+        f"objects/xxh3_128/cd/{digest}",  # a prefix that is not the digest's
+        f"step_000000001/objects/xxh3_128/ab/{digest}",
+        "objects/xxh3_128/ab/",
+        f"objs/xxh3_128/ab/{digest}",
+    ):
+        assert parse_object_path(other) is None, other

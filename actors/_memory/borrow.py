@@ -37,7 +37,7 @@ import threading
 import time
 
 from rl_ckpt._format.manifest import MANIFEST_NAME, Manifest
-from rl_ckpt._run.dedup import OBJECTS, manifest_objects, object_path
+from rl_ckpt._run.dedup import manifest_objects, object_path, parse_object_path
 
 from .reads import Slice, answer_of, picked, resolved
 
@@ -57,10 +57,10 @@ def landed_whole(path: str, value, size: int, node_id: str) -> bool:
     from rl_ckpt._format.checksum import digest_bytes
     from rl_ckpt.errors import CorruptSnapshotError
 
-    parts = path.split("/")
-    if len(parts) != 4 or parts[0] != OBJECTS or parts[2] != parts[3][:2]:
+    named = parse_object_path(path)
+    if named is None:
         return False
-    algo, digest = parts[1], parts[3]
+    algo, digest = named
     data = memoryview(value).cast("B")
     if data.nbytes != size or digest_bytes(algo, data) != digest:
         raise CorruptSnapshotError(
@@ -152,7 +152,7 @@ class StoreBorrowing:
                 ray.wait(refs, num_returns=len(refs), fetch_local=True)
                 landed = dict(zip(refs, ray.get(refs)))
             except ray.exceptions.RayError:
-                landed = {}  # each borrow's own ``ray.get`` says which one failed
+                pass  # (none mapped) each borrow's own ``ray.get`` says which one failed
         taken, failed = 0, None
         for path, ref, size, index in items:
             try:

@@ -37,6 +37,14 @@ def object_path(algo: str, digest: str) -> str:
     return f"{OBJECTS}/{algo}/{digest[:2]}/{digest}"
 
 
+def parse_object_path(path: str) -> tuple[str, str] | None:
+    """``(algo, digest)`` of a content-addressed object's path (:func:`object_path`); None for any other path."""
+    parts = path.split("/")
+    if len(parts) != 4 or parts[0] != OBJECTS or not parts[3] or parts[2] != parts[3][:2]:
+        return None
+    return parts[1], parts[3]
+
+
 def manifest_objects(manifest: Manifest) -> dict[str, tuple[str, int]]:
     """Every object a manifest references: digest -> (algo, size).
 
