@@ -64,6 +64,36 @@ def test_puller_moves_only_changed_pieces_and_never_a_bad_one(tmp_path):
     engine.close()
 
 
+def test_chunks_next_to_each_other_in_a_tensor_are_put_as_one_buffer():
+    """A publish's batch object holds one buffer per run of chunks lying next to each other in one tensor's memory
+    (a slice of it, not a copy); anything else is a buffer of its own; each chunk is found again, bytes exact."""
+    import numpy as np
+
+    from actors._memory.reads import as_index, item_of
+    from actors._versions.storage import contiguous_spans
+
+    a = np.arange(40, dtype=np.uint8)
+    b = np.arange(100, 130, dtype=np.uint8)
+    whole_a, whole_b = memoryview(a).cast("B"), memoryview(b).cast("B")
+    views = [
+        whole_a[0:10],
+        whole_a[10:20],  # next to the one before: the same buffer
+        whole_a[30:40],  # a gap (a chunk reused, not in the batch): a new buffer
+        whole_b[0:15],  # another tensor: a new buffer, even if its memory happened to follow
+        whole_b[15:30],
+        memoryview(b"abcdef"),  # an exporter of its own
+        memoryview(bytearray(b"ghij")),
+    ]
+    spans, where = contiguous_spans(views)
+    assert len(spans) == 5 and [w[0] for w in where] == [0, 0, 1, 2, 2, 3, 4]
+    for view, at in zip(views, where):
+        assert bytes(item_of(spans, at)) == bytes(view)
+        assert bytes(item_of(spans, as_index(list(at)))) == bytes(view)  # as a call may return it: a list
+    assert np.shares_memory(spans[0], a) and np.shares_memory(spans[2], b)  # slices of the tensors: not copied
+    assert spans[0].nbytes == 20 and spans[2].nbytes == 30
+    assert item_of([b"x", b"yz"], 1) == b"yz"  # a batch put before spans: one item per file
+
+
 @pytest.fixture
 def versions_run(ray_cluster):
     from actors.policy_versions import versions_storage
@@ -371,3 +401,58 @@ def test_a_store_placing_a_chunk_checks_it_once_for_its_node_and_refuses_one_tha
     assert ray.get(store.borrow_many.remote([(names, batch, len(good), 0)], (), True)) == len(good)
     assert ray.get(store.get_many_vouched.remote([names]))[1] == []
     storage.destroy()
+
+
+def test_a_tensor_of_several_chunks_is_put_as_one_buffer_and_read_exactly(versions_run, monkeypatch):
+    """A 20 MiB weight is 3 chunks (8 + 8 + 4 MiB), put as one buffer of the batch object (a span): the read-back
+    verifies each chunk in it and the publisher's store vouches for them; a reader gets the weights bitwise; a
+    delta that changes the middle chunk alone puts that chunk alone; the stores' own copies, made from the spans,
+    read the same."""
+    import actors._versions.storage as versions_storage_module
+    from actors.policy_versions import PolicyVersions
+    from actors.weight_subscriber import WeightSubscriber
+
+    puts: list[tuple[list, list]] = []  # (the batch's chunk sizes, its buffers' sizes) of each publish's batch
+    spans_of = versions_storage_module.contiguous_spans
+
+    def recording(views):
+        spans, where = spans_of(views)
+        puts.append(([v.nbytes for v in views], [s.nbytes for s in spans]))
+        return spans, where
+
+    monkeypatch.setattr(versions_storage_module, "contiguous_spans", recording)
+    mib = 1 << 20
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        module = torch.nn.Module()
+        module.register_parameter("w", torch.nn.Parameter(torch.randn(5 * mib), requires_grad=False))  # 20 MiB
+        module.register_parameter("v", torch.nn.Parameter(torch.randn(mib // 4), requires_grad=False))  # 1 MiB
+        return module
+
+    learner = model(0)
+    pv = PolicyVersions(versions_run, learner, keep=2, replicas=0)
+    pv.publish(1)
+    assert [(sorted(chunks), sorted(spans)) for chunks, spans in puts] == [
+        ([mib, 4 * mib, 8 * mib, 8 * mib], [mib, 20 * mib])
+    ]
+    worker = model(1)
+    sub = WeightSubscriber(versions_run)
+    got = sub.pull(worker)
+    assert got.version == 1 and same(worker, learner)
+    assert got.bytes_moved == got.bytes_vouched == 21 * mib  # the publisher read each chunk back in its span
+
+    puts.clear()
+    with torch.no_grad():
+        learner.w[3 * mib] += 1.0  # byte 12 MiB: the middle chunk
+    pv.publish(2)
+    assert puts == [([8 * mib], [8 * mib])]
+    got = sub.pull(worker)
+    assert got.version == 2 and same(worker, learner)
+    assert got.bytes_moved == got.bytes_vouched == 8 * mib
+
+    assert pv.wait_owned(120)  # the stores copy each chunk out of its span into an object of their own
+    fresh = model(2)
+    again = WeightSubscriber(versions_run).pull(fresh)
+    assert again.version == 2 and same(fresh, learner) and again.bytes_vouched == 0  # hashed by this reader
+    pv.close()

@@ -39,7 +39,7 @@ import time
 from rl_ckpt._format.manifest import MANIFEST_NAME, Manifest
 from rl_ckpt._run.dedup import manifest_objects, object_path, parse_object_path
 
-from .reads import Slice, answer_of, picked, resolved
+from .reads import Slice, answer_of, as_index, picked, resolved
 
 log = logging.getLogger("rl_ckpt")
 
@@ -107,7 +107,7 @@ class StoreBorrowing:
         ``path`` already (returns False then). ``replicate_to``: peer stores to copy it to (in the background, as
         ``put``'s)."""
         ref = wrapped[0]
-        held = Slice(ref, wrapped[1]) if len(wrapped) > 1 else ref  # item ``wrapped[1]`` of a batch object
+        held = Slice(ref, as_index(wrapped[1])) if len(wrapped) > 1 else ref  # part ``wrapped[1]`` of a batch object
         with self._lock:
             if replica and path in self._files:
                 return False
@@ -175,7 +175,12 @@ class StoreBorrowing:
         with self._lock:
             for path, (ref, index) in items:  # (a publisher's chunks are items of its batch objects: ``Slice``)
                 held = self._files.get(path)
-                if isinstance(held, Slice) and held.ref == ref and held.index == index and path in self._borrowed:
+                if (
+                    isinstance(held, Slice)
+                    and held.ref == ref
+                    and held.index == as_index(index)
+                    and path in self._borrowed
+                ):
                     self._vouched[path] = held
                     n += 1
         return n

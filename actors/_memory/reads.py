@@ -29,35 +29,51 @@ def under(path: str, prefix: str) -> bool:
 
 
 class Slice(NamedTuple):
-    """A file held as item ``index`` of an object that holds a list of files: a publish's batch of chunks is one
-    object (``ray.put`` of the list), not one per chunk, while the stores borrow it; each file is owned later as an
-    object of its own (``actors/_memory/borrow.py``)."""
+    """A file held as part of an object that holds a list of buffers: a publish's batch of chunks is one object
+    (``ray.put`` of the list), not one per chunk, while the stores borrow it; each file is owned later as an
+    object of its own (``actors/_memory/borrow.py``). ``index``: where the file is in the list (:func:`item_of`)."""
 
     ref: Any
-    index: int
+    index: Any
+
+
+def as_index(index: Any) -> Any:
+    """An item index as :func:`item_of` takes it, in one form (a span's ``[item, start, size]`` may come back from a
+    call as a list): an int, or a tuple."""
+    return index if isinstance(index, int) else tuple(index)
+
+
+def item_of(value: Any, index: Any) -> Any:
+    """The file at ``index`` of a batch object's ``value`` (its list of buffers): item ``index``, or, for
+    ``(item, start, size)``, those bytes of item ``item`` (a *span*: chunks lying next to each other in the
+    publisher's memory are put as one buffer, ``actors/_versions/storage.py`` ``contiguous_spans``). Not copied."""
+    if isinstance(index, int):
+        return value[index]
+    item, start, size = index
+    return value[item][start : start + size]
 
 
 def answer_of(held: Any) -> Any:
     """What a reader is answered for a held file: ``bytes`` (a small file), ``[ObjectRef]`` (an object of its own)
-    or ``[ObjectRef, index]`` (item ``index`` of the object's list); the reader picks it out (``picked``)."""
+    or ``[ObjectRef, index]`` (its place in the object's list); the reader picks it out (``picked``)."""
     if isinstance(held, bytes):
         return held
     return [held.ref, held.index] if isinstance(held, Slice) else [held]
 
 
 def resolved(held: Any) -> Any:
-    """The bytes of a held file: itself, or the (read-only, not copied) object, or the item of it, behind its ref."""
+    """The bytes of a held file: itself, or the (read-only, not copied) object, or the part of it, behind its ref."""
     if isinstance(held, bytes):
         return held
     import ray
 
-    return ray.get(held.ref)[held.index] if isinstance(held, Slice) else ray.get(held)
+    return item_of(ray.get(held.ref), held.index) if isinstance(held, Slice) else ray.get(held)
 
 
 def picked(answer: list, value: Any) -> Any:
     """The file a store's ``[ObjectRef]`` / ``[ObjectRef, index]`` answer names, given ``value``, the object behind
     the ref (``ray.get``, by the reader)."""
-    return value[answer[1]] if len(answer) > 1 else value
+    return item_of(value, as_index(answer[1])) if len(answer) > 1 else value
 
 
 class StoreReads:

@@ -10,6 +10,7 @@ from rl_ckpt.errors import CheckpointError, StorageError
 from rl_ckpt._format.manifest import MANIFEST_NAME
 from rl_ckpt._storage.base import check_relpath
 
+from .._memory.reads import item_of
 from .._memory.storage import RayMemoryStorage, copy_out, hash_in_place, local_views, spread_manifest
 
 log = logging.getLogger("rl_ckpt")
@@ -100,7 +101,6 @@ class VersionsStorage(RayMemoryStorage):
         object for the batch, and handed from there to this node's store and to those of ``push_to`` together, one
         call per store for the batch (the targets start moving it to their node at once), not one round trip
         after another."""
-        import numpy as np
         import ray
 
         items = [(check_relpath(path), memoryview(data).cast("B")) for path, data in items]
@@ -127,9 +127,10 @@ class VersionsStorage(RayMemoryStorage):
         # now (a target moves it to its node); each owns a copy of each file in the background
         # (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``). lent: path -> (size, item).
         lent: dict[str, tuple] = {}
-        if big:
-            obj = ray.put([np.frombuffer(data, dtype=np.uint8) for _p, data in big])
-            lent = {path: (data.nbytes, i) for i, (path, data) in enumerate(big)}
+        if big:  # chunks next to each other in memory (a tensor's) go as one buffer: Ray copies each buffer apart
+            spans, where = contiguous_spans([data for _p, data in big])
+            obj = ray.put(spans)
+            lent = {path: (data.nbytes, at) for (path, data), at in zip(big, where)}
             batch = [(p, obj, n, i) for p, (n, i) in lent.items()]
             for node, handle in targets:  # one call per store: the targets move the batch to their node at once
                 self.pushing.append((list(lent), node, handle.borrow_many.remote(batch, (), True, True), None))
@@ -152,7 +153,9 @@ class VersionsStorage(RayMemoryStorage):
         self.written = local_views(self, [path for path, _d in items if path not in lent])
         if lent:
             files = ray.get(obj)
-            self.written.update((path, memoryview(files[i]).cast("B").toreadonly()) for path, (_n, i) in lent.items())
+            self.written.update(
+                (path, memoryview(item_of(files, at)).cast("B").toreadonly()) for path, (_n, at) in lent.items()
+            )
             self.lent = {path: [obj, i] for path, (_n, i) in lent.items()}
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 
@@ -270,6 +273,42 @@ class VersionsStorage(RayMemoryStorage):
         given ``inventory``, what :meth:`inventory` of the stores answered)."""
         held = self.inventory(SUBSCRIBERS) if inventory is None else inventory
         return sorted(node for node, files in held.items() if f"{SUBSCRIBERS}/{node}" in files)
+
+
+def contiguous_spans(views: list[memoryview]) -> tuple[list, list[tuple[int, int, int]]]:
+    """The buffers to put for ``views`` (byte views, in order), and where each view is in them: ``(buffer, start,
+    size)`` (``actors/_memory/reads.py`` ``item_of``). Views of one exporter (a tensor's chunks) that lie next to
+    each other in its memory make one buffer, a slice of that exporter (nothing copied): ``ray.put`` copies a list
+    of 8 arrays of 8 MiB with more work than one of 64 MiB (its parallel copy starts its threads for each array;
+    ``benchmarks/ray_put_shape.py``). Any other view is a buffer of its own."""
+    import numpy as np
+
+    def located(view: memoryview):  # (the exporter as bytes, the view's offset in it), or None
+        try:
+            whole = np.frombuffer(memoryview(view.obj).cast("B"), dtype=np.uint8)
+        except (TypeError, ValueError):  # not a contiguous exporter
+            return None
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data - whole.ctypes.data
+        return (whole, start) if 0 <= start and start + view.nbytes <= whole.nbytes else None
+
+    runs: list[list] = []  # [the exporter, its bytes (None: the view alone), start, end, the first view]
+    where: list[tuple[int, int, int]] = []
+    for view in views:
+        found = located(view) if view.nbytes else None
+        last = runs[-1] if runs else None
+        if found is not None and last is not None and last[1] is not None and last[0] is view.obj:
+            if last[3] == found[1]:  # right after the run's last view, in the same exporter
+                where.append((len(runs) - 1, found[1] - last[2], view.nbytes))
+                last[3] = found[1] + view.nbytes
+                continue
+        whole, start = found if found is not None else (None, 0)
+        runs.append([view.obj, whole, start, start + view.nbytes, view])
+        where.append((len(runs) - 1, 0, view.nbytes))
+    spans = [
+        whole[start:end] if whole is not None else np.frombuffer(view, dtype=np.uint8)
+        for _obj, whole, start, end, view in runs
+    ]
+    return spans, where
 
 
 def send_vouching(storage: VersionsStorage) -> None:
