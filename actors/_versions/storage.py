@@ -129,8 +129,7 @@ class VersionsStorage(RayMemoryStorage):
         lent: dict[str, tuple] = {}
         if big:  # chunks next to each other in memory (a tensor's) go as one buffer: Ray copies each buffer apart
             spans, where = contiguous_spans([data for _p, data in big])
-            obj = ray.put(spans)
-            lent = {path: (data.nbytes, at) for (path, data), at in zip(big, where)}
+            obj, lent = ray.put(spans), {path: (data.nbytes, at) for (path, data), at in zip(big, where)}
             batch = [(p, obj, n, i) for p, (n, i) in lent.items()]
             for node, handle in targets:  # one call per store: the targets move the batch to their node at once
                 self.pushing.append((list(lent), node, handle.borrow_many.remote(batch, (), True, True), None))
@@ -153,9 +152,8 @@ class VersionsStorage(RayMemoryStorage):
         self.written = local_views(self, [path for path, _d in items if path not in lent])
         if lent:
             files = ray.get(obj)
-            self.written.update(
-                (path, memoryview(item_of(files, at)).cast("B").toreadonly()) for path, (_n, at) in lent.items()
-            )
+            views = {path: memoryview(item_of(files, at)).cast("B").toreadonly() for path, (_n, at) in lent.items()}
+            self.written.update(views)
             self.lent = {path: [obj, i] for path, (_n, i) in lent.items()}
         self.wait_expected()  # announced before this write returns (another rank's manifest may follow at once)
 
