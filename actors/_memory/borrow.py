@@ -49,7 +49,7 @@ OWN_DEFER_SECONDS = 2.0  # and no pin is held (a publish and the pulls right aft
 
 
 def landed_whole(path: str, value, size: int, node_id: str) -> bool:
-    """Check a chunk just placed on this node (``value``: the object's item as mapped here) against its content
+    """Check a chunk just placed on this node (``value``: its part of the object, as mapped here) against its content
     address, once for every reader of this node. True: it matches; False: ``path`` is not a content-addressed object
     (left to its readers to check). A mismatch raises :class:`~rl_ckpt.errors.CorruptSnapshotError`: the transfer
     (or the object) is damaged and the chunk is not held here (its readers then place it from the publisher's node,
@@ -100,12 +100,12 @@ class StoreBorrowing:
         replica: bool = False,
         landed=None,
     ):
-        """Hold ``path`` as the object ``wrapped[0]`` (the publisher's ``ObjectRef``, ``size`` bytes), or as item
-        ``wrapped[1]`` of that object when it holds a list of files (a publish's batch of chunks), without a copy;
-        it is owned in the background. ``place``: move it to this node first (``ray.get``, the mapped value is
-        kept; ``landed``: the object's value mapped already). ``replica``: kept only if this store does not hold
-        ``path`` already (returns False then). ``replicate_to``: peer stores to copy it to (in the background, as
-        ``put``'s)."""
+        """Hold ``path`` as the object ``wrapped[0]`` (the publisher's ``ObjectRef``, ``size`` bytes), or as part
+        ``wrapped[1]`` of that object when it holds a list of buffers (a publish's batch of chunks; ``item_of``),
+        without a copy; it is owned in the background. ``place``: move it to this node first (``ray.get``, the
+        mapped value is kept; ``landed``: the object's value mapped already). ``replica``: kept only if this store
+        does not hold ``path`` already (returns False then). ``replicate_to``: peer stores to copy it to (in the
+        background, as ``put``'s)."""
         ref = wrapped[0]
         held = Slice(ref, as_index(wrapped[1])) if len(wrapped) > 1 else ref  # part ``wrapped[1]`` of a batch object
         with self._lock:
@@ -138,8 +138,8 @@ class StoreBorrowing:
 
     def borrow_many(self, items: list, replicate_to=(), place: bool = False, replica: bool = False) -> int:
         """:meth:`borrow` of each ``(path, ref, size, index)`` in one call (the refs are inside a list: not resolved;
-        ``index``: the file's item in the object's list, or None for an object of its own); with ``place`` the
-        transfers of all of them to this node run at once. Returns the bytes taken; a file that could
+        ``index``: the file's place in the object's list, ``item_of``, or None for an object of its own); with
+        ``place`` the transfers of all of them to this node run at once. Returns the bytes taken; a file that could
         not be taken (its object lost) is not landing (see :meth:`borrow`) and the first such error is raised once
         the others are taken."""
         landed: dict = {}  # batch object -> its value mapped here (``place``)
@@ -168,12 +168,12 @@ class StoreBorrowing:
     def vouch(self, items: list) -> int:
         """The publisher on this node hashed these borrowed files, as it mapped them in the object store, against
         their content address, and found them whole (its verify-after-write): ``(path, [ref, index])`` each, the
-        batch object and item it hashed. Each held as exactly that object is *vouched for* until it is replaced,
+        batch object and place it hashed. Each held as exactly that object is *vouched for* until it is replaced,
         removed or owned (:meth:`get_many_vouched`): readers on this node map those same bytes (an object is
         immutable once put) and need not hash them again. Returns how many were vouched for."""
         n = 0
         with self._lock:
-            for path, (ref, index) in items:  # (a publisher's chunks are items of its batch objects: ``Slice``)
+            for path, (ref, index) in items:  # (a publisher's chunks are parts of its batch objects: ``Slice``)
                 held = self._files.get(path)
                 if (
                     isinstance(held, Slice)

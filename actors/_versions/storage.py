@@ -47,8 +47,8 @@ class VersionsStorage(RayMemoryStorage):
         self.listing: dict | None = None
         self.removing: list[str] = []  # objects the retention's sweep removed (sent at once: ``wait_removed``)
         self.acking: list = []  # (ref, batch, peers): this node's store borrowing a batch (waited for before a commit)
-        self.lent: dict[str, list] = {}  # path -> [ref, item]: its batch object (this write); read back whole:
-        self.vouching: list = []  # (path, [ref, item]) since the last commit (``read_back_verified``)
+        self.lent: dict[str, list] = {}  # path -> [ref, place]: its batch object (this write); read back whole:
+        self.vouching: list = []  # (path, [ref, place]) since the last commit (``read_back_verified``)
         self.pushed_bytes = 0
         self.placed: dict[str, int] = {}  # node -> bytes this writer placed in its store (``pushed_bytes`` in all)
 
@@ -121,13 +121,13 @@ class VersionsStorage(RayMemoryStorage):
                     self.pushing.append(([path], node, ref, data.nbytes))
             else:
                 big.append((path, data))
-        # The batch's larger files (a publish's chunks) as ONE object put here, a list of them: each file is its item
+        # The batch's larger files (a publish's chunks) as ONE object put here, a list of buffers (each file a span)
         # (Ray's cost is per object: one put, one transfer and one ref per batch, not per chunk). This node's store
         # and the placement targets borrow it (the ref inside a list: Ray does not resolve it): no store copies it
         # now (a target moves it to its node); each owns a copy of each file in the background
-        # (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``). lent: path -> (size, item).
+        # (``MemoryStore.borrow``, ``PolicyVersions.wait_owned``). lent: path -> (size, place).
         lent: dict[str, tuple] = {}
-        if big:  # chunks next to each other in memory (a tensor's) go as one buffer: Ray copies each buffer apart
+        if big:  # a tensor's neighbouring chunks as one buffer (Ray's put starts its copy threads per buffer)
             spans, where = contiguous_spans([data for _p, data in big])
             obj, lent = ray.put(spans), {path: (data.nbytes, at) for (path, data), at in zip(big, where)}
             batch = [(p, obj, n, i) for p, (n, i) in lent.items()]
