@@ -231,12 +231,25 @@ def test_saving_every_iteration_resumes_bitwise_as_the_run_without_checkpoints(t
     saved = {e["iteration"]: e for e in first if e["event"] == "iter"}
     after = {e["iteration"]: e for e in resumed if e["event"] == "iter"}
     for i in (1, 2, 3):  # the checkpointed run is the reference run (connectors: the samples it merged)
-        assert (saved[i]["learner"], saved[i]["connectors"]) == (ref[i]["learner"], ref[i]["connectors"]), i
+        assert saved[i]["connectors"] == ref[i]["connectors"], (i, saved[i]["runner_connectors"])
+        assert saved[i]["learner"] == ref[i]["learner"], _learners_differ(i, saved, ref)
     built = resumed[0]
     assert built["event"] == "built" and built["restored"] == "step_000000003", built
     assert not built["warnings"], built["warnings"]  # the EnvRunners' sampling state came back: exact
     assert (built["learner"], built["connectors"]) == (saved[3]["learner"], saved[3]["connectors"])  # restored
+    assert built["learner_detail"] == saved[3]["learner_detail"]  # and the KL coefficients and random streams
     assert sorted(after) == [4, 5]
     for i in (4, 5):  # what the EnvRunners sampled (merged into the connectors), then what the learner made of it
         assert after[i]["connectors"] == ref[i]["connectors"], (i, after[i]["runner_connectors"])
-        assert after[i]["learner"] == ref[i]["learner"], i
+        assert after[i]["learner"] == ref[i]["learner"], _learners_differ(i, after, ref)
+
+
+def _learners_differ(i: int, run: dict, reference: dict) -> str:
+    """Which parts of the learner differ at iteration ``i``, and what the iteration before left for it."""
+    lines = [f"iteration {i}: the learner differs from the reference run's"]
+    for at in (i - 1, i):
+        if at in run and at in reference:
+            mine, theirs = run[at]["learner_detail"], reference[at]["learner_detail"]
+            diff = {k: (mine.get(k), theirs.get(k)) for k in sorted({*mine, *theirs}) if mine.get(k) != theirs.get(k)}
+            lines.append(f"  after iteration {at}: " + (f"differs in {diff}" if diff else "the same"))
+    return "\n".join(lines)

@@ -119,6 +119,26 @@ def learner_state(algo) -> dict:
     return {k: v for k, v in state.items() if k in ("rl_module", "optimizer", "weights_seq_no")}
 
 
+def learner_detail(algo) -> dict:
+    """What ``learner_state``'s digest covers, part by part, with what else the next update draws on: PPO's KL
+    coefficients and the driver's random streams (the minibatch shuffle draws from NumPy's). When two runs' learners
+    differ, this says where."""
+    import random
+
+    import torch
+
+    state = learner_state(algo)
+    out = {k: digest(v) for k, v in state.items()}
+    learner = getattr(algo.learner_group, "_learner", None)
+    kl = getattr(learner, "curr_kl_coeffs_per_module", None) or {}
+    out["kl_coeffs"] = {str(m): float(getattr(v, "item", lambda v=v: v)()) for m, v in dict(kl).items()}
+    _, keys, pos, *_ = np.random.get_state()
+    out["numpy_rng"] = digest({"keys": keys, "pos": int(pos)})
+    out["torch_rng"] = digest(torch.get_rng_state())
+    out["python_rng"] = digest(np.array(random.getstate()[1], dtype=np.uint64))
+    return out
+
+
 def connector_state(algo) -> dict:
     state = algo.get_state(components="env_runner").get("env_runner", {})
     return {k: v for k, v in state.items() if "connector" in k}
@@ -208,6 +228,7 @@ def driver(cfg: dict) -> None:
         plan=str(restored.plan) if restored is not None and restored.plan is not None else "",
         restore_seconds=cp.restore_seconds if cp is not None else None,
         learner=digest(learner_state(algo)),
+        learner_detail=learner_detail(algo),
         connectors=digest(connector_state(algo)),
         pids=runner_pids(algo),
         runner_weights=runners_have_learner_weights(algo),
@@ -230,6 +251,7 @@ def driver(cfg: dict) -> None:
             rl_ckpt_blocked=list(cp.blocked) if cp else [],
             rllib_blocked=rllib_blocked,
             learner=digest(learner_state(algo)),
+            learner_detail=learner_detail(algo),
             connectors=digest(connector_state(algo)),
             pids=runner_pids(algo),
             runner_connectors=runner_connectors(algo),
