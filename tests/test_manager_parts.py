@@ -11,7 +11,13 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt._format.manifest import FileEntry, Manifest
 from rl_ckpt.errors import SnapshotAbortedError, UnknownParticipantError
 from rl_ckpt._recovery.coordinator import Action, CoordinatorConfig, FailureInfo
-from rl_ckpt._recovery.history import load_decisions, load_failures, record_decision, record_failure
+from rl_ckpt._recovery.history import (
+    failure_to_answer,
+    load_decisions,
+    load_failures,
+    record_decision,
+    record_failure,
+)
 from rl_ckpt._recovery.plan import build_plan
 from rl_ckpt._run import layout
 from rl_ckpt._run.catalog import Catalog
@@ -189,3 +195,23 @@ def test_plan_from_explicit_inputs_and_recorded_history(run):
         catalog, storage, schema_version=2, components={"policy": "module"}, coordinator=CoordinatorConfig(), deep=False
     )
     assert other.action == "give_up" and all("schema_version 1" in c.reason for c in other.candidates)
+
+
+def test_a_plan_answers_the_reported_failure_of_an_incident_before_a_heartbeat_loss():
+    """The failures since the last answered one are one incident: the newest reported one is answered, a heartbeat
+    loss only when nothing was reported; older unanswered records are not taken over a newer incident."""
+
+    def rec(t: str, kind: str, step: int) -> dict:
+        return {"time": t, "kind": kind, "step": step}
+
+    killed, silent = rec("t2", "process_killed", 23), rec("t3", "heartbeat_lost", 21)  # the silence noticed last
+    assert failure_to_answer([killed, silent], set()) == killed
+    assert failure_to_answer([rec("t1", "heartbeat_lost", 21), killed], set()) == killed  # noticed first
+    assert failure_to_answer([silent], set()) == silent  # a hang: nothing else says what happened
+    old = rec("t0", "exception", 5)
+    history = [old, killed, silent, rec("t4", "heartbeat_lost", 40)]
+    # killed was answered: the incident is what came after it, heartbeat losses only (the newest is answered);
+    # the older unanswered exception belongs to an earlier incident
+    assert failure_to_answer(history, {"t2"}) == history[-1]
+    assert failure_to_answer(history[:2], {"t2"}) == old  # nothing since: the newest no decision answered
+    assert failure_to_answer([old, killed], {"t0", "t2"}) is None and failure_to_answer([], set()) is None

@@ -275,3 +275,28 @@ def test_a_failure_request_names_no_file_and_hostile_fields_are_refused(ray_clus
     stored = ray.get(mgr.record_failure.remote({"kind": "exception", "step": 3, "participant": "learner-0"}))
     records = os.listdir(run / "failures")
     assert stored["participant"] == "learner-0" and len(records) == 1 and records[0].endswith("-exception.json")
+
+
+@pytest.mark.ray
+def test_the_plan_answers_a_reported_death_not_the_silence_noticed_after_it(ray_cluster, manager, tmp_path):
+    """A process killed at step 23, then the watch's heartbeat loss of the same incident with an earlier step: the
+    manager's plan answers the death, and the decision it records says step 23 (a hang alone is still answered)."""
+    import json
+
+    from ray_workers import Participant
+
+    ray = ray_cluster
+    name, mgr = manager(heartbeat_interval_seconds=60, healthz_port=None)
+    learner = ray.remote(num_cpus=0)(Participant).remote(str(tmp_path), name, mgr, 0, 1, "learner", ["learner-0"])
+    ray.get(learner.save.remote(20))  # a snapshot to restore: the plan decides (and records why)
+    ray.kill(learner)
+    ray.get(mgr.record_failure.remote({"kind": "process_killed", "step": 23, "participant": "learner-1"}))
+    ray.get(mgr.record_failure.remote({"kind": "heartbeat_lost", "step": 21, "participant": "rollout-0"}))
+    ray.get(mgr.plan.remote())
+    decisions = [json.loads(p.read_text()) for p in sorted((tmp_path / name / "decisions").iterdir())]
+    assert [(d["failure"]["kind"], d["failure"]["step"]) for d in decisions] == [("process_killed", 23)], decisions
+    # a later incident of silence alone: answered by the next plan
+    ray.get(mgr.record_failure.remote({"kind": "heartbeat_lost", "step": 30, "participant": "learner-0"}))
+    ray.get(mgr.plan.remote())
+    decisions = [json.loads(p.read_text()) for p in sorted((tmp_path / name / "decisions").iterdir())]
+    assert [(d["failure"]["kind"], d["failure"]["step"]) for d in decisions][1:] == [("heartbeat_lost", 30)]

@@ -12,7 +12,13 @@ import threading
 from rl_ckpt._commit.two_phase import CommitProtocol
 from rl_ckpt.config import CheckpointConfig
 from rl_ckpt._recovery.coordinator import FailureInfo
-from rl_ckpt._recovery.history import failure_request, load_decisions, load_failures, record_decision
+from rl_ckpt._recovery.history import (
+    failure_request,
+    failure_to_answer,
+    load_decisions,
+    load_failures,
+    record_decision,
+)
 from rl_ckpt._recovery.history import record_failure as write_failure
 from rl_ckpt._recovery.plan import build_plan, coordinator_config, probe_check
 from rl_ckpt._run.catalog import Catalog
@@ -95,7 +101,6 @@ class ManagerRecovery:
             decisions = load_decisions(self.storage)
             failures = self.failures()
             answered = {d.failure.time for d in decisions}
-            open_failures = [f for f in failures if f.get("time") not in answered]
             key = (*plan_key(failures, decisions, self.catalog), light)
             if self.plan_cache is not None and self.plan_cache[0][0] == key[0] and self.plan_cache[0][2:] == key[2:]:
                 return self.plan_cache[1]
@@ -103,7 +108,8 @@ class ManagerRecovery:
             # restarted participants' reports would mix two timelines in one snapshot.
             self.commits.abort_all("a recovery plan was made; this save belongs to the run that failed")
             self.save_decisions.clear()  # training goes on from the plan's snapshot: its steps are saved anew
-            failure = FailureInfo.from_json(open_failures[-1]) if open_failures else None
+            open_failure = failure_to_answer(failures, answered)  # a report before a heartbeat loss of one incident
+            failure = FailureInfo.from_json(open_failure) if open_failure else None
             # The manager has no components: the plan loads what the snapshot holds.
             plan = build_plan(
                 self.catalog,

@@ -55,6 +55,24 @@ def load_failures(storage: Storage) -> list[dict]:
     return failure_records(storage).load()
 
 
+def failure_to_answer(failures: list[dict], answered: set) -> dict | None:
+    """The failure a recovery plan answers: of ``failures`` (oldest first), those recorded since the newest one a
+    decision answered (``answered``: their ``time``s) are one incident; the newest of them that a participant or
+    Ray reported (an exception, a killed process, a NaN loss, OOM) is answered, else the newest of them.
+
+    A ``heartbeat_lost`` record is the manager's inference from silence, with the step the silent participant last
+    reported. When a process dies, the watch may notice the silence before or after the death is reported (on a
+    loaded machine a late heartbeat can even bring back an earlier step first): the report says what happened and
+    where, so it is the one answered. With nothing recorded since the last answered failure, the newest one no
+    decision answered (None: none)."""
+    last = max((i for i, f in enumerate(failures) if f.get("time") in answered), default=-1)
+    incident = failures[last + 1 :] or [f for f in failures if f.get("time") not in answered]
+    if not incident:
+        return None
+    reported = [f for f in incident if f.get("kind") != FailureKind.heartbeat_lost.value]
+    return (reported or incident)[-1]
+
+
 def record_failure(storage: Storage, failure: FailureInfo) -> str:
     """Write ``failure`` into the run folder; returns its path.
 
