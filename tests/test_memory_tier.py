@@ -436,6 +436,12 @@ def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
     result = t2.restore()
     assert result.snapshot_id == "step_000000006" and t2.tier_restored == "memory"
     assert_same_state(a, b)
+    # Where the restore's plan went: each tier's plan (planned at once) and the memory stores' view its read
+    # session took, each within the plan's time.
+    timings = result.timings
+    assert {"plan", "plan_memory", "plan_durable", "memory_views", "total"} <= set(timings), timings
+    assert 0 < timings["plan_memory"] <= timings["plan"] and 0 < timings["plan_durable"] <= timings["plan"]
+    assert 0 < timings["memory_views"] <= timings["total"]
 
 
 def test_store_killed_drops_its_copies_and_recovery_falls_back_to_durable(ray_cluster, tier):

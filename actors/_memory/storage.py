@@ -238,6 +238,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
         self._generation = 0  # bumped by every write and removal: a read session's view is retaken after one
         self._sessions: dict[int, list] = {}  # thread id -> [depth, RunView | None]
         self.calls = {"store_listings": 0, "store_calls": 0}  # Ray round trips made (bench, tests)
+        self.view_seconds = 0.0  # spent taking read sessions' views (``RunView``): a restore's timings report it
         self._warming = None  # the first contact's thread (``warm_up``)
 
     # -- writes -------------------------------------------------------------------

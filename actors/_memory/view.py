@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
+import time
 from typing import Any, Callable
 
 from rl_ckpt._storage.base import Entry
@@ -98,7 +99,11 @@ class RunView:
         self.holders: dict[str, list[tuple[str, int, int]]] = {}  # path -> [(node, size, version)], local first
         self.data: dict[str, Any] = {}  # path -> bytes, [ObjectRef] (not mapped yet) or the mapped object
         self.source: dict[str, str] = {}  # path -> the node whose store gave data[path]
-        self._take(storage)
+        started = time.perf_counter()
+        try:
+            self._take(storage)
+        finally:
+            storage.view_seconds += time.perf_counter() - started
 
     def _take(self, storage: Any) -> None:
         ray = _ray()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Protocol
 
 from rl_ckpt.errors import ConfigError
@@ -40,6 +41,7 @@ class TieredPlan:
     reason: str
     memory: RecoveryPlan | None = None
     durable: RecoveryPlan | None = None
+    seconds: dict = dataclasses.field(default_factory=dict)  # each tier's plan: "memory", "durable" (wall seconds)
 
     def to_json(self) -> dict:
         return {
@@ -103,14 +105,25 @@ def plan_across_tiers(
 
     The two tiers are planned at once (the durable one on a thread of its own: with a manager, each plan is a
     call to that tier's manager, which may re-read its storage), so a restart waits for the slower, not both."""
+    seconds: dict[str, float] = {}
+
+    def timed(tier: str, planner: Planner) -> RecoveryPlan:
+        started = time.perf_counter()
+        try:
+            return planner.plan_recovery(failure, deep=deep)
+        finally:
+            seconds[tier] = time.perf_counter() - started
+
     if memory is not None and durable is not None:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-plan-durable") as pool:
-            pending = pool.submit(durable.plan_recovery, failure, deep=deep)
-            mplan = memory.plan_recovery(failure, deep=deep)  # this thread: a read session opened here applies
+            pending = pool.submit(timed, DURABLE, durable)
+            mplan = timed(MEMORY, memory)  # this thread: a read session opened here applies
             dplan = pending.result()
-        return choose_tier(mplan, dplan)
-    mplan = memory.plan_recovery(failure, deep=deep) if memory is not None else None
-    dplan = durable.plan_recovery(failure, deep=deep) if durable is not None else None
+    else:
+        mplan = timed(MEMORY, memory) if memory is not None else None
+        dplan = timed(DURABLE, durable) if durable is not None else None
     if mplan is None and dplan is None:
         raise ConfigError("plan_across_tiers needs at least one engine (memory or durable)", key="engine")
-    return choose_tier(mplan, dplan)
+    chosen = choose_tier(mplan, dplan)
+    chosen.seconds = seconds
+    return chosen

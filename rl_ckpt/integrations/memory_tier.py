@@ -41,6 +41,11 @@ log = logging.getLogger("rl_ckpt")
 MEMORY_BASE = "raymem://mem"
 
 
+def view_seconds(storage: Any) -> float | None:
+    """Seconds ``storage`` (the memory tier's) has spent taking read sessions' views so far; None if it takes none."""
+    return getattr(storage, "view_seconds", None)
+
+
 def memory_options(config, namespace: str = "rl_ckpt") -> dict:
     """The ``raymem://`` storage options a run's config implies (replicas, per-node budget, stores' namespace)."""
     return {"replicas": config.memory_replicas, "budget_bytes": config.memory_budget_bytes, "namespace": namespace}
@@ -175,6 +180,7 @@ class MemoryTier:
         # A memory snapshot still copying the objects in the background finishes first: a restore reads straight
         # into the objects' tensors, whichever tier it reads from.
         self.memory.wait()
+        views = view_seconds(self.memory.storage)
         tiered = self.plan(failure)
         planned = time.perf_counter() - started
         log.info("recovery across tiers: %s", tiered.reason)
@@ -190,6 +196,11 @@ class MemoryTier:
             result = self.durable.restore(tiered.durable or tiered.plan, strict=strict)
         result.warnings.insert(0, f"tier: {tiered.tier or 'none'} - {tiered.reason}")
         result.timings["plan"] = result.timings.get("plan", 0.0) + planned
+        # Where the plan went: each tier's plan (at once, on two threads), and the views of the memory stores
+        # this restore's read session took (the store listing and one call to each store).
+        result.timings.update({f"plan_{tier}": s for tier, s in tiered.seconds.items()})
+        if views is not None:
+            result.timings["memory_views"] = view_seconds(self.memory.storage) - views
         self.tier_restored = tiered.tier if result.snapshot_id is not None else None
         if self.tier_restored is not None and self.records_events:
             self._record_restore(tiered, result)
