@@ -220,3 +220,26 @@ def test_publisher_killed_inside_the_ownership_window(run):
     with pytest.raises(VersionNotFoundError) as info:  # asked by name: unknown now, naming the newest whole one
         fresh.pull(make_policy(seed=9), 2)
     assert info.value.newest == 1 and "2" in str(info.value)
+
+
+def test_a_hold_placed_while_the_owning_thread_waits_for_quiet_keeps_every_file_borrowed(run):
+    """``hold_owning`` right after a publish, while the stores' owning thread is waiting for the store to be quiet
+    before taking that publish's files: once held, the thread takes nothing, neither those files nor the next
+    publish's (it once took both when its wait ended, and a file it owns is no longer vouched for)."""
+    import ray
+
+    from actors._memory.borrow import OWN_DEFER_SECONDS
+    from actors.policy_versions import versions_storage
+
+    pub = publisher(ray, run)
+    ray.get(pub.publish.remote(1))  # both weights borrowed; the owning thread waits for quiet before it takes them
+    storage = versions_storage(run)
+    storage.each("hold_owning", True)
+    ray.get(pub.publish.remote(2, (1,)))  # one more weight borrowed while held
+    # Longer than the thread ever waits for quiet: had it gone on, nothing would be borrowed by then.
+    assert not any(storage.each("wait_owned", OWN_DEFER_SECONDS + 1.0).values())
+    assert counters(storage)["borrowed_bytes"] == 3 * WEIGHT_BYTES
+    storage.each("hold_owning", False)
+    assert ray.get(pub.wait_owned.remote())
+    assert counters(storage)["borrowed_bytes"] == 0
+    kill(ray, pub, "ray_kill")

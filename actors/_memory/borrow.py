@@ -200,6 +200,8 @@ class StoreBorrowing:
             self._own_gate.wait()
             with self._lock:
                 self._wait_quiet()
+                if not self._own_gate.is_set():
+                    continue  # held while this waited for quiet (files borrowed since stay borrowed): wait again
                 batch = []
                 while self._own_queue and len(batch) < OWN_BATCH:
                     path = self._own_queue.popleft()
@@ -304,7 +306,8 @@ class StoreBorrowing:
         """Hold (True) or release the thread that owns borrowed files (a test hook: the ownership window kept
         open deterministically)."""
         if on:
-            self._own_gate.clear()
+            with self._lock:  # after this returns, the thread takes nothing more, not even what it had waited for
+                self._own_gate.clear()
         else:
             self._own_gate.set()
 
