@@ -436,12 +436,91 @@ def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
     result = t2.restore()
     assert result.snapshot_id == "step_000000006" and t2.tier_restored == "memory"
     assert_same_state(a, b)
-    # Where the restore's plan went: each tier's plan (planned at once) and the memory stores' view its read
-    # session took, each within the plan's time.
+    # Where the restore's plan went: each tier's plan (planned at once), the wait for the durable plan after
+    # memory loaded, and the memory stores' view its read session took.
     timings = result.timings
-    assert {"plan", "plan_memory", "plan_durable", "memory_views", "total"} <= set(timings), timings
-    assert 0 < timings["plan_memory"] <= timings["plan"] and 0 < timings["plan_durable"] <= timings["plan"]
+    assert {"plan", "plan_memory", "plan_durable", "durable_wait", "memory_views", "total"} <= set(timings), timings
+    assert 0 < timings["plan_memory"] <= timings["plan"] and 0 < timings["plan_durable"] <= timings["total"]
+    assert 0 <= timings["durable_wait"] <= timings["plan_durable"]
     assert 0 < timings["memory_views"] <= timings["total"]
+
+
+def _save_steps(t, state, steps) -> None:
+    for step in steps:
+        state.train_step()
+        t.maybe_save(step)
+        t.wait()  # (a save still in flight when the next is due skips it)
+
+
+def test_memory_loads_while_the_durable_plan_is_still_being_made(ray_cluster, tier):
+    """Durable storage holds nothing newer than memory's newest: memory's snapshot loads before the durable plan
+    is done (the durable plan here waits for that load: it would wait in vain if the restore waited for it), and
+    the restore still answers with both plans, as ``plan()`` does."""
+    import threading
+
+    t, a, service = tier(seed=3)
+    _save_steps(t, a, range(1, 5))
+    assert ray_cluster.get(service.flush_now.remote()) == "step_000000004"  # durable: step 4, memory: 2 and 4
+    t2, b, _ = tier(seed=9)
+    memory_loaded = threading.Event()
+    seen = {}
+    load_memory, plan_durable = t2.memory.restore, t2.durable.plan_recovery
+
+    def memory_restore(*args, **kwargs):
+        result = load_memory(*args, **kwargs)
+        memory_loaded.set()
+        return result
+
+    def durable_plan(*args, **kwargs):
+        seen["memory loaded first"] = memory_loaded.wait(timeout=60)
+        return plan_durable(*args, **kwargs)
+
+    t2.memory.restore, t2.durable.plan_recovery = memory_restore, durable_plan
+    result = t2.restore()
+    assert seen == {"memory loaded first": True}
+    assert result.snapshot_id == "step_000000004" and t2.tier_restored == "memory"
+    assert "durable storage's newest usable is step_000000004" in result.warnings[0]  # chose with both plans
+    assert_same_state(a, b)
+    assert result.timings["durable_wait"] <= result.timings["plan_durable"]
+
+
+def test_a_newer_durable_snapshot_is_restored_without_loading_memory_first(ray_cluster, tier):
+    """Durable storage holds a newer snapshot than memory's newest (memory lost it): memory is not loaded at all."""
+    t, a, service = tier(seed=5)
+    _save_steps(t, a, range(1, 5))
+    assert ray_cluster.get(service.flush_now.remote()) == "step_000000004"
+    at_4 = {k: v.clone() for k, v in tensors_of(a).items()}
+    t.memory.storage.remove(f"step_000000004/{MANIFEST_NAME}")  # memory's newest gone: memory has step 2
+    t2, b, _ = tier(seed=10)
+    loads = []
+    load_memory = t2.memory.restore
+    t2.memory.restore = lambda *args, **kwargs: loads.append(1) or load_memory(*args, **kwargs)
+    result = t2.restore()
+    assert loads == [] and result.snapshot_id == "step_000000004" and t2.tier_restored == "durable"
+    got = tensors_of(b)
+    assert got.keys() == at_4.keys() and all(torch.equal(got[k], at_4[k]) for k in got)
+
+
+def test_memory_falling_back_past_durable_storage_restores_durable(ray_cluster, tier):
+    """Memory's newest fails while loading and its fallback is older than durable storage's newest: the durable
+    snapshot is restored (memory chose itself by its newest, which did not load)."""
+    t, a, service = tier(seed=6)
+    _save_steps(t, a, range(1, 5))
+    assert ray_cluster.get(service.flush_now.remote()) == "step_000000004"
+    at_4 = {k: v.clone() for k, v in tensors_of(a).items()}
+    _save_steps(t, a, range(5, 7))  # memory: 2, 4, 6; durable: 4
+    storage = t.memory.storage
+    storage.remove(f"step_000000004/{MANIFEST_NAME}")  # memory: 2 and 6
+    victim = next(p for p in storage.inventory("step_000000006")[storage.node_id] if p.endswith(".safetensors"))
+    data = bytearray(storage.read(victim))
+    data[-1] ^= 0xFF  # the same size: the plan's checks pass, the load refuses it
+    ray_cluster.get(next(iter(storage.stores().values())).put.remote(victim, bytes(data)))
+    t2, b, _ = tier(seed=11)
+    result = t2.restore()
+    assert result.snapshot_id == "step_000000004" and t2.tier_restored == "durable", result.warnings
+    assert result.warnings[0].startswith("tier: durable - memory fell back to step_000000002"), result.warnings[0]
+    got = tensors_of(b)
+    assert got.keys() == at_4.keys() and all(torch.equal(got[k], at_4[k]) for k in got)
 
 
 def test_store_killed_drops_its_copies_and_recovery_falls_back_to_durable(ray_cluster, tier):

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from rl_ckpt.errors import ConfigError
+from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt._recovery.plan import RecoveryPlan
+from rl_ckpt._run.layout import newest_folder_step
 from rl_ckpt._run.tiers import DURABLE, MEMORY
 
 if TYPE_CHECKING:
     from rl_ckpt._recovery.coordinator import FailureInfo
+
+log = logging.getLogger("rl_ckpt")
 
 
 class Planner(Protocol):
@@ -63,7 +67,8 @@ class TieredPlan:
         return head + "\n" + str(self.plan)
 
 
-def _restores(plan: RecoveryPlan | None) -> bool:
+def plan_restores(plan: RecoveryPlan | None) -> bool:
+    """Whether ``plan`` restores a snapshot (not: start fresh, give up, no plan)."""
     return plan is not None and plan.action == "restore"
 
 
@@ -74,17 +79,20 @@ def _skipped(plan: RecoveryPlan) -> str:
 
 def choose_tier(memory: RecoveryPlan | None, durable: RecoveryPlan | None) -> TieredPlan:
     """The plan to follow: memory's when its target is at least as new as durable's, else durable's."""
-    if _restores(memory) and (not _restores(durable) or memory.continue_from_step >= durable.continue_from_step):
+    newer = plan_restores(memory) and (
+        not plan_restores(durable) or memory.continue_from_step >= durable.continue_from_step
+    )
+    if newer:
         reason = f"memory snapshot {memory.target} (step {memory.continue_from_step}) is the newest complete one"
-        if _restores(durable):
+        if plan_restores(durable):
             reason += f"; durable storage's newest usable is {durable.target} (step {durable.continue_from_step})"
         else:
             reason += "; durable storage has none usable"
         return TieredPlan(MEMORY, memory, reason + ": restoring from memory", memory, durable)
-    if _restores(durable):
+    if plan_restores(durable):
         if memory is None:
             why = "no memory tier"
-        elif not _restores(memory):
+        elif not plan_restores(memory):
             why = f"the memory tier has no usable snapshot ({memory.reason}){_skipped(memory)}"
         else:
             why = (
@@ -97,33 +105,79 @@ def choose_tier(memory: RecoveryPlan | None, durable: RecoveryPlan | None) -> Ti
     return TieredPlan(None, chosen, f"no tier has a snapshot to restore: {chosen.reason}", memory, durable)
 
 
+class DurablePlanning:
+    """The durable tier's plan, made on a thread of its own while this thread plans the memory tier.
+
+    The thread first lists durable storage's snapshot folders once (``newest_step``: a bound on the step any
+    durable plan can target, known long before the plan itself when a manager makes it), then makes the plan
+    (with a manager, one call to it: it may re-read and re-hash its storage). ``plan()`` waits for it."""
+
+    def __init__(self, durable: Planner, failure: "FailureInfo | None" = None, *, deep: bool = False) -> None:
+        self.seconds: float | None = None  # the thread's listing and plan, once done
+        self._listed: concurrent.futures.Future = concurrent.futures.Future()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-plan-durable")
+        self._plan = self._pool.submit(self._run, durable, failure, deep)
+
+    def _run(self, durable: Planner, failure: "FailureInfo | None", deep: bool) -> RecoveryPlan:
+        started = time.perf_counter()
+        try:
+            storage = getattr(durable, "storage", None)
+            try:
+                self._listed.set_result(newest_folder_step(storage) if storage is not None else None)
+            except CheckpointError as exc:  # not known: whoever asks waits for the plan
+                log.info("durable storage could not be listed ahead of its plan: %s", exc)
+                self._listed.set_result(None)
+            except BaseException:
+                self._listed.set_result(None)
+                raise
+            return durable.plan_recovery(failure, deep=deep)
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def newest_step(self) -> int | None:
+        """The newest durable snapshot folder's step (-1: none); None when the listing failed."""
+        return self._listed.result()
+
+    def plan(self) -> RecoveryPlan:
+        """The durable plan (waits for it; raises what planning raised)."""
+        return self._plan.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def memory_is_newest(memory: RecoveryPlan | None, newest_durable_step: int | None) -> bool:
+    """Whether the memory plan restores a step no durable plan can beat: durable storage holds no snapshot folder
+    newer (so ``choose_tier`` takes memory whatever the durable plan says, unless a snapshot is committed there
+    meanwhile). A restore may then load memory while the durable plan is still being made."""
+    if not plan_restores(memory) or newest_durable_step is None:
+        return False
+    return memory.continue_from_step >= newest_durable_step
+
+
 def plan_across_tiers(
     memory: Planner | None, durable: Planner | None, failure: "FailureInfo | None" = None, *, deep: bool = False
 ) -> TieredPlan:
     """Plan each tier with its engine (``deep``: re-hash every candidate file first; either way every file
     is verified while it loads) and choose between them. Reads storage; writes nothing.
 
-    The two tiers are planned at once (the durable one on a thread of its own: with a manager, each plan is a
-    call to that tier's manager, which may re-read its storage), so a restart waits for the slower, not both."""
-    seconds: dict[str, float] = {}
-
-    def timed(tier: str, planner: Planner) -> RecoveryPlan:
-        started = time.perf_counter()
-        try:
-            return planner.plan_recovery(failure, deep=deep)
-        finally:
-            seconds[tier] = time.perf_counter() - started
-
-    if memory is not None and durable is not None:
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-plan-durable") as pool:
-            pending = pool.submit(timed, DURABLE, durable)
-            mplan = timed(MEMORY, memory)  # this thread: a read session opened here applies
-            dplan = pending.result()
-    else:
-        mplan = timed(MEMORY, memory) if memory is not None else None
-        dplan = timed(DURABLE, durable) if durable is not None else None
-    if mplan is None and dplan is None:
+    The two tiers are planned at once (the durable one on a thread of its own, ``DurablePlanning``), so a
+    restart waits for the slower, not both."""
+    if memory is None and durable is None:
         raise ConfigError("plan_across_tiers needs at least one engine (memory or durable)", key="engine")
+    seconds: dict[str, float] = {}
+    planning = DurablePlanning(durable, failure, deep=deep) if durable is not None else None
+    try:
+        mplan = None
+        if memory is not None:  # this thread: a read session opened here applies
+            started = time.perf_counter()
+            mplan = memory.plan_recovery(failure, deep=deep)
+            seconds[MEMORY] = time.perf_counter() - started
+        dplan = planning.plan() if planning is not None else None
+    finally:
+        if planning is not None:
+            planning.close()
+            seconds[DURABLE] = planning.seconds
     chosen = choose_tier(mplan, dplan)
     chosen.seconds = seconds
     return chosen

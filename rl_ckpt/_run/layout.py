@@ -143,6 +143,13 @@ def snapshot_folders(storage: Storage, links: list[str] | None = None) -> Iterat
             links.append(entry.name)
 
 
+def newest_folder_step(storage: Storage) -> int:
+    """The step of the newest snapshot folder in ``storage`` (full or light, committed or not; -1: none), from one
+    listing and no manifest: a bound on what a recovery plan of this storage can target."""
+    steps = [parse_snapshot_id(entry.name)[0] for entry in snapshot_folders(storage)]
+    return max(steps, default=-1)
+
+
 def staged_attempt(snapshot: str, attempt_id: str) -> Attempt:
     """The staged-rename attempt: files in ``.staging/<id>.<attempt>/``, renamed to ``<id>/`` at commit."""
     return Attempt(snapshot, attempt_id, join(STAGING, f"{snapshot}.{attempt_id}"), "")

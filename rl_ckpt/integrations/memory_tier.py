@@ -29,7 +29,14 @@ from typing import Any, Mapping
 from rl_ckpt._core.engine import CheckpointEngine, RestoreResult
 from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
 from rl_ckpt._format.manifest import parse_snapshot_id
-from rl_ckpt._recovery.tiers import TieredPlan, plan_across_tiers
+from rl_ckpt._recovery.tiers import (
+    DurablePlanning,
+    TieredPlan,
+    plan_restores,
+    choose_tier,
+    memory_is_newest,
+    plan_across_tiers,
+)
 from rl_ckpt._run.delete import delete_committed_after
 from rl_ckpt._run.retention import KeepLatest
 from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
@@ -181,31 +188,75 @@ class MemoryTier:
         # into the objects' tensors, whichever tier it reads from.
         self.memory.wait()
         views = view_seconds(self.memory.storage)
-        tiered = self.plan(failure)
-        planned = time.perf_counter() - started
+        # The durable plan is made on a thread of its own (with a manager: its call, which re-hashes the target)
+        # while this thread plans memory. When durable storage holds no snapshot newer than memory's target, memory
+        # wins whatever the durable plan says, so its snapshot loads while the durable plan is still being made;
+        # the tier is chosen from both plans either way, as ``plan()`` chooses it.
+        planning = DurablePlanning(self.durable, failure)
+        try:
+            planned_memory = time.perf_counter()
+            mplan = self.memory.plan_recovery(failure, deep=False)
+            planned_memory = time.perf_counter() - planned_memory
+            early = memory_is_newest(mplan, planning.newest_step())
+            planned = time.perf_counter() - started
+            loaded = self._from_memory(mplan, strict) if early else None
+            waited = time.perf_counter()
+            dplan = planning.plan()
+            waited = time.perf_counter() - waited
+        finally:
+            planning.close()
+        tiered = choose_tier(mplan, dplan)
+        tiered.seconds = {MEMORY: planned_memory, DURABLE: planning.seconds}
+        if not early:
+            planned = time.perf_counter() - started
+            if tiered.tier == MEMORY:
+                loaded = self._from_memory(tiered.plan, strict)
         log.info("recovery across tiers: %s", tiered.reason)
-        result = None
-        if tiered.tier == MEMORY:
-            try:
-                result = self.memory.restore(tiered.plan, strict=strict)
-            except NoValidSnapshotError as exc:
-                if tiered.durable is None:
-                    raise
-                log.warning("memory snapshots failed while loading (%s); restoring from durable storage", exc)
+        result, why = self._memory_result(tiered, loaded)
+        tier, reason = (tiered.tier, tiered.reason) if why is None else (DURABLE, f"{why} ({tiered.reason})")
         if result is None:
             result = self.durable.restore(tiered.durable or tiered.plan, strict=strict)
-        result.warnings.insert(0, f"tier: {tiered.tier or 'none'} - {tiered.reason}")
+        result.warnings.insert(0, f"tier: {tier or 'none'} - {reason}")
         result.timings["plan"] = result.timings.get("plan", 0.0) + planned
-        # Where the plan went: each tier's plan (at once, on two threads), and the views of the memory stores
-        # this restore's read session took (the store listing and one call to each store).
+        # Where the plan went: each tier's plan (at once, on two threads), the wait for the durable plan once
+        # memory was loaded or chosen, and the views of the memory stores this restore's read session took (the
+        # store listing and one call to each store).
         result.timings.update({f"plan_{tier}": s for tier, s in tiered.seconds.items()})
+        result.timings["durable_wait"] = waited
         if views is not None:
             result.timings["memory_views"] = view_seconds(self.memory.storage) - views
-        self.tier_restored = tiered.tier if result.snapshot_id is not None else None
+        self.tier_restored = tier if result.snapshot_id is not None else None
         if self.tier_restored is not None and self.records_events:
             self._record_restore(tiered, result)
         self._retire_newer(result.global_step if result.snapshot_id is not None else -1)
         return result
+
+    @staticmethod
+    def _memory_result(tiered: TieredPlan, loaded) -> tuple[RestoreResult | None, str | None]:
+        """What memory restored, if it is what the restore returns; else (None, why durable storage is restored
+        instead: None when durable was the tier chosen)."""
+        if tiered.tier != MEMORY or loaded is None:
+            return None, None
+        result, failed = loaded
+        if result is None:
+            if tiered.durable is None:
+                raise failed
+            return None, f"every memory snapshot of the plan failed while loading: {failed}"
+        durable = tiered.durable
+        if plan_restores(durable) and result.global_step < durable.continue_from_step:
+            return None, (
+                f"memory fell back to {result.snapshot_id} (step {result.global_step}), older than durable "
+                f"storage's {durable.target}: {'; '.join(f'{k}: {v}' for k, v in result.skipped.items())[:500]}"
+            )
+        return result, None
+
+    def _from_memory(self, plan, strict: bool) -> tuple[RestoreResult | None, NoValidSnapshotError | None]:
+        """Follow the memory plan: (its result, None), or (None, why) when none of its snapshots loaded."""
+        try:
+            return self.memory.restore(plan, strict=strict), None
+        except NoValidSnapshotError as exc:
+            log.warning("memory snapshots failed while loading (%s); restoring from durable storage", exc)
+            return None, exc
 
     tier_restored: str | None = None
 
@@ -228,7 +279,8 @@ class MemoryTier:
 
     def _record_restore(self, tiered: TieredPlan, result: RestoreResult) -> None:
         decision = tiered.durable.decision if tiered.durable is not None else None
-        plan = tiered.memory if self.tier_restored == MEMORY and tiered.memory is not None else tiered.plan
+        restored = tiered.memory if self.tier_restored == MEMORY else tiered.durable
+        plan = restored if restored is not None else tiered.plan
         try:
             record_tier_restore(
                 self.durable.storage, self.tier_restored, result.snapshot_id, result.global_step, plan, decision
