@@ -7,7 +7,9 @@ snapshot may commit, unless the storage checked the bytes it stored itself (``St
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import io
+import os
+from typing import Iterable, Iterator, Sequence
 
 from rl_ckpt.errors import CorruptSnapshotError, StorageError, UnsafePathError
 from rl_ckpt._format.checksum import new_hasher
@@ -15,6 +17,7 @@ from rl_ckpt._format.manifest import FileEntry
 from rl_ckpt._storage import Storage
 
 READ_CHUNK = 16 * 1024 * 1024
+MIN_READ_BUFFER = 64 * 1024
 HASH_SLICE = 4 * 1024 * 1024
 
 
@@ -37,13 +40,14 @@ def write_hashed(storage: Storage, path: str, chunks: Iterable, algo: str) -> tu
     return size, hasher.hexdigest()
 
 
-def hash_file(storage: Storage, path: str, algo: str, throttle=None) -> tuple[int, str]:
-    """Stream a stored file through the hasher: (size, checksum). ``throttle(n)`` paces reads."""
+def hash_file(storage: Storage, path: str, algo: str, throttle=None, size_hint: int | None = None) -> tuple[int, str]:
+    """Stream a stored file through the hasher: (size, checksum). ``throttle(n)`` paces reads. ``size_hint``: the
+    size the file should have (its manifest's): the read buffer is sized to it (a file of any size is still read
+    to its end), so a snapshot of many small files does not allocate and zero 16 MiB for each."""
     hasher = new_hasher(algo)
     size = 0
-    buf = bytearray(READ_CHUNK)
-    view = memoryview(buf)
     with storage.open_read(path) as f:
+        view = memoryview(bytearray(read_buffer_bytes(f, size_hint)))
         while n := f.readinto(view):
             hasher.update(view[:n])
             size += n
@@ -52,18 +56,31 @@ def hash_file(storage: Storage, path: str, algo: str, throttle=None) -> tuple[in
     return size, hasher.hexdigest()
 
 
-def hash_files(storage: Storage, paths: list[str], algo: str) -> list[tuple[int, str] | None]:
+def read_buffer_bytes(f, size_hint: int | None) -> int:
+    """The buffer to stream ``f`` through: as large as the file (its ``size_hint``, else its size on disk when it
+    has a descriptor), at least 64 KiB and at most ``READ_CHUNK``."""
+    if size_hint is None:
+        try:
+            size_hint = os.fstat(f.fileno()).st_size
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            return READ_CHUNK
+    return min(READ_CHUNK, max(size_hint, MIN_READ_BUFFER))
+
+
+def hash_files(
+    storage: Storage, paths: list[str], algo: str, sizes: Sequence[int] | None = None
+) -> list[tuple[int, str] | None]:
     """``(size, checksum)`` of each stored file as the backend holds it now, re-read, in order; None for one that
     cannot be read or is not a regular file. What the backend hands over at once (``Storage.views_many``: the
     memory tier maps the files of this node's store with one call) is hashed where it lies; every other file is
-    streamed through a bounded buffer (``hash_file``)."""
+    streamed through a bounded buffer (``hash_file``; ``sizes``: the sizes they should have, in order)."""
     views = storage.views_many(paths) if paths else {}
     out: list[tuple[int, str] | None] = []
-    for path in paths:
+    for i, path in enumerate(paths):
         view = views.get(path)
         if view is None:
             try:
-                out.append(hash_file(storage, path, algo))
+                out.append(hash_file(storage, path, algo, size_hint=sizes[i] if sizes is not None else None))
             except (StorageError, UnsafePathError):  # missing, unreadable, or not a regular file
                 out.append(None)
             continue
@@ -79,7 +96,7 @@ def verify_written(storage: Storage, path: str, entry: FileEntry) -> None:
     endpoint checks them) checked by the storage against checksums of the very bytes hashed, on the way in."""
     if storage.write_attested(path, entry.size):
         return
-    size, digest = hash_file(storage, path, entry.algo)
+    size, digest = hash_file(storage, path, entry.algo, size_hint=entry.size)
     if size != entry.size or digest != entry.checksum:
         raise CorruptSnapshotError(
             f"verify-after-write failed for {path}: wrote {entry.size} bytes ({entry.checksum[:16]}…), "

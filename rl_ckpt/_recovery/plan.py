@@ -121,7 +121,8 @@ def deep_check(storage: Storage, sid: str, manifest: Manifest) -> list[str]:
     problems: list[str] = []
     for algo in sorted({f.algo for f in manifest.files}):
         entries = [f for f in manifest.files if f.algo == algo]
-        for entry, got in zip(entries, hash_files(storage, [join(sid, f.path) for f in entries], algo)):
+        paths, sizes = [join(sid, f.path) for f in entries], [f.size for f in entries]
+        for entry, got in zip(entries, hash_files(storage, paths, algo, sizes)):
             if got is None:
                 try:
                     gone = not storage.exists(join(sid, entry.path))

@@ -100,7 +100,7 @@ def check_file(storage: Storage, snapshot_id: str, entry: FileEntry, throttle=No
     try:
         if not storage.exists(path):
             return "missing"
-        size, digest = hash_file(storage, path, entry.algo, throttle)
+        size, digest = hash_file(storage, path, entry.algo, throttle, size_hint=entry.size)
     except UnsafePathError as exc:
         return f"unsafe: {exc}"
     except CheckpointError as exc:
