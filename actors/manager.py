@@ -153,7 +153,7 @@ class CheckpointManager:
             self.maintenance,
             self.config.commit_timeout_seconds,
             ManagerMetrics(),
-            on_commit=lambda info: self._forget_before(info.global_step),
+            on_commit=self._committed,
         )
         self.pending = self.commits.pending  # the same dicts: decide() and the watch read them under the lock
         self.refused = self.commits.refused
@@ -247,6 +247,10 @@ class CheckpointManager:
 
     def _resumed(self, snapshot_id: str) -> None:
         self.save_decisions.decide(snapshot_id, "save", "a commit resumed after a manager restart")
+
+    def _committed(self, info) -> None:
+        self._forget_before(info.global_step)
+        self.recovery.committed(info)  # the versions its files have now (the memory tier)
 
     def _forget_before(self, step: int) -> None:
         """Once a step committed, every participant is past the older ones: drop their decisions and refusals."""

@@ -138,6 +138,59 @@ def test_engine_roundtrip_bitwise_and_corruption_is_caught(mem, tmp_path):
         assert not engine.verify("step_000000007").ok
 
 
+def test_a_managers_plan_rehashes_only_the_memory_files_replaced_since_their_commit(ray_cluster, mem, tmp_path):
+    """The memory tier's manager notes the versions of a snapshot's files once it committed (a store's objects are
+    immutable: a replaced file is a new object, a new version); its deep plan re-hashes only files whose version
+    changed since, and a manager that noted nothing (restarted) re-hashes every candidate file, as before."""
+    import rl_ckpt._recovery.plan as plan_module
+    from actors.manager import CheckpointManager
+
+    storage = mem()
+    a = PPOState(seed=3)
+    with a.register(_engine(storage, tmp_path)) as engine:
+        engine.save(4)
+        a.train(3)
+        engine.save(7)
+    hashed: list[str] = []
+    real = plan_module.hash_files
+
+    def spy(storage_, paths, algo, sizes=None):
+        hashed.extend(paths)
+        return real(storage_, paths, algo, sizes)
+
+    config = {"base_dir": "raymem://mem", "run_name": storage.key.split("/", 1)[1], "keep_best": 0}
+    config["storage_options"] = {"replicas": 0}
+    mgr = CheckpointManager(config, healthz_port=None)
+    noted = CheckpointManager(config, healthz_port=None)
+    try:
+        for info in noted.catalog.snapshots():  # what its commits would have noted
+            noted.recovery.committed(info).result()
+        assert set(noted.recovery.verified) == {"step_000000004", "step_000000007"}
+        plan_module.hash_files = spy
+        assert noted.plan()["target"] == "step_000000007" and hashed == []  # nothing re-hashed
+        assert mgr.plan()["target"] == "step_000000007"  # noted nothing: the target's files re-hashed
+        assert hashed and all(p.startswith("step_000000007/") for p in hashed)
+        files_7 = len(hashed)
+
+        # One file of step 7 replaced by a same-size corrupt copy: a new object, a new version.
+        attempt = next(e.name for e in storage.list("step_000000007") if e.is_dir)
+        victim = next(e.name for e in storage.list(f"step_000000007/{attempt}") if e.name.endswith(".safetensors"))
+        path = f"step_000000007/{attempt}/{victim}"
+        data = bytearray(storage.read(path))
+        data[-1] ^= 0xFF
+        ray_cluster.get(next(iter(storage.stores().values())).put.remote(path, bytes(data)))
+        hashed.clear()
+        noted.recovery.plan_cache = None
+        plan = noted.plan()
+        assert plan["target"] == "step_000000004", plan  # passed over before anyone loads
+        assert hashed == [path]  # only the replaced file re-hashed; step 4's files were noted
+        assert files_7 > 1
+    finally:
+        plan_module.hash_files = real
+        for m in (mgr, noted):
+            m._monitor.stop()
+
+
 def _calls_of(storage, fn) -> dict:
     before = dict(storage.calls)
     fn()

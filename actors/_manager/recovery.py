@@ -6,6 +6,7 @@ changes it. Failures and decisions are files in the run folder, so a restarted m
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 
@@ -21,8 +22,10 @@ from rl_ckpt._recovery.history import (
 )
 from rl_ckpt._recovery.history import record_failure as write_failure
 from rl_ckpt._recovery.plan import build_plan, coordinator_config, probe_check
-from rl_ckpt._run.catalog import Catalog
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt._run.catalog import Catalog, SnapshotInfo
 from rl_ckpt._run.retire import retire_for_plan
+from rl_ckpt._storage import join
 from rl_ckpt._storage.base import Storage
 
 from .decisions import SaveDecisions
@@ -59,6 +62,36 @@ class ManagerRecovery:
         self.save_decisions = save_decisions
         self.plan_cache: tuple[tuple, dict] | None = None
         self.last_failure: dict | None = None  # the newest failure recorded by this manager process (for /healthz)
+        # snapshot -> path -> the version its file had right after the commit, on storage whose versions name
+        # immutable contents (the memory tier), with verify-after-write on: files still at that version hold the
+        # bytes their writers verified, and a plan does not re-hash them (``deep_check``). Lost with this process.
+        self.verified: dict[str, dict[str, str]] = {}
+        self._noting = None
+        if getattr(storage, "versions_name_content", False) and config.verify_after_write:
+            self._noting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-verified")
+
+    def committed(self, info: SnapshotInfo) -> concurrent.futures.Future | None:
+        """Note the versions of a snapshot's files just after its commit (on a thread: the commit is not delayed;
+        a plan made before the note is done re-hashes them)."""
+        if self._noting is None or info.manifest is None:
+            return None
+        paths = [join(info.snapshot_id, f.path) for f in info.manifest.files]
+        return self._noting.submit(self._note_versions, info.snapshot_id, paths)
+
+    def _note_versions(self, sid: str, paths: list[str]) -> None:
+        try:
+            with self.storage.read_session():  # the view a plan's read session sees: the same holder's version
+                stats = self.storage.stat_many(paths)
+        except CheckpointError as exc:
+            log.info("versions of %s not noted (a plan re-hashes its files): %s", sid, exc)
+            return
+        versions = {p: st.version for p, st in zip(paths, stats) if st is not None and st.version is not None}
+        with self.lock:
+            live = {info.snapshot_id for info in self.catalog.snapshots()}
+            for gone in [s for s in self.verified if s not in live]:
+                del self.verified[gone]
+            if sid in live:
+                self.verified[sid] = versions
 
     def record_failure(self, failure: dict, dead: list[dict] | None = None) -> dict:
         """Write a failure (FailureInfo JSON) into the run folder; returns it as stored.
@@ -122,6 +155,7 @@ class ManagerRecovery:
                 deep=True,
                 probes=probe_check(self.config),
                 light=light,
+                verified=self.verified,
             )
             if plan.decision is not None:
                 record_decision(self.storage, plan.decision)

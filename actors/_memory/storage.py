@@ -225,6 +225,7 @@ class RayMemoryStorage(StoreDirectory, ReadSessions, Storage):
     supports_rename = False
     shares_views = True
     reads_into = True
+    versions_name_content = True  # a store's objects are immutable; a replaced file is a new one, a new version
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         key, opts = parse_url(url, storage_options)

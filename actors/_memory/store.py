@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 from typing import Any, Iterable
 
@@ -101,7 +102,9 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
         self._files: dict[str, Any] = {}  # path -> bytes (small) or the ObjectRef of an object this actor put
         self._sizes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
-        self._counter = 0
+        # Versions count up from a random start: a store restarted on the node (its files gone) never hands out a
+        # version an earlier incarnation gave, so a version seen once names those bytes (``versions_name_content``).
+        self._counter = secrets.randbits(60)
         self._held = 0
         self._lock = threading.RLock()
         self._queue: collections.deque = collections.deque()  # (path, [peer handles], queued at)

@@ -114,13 +114,19 @@ def verdict_of(
     return config_warnings(manifest, job_config)
 
 
-def deep_check(storage: Storage, sid: str, manifest: Manifest) -> list[str]:
+def deep_check(storage: Storage, sid: str, manifest: Manifest, verified: Mapping[str, str] | None = None) -> list[str]:
     """What ``verify_snapshot`` finds wrong with snapshot ``sid`` (``path: problem`` each), for the manifest the plan
     holds already: each file re-hashed as the backend hands it over (``hash_files``: the memory tier maps a store's
-    files with one call and hashes them where they lie; a disk streams each), then the dedup objects it uses."""
+    files with one call and hashes them where they lie; a disk streams each), then the dedup objects it uses.
+
+    ``verified``: path -> the version the file had when it was verified after write, on storage whose versions name
+    immutable contents (``Storage.versions_name_content``: the memory tier, where replacing a file makes a new
+    object). A file that still has that version and its manifest's size holds the bytes verified then: it is
+    not re-hashed (one stat for all of them: the read session's view)."""
     problems: list[str] = []
+    same = unchanged_files(storage, sid, manifest, verified) if verified else set()
     for algo in sorted({f.algo for f in manifest.files}):
-        entries = [f for f in manifest.files if f.algo == algo]
+        entries = [f for f in manifest.files if f.algo == algo and f.path not in same]
         paths, sizes = [join(sid, f.path) for f in entries], [f.size for f in entries]
         for entry, got in zip(entries, hash_files(storage, paths, algo, sizes)):
             if got is None:
@@ -141,11 +147,28 @@ def deep_check(storage: Storage, sid: str, manifest: Manifest) -> list[str]:
     return problems
 
 
+def unchanged_files(storage: Storage, sid: str, manifest: Manifest, verified: Mapping[str, str]) -> set[str]:
+    """The manifest paths of ``sid`` whose files still have the version ``verified`` gives them (and their size)."""
+    if not getattr(storage, "versions_name_content", False):
+        return set()
+    paths = [join(sid, f.path) for f in manifest.files]
+    try:
+        stats = storage.stat_many(paths)
+    except CheckpointError:
+        return set()  # each is re-hashed, and what is wrong named there
+    return {
+        f.path
+        for f, path, st in zip(manifest.files, paths, stats)
+        if st is not None and st.version is not None and st.version == verified.get(path) and st.size == f.size
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
     storage: Storage
     schema_version: int
     deep: bool
+    verified: Mapping[str, Mapping[str, str]] | None = None
 
 
 def _check(inp: _Inputs, info: SnapshotInfo, plan: RecoveryPlan) -> Manifest:
@@ -157,7 +180,7 @@ def _check(inp: _Inputs, info: SnapshotInfo, plan: RecoveryPlan) -> Manifest:
     manifest = info.manifest if info.manifest is not None else read_manifest(inp.storage, sid)
     check_schema(manifest, inp.schema_version)
     if inp.deep:
-        problems = deep_check(inp.storage, sid, manifest)
+        problems = deep_check(inp.storage, sid, manifest, (inp.verified or {}).get(sid))
         if problems:
             raise CheckpointError("; ".join(problems[:3]), snapshot_id=sid)
     else:
@@ -212,6 +235,7 @@ def build_plan(
     probes: ProbeCheck | None = None,
     job_config: Mapping[str, Any] | None = None,
     restart_mesh: Mapping[str, Any] | None = None,
+    verified: Mapping[str, Mapping[str, str]] | None = None,
 ) -> RecoveryPlan:
     """Compute a RecoveryPlan for the run in ``storage``. Refreshes ``catalog``, reads storage, writes nothing.
 
@@ -230,10 +254,12 @@ def build_plan(
         restart_mesh: the layout this process restores sharded state onto (world size, mesh,
             placements: ``ComponentRegistry.restart_mesh``); None (the CLI, the manager)
             names only the saved layout.
+        verified: snapshot -> path -> the version each file had when verified after write (see ``deep_check``);
+            a deep plan does not re-hash what still has it.
     """
     catalog.refresh()
     cat = catalog
-    inp = _Inputs(storage, schema_version, deep)
+    inp = _Inputs(storage, schema_version, deep, verified)
     plan = RecoveryPlan(storage.url, "start_fresh", "", failure=failure, deep=deep)
     fulls = list(reversed(cat.snapshots("full")))
     for info in fulls:

@@ -167,6 +167,10 @@ class Storage(abc.ABC):
     # keeps the medium busy (a local disk); more where each request waits on the network (S3), so that one
     # file's last parts and first request do not leave the connections idle.
     files_at_once: int = 1
+    # ``Entry.version`` names immutable contents: a file with the version it had when it was verified still holds
+    # the bytes verified then (the memory tier: replacing a file makes a new object under a new version, unique
+    # across a node's store restarts). A deep recovery plan then re-hashes only what changed (``deep_check``).
+    versions_name_content: bool = False
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable, *, create_only: bool = False, durable: bool = True) -> int:
