@@ -66,17 +66,28 @@ class ManagerRecovery:
         # immutable contents (the memory tier), with verify-after-write on: files still at that version hold the
         # bytes their writers verified, and a plan does not re-hash them (``deep_check``). Lost with this process.
         self.verified: dict[str, dict[str, str]] = {}
-        self._noting = None
+        self._noting, self._noted = None, None
         if getattr(storage, "versions_name_content", False) and config.verify_after_write:
             self._noting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-verified")
 
     def committed(self, info: SnapshotInfo) -> concurrent.futures.Future | None:
         """Note the versions of a snapshot's files just after its commit (on a thread: the commit is not delayed;
-        a plan made before the note is done re-hashes them)."""
+        a plan waits for the newest note, ``_settle``)."""
         if self._noting is None or info.manifest is None:
             return None
         paths = [join(info.snapshot_id, f.path) for f in info.manifest.files]
-        return self._noting.submit(self._note_versions, info.snapshot_id, paths)
+        self._noted = self._noting.submit(self._note_versions, info.snapshot_id, paths)
+        return self._noted
+
+    def _settle(self) -> None:
+        """Wait for the newest commit's note (a few milliseconds: one view of the stores), so that a plan asked for
+        right after a commit does not re-hash what is being noted. Not under the lock: the note takes it."""
+        noted = self._noted
+        if noted is not None:
+            try:
+                noted.result(timeout=30)
+            except Exception as exc:  # its files are re-hashed
+                log.info("a plan went on without the newest commit's versions: %s", exc)
 
     def _note_versions(self, sid: str, paths: list[str]) -> None:
         try:
@@ -129,6 +140,7 @@ class ManagerRecovery:
         The newest failure not yet answered by a decision goes to the coordinator;
         its decision is recorded in the run folder once.
         """
+        self._settle()
         # One view of the run for the whole plan (a memory tier: one round trip per store, not one per file).
         with self.lock, self.storage.read_session():
             decisions = load_decisions(self.storage)
