@@ -369,6 +369,30 @@ def test_read_session_sees_its_own_writes_and_the_run_as_it_was(mem):
     assert storage.exists("step_000000003") and not storage.exists("step_000000001")
 
 
+def test_a_prefetched_view_is_asked_for_at_once_and_answers_as_a_view_taken_at_first_use(mem):
+    """``prefetch_view`` sends the session's view calls before anything is listed (a restore sends them before its
+    plan's manager call): the first listing then makes no store call, and answers as a view taken then would; a
+    write through the storage since drops it; outside a session it does nothing."""
+    storage = mem()
+    other = mem(storage.key.split("/", 1)[1])
+    storage.write_atomic(f"step_000000001/{MANIFEST_NAME}", b"{}", create_only=True)
+    storage.prefetch_view()  # no session: nothing
+    with storage.read_session():
+        sent = _calls_of(storage, storage.prefetch_view)
+        assert sent["store_calls"] == len(storage.known_stores()) >= 1
+        listed = []
+        assert _calls_of(storage, lambda: listed.extend(e.name for e in storage.list(""))) == {
+            "store_listings": 1,  # the cluster's stores listed, while their answers are already there
+            "store_calls": 0,
+        }
+        assert listed == ["step_000000001"]
+    with storage.read_session():
+        storage.prefetch_view()
+        other.write_atomic(f"step_000000002/{MANIFEST_NAME}", b"{}", create_only=True)  # after the view was asked
+        storage.write_atomic("step_000000001/x.bin", b"x")  # through this storage: the prefetched view is dropped
+        assert [e.name for e in storage.list("")] == ["step_000000001", "step_000000002"]
+
+
 def test_budget_evicts_oldest_never_newest_committed(mem, tmp_path):
     probe = mem()
     state = {"w": torch.arange(64 * 1024, dtype=torch.float32)}  # 256 KiB per snapshot

@@ -93,26 +93,47 @@ class ViewReader(io.RawIOBase):
 class RunView:
     """What the run's live stores held when the view was taken, and the file contents gathered since."""
 
-    def __init__(self, storage: Any, generation: int) -> None:
+    def __init__(self, storage: Any, generation: int, *, deferred: bool = False) -> None:
         self.generation = generation
         self.local = storage.node_id
         self.holders: dict[str, list[tuple[str, int, int]]] = {}  # path -> [(node, size, version)], local first
         self.data: dict[str, Any] = {}  # path -> bytes, [ObjectRef] (not mapped yet) or the mapped object
         self.source: dict[str, str] = {}  # path -> the node whose store gave data[path]
+        self._asked: dict[str, Any] | None = None  # node -> its view call in flight (``deferred``: until ``ready``)
         started = time.perf_counter()
         try:
-            self._take(storage)
+            self._asked = self._ask(storage)
+            if not deferred:
+                self.ready(storage)
         finally:
             storage.view_seconds += time.perf_counter() - started
 
-    def _take(self, storage: Any) -> None:
+    def ready(self, storage: Any) -> "RunView":
+        """The view, its answers gathered (a deferred view's calls were sent when it was made)."""
+        if self._asked is not None:
+            started = time.perf_counter()
+            try:
+                asked, self._asked = self._asked, None
+                self._take(storage, asked)
+            finally:
+                storage.view_seconds += time.perf_counter() - started
+        return self
+
+    @staticmethod
+    def _ask(storage: Any) -> dict[str, Any]:
+        """Ask each store already known for its view (sent, not awaited)."""
+        known = storage.known_stores()
+        refs = {node: handle.view.remote("", VIEW_INLINE_BYTES, VIEW_REFS) for node, handle in known.items()}
+        storage.calls["store_calls"] += len(refs)
+        return refs
+
+    def _take(self, storage: Any, refs: dict[str, Any]) -> None:
         ray = _ray()
         args = ("", VIEW_INLINE_BYTES, VIEW_REFS)
-        known = storage.known_stores()
-        refs = {node: handle.view.remote(*args) for node, handle in known.items()}
         live = storage.stores()  # listed while the known stores answer
-        refs.update({node: handle.view.remote(*args) for node, handle in live.items() if node not in refs})
-        storage.calls["store_calls"] += len(refs)
+        added = {node: handle.view.remote(*args) for node, handle in live.items() if node not in refs}
+        storage.calls["store_calls"] += len(added)
+        refs = {**refs, **added}
         answers = {}
         for node, ref in refs.items():
             if node not in live:
@@ -259,7 +280,16 @@ class ReadSessions:
             return None
         if session[1] is None or session[1].generation != self._generation:
             session[1] = RunView(self, self._generation)
-        return session[1]
+        return session[1].ready(self)
+
+    def prefetch_view(self) -> None:
+        """Send this thread's read-session view calls now, without waiting for them: the session's first listing,
+        stat or read then finds the answers there (a restore sends them before it asks the manager for its plan).
+        The view is of the run as of now; a write through this storage before its first use drops it. Nothing
+        outside a session."""
+        session = self._sessions.get(threading.get_ident())
+        if session is not None and (session[1] is None or session[1].generation != self._generation):
+            session[1] = RunView(self, self._generation, deferred=True)
 
     def changed(self) -> None:
         """A write or removal went through this storage: read sessions take a new view at their next use."""

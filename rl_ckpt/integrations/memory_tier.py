@@ -188,6 +188,9 @@ class MemoryTier:
         # into the objects' tensors, whichever tier it reads from.
         self.memory.wait()
         views = view_seconds(self.memory.storage)
+        prefetch = getattr(self.memory.storage, "prefetch_view", None)
+        if prefetch is not None:  # the stores answer while the manager plans (the session's first use waits)
+            prefetch()
         # The durable plan is made on a thread of its own (with a manager: its call, which re-hashes the target)
         # while this thread plans memory. When durable storage holds no snapshot newer than memory's target, memory
         # wins whatever the durable plan says, so its snapshot loads while the durable plan is still being made;
