@@ -114,7 +114,6 @@ class DurablePlanning:
 
     def __init__(self, durable: Planner, failure: "FailureInfo | None" = None, *, deep: bool = False) -> None:
         self.seconds: float | None = None  # the thread's listing and plan, once done
-        self._storage = getattr(durable, "storage", None)
         self._listed: concurrent.futures.Future = concurrent.futures.Future()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_ckpt-plan-durable")
         self._plan = self._pool.submit(self._run, durable, failure, deep)
@@ -122,7 +121,7 @@ class DurablePlanning:
     def _run(self, durable: Planner, failure: "FailureInfo | None", deep: bool) -> RecoveryPlan:
         started = time.perf_counter()
         try:
-            storage = self._storage
+            storage = getattr(durable, "storage", None)
             try:
                 self._listed.set_result(newest_folder_step(storage) if storage is not None else None)
             except CheckpointError as exc:  # not known: whoever asks waits for the plan
@@ -136,14 +135,7 @@ class DurablePlanning:
             self.seconds = time.perf_counter() - started
 
     def newest_step(self) -> int | None:
-        """The newest durable snapshot folder's step (-1: none); None when the listing failed. When the thread has
-        not listed yet (it waits for the interpreter lock while this thread plans), this thread lists itself:
-        one listing, not a wait of several switch intervals."""
-        if not self._listed.done() and self._storage is not None:
-            try:
-                return newest_folder_step(self._storage)
-            except CheckpointError:
-                return None
+        """The newest durable snapshot folder's step (-1: none); None when the listing failed."""
         return self._listed.result()
 
     def plan(self) -> RecoveryPlan:
