@@ -32,6 +32,7 @@ from .store import PLASMA_MIN_BYTES
 
 VIEW_INLINE_BYTES = 4 << 20  # small files' bytes a store puts into one view or one folder fetch
 VIEW_REFS = 64  # refs of object-store files a store puts into one view or one folder fetch
+VIEW_ARGS = ("", VIEW_INLINE_BYTES, VIEW_REFS)  # a store's ``view`` of the whole run
 
 
 def _ray():
@@ -123,15 +124,14 @@ class RunView:
     def _ask(storage: Any) -> dict[str, Any]:
         """Ask each store already known for its view (sent, not awaited)."""
         known = storage.known_stores()
-        refs = {node: handle.view.remote("", VIEW_INLINE_BYTES, VIEW_REFS) for node, handle in known.items()}
+        refs = {node: handle.view.remote(*VIEW_ARGS) for node, handle in known.items()}
         storage.calls["store_calls"] += len(refs)
         return refs
 
     def _take(self, storage: Any, refs: dict[str, Any]) -> None:
         ray = _ray()
-        args = ("", VIEW_INLINE_BYTES, VIEW_REFS)
         live = storage.stores()  # listed while the known stores answer
-        added = {node: handle.view.remote(*args) for node, handle in live.items() if node not in refs}
+        added = {node: handle.view.remote(*VIEW_ARGS) for node, handle in live.items() if node not in refs}
         storage.calls["store_calls"] += len(added)
         refs = {**refs, **added}
         answers = {}
@@ -146,7 +146,7 @@ class RunView:
                 if again is not None:
                     try:
                         storage.calls["store_calls"] += 1
-                        answers[node] = ray.get(again.view.remote(*args))
+                        answers[node] = ray.get(again.view.remote(*VIEW_ARGS))
                         storage.remember(node, again)
                     except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
                         pass

@@ -17,7 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from rl_ckpt.errors import CheckpointError, ConfigError
 from rl_ckpt._recovery.plan import RecoveryPlan
@@ -46,6 +46,8 @@ class TieredPlan:
     memory: RecoveryPlan | None = None
     durable: RecoveryPlan | None = None
     seconds: dict = dataclasses.field(default_factory=dict)  # each tier's plan: "memory", "durable" (wall seconds)
+    durable_wait: float = 0.0  # seconds this thread waited for the durable plan once memory's was made (and used)
+    meanwhile: Any = dataclasses.field(default=None, repr=False)  # what ``plan_across_tiers``' ``meanwhile`` returned
 
     def to_json(self) -> dict:
         return {
@@ -156,28 +158,41 @@ def memory_is_newest(memory: RecoveryPlan | None, newest_durable_step: int | Non
 
 
 def plan_across_tiers(
-    memory: Planner | None, durable: Planner | None, failure: "FailureInfo | None" = None, *, deep: bool = False
+    memory: Planner | None,
+    durable: Planner | None,
+    failure: "FailureInfo | None" = None,
+    *,
+    deep: bool = False,
+    meanwhile: Callable[[RecoveryPlan], Any] | None = None,
 ) -> TieredPlan:
     """Plan each tier with its engine (``deep``: re-hash every candidate file first; either way every file
-    is verified while it loads) and choose between them. Reads storage; writes nothing.
+    is verified while it loads) and choose between them. Reads storage; writes nothing itself.
 
     The two tiers are planned at once (the durable one on a thread of its own, ``DurablePlanning``), so a
-    restart waits for the slower, not both."""
+    restart waits for the slower, not both. ``meanwhile(memory_plan)`` is called on this thread once memory's
+    plan is made, if durable storage holds no snapshot newer than its target (``memory_is_newest``: memory
+    wins whatever the durable plan says), while the durable plan is still being made; what it returns is the
+    chosen plan's ``meanwhile`` (a restore loads memory there)."""
     if memory is None and durable is None:
         raise ConfigError("plan_across_tiers needs at least one engine (memory or durable)", key="engine")
     seconds: dict[str, float] = {}
     planning = DurablePlanning(durable, failure, deep=deep) if durable is not None else None
+    early, waited = None, 0.0
     try:
         mplan = None
         if memory is not None:  # this thread: a read session opened here applies
             started = time.perf_counter()
             mplan = memory.plan_recovery(failure, deep=deep)
             seconds[MEMORY] = time.perf_counter() - started
+            if meanwhile is not None and planning is not None and memory_is_newest(mplan, planning.newest_step()):
+                early = meanwhile(mplan)
+        waited = time.perf_counter()
         dplan = planning.plan() if planning is not None else None
+        waited = time.perf_counter() - waited
     finally:
         if planning is not None:
             planning.close()
             seconds[DURABLE] = planning.seconds
     chosen = choose_tier(mplan, dplan)
-    chosen.seconds = seconds
+    chosen.seconds, chosen.durable_wait, chosen.meanwhile = seconds, waited, early
     return chosen

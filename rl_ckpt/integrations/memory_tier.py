@@ -29,14 +29,7 @@ from typing import Any, Mapping
 from rl_ckpt._core.engine import CheckpointEngine, RestoreResult
 from rl_ckpt.errors import CheckpointError, ConfigError, NoValidSnapshotError
 from rl_ckpt._format.manifest import parse_snapshot_id
-from rl_ckpt._recovery.tiers import (
-    DurablePlanning,
-    TieredPlan,
-    plan_restores,
-    choose_tier,
-    memory_is_newest,
-    plan_across_tiers,
-)
+from rl_ckpt._recovery.tiers import TieredPlan, plan_across_tiers, plan_restores
 from rl_ckpt._run.delete import delete_committed_after
 from rl_ckpt._run.retention import KeepLatest
 from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
@@ -195,23 +188,16 @@ class MemoryTier:
         # while this thread plans memory. When durable storage holds no snapshot newer than memory's target, memory
         # wins whatever the durable plan says, so its snapshot loads while the durable plan is still being made;
         # the tier is chosen from both plans either way, as ``plan()`` chooses it.
-        planning = DurablePlanning(self.durable, failure)
-        try:
-            planned_memory = time.perf_counter()
-            mplan = self.memory.plan_recovery(failure, deep=False)
-            planned_memory = time.perf_counter() - planned_memory
-            early = memory_is_newest(mplan, planning.newest_step())
-            planned = time.perf_counter() - started
-            loaded = self._from_memory(mplan, strict) if early else None
-            waited = time.perf_counter()
-            dplan = planning.plan()
-            waited = time.perf_counter() - waited
-        finally:
-            planning.close()
-        tiered = choose_tier(mplan, dplan)
-        tiered.seconds = {MEMORY: planned_memory, DURABLE: planning.seconds}
-        if not early:
-            planned = time.perf_counter() - started
+        planned = []
+
+        def load_memory(mplan):
+            planned.append(time.perf_counter() - started)
+            return self._from_memory(mplan, strict)
+
+        tiered = plan_across_tiers(self.memory, self.durable, failure, meanwhile=load_memory)
+        loaded = tiered.meanwhile
+        if not planned:
+            planned.append(time.perf_counter() - started)
             if tiered.tier == MEMORY:
                 loaded = self._from_memory(tiered.plan, strict)
         log.info("recovery across tiers: %s", tiered.reason)
@@ -220,12 +206,12 @@ class MemoryTier:
         if result is None:
             result = self.durable.restore(tiered.durable or tiered.plan, strict=strict)
         result.warnings.insert(0, f"tier: {tier or 'none'} - {reason}")
-        result.timings["plan"] = result.timings.get("plan", 0.0) + planned
+        result.timings["plan"] = result.timings.get("plan", 0.0) + planned[0]
         # Where the plan went: each tier's plan (at once, on two threads), the wait for the durable plan once
         # memory was loaded or chosen, and the views of the memory stores this restore's read session took (the
         # store listing and one call to each store).
         result.timings.update({f"plan_{tier}": s for tier, s in tiered.seconds.items()})
-        result.timings["durable_wait"] = waited
+        result.timings["durable_wait"] = tiered.durable_wait
         if views is not None:
             result.timings["memory_views"] = view_seconds(self.memory.storage) - views
         self.tier_restored = tier if result.snapshot_id is not None else None
