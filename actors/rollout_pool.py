@@ -44,7 +44,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rl_ckpt._format.manifest import parse_snapshot_id
-from rl_ckpt.integrations.ray_train import ParticipantFailedError, dead_pid
+from rl_ckpt.errors import ParticipantFailedError
 
 log = logging.getLogger("rl_ckpt")
 
@@ -359,6 +359,8 @@ class RolloutPool:
         return steps
 
     def _give_up(self, i: int, step: int, why: str, exc: BaseException) -> ParticipantFailedError:
+        from rl_ckpt.integrations.ray_train import dead_pid  # (lazy: ray.train, not for a rollout worker's import)
+
         name = self.names[i]
         log.error("rollout pool: %s cannot be recovered alone (%s); the failure goes up to a group restart", name, why)
         return ParticipantFailedError(

@@ -17,6 +17,36 @@ def test_import_rl_ckpt_does_not_import_ray():
 
 
 @pytest.mark.parametrize(
+    "module,heavy",
+    [
+        # every CLI command and every Ray actor's process imports these: not torch.distributed.checkpoint (DTensor,
+        # seconds per process), which only a sharded save or restore needs
+        ("rl_ckpt", "torch.distributed.checkpoint"),
+        ("rl_ckpt._recovery.plan", "torch.distributed.checkpoint"),
+        ("actors", "torch.distributed.checkpoint"),
+        # a rollout worker's process: not Ray Train either, which only the learner ranks run
+        ("rl_ckpt.demo.ppo_rollout", "torch.distributed.checkpoint"),
+        ("rl_ckpt.demo.ppo_rollout", "ray.train"),
+    ],
+)
+def test_a_process_that_does_not_save_shards_does_not_import_their_machinery(module, heavy):
+    if module != "rl_ckpt":
+        pytest.importorskip("ray")
+    code = f"import sys, {module}; assert {heavy!r} not in sys.modules, 'imported by {module}'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_sharded_names_load_on_first_use():
+    from rl_ckpt import _sharded
+    from rl_ckpt._sharded.component import ShardedState
+    from rl_ckpt._sharded.layout import is_sharded_section
+
+    assert (_sharded.ShardedState, _sharded.is_sharded_section) == (ShardedState, is_sharded_section)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _sharded.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize(
     "name", [n for n in rl_ckpt.__all__ if n not in ("MemoryTier", "CheckpointCallback", "report")]
 )
 def test_every_public_name_resolves(name):

@@ -5,28 +5,31 @@ See ``component`` (what is saved), ``layout`` (the manifest's global layout),
 ``full_weights`` (rollout workers); the manager-less multi-rank commit is ``rl_ckpt._commit.collective``.
 """
 
-from rl_ckpt._sharded.component import (
-    ShardedState,
-    as_sharded,
-    is_sharded_section,
-    load_sharded,
-    sharded_view,
-    stage_sharded,
-)
-from rl_ckpt._sharded.dcp_writer import StagedShards, write_shards
-from rl_ckpt._sharded.full_weights import load_full_weights
-from rl_ckpt._sharded.layout import Layout, merge_components
+from __future__ import annotations
 
-__all__ = [
-    "ShardedState",
-    "Layout",
-    "StagedShards",
-    "as_sharded",
-    "is_sharded_section",
-    "load_full_weights",
-    "load_sharded",
-    "merge_components",
-    "sharded_view",
-    "stage_sharded",
-    "write_shards",
-]
+import importlib
+
+# Every name is imported on first use: ``component``, ``dcp_writer`` and ``dcp_reader`` pull in
+# torch.distributed.checkpoint and DTensor (seconds per process), which a process that only reads a manifest's
+# layout (``layout``: a recovery plan, the CLI, every Ray actor's import of the engine) must not pay.
+_WHERE = {
+    "ShardedState": "component",
+    "as_sharded": "component",
+    "is_sharded_section": "layout",
+    "load_sharded": "component",
+    "sharded_view": "component",
+    "stage_sharded": "component",
+    "StagedShards": "dcp_writer",
+    "write_shards": "dcp_writer",
+    "load_full_weights": "full_weights",
+    "Layout": "layout",
+    "merge_components": "layout",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

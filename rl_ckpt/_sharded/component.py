@@ -33,7 +33,7 @@ from rl_ckpt._sharded.dcp_writer import (
     TensorStager,
     stage_shards,
 )
-from rl_ckpt._sharded.layout import Layout
+from rl_ckpt._sharded.layout import Layout, is_sharded_section
 
 
 class ShardedState:
@@ -140,10 +140,6 @@ def stage_sharded(
     """This rank's local shards of ``comp``, planned by DCP (``copy``: taken out of the trainer's hands, into
     ``staging``'s reused host buffers under component ``name`` when given; complete after ``staging.finish()``)."""
     return stage_shards(comp.state_dict(), rank, copy=copy, saved_by=comp.saved_by(), name=name, staging=staging)
-
-
-def is_sharded_section(section: Any) -> bool:
-    return isinstance(section, dict) and "layout" in section
 
 
 def chunk_reader(storage: Storage, manifest: Manifest, key: str) -> ChunkReader:

@@ -11,7 +11,6 @@ import torch
 from rl_ckpt.errors import StateMismatchError
 from rl_ckpt._format.manifest import Manifest
 from rl_ckpt._storage import Storage
-from rl_ckpt._sharded.component import chunk_reader
 
 
 def load_full_weights(storage: Storage, manifest: Manifest, key: str, module: torch.nn.Module) -> int:
@@ -20,6 +19,8 @@ def load_full_weights(storage: Storage, manifest: Manifest, key: str, module: to
     The module's state dict keys, shapes and dtypes must match the saved
     FQNs, or :class:`StateMismatchError` lists what differs (nothing is changed then).
     """
+    from rl_ckpt._sharded.component import chunk_reader  # (lazy: torch.distributed.checkpoint, see __init__)
+
     reader = chunk_reader(storage, manifest, key)
     layout = reader.layout
     targets = module.state_dict(keep_vars=True)

@@ -139,6 +139,11 @@ class Layout:
                 )
 
 
+def is_sharded_section(section: Any) -> bool:
+    """A manifest component section that holds a sharded component (it has a global layout)."""
+    return isinstance(section, dict) and "layout" in section
+
+
 def _overlaps(a: Chunk, b: Chunk) -> bool:
     return (
         all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes))

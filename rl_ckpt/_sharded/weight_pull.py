@@ -33,8 +33,7 @@ from rl_ckpt._format.manifest import FileEntry, Manifest
 from rl_ckpt._format.safetensors_io import CODE_TO_TORCH, ITEMSIZE, decode, to_torch
 from rl_ckpt._run.dedup import object_path
 from rl_ckpt._run.snapshot_files import read_verified
-from rl_ckpt._sharded.component import chunk_reader, is_sharded_section
-from rl_ckpt._sharded.layout import Chunk, Layout
+from rl_ckpt._sharded.layout import Chunk, Layout, is_sharded_section
 from rl_ckpt._storage import Storage
 
 HASH_STEP = 8 << 20
@@ -291,6 +290,8 @@ class WeightPuller:
                 joined[pos : pos + v.nbytes] = v
                 pos += v.nbytes
             return memoryview(joined)
+        from rl_ckpt._sharded.component import chunk_reader  # (lazy: torch.distributed.checkpoint)
+
         reader = chunk_reader(storage, pieces.manifest, pieces.key)  # a sharded chunk in a file: blocks verified
         return reader.rows(piece.fqn, piece.chunk, 0, piece.chunk.rows)
 
