@@ -39,7 +39,7 @@ from rl_ckpt._sharded.weight_pull import WeightPuller, component_pieces
 
 from ._memory.storage import local_views
 from ._versions.storage import SUBSCRIBERS
-from .policy_versions import COMPONENT, FAULTS, not_found, published, versions_storage
+from ._versions.held import COMPONENT, FAULTS, not_found, published, versions_storage
 
 log = logging.getLogger("rl_ckpt")
 

@@ -14,6 +14,12 @@ from rl_ckpt import CheckpointEngine, RNGState
 from rl_ckpt._storage.local import LocalStorage
 
 
+def loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` (on this machine) has torch's library mapped: it imported torch."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
 class EnvShard:
     """A rollout worker's env state and buffer slice: values derived from the step."""
 

@@ -520,6 +520,10 @@ def test_flush_from_memory_then_restore_prefers_memory(ray_cluster, tier):
     assert 0 < timings["plan_memory"] <= timings["plan"] and 0 < timings["plan_durable"] <= timings["total"]
     assert 0 <= timings["durable_wait"] <= timings["plan_durable"]
     assert 0 < timings["memory_views"] <= timings["total"]
+    # A store holds bytes: its process never imports torch, through saves, a flush and a restore
+    from ray_workers import loads_torch
+
+    assert not any(loads_torch(i["pid"]) for i in t2.memory.storage.store_info().values())
 
 
 def _save_steps(t, state, steps) -> None:

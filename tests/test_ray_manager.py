@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from ray_workers import Participant
+from ray_workers import Participant, loads_torch
 
 pytestmark = pytest.mark.ray
 PARTS = ["learner-0", "learner-1", "rollout-0", "rollout-1"]
@@ -179,6 +179,11 @@ def test_attaching_to_a_manager_of_the_same_run_name_in_another_folder_is_refuse
     engine = CheckpointEngine(base_dir=base, run_name=name, manager=mgr, participants=["learner-0"])  # the driver
     engine.register("policy", torch.nn.Linear(4, 4))
     assert engine.save(1).snapshot_id == "step_000000001"
+    # A commit, a plan, health: none of it imports torch in the manager's process (seconds at every (re)start).
+    # (A participant that is an actor sends its handle, and Ray loads the actor's class, and its imports, with it.)
+    ray.get(mgr.plan.remote())
+    urllib.request.urlopen(ray.get(mgr.healthz_url.remote()), timeout=10).read()
+    assert not loads_torch(ray.get(mgr.stats.remote())["pid"])
     other = tmp_path_factory.mktemp("other-run")
     with pytest.raises(ConfigError) as err:
         CheckpointManager.get_or_create(run_name=name, base_dir=str(other))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import threading
 from typing import Any, Iterable
@@ -314,6 +315,7 @@ class MemoryStore(StoreBorrowing, StoreLanding, PinsAndFetch, StoreReads, StoreR
             return {
                 "node_id": self.node_id,
                 "key": self.key,
+                "pid": os.getpid(),
                 "bytes_held": self._held,
                 "budget_bytes": self.budget_bytes,
                 "files": len(self._files),

@@ -24,7 +24,7 @@ def lookup(run_name: str) -> dict | None:
     import ray
 
     from actors._memory.store import STORE_PREFIX
-    from actors.policy_versions import VERSIONS_BASE, versions_status, versions_storage
+    from actors._versions.held import VERSIONS_BASE, versions_status, versions_storage
 
     prefix = f"{STORE_PREFIX}:{VERSIONS_BASE.split('://', 1)[1]}/{run_name}:"
     stores = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]

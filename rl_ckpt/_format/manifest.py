@@ -16,6 +16,7 @@ from typing import Any
 from rl_ckpt.config import CHECKSUM_ALGOS
 from rl_ckpt.errors import CorruptSnapshotError, SchemaVersionError
 from rl_ckpt._storage.base import check_relpath
+from rl_ckpt._format.dtypes import ITEMSIZE, check_shape
 from rl_ckpt._format.untrusted import parse_json
 
 SCHEMA_VERSION = 1
@@ -256,8 +257,6 @@ def layout_object_bytes(layout: Any) -> int:
 
 def _check_section(where: str, field: str, section: Any) -> None:
     """The keys of a component section the core reads: kind, tensors, tables, objects, objects_algo."""
-    from rl_ckpt._format.safetensors_io import check_shape, ITEMSIZE
-
     _need_object(where, field, section)
     if "kind" in section:
         _need_str(where, f"{field}.kind", section["kind"])

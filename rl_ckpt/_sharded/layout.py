@@ -18,7 +18,7 @@ from typing import Any
 
 from rl_ckpt._format.checksum import digest_bytes
 from rl_ckpt.errors import CheckpointError, CorruptSnapshotError
-from rl_ckpt._format.safetensors_io import ITEMSIZE
+from rl_ckpt._format.dtypes import ITEMSIZE
 from rl_ckpt._storage.base import check_relpath
 
 LAYOUT_VERSION = 1
