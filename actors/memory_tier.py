@@ -25,13 +25,10 @@ import threading
 import time
 
 from rl_ckpt.config import CheckpointConfig
-from rl_ckpt._core.engine import CheckpointEngine
 from rl_ckpt._format.manifest import parse_snapshot_id
 from rl_ckpt._run.catalog import Catalog, SnapshotInfo
 from rl_ckpt._commit.flush import FlushPolicy, flush_snapshot
-from rl_ckpt._run.tiers import DURABLE, MEMORY, drop_incomplete, tier_view
-
-from rl_ckpt.integrations.memory_tier import MEMORY_BASE, memory_config, memory_options
+from rl_ckpt._run.tiers import DURABLE, MEMORY, MEMORY_BASE, drop_incomplete, memory_config, memory_options, tier_view
 
 from ._memory.release import MANAGER_NAMESPACE, memory_runs, release_run
 from ._memory.storage import RayMemoryStorage
@@ -65,6 +62,10 @@ class MemoryTierService:
         self.config = CheckpointConfig(**config)
         self.memory = RayMemoryStorage(f"{MEMORY_BASE}/{self.config.run_name}", memory_options(self.config, namespace))
         self.memory_catalog = Catalog(self.memory)
+        # (imported here, not with the module: the manager loads this class, with its imports, when it deserializes
+        # the service's handle for /healthz, and the engine imports torch)
+        from rl_ckpt._core.engine import CheckpointEngine
+
         self.durable = CheckpointEngine(self.config)  # durable catalog, commit strategy and retention
         self.policy = FlushPolicy(self.config.memory_flush_every, self.config.memory_flush_interval_seconds)
         self.interval = interval

@@ -55,10 +55,18 @@ def test_healthz_and_metrics_show_the_memory_tier(ray_cluster, tmp_path):
             tier.wait()
         ray.get(service.flush_now.remote("step_000000002"))
         ray.get(service.tick.remote())
-        status, body = _get(url)
-        section = json.loads(body)["memory_tier"]
+        # A health request waits for the service's answer a bounded time (the manager's first look-up also loads
+        # the service's class): poll until the section shows what the service holds.
+        got: dict = {}
+
+        def shown() -> bool:
+            got["status"], body = _get(url)
+            got["section"] = json.loads(body)["memory_tier"]
+            return bool(got["section"] and got["section"].get("reachable") and got["section"]["snapshots"] == 2)
+
+        wait_until(shown, "the memory tier section of /healthz shows the service's 2 snapshots")
+        status, section = got["status"], got["section"]
         assert status == 200  # the memory tier's state has its own status; the run's health stands
-        assert section["reachable"] and section["snapshots"] == 2
         assert section["newest_snapshot"] == "step_000000004" and section["newest_step"] == 4
         held = sum(tier.memory.storage.store_info()[n]["bytes_held"] for n in section["bytes_per_node"])
         assert len(section["bytes_per_node"]) == 1 and section["bytes_total"] == held > 0

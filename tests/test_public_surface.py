@@ -36,6 +36,22 @@ def test_a_process_that_does_not_save_shards_does_not_import_their_machinery(mod
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_save_and_restore_of_unsharded_state_imports_neither_dcp_nor_ray(tmp_path):
+    code = f"""
+import sys, torch
+from rl_ckpt import CheckpointEngine
+engine = CheckpointEngine(base_dir={str(tmp_path)!r}, run_name="r")
+model = torch.nn.Linear(4, 4)
+engine.register("policy", model)
+engine.register("optim", torch.optim.Adam(model.parameters()))
+engine.save(1)
+assert engine.restore().snapshot_id == "step_000000001"
+loaded = [m for m in ("torch.distributed.checkpoint", "torch.distributed.tensor", "ray") if m in sys.modules]
+assert not loaded, loaded
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_the_sharded_names_load_on_first_use():
     from rl_ckpt import _sharded
     from rl_ckpt._sharded.component import ShardedState

@@ -130,7 +130,7 @@ def test_killed_participant_is_named_with_its_own_step_and_healthz_degrades(ray_
     assert stored["participant"] == "rollout-1" and stored["step"] is None
     # Whether the registration is already the restarted process is known only when Ray's error names the
     # dead pid; either way the participant is back once the restarted process reports a step.
-    ray.get(group["rollout-1"].beat.remote(41))
+    ray.get(group["rollout-1"].beat.options(max_task_retries=-1).remote(41))  # (waits out the restart's end)
     wait_until(lambda: _get(url)[0] == 200, "/healthz 200 once the restarted process beats")
 
 

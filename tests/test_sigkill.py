@@ -23,7 +23,7 @@ KILLS_PER_VARIANT = 30  # two variants: >= 60 kills in the suite
 @pytest.fixture(scope="module")
 def ctx():
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "numpy", "rl_ckpt", "kill_child"])
+    context.set_forkserver_preload(["torch", "numpy", "rl_ckpt._core.engine", "kill_child"])  # what each child uses
     return context
 
 

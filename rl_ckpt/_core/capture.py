@@ -61,14 +61,14 @@ class StateCapture:
         ``copy``: into the staging buffers (a background save), which then hold only what this round
         staged; ``capture``: a ``core/stage_guard.Capture`` that defers the guarded tensors to a stager and
         a detached state's encoding to the writer (``Detached`` in the result until then)."""
-        from rl_ckpt._sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
-
         self._drop_spent_hooks()
         staged, area = {}, capture or self.staging
         try:
             saved = self.registry.saved(kind)
             for reg in saved:
                 if reg.sharded is not None:
+                    from rl_ckpt._sharded import stage_sharded  # (lazy: see registry.SHARDED_IMPORT)
+
                     staged[reg.name] = stage_sharded(
                         reg.sharded,
                         self.registry.rank,

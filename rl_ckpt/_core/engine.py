@@ -21,6 +21,7 @@ pieces that do the work and delegates to them:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -314,9 +315,10 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 def _current_actor() -> Any:
     """This process's Ray actor handle, when it is one (so the manager can stop a hung worker)."""
+    ray = sys.modules.get("ray")  # a Ray worker has imported Ray; any other process is no actor (no import: ~1 s)
+    if ray is None:
+        return None
     try:
-        import ray
-
         if ray.is_initialized():
             return ray.get_runtime_context().current_actor
     except (ImportError, RuntimeError):  # not inside a Ray actor: nothing to hand over

@@ -16,10 +16,11 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.errors import ConfigError
 from rl_ckpt._format.manifest import Manifest
 from rl_ckpt._core.topology import Topology
+from rl_ckpt._sharded import possible as shards_possible
 from rl_ckpt.integrations._managed import participant_name
 
-# SHARDED_IMPORT: rl_ckpt._sharded is imported where it is used, not at the top: it pulls in
-# torch.distributed.checkpoint (~0.9 s), which `import rl_ckpt` and every CLI command would pay.
+# SHARDED_IMPORT: the names of rl_ckpt._sharded are taken where they are used, and only for sharded state: they
+# pull in torch.distributed.checkpoint and DTensor (seconds), which a process that saves no shards never pays.
 
 # Identical on every learner rank: written once, by rank 0, under ``shared/``.
 REPLICATED_KINDS = ("module", "optimizer", "scheduler", "progress")
@@ -80,9 +81,10 @@ class ComponentRegistry:
         if name in self._components and self._components[name].obj is not obj:
             raise ConfigError(f"component {name!r} is already registered with another object", key=name)
         reg = Registered(name, obj, kind or classify(name, obj), probe)
-        from rl_ckpt._sharded import as_sharded  # (lazy: see SHARDED_IMPORT)
+        if shards_possible():  # (else nothing here can be sharded, and DCP is not imported: SHARDED_IMPORT)
+            from rl_ckpt._sharded import as_sharded
 
-        reg.sharded = as_sharded(name, obj, [r.sharded or r.obj for r in self._components.values()])
+            reg.sharded = as_sharded(name, obj, [r.sharded or r.obj for r in self._components.values()])
         if reg.sharded is not None:
             reg.kind = kind or reg.sharded.checkpoint_kind
         return reg

@@ -285,7 +285,6 @@ def write_staged(
 ) -> tuple[list, dict]:
     """Every staged component's files inside ``attempt``: (manifest file entries, component sections);
     ``objects``: the dedup object writer, if any."""
-    from rl_ckpt._sharded import write_shards  # (lazy: see registry.SHARDED_IMPORT)
 
     def write_one(name: str, enc: EncodedState) -> tuple[list, str, dict]:
         key = registry.key(name)
@@ -293,6 +292,8 @@ def write_staged(
             storage.makedirs(attempt.data_path(key.rsplit("/", 1)[0]))
         reg = registry.get(name)
         if reg is not None and reg.sharded is not None:
+            from rl_ckpt._sharded import write_shards  # (lazy: see registry.SHARDED_IMPORT)
+
             entries, section = write_shards(
                 storage,
                 attempt,

@@ -208,6 +208,8 @@ class SnapshotLoader:
 
     def _load_sharded(self, manifest: Manifest, keys: dict[str, str]) -> None:
         """Each sharded component: this rank reads and verifies only the byte ranges of its own shards."""
+        if not keys:
+            return
         from rl_ckpt._sharded import is_sharded_section, load_sharded, sharded_view  # (lazy: registry.SHARDED_IMPORT)
 
         objects = [r.sharded or r.obj for r in self.registry]

@@ -24,6 +24,20 @@ log = logging.getLogger("rl_ckpt")
 
 MEMORY = "memory"
 DURABLE = "durable"
+MEMORY_BASE = "raymem://mem"  # a run's memory tier is raymem://mem/<run_name>
+
+
+def memory_options(config, namespace: str = "rl_ckpt") -> dict:
+    """The ``raymem://`` storage options a run's config implies (replicas, per-node budget, stores' namespace)."""
+    return {"replicas": config.memory_replicas, "budget_bytes": config.memory_budget_bytes, "namespace": namespace}
+
+
+def memory_config(config):
+    """The config of a run's memory tier: the same run, stored in ``raymem://mem/<run_name>``, no dedup (the
+    tier keeps whole snapshots), and at least ``memory_flush_every`` memory snapshots kept (the flush of every
+    K-th one comes due when K of them are newer than durable storage's newest)."""
+    keep = max(config.keep_latest, config.memory_flush_every or 0)
+    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={}, keep_latest=keep)
 
 
 @dataclasses.dataclass

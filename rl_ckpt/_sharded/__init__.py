@@ -8,6 +8,7 @@ See ``component`` (what is saved), ``layout`` (the manifest's global layout),
 from __future__ import annotations
 
 import importlib
+import sys
 
 # Every name is imported on first use: ``component``, ``dcp_writer`` and ``dcp_reader`` pull in
 # torch.distributed.checkpoint and DTensor (seconds per process), which a process that only reads a manifest's
@@ -26,6 +27,12 @@ _WHERE = {
     "merge_components": "layout",
 }
 __all__ = sorted(_WHERE)
+
+
+def possible() -> bool:
+    """Whether this process can hold sharded state at all: a DTensor exists only once ``torch.distributed.tensor``
+    is imported, a ``ShardedState`` once its module is. False: no object needs looking at (nor DCP importing)."""
+    return "torch.distributed.tensor" in sys.modules or f"{__name__}.component" in sys.modules
 
 
 def __getattr__(name: str):

@@ -195,7 +195,7 @@ class DrillResult:
 
 def context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "gymnasium", "rl_ckpt", "rl_ckpt.demo.ppo"])
+    ctx.set_forkserver_preload(["torch", "numpy", "gymnasium", "rl_ckpt._core.engine", "rl_ckpt.demo.ppo", __name__])
     return ctx
 
 

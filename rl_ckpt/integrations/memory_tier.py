@@ -33,30 +33,15 @@ from rl_ckpt._recovery.tiers import TieredPlan, plan_across_tiers, plan_restores
 from rl_ckpt._run.delete import delete_committed_after
 from rl_ckpt._run.retention import KeepLatest
 from rl_ckpt._run.tier_events import record_memory_snapshot, record_tier_restore
-from rl_ckpt._run.tiers import DURABLE, MEMORY
+from rl_ckpt._run.tiers import DURABLE, MEMORY, MEMORY_BASE, memory_config, memory_options  # noqa: F401
 from rl_ckpt._storage import open_storage
 
 log = logging.getLogger("rl_ckpt")
-
-MEMORY_BASE = "raymem://mem"
 
 
 def view_seconds(storage: Any) -> float | None:
     """Seconds ``storage`` (the memory tier's) has spent taking read sessions' views so far; None if it takes none."""
     return getattr(storage, "view_seconds", None)
-
-
-def memory_options(config, namespace: str = "rl_ckpt") -> dict:
-    """The ``raymem://`` storage options a run's config implies (replicas, per-node budget, stores' namespace)."""
-    return {"replicas": config.memory_replicas, "budget_bytes": config.memory_budget_bytes, "namespace": namespace}
-
-
-def memory_config(config):
-    """The config of a run's memory tier: the same run, stored in ``raymem://mem/<run_name>``, no dedup (the
-    tier keeps whole snapshots), and at least ``memory_flush_every`` memory snapshots kept (the flush of every
-    K-th one comes due when K of them are newer than durable storage's newest)."""
-    keep = max(config.keep_latest, config.memory_flush_every or 0)
-    return config.replace(base_dir=MEMORY_BASE, dedup=False, storage_options={}, keep_latest=keep)
 
 
 class MemoryTier:

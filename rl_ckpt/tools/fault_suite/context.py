@@ -65,6 +65,10 @@ class Suite:
                     "s3fs",
                     "rl_ckpt",
                     "rl_ckpt._core.engine",
+                    # the sharded scenarios' children save and load through DCP (DTensor: seconds to import)
+                    "rl_ckpt._sharded.component",
+                    "rl_ckpt._sharded.dcp_reader",
+                    "rl_ckpt._sharded.dcp_writer",
                     "rl_ckpt.tools.fault_suite",
                 ]
             )
