@@ -16,7 +16,7 @@ from rl_ckpt.config import CheckpointConfig
 from rl_ckpt.errors import ConfigError
 from rl_ckpt._format.manifest import Manifest
 from rl_ckpt._core.topology import Topology
-from rl_ckpt._sharded import possible as shards_possible
+from rl_ckpt._sharded import holds_shards
 from rl_ckpt.integrations._managed import participant_name
 
 # SHARDED_IMPORT: the names of rl_ckpt._sharded are taken where they are used, and only for sharded state: they
@@ -81,7 +81,7 @@ class ComponentRegistry:
         if name in self._components and self._components[name].obj is not obj:
             raise ConfigError(f"component {name!r} is already registered with another object", key=name)
         reg = Registered(name, obj, kind or classify(name, obj), probe)
-        if shards_possible():  # (else nothing here can be sharded, and DCP is not imported: SHARDED_IMPORT)
+        if holds_shards(obj):  # (found without importing DCP, which unsharded state never needs: SHARDED_IMPORT)
             from rl_ckpt._sharded import as_sharded
 
             reg.sharded = as_sharded(name, obj, [r.sharded or r.obj for r in self._components.values()])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 # Every name is imported on first use: ``component``, ``dcp_writer`` and ``dcp_reader`` pull in
 # torch.distributed.checkpoint and DTensor (seconds per process), which a process that only reads a manifest's
@@ -29,10 +30,23 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def possible() -> bool:
-    """Whether this process can hold sharded state at all: a DTensor exists only once ``torch.distributed.tensor``
-    is imported, a ``ShardedState`` once its module is. False: no object needs looking at (nor DCP importing)."""
-    return "torch.distributed.tensor" in sys.modules or f"{__name__}.component" in sys.modules
+def holds_shards(obj: Any) -> bool:
+    """Whether ``obj`` is sharded state (a ``ShardedState``, or a module or optimizer holding DTensors; as
+    ``as_sharded`` decides), found without importing DCP: a DTensor exists only once ``torch.distributed.tensor``
+    is imported, a ``ShardedState`` once its module is."""
+    component = sys.modules.get(f"{__name__}.component")
+    if component is not None and isinstance(obj, component.ShardedState):
+        return True
+    tensor, torch = sys.modules.get("torch.distributed.tensor"), sys.modules.get("torch")
+    if tensor is None or torch is None:
+        return False
+    if isinstance(obj, torch.nn.Module):
+        params: Any = obj.parameters()
+    elif isinstance(obj, torch.optim.Optimizer):
+        params = (p for g in obj.param_groups for p in g["params"])
+    else:
+        return False
+    return any(isinstance(p, tensor.DTensor) for p in params)
 
 
 def __getattr__(name: str):
