@@ -104,12 +104,12 @@ class PolicyVersions:
     ) -> None:
         from rl_ckpt._core.engine import CheckpointEngine
         from rl_ckpt._run.retention import KeepLatest
-        from rl_ckpt._sharded.component import has_dtensors
+        from rl_ckpt._sharded import holds_shards
 
         if keep < 1:
             raise ConfigError(f"PolicyVersions: keep={keep!r}; allowed: an integer >= 1", key="keep", allowed=">= 1")
         self.run_name = run_name
-        self.sharded = has_dtensors(module.parameters())
+        self.sharded = holds_shards(module)
         if dtype is not None and self.sharded:
             raise ConfigError(
                 "PolicyVersions: dtype= casts plain modules; an FSDP2 module is published as it is "

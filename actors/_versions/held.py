@@ -15,6 +15,7 @@ from .storage import VersionsStorage
 
 VERSIONS_BASE = "raymem://versions"
 COMPONENT = "policy"
+FAULTS = "faults"  # faults/<...>: what rollout workers reported (a chunk failing its checksum, a fallback)
 
 
 def versions_storage(
@@ -87,6 +88,3 @@ def versions_status(storage: RayMemoryStorage) -> dict:
         "faults": sorted(faults, key=lambda f: f.get("time", 0))[-20:],
         "status": "degraded" if faults or any(i.get("lost") for i in info.values()) else "ok",
     }
-
-
-FAULTS = "faults"

@@ -6,18 +6,13 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-import sys
-
 from rl_ckpt.errors import ConfigError
 
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict:
     """Metrics as JSON: numbers (numpy/0-d tensors too) become floats; non-finite ones become strings."""
     out = {}
-    torch = sys.modules.get("torch")  # a tensor means torch is imported: this module does not import it
     for key, value in (metrics or {}).items():
-        if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
         if hasattr(value, "item") and not isinstance(value, (int, float)):
             value = value.item()
         if isinstance(value, bool) or value is None or isinstance(value, str):

@@ -31,8 +31,8 @@ __all__ = sorted(_WHERE)
 
 
 def holds_shards(obj: Any) -> bool:
-    """Whether ``obj`` is sharded state (a ``ShardedState``, or a module or optimizer holding DTensors; as
-    ``as_sharded`` decides), found without importing DCP: a DTensor exists only once ``torch.distributed.tensor``
+    """Whether ``obj`` is sharded state (a ``ShardedState``, or a module or optimizer holding DTensors; what
+    ``as_sharded`` takes), found without importing DCP: a DTensor exists only once ``torch.distributed.tensor``
     is imported, a ``ShardedState`` once its module is."""
     component = sys.modules.get(f"{__name__}.component")
     if component is not None and isinstance(obj, component.ShardedState):

@@ -33,6 +33,7 @@ from rl_ckpt._sharded.dcp_writer import (
     TensorStager,
     stage_shards,
 )
+from rl_ckpt._sharded import holds_shards
 from rl_ckpt._sharded.layout import Layout, is_sharded_section
 
 
@@ -88,10 +89,6 @@ class ShardedState:
         }
 
 
-def has_dtensors(params) -> bool:
-    return any(isinstance(p, DTensor) for p in params)
-
-
 def _owner_module(optimizer: torch.optim.Optimizer, objects: list[Any]) -> torch.nn.Module | None:
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     return next((o for o in objects if isinstance(o, torch.nn.Module) and ids <= {id(p) for p in o.parameters()}), None)
@@ -127,11 +124,7 @@ def as_sharded(name: str, obj: Any, objects: list[Any]) -> ShardedState | None:
     """A ShardedState for ``obj`` when it holds DTensors (or already is one), else None."""
     if isinstance(obj, ShardedState):
         return obj
-    if isinstance(obj, torch.nn.Module) and has_dtensors(obj.parameters()):
-        return sharded_view(name, obj, objects)
-    if isinstance(obj, torch.optim.Optimizer) and has_dtensors(p for g in obj.param_groups for p in g["params"]):
-        return sharded_view(name, obj, objects)
-    return None
+    return sharded_view(name, obj, objects) if holds_shards(obj) else None
 
 
 def stage_sharded(
